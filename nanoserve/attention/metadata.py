@@ -1,0 +1,31 @@
+"""AttentionMetadata: everything attention needs besides q/k/v, passed explicitly to forward.
+
+Decode metadata has fixed shapes ([num_seqs] and [num_seqs, max_blocks]) so a CUDA graph can be
+captured over static buffers of it; prefill metadata varies in length and is only used eagerly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [num_new_tokens] int64: block_id * block_size + offset of each new token
+    context_lens: torch.Tensor  # [num_seqs] int32: tokens in the cache per sequence once this step's are stored
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32: cache blocks of each sequence, padded
+    # Prefill only. The new tokens of sequence i are q rows cu_seqlens_q[i]:cu_seqlens_q[i+1]; they are the
+    # last (context_len - cached_len) positions of a context of context_len tokens.
+    cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1] int32
+    cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1] int32
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    has_cached_prefix: bool = False  # True → some keys come only from the paged cache (prefix-cache hits)
+    query_lens_host: list[int] | None = None  # host copies so the CPU reference needs no device→host sync
+    context_lens_host: list[int] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]

@@ -1,0 +1,73 @@
+"""Plain-PyTorch paged attention: the CPU path and the oracle the Triton kernels are tested against.
+
+Caches are laid out [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
+block_id * block_size + offset.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.attention.metadata import AttentionMetadata
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k/v [num_tokens, num_kv_heads, head_dim] into their cache slots."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    slots = slot_mapping.long()
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """The first context_len tokens of one sequence, [context_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = (context_len + block_size - 1) // block_size
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:context_len]
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole cached context.
+
+    q: [num_new_tokens, num_heads, head_dim]; k/v (this step's, already stored) are unused here: keys and
+    values are read back from the cache, so cached prefix blocks are covered. Returns [num_new_tokens, num_heads, head_dim].
+    """
+    out = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    start = 0
+    for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
+        qi = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
+        ki = gather_context(k_cache, meta.block_tables[i], ctx_len).transpose(0, 1)
+        vi = gather_context(v_cache, meta.block_tables[i], ctx_len).transpose(0, 1)
+        ki = ki.repeat_interleave(num_heads // num_kv_heads, dim=0).to(q.dtype)
+        vi = vi.repeat_interleave(num_heads // num_kv_heads, dim=0).to(q.dtype)
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+        mask = q_pos[:, None] >= torch.arange(ctx_len, device=q.device)[None, :]
+        out[start:start + q_len] = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale).transpose(0, 1)
+        start += q_len
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence over its paged context; fixed shapes, so it is graph-capturable.
+
+    q: [num_seqs, num_heads, head_dim]; returns the same shape. Reads every block in block_tables
+    (masked beyond context_lens): simple and correct, not fast.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    tables = block_tables.long()
+    k = k_cache[tables].flatten(1, 2).to(torch.float32)  # [S, L, Hkv, D]
+    v = v_cache[tables].flatten(1, 2).to(torch.float32)
+    qg = q.to(torch.float32).view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("skgd,slkd->skgl", qg, k) * scale
+    positions = torch.arange(k.shape[1], device=q.device)
+    valid = positions[None, :] < context_lens[:, None].long()  # [S, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("skgl,slkd->skgd", probs, v)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)

@@ -1,0 +1,422 @@
+"""Triton paged attention for CUDA: KV store, split-K decode, paged causal prefill.
+
+Same contract as torch_ref.py (the oracle these kernels are tested against). Caches are
+[num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is block_id * block_size + offset.
+
+Decode is flash-decoding: grid (seq, kv_head, split). One program handles every query head of
+its kv head (rows of a tl.dot, padded to 16) so K/V are read once per kv head, and walks one
+partition of the context. The number of splits comes only from static shapes (batch, heads,
+block-table width, SM count), never from context_lens values, so decode has no host sync and
+can be captured in a CUDA graph; partitions past a sequence's context exit at once, and a
+second kernel merges the partial (max, sum, acc) of the splits that ran.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.attention.metadata import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+# Decode tiling. A split should cover at least MIN_PARTITION tokens (less is not worth its partials),
+# and the grid aims for WAVES programs per SM so that small batches still fill the GPU.
+DECODE_MIN_PARTITION = 256
+DECODE_WAVES = 4
+DECODE_MAX_SPLITS = 128
+DECODE_NUM_WARPS = 4
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = 64
+PREFILL_NUM_WARPS = 4
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """tl.dot with fp32 accumulation. UPCAST (CPU interpreter only) multiplies in fp32, because the
+    interpreter multiplies bf16 tiles as their raw uint16 bits; callers round to the tile dtype first."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+# --------------------------------------------------------------------------------------------- store
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    src = token.to(tl.int64)
+    k = tl.load(k_ptr + src * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(v_ptr + src * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    tl.store(k_cache_ptr + slot * stride_kc_slot + heads[:, None] * stride_kc_h + dims[None, :],
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * stride_vc_slot + heads[:, None] * stride_vc_h + dims[None, :],
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k/v [num_tokens, num_kv_heads, head_dim] into their cache slots: one launch, no sync."""
+    num_tokens = k.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    if k.shape != v.shape or tuple(k.shape[1:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"store_kv: k {tuple(k.shape)} / v {tuple(v.shape)} do not match cache heads "
+                         f"({num_kv_heads}, {head_dim})")
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        raise ValueError(f"store_kv: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
+                         "[num_blocks, block_size, num_kv_heads, head_dim]")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"store_kv: slot_mapping {tuple(slot_mapping.shape)} must be [{num_tokens}]")
+    if num_tokens == 0:
+        return
+    _require_unit_last_stride(store_kv=(k, v, k_cache, v_cache))
+    _require_slot_layout(k_cache, v_cache)
+    block_d = _pow2(head_dim)
+    block_h = min(_pow2(num_kv_heads), max(1, 4096 // block_d))
+    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    _store_kv_kernel[grid](k, v, k_cache, v_cache, slot_mapping,
+                           k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                           k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+                           NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+                           num_warps=4)
+
+
+# --------------------------------------------------------------------------------------------- decode
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
+                   part_acc_ptr, part_ml_ptr, qk_scale, partition_size,
+                   stride_qb, stride_qh, stride_ob, stride_oh,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                   BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   DOT_UPCAST: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    part_start = split * partition_size
+    # Partitions past the context exit at once. "<=" lets an empty context (padding rows) write
+    # zeros from split 0; the reduce ignores the empty partial that this also writes for split > 0.
+    if part_start <= context_len:
+        part_end = tl.minimum(part_start + partition_size, context_len)
+        rows = tl.arange(0, BLOCK_G)
+        dims = tl.arange(0, BLOCK_D)
+        heads = kv_head * GROUP + rows
+        row_ok = rows < GROUP
+        dim_ok = dims < HEAD_DIM
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        q = q.to(k_cache_ptr.dtype.element_ty)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(part_start, part_end, BLOCK_N):
+            tokens = start + tl.arange(0, BLOCK_N)
+            tok_ok = tokens < part_end
+            block_ids = tl.load(table + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+            offsets = tokens % BLOCK_SIZE
+            kv_mask = tok_ok[:, None] & dim_ok[None, :]
+            k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_kt
+                        + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+            scores = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale  # log2 domain
+            
+            m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: every tile holds a valid token
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
+                        + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+            m_i = m_new
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        else:
+            # Partials are [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM] and [..., 2], contiguous.
+            part = (seq * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * NUM_SPLITS + split
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
+                     mask=row_ok[:, None] & dim_ok[None, :])
+            tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, partition_size,
+                          stride_ob, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    num_valid = tl.cdiv(context_len, partition_size)  # splits that ran; the rest wrote nothing
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    split_ok = splits < num_valid
+    part = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS + splits
+    m = tl.load(part_ml_ptr + part * 2, mask=split_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + part * 2 + 1, mask=split_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    weight = tl.where(split_ok, tl.exp2(m - m_max), 0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                  mask=split_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    total = tl.sum(weight * l, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Splits per sequence, from static shapes only (graph-safe): enough programs to fill the GPU,
+    none shorter than DECODE_MIN_PARTITION tokens."""
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = triton.cdiv(DECODE_WAVES * num_sms, programs)
+    return max(1, min(wanted, triton.cdiv(max_context, DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+    """One query token per sequence over its paged context → [num_seqs, num_heads, head_dim].
+
+    q [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] int32; context_lens
+    [num_seqs] int32 (0 gives a zero output row). num_splits overrides the shape heuristic
+    (tests, benchmarks). No host sync: safe inside CUDA-graph capture.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_heads % num_kv_heads != 0 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)} (head_dim must match, num_heads a multiple of num_kv_heads)")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
+        raise ValueError(f"decode_attention: block_tables {tuple(block_tables.shape)} / context_lens "
+                         f"{tuple(context_lens.shape)} must be [{num_seqs}, max_blocks] / [{num_seqs}]")
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    _require_unit_last_stride(decode_attention=(q, k_cache, v_cache, block_tables))
+    group = num_heads // num_kv_heads
+    max_context = block_tables.shape[1] * block_size
+    block_d = max(16, _pow2(head_dim))
+    block_n = 64 if block_d <= 128 else 32
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context, _num_sms(q.device))
+    # Partitions are whole tiles; recount so that no split is empty for a full-length context.
+    partition_size = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max(max_context, 1), partition_size)
+    if num_splits > 1:
+        parts = torch.empty(num_seqs * num_heads * num_splits * (head_dim + 2), dtype=torch.float32, device=q.device)
+        part_acc = parts[:num_seqs * num_heads * num_splits * head_dim]
+        part_ml = parts[num_seqs * num_heads * num_splits * head_dim:]
+    else:
+        part_acc = part_ml = out  # unused by the single-split kernel
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, scale * _LOG2E, partition_size,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_G=max(16, _pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        **_dot_args(q.device, k_cache.dtype), num_warps=DECODE_NUM_WARPS)
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_acc, part_ml, context_lens, out, partition_size, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits), BLOCK_D=_pow2(head_dim),
+            num_warps=4)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- prefill
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
+                    out_ptr, qk_scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    seq = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    Q_PER_TILE: tl.constexpr = BLOCK_M // GROUP
+    q_begin = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
+    context_len = tl.load(context_lens_ptr + seq)
+    first = q_tile * Q_PER_TILE
+    if first < q_len:
+        # Rows are (query token, head of the group) pairs, so the group shares every K/V tile.
+        rows = tl.arange(0, BLOCK_M)
+        tokens = first + rows // GROUP
+        heads = kv_head * GROUP + rows % GROUP
+        row_ok = (rows < Q_PER_TILE * GROUP) & (tokens < q_len)
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < HEAD_DIM
+        q_rows = (q_begin + tokens).to(tl.int64)
+        q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        q = q.to(k_cache_ptr.dtype.element_ty)
+        # Bottom-right causal alignment: new token i sits at position context_len - q_len + i.
+        # Padding rows see the whole context, which keeps their softmax finite; they are never stored.
+        q_pos = tl.where(row_ok, context_len - q_len + tokens, context_len - 1)
+        kv_end = tl.minimum(context_len, context_len - q_len + tl.minimum(first + Q_PER_TILE, q_len))
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(0, kv_end, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            key_ok = keys < kv_end
+            block_ids = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            offsets = keys % BLOCK_SIZE
+            kv_mask = key_ok[:, None] & dim_ok[None, :]
+            k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_kt
+                        + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+            scores = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+            scores = tl.where(keys[None, :] <= q_pos[:, None], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))  # key 0 is in the first tile, so finite
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
+                        + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context (cached prefix included).
+
+    q [num_new_tokens, num_heads, head_dim]; the new tokens' k/v must already be in the cache.
+    One launch over (sequence, query tile, kv head); no Python loop over sequences.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_heads % num_kv_heads != 0 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"prefill_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)}")
+    if meta.cu_seqlens_q is None or meta.max_seqlen_q <= 0:
+        raise ValueError("prefill_attention needs meta.cu_seqlens_q and a positive meta.max_seqlen_q")
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    _require_unit_last_stride(prefill_attention=(q, k_cache, v_cache, meta.block_tables))
+    group = num_heads // num_kv_heads
+    block_m = max(PREFILL_BLOCK_M, _pow2(group))
+    grid = (meta.num_seqs, triton.cdiv(meta.max_seqlen_q, block_m // group), num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q, out, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
+        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N,
+        BLOCK_D=max(16, _pow2(head_dim)), **_dot_args(q.device, k_cache.dtype),
+        num_warps=PREFILL_NUM_WARPS)
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal varlen prefill → [num_new_tokens, num_heads, head_dim].
+
+    Without a cached prefix every sequence's keys are exactly its new k/v (q_len == k_len), which is
+    what torch's flash varlen_attn computes (CUDA, fp16/bf16). Everything else (prefix-cache hits,
+    fp32, older torch) takes the paged Triton kernel over the cache.
+    """
+    if _can_use_varlen(q, k, v, meta):
+        return _varlen_attn(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q, meta.max_seqlen_q,
+                            scale=scale, **_VARLEN_KWARGS)
+    return paged_prefill_attention(q, k_cache, v_cache, meta, scale)
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def _varlen_kwargs() -> tuple[object | None, dict]:
+    """torch's varlen_attn and the causal/GQA keywords this torch version understands."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, {}
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        kwargs: dict = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        kwargs = {"is_causal": True}
+    else:
+        return None, {}
+    if "enable_gqa" in params:  # newer torch checks head counts unless asked; flash itself handles GQA
+        kwargs["enable_gqa"] = True
+    return varlen_attn, kwargs
+
+
+_varlen_attn, _VARLEN_KWARGS = _varlen_kwargs()
+
+
+def _can_use_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> bool:
+    head_dim = q.shape[-1]
+    return (_varlen_attn is not None and not meta.has_cached_prefix and q.is_cuda
+            and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
+            and head_dim % 8 == 0 and head_dim <= 256
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(n)))
+
+
+def _dot_args(device: torch.device, dtype: torch.dtype) -> dict:
+    """fp32 caches get exact fp32 dots (tf32 would cost ~1e-3 relative error for no benefit here);
+    off CUDA the kernels run in the Triton interpreter, which needs the fp32 upcast of _dot."""
+    upcast = device.type != "cuda"
+    return {"DOT_PRECISION": "ieee" if upcast or dtype == torch.float32 else "tf32", "DOT_UPCAST": upcast}
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the device; the interpreter (CPU) counts as a small GPU."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _require_unit_last_stride(**groups: tuple[torch.Tensor, ...]) -> None:
+    for name, tensors in groups.items():
+        for t in tensors:
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name}: tensors need a contiguous last dimension, got shape {tuple(t.shape)} "
+                                 f"strides {t.stride()}")
+
+
+def _require_slot_layout(*caches: torch.Tensor) -> None:
+    """Slots index block * block_size + offset, so a block's stride must be block_size slots."""
+    for cache in caches:
+        if cache.stride(0) != cache.shape[1] * cache.stride(1):
+            raise ValueError(f"store_kv: cache strides {cache.stride()} do not allow flat slot indexing "
+                             f"(shape {tuple(cache.shape)})")

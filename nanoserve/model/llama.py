@@ -1,0 +1,233 @@
+"""The Llama family (Llama 2/3, Mistral without sliding window, Qwen2, Qwen3) as one model.
+
+They share one shape: pre-norm decoder layers of GQA attention with neox RoPE and a SwiGLU MLP. The
+differences are flags read from the HF config (qkv bias, per-head q/k norm, tied embeddings, head_dim).
+Parameter names follow HF except that q/k/v and gate/up are merged (qkv_proj, gate_up_proj) so a
+layer runs two matmuls where HF runs five; the loader concatenates HF's tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary, rope_parameters
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a model, read and validated from its HF config."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    rope: dict
+
+    @classmethod
+    def from_hf_config(cls, hf_config) -> "ModelSpec":
+        """Raises ValueError naming the first unsupported feature."""
+        arch = architecture_of(hf_config)
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
+        _check_no_sliding_window(hf_config, arch)
+        heads = hf_config.num_attention_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        spec = cls(
+            architecture=arch,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
+            o_bias=False if arch == "Qwen2ForCausalLM" else attention_bias,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            rope=rope_parameters(hf_config),
+        )
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        return spec
+
+
+def architecture_of(hf_config) -> str:
+    """The supported architecture name of a config, or ValueError naming the supported ones."""
+    names = list(getattr(hf_config, "architectures", None) or [])
+    if not names and getattr(hf_config, "model_type", None) in _MODEL_TYPES:
+        names = [_MODEL_TYPES[hf_config.model_type]]
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    found = names or getattr(hf_config, "model_type", None)
+    raise ValueError(f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _check_no_sliding_window(hf_config, arch: str) -> None:
+    """Sliding-window attention is not implemented; refuse configs where it would change the result."""
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"layer_types {sorted(set(layer_types))}: only full attention is supported (no sliding window)")
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None or window >= hf_config.max_position_embeddings:
+        return
+    if arch == "MistralForCausalLM" or getattr(hf_config, "use_sliding_window", False):
+        raise ValueError(f"sliding_window={window} is not supported (only full attention)")
+
+
+class LlamaAttentionBlock(nn.Module):
+    """qkv projection → (per-head q/k norm) → RoPE → paged attention → output projection."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias, dtype=dtype)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttentionBlock(spec, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, the residual stream before it); their sum is HF's hidden state."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, dtype) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward() gives final hidden states, compute_logits() projects the rows the sampler needs.
+
+    Splitting the two lets the runner project only each sequence's last prefill token. Build it on the
+    meta device and let nanoserve.model.loader fill the weights; constructing it elsewhere runs a plain init.
+    """
+
+    # HF module name → (our merged module, shard index); shard sizes come from shard_sizes().
+    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, hf_config, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.hf_config = hf_config
+        self.dtype = dtype
+        self.model = LlamaModel(self.spec, dtype)
+        if self.spec.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False, dtype=dtype)
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] (int64) → final hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] → logits [N, vocab_size] in the model dtype."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def shard_sizes(self, packed_name: str) -> list[int]:
+        """Row counts of the HF tensors that make up a merged weight, in order."""
+        s = self.spec
+        if packed_name == "qkv_proj":
+            return [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
+        if packed_name == "gate_up_proj":
+            return [s.intermediate_size, s.intermediate_size]
+        raise KeyError(packed_name)
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.spec.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.spec.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.spec.hidden_size

@@ -1,0 +1,606 @@
+"""OpenAI-compatible HTTP API: FastAPI routes, SSE streaming, auth, errors, Prometheus metrics.
+
+Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+Every error answers in OpenAI's format {"error": {"message", "type", "param", "code"}}: invalid
+requests 400 (unknown fields too, as api.openai.com does), wrong key 401, unknown model 404, full
+waiting queue 503, engine failure 500. A client that goes away has its request aborted.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import anyio
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.engine import LLMEngine, QueueFullError, RequestOutput
+from nanoserve.sampling import SamplingParams
+from nanoserve.server.async_engine import AsyncEngine, EngineStepError, EngineStoppedError, RequestStream
+from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+logger = logging.getLogger("nanoserve.server")
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+               0.75, 1.0, 2.5)
+
+
+class APIError(Exception):
+    """An error answered to the client in OpenAI's format."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+
+
+class _EngineCollector:
+    """Engine gauges and counters read from AsyncEngine.stats at scrape time."""
+
+    def __init__(self, async_engine: AsyncEngine):
+        self.async_engine = async_engine
+
+    def collect(self):
+        s = self.async_engine.stats
+        yield GaugeMetricFamily("nanoserve_num_requests_running", "Requests in the running batch", value=s.num_running)
+        yield GaugeMetricFamily("nanoserve_num_requests_waiting", "Requests waiting to be scheduled",
+                                value=s.num_waiting)
+        yield GaugeMetricFamily("nanoserve_kv_cache_usage", "Fraction of KV-cache blocks in use (0..1)",
+                                value=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+        yield GaugeMetricFamily("nanoserve_kv_cache_blocks_used", "KV-cache blocks in use", value=s.kv_blocks_used)
+        yield GaugeMetricFamily("nanoserve_kv_cache_blocks_total", "KV-cache blocks in all", value=s.kv_blocks_total)
+        counters = [
+            ("nanoserve_prompt_tokens", "Prompt tokens processed", s.prompt_tokens),
+            ("nanoserve_generation_tokens", "Tokens generated", s.generation_tokens),
+            ("nanoserve_padding_rows", "Padded rows in graph-replayed decode batches", s.padding_rows),
+            ("nanoserve_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks", s.preemptions),
+            ("nanoserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+             s.prefix_cache_hit_tokens),
+            ("nanoserve_engine_step_errors", "engine.step() calls that raised", self.async_engine.step_errors),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+        steps = CounterMetricFamily("nanoserve_decode_steps", "Decode steps by how they ran", labels=["mode"])
+        steps.add_metric(["graph"], s.decode_steps_graph)
+        steps.add_metric(["eager"], s.decode_steps_eager)
+        yield steps
+
+
+class ServerMetrics:
+    """Prometheus metrics in the app's own registry (never the global one: several apps may share a process)."""
+
+    def __init__(self, async_engine: AsyncEngine):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("nanoserve_http_requests", "HTTP requests to /v1 routes by status code", ["status"],
+                                registry=self.registry)
+        self.finished = Counter("nanoserve_completions_finished",
+                                "Completions ended, by finish reason (abort: client went away; error: engine failed)",
+                                ["reason"], registry=self.registry)
+        self.ttft = Histogram("nanoserve_time_to_first_token_seconds", "Request arrival to its first output token",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("nanoserve_inter_token_latency_seconds", "Time between successive output tokens",
+                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("nanoserve_request_latency_seconds", "Request arrival to its last token",
+                             buckets=TTFT_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineCollector(async_engine))
+
+
+class _Tracker:
+    """Follows one group of engine requests to observe TTFT / ITL / finish reasons."""
+
+    def __init__(self, metrics: ServerMetrics, num_prompts: int, n: int):
+        self.metrics, self.n = metrics, n
+        self.arrival = time.perf_counter()
+        self.last = [self.arrival] * num_prompts
+        self.tokens = [0] * num_prompts
+        self.done: set[tuple[int, int]] = set()  # (prompt, completion) pairs whose end was counted
+        self.num_prompts = num_prompts
+
+    def observe(self, i: int, out: RequestOutput) -> None:
+        now = time.perf_counter()
+        progress = max((len(c.token_ids) for c in out.outputs), default=0)
+        if progress > self.tokens[i]:
+            if self.tokens[i] == 0:
+                self.metrics.ttft.observe(now - self.arrival)
+            else:
+                self.metrics.itl.observe((now - self.last[i]) / (progress - self.tokens[i]))
+            self.tokens[i], self.last[i] = progress, now
+        for c in out.outputs:
+            if c.finish_reason is not None and (i, c.index) not in self.done:
+                self.done.add((i, c.index))
+                self.metrics.finished.labels(c.finish_reason).inc()
+        if out.finished:
+            self.metrics.e2e.observe(now - self.arrival)
+
+    def end(self, reason: str) -> None:
+        """Count every completion not yet finished as ended with `reason` (abort / error)."""
+        for i in range(self.num_prompts):
+            for j in range(self.n):
+                if (i, j) not in self.done:
+                    self.done.add((i, j))
+                    self.metrics.finished.labels(reason).inc()
+
+
+# ---- ASGI pieces ---------------------------------------------------------------------------------
+
+
+class _V1Middleware:
+    """For /v1 routes: checks the API key before anything else (so a bad key is 401 even for a bad body)
+    and counts responses by status code."""
+
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+            return await self.app(scope, receive, send)
+        status = 500  # what the outer ServerErrorMiddleware answers if the app raises
+
+        async def counting_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key is not None and not self._authorized(scope):
+                resp = APIError(401, "Invalid or missing API key: send the header 'Authorization: Bearer <key>'.",
+                                code="invalid_api_key").response()
+                return await resp(scope, receive, counting_send)
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.requests.labels(str(status)).inc()
+
+    def _authorized(self, scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that always watch for the client going away (whatever the ASGI spec version):
+    a disconnect cancels the body iterator, whose cleanup aborts the engine request."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]):
+        super().__init__(content, headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def stream() -> None:
+                try:
+                    await self.stream_response(send)
+                except OSError:  # the socket went away mid-send
+                    pass
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            tg.cancel_scope.cancel()
+        # a cancel that hit while the generator sat at a `yield` leaves it suspended: close it now so its
+        # cleanup (the abort) runs here rather than whenever it is garbage-collected
+        aclose = getattr(self.body_iterator, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# ---- the app -------------------------------------------------------------------------------------
+
+
+class OpenAIServer:
+    """Request handling shared by the routes: validation → SamplingParams → engine → OpenAI responses."""
+
+    def __init__(self, async_engine: AsyncEngine, model_name: str, metrics: ServerMetrics):
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = model_name
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    # -- helpers --
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    @staticmethod
+    def sampling_params(kwargs: dict) -> SamplingParams:
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:  # SamplingParams names the field first: "top_p must be ..."
+            field = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param=field if field in kwargs else None) from None
+
+    async def start(self, prompts: list, params: SamplingParams, prefix: str) -> tuple[RequestStream, _Tracker]:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        items = [(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)]
+        try:
+            stream = await self.async_engine.add(items)
+        except QueueFullError as e:
+            raise APIError(503, f"The server is overloaded, retry later ({e}).", type="server_error",
+                           code="queue_full") from None
+        except EngineStoppedError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_stopped") from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return stream, _Tracker(self.metrics, len(prompts), params.n)
+
+    async def collect(self, request: Request, stream: RequestStream, tracker: _Tracker) -> dict[int, RequestOutput]:
+        """The final output of each prompt; aborts the requests if the client disconnects first."""
+
+        async def run() -> dict[int, RequestOutput]:
+            last: dict[int, RequestOutput] = {}
+            try:
+                async for i, out in stream:
+                    tracker.observe(i, out)
+                    last[i] = out
+            except EngineStepError as e:
+                tracker.end("error")
+                raise APIError(500, str(e), type="server_error", code="engine_error") from None
+            finally:
+                if not stream.finished:
+                    tracker.end("abort")
+                stream.close()
+            return last
+
+        task = asyncio.ensure_future(run())
+        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():  # the client went away (or this handler was cancelled)
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, APIError):
+                    pass
+        if task.cancelled():
+            raise _ClientGone()
+        return task.result()
+
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+
+    def completion_logprobs(self, token_ids, logprobs, offset: int) -> tuple[dict, int]:
+        """OpenAI legacy format; top_logprobs holds the top-N plus the sampled token (as OpenAI documents)."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, lp in zip(token_ids, logprobs or []):
+            s = self.token_str(tid)
+            tokens.append(s)
+            token_lps.append(lp.get(tid))
+            tops.append({self.token_str(t): v for t, v in sorted(lp.items(), key=lambda kv: -kv[1])})
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+    def chat_logprobs(self, token_ids, logprobs, num_top: int) -> dict:
+        content = []
+        for tid, lp in zip(token_ids, logprobs or []):
+            top = sorted(lp.items(), key=lambda kv: -kv[1])[:num_top]
+            content.append({**self._chat_token(tid, lp.get(tid)),
+                            "top_logprobs": [self._chat_token(t, v) for t, v in top]})
+        return {"content": content, "refusal": None}
+
+    def _chat_token(self, token_id: int, logprob: float | None) -> dict:
+        s = self.token_str(token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    @staticmethod
+    def usage(last: dict[int, RequestOutput]) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for o in last.values())
+        completion = sum(len(c.token_ids) for o in last.values() for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # -- /v1/completions --
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        prompts = _prompt_list(body.prompt)
+        params = self.sampling_params({**body.sampling_kwargs(), "max_tokens": body.max_tokens,
+                                       "logprobs": body.logprobs})
+        stream, tracker = await self.start(prompts, params, "cmpl")
+        head = {"id": stream.request_ids[0].rsplit("-", 1)[0], "object": "text_completion",
+                "created": int(time.time()), "model": self.model_name}
+        if body.stream:
+            return SSEResponse(self._completion_events(stream, tracker, head, params.n, body))
+        last = await self.collect(request, stream, tracker)
+        choices = []
+        for i in sorted(last):
+            for c in last[i].outputs:
+                lp = self.completion_logprobs(c.token_ids, c.logprobs, 0)[0] if body.logprobs is not None else None
+                choices.append({"index": i * params.n + c.index, "text": c.text, "logprobs": lp,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return JSONResponse({**head, "choices": choices, "usage": self.usage(last), "system_fingerprint": None})
+
+    async def _completion_events(self, stream: RequestStream, tracker: _Tracker, head: dict, n: int,
+                                 body: CompletionRequest) -> AsyncIterator[str]:
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        text_offset: dict[int, int] = {}
+        finished: set[int] = set()
+        extra = {"usage": None} if body.include_usage else {}
+        last: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in stream:
+                tracker.observe(i, out)
+                last[i] = out
+                for c in out.outputs:
+                    ci = i * n + c.index
+                    delta = c.text[sent_text.get(ci, 0):]
+                    new_ids = c.token_ids[sent_tokens.get(ci, 0):]
+                    end = c.finish_reason if c.finish_reason is not None and ci not in finished else None
+                    if not (delta or end or (body.logprobs is not None and new_ids)):
+                        continue
+                    lp = None
+                    if body.logprobs is not None:
+                        new_lps = (c.logprobs or [])[sent_tokens.get(ci, 0):len(c.token_ids)]
+                        lp, text_offset[ci] = self.completion_logprobs(new_ids, new_lps, text_offset.get(ci, 0))
+                    sent_text[ci], sent_tokens[ci] = len(c.text), len(c.token_ids)
+                    if end is not None:
+                        finished.add(ci)
+                    choice = {"index": ci, "text": delta, "logprobs": lp, "finish_reason": end,
+                              "stop_reason": c.stop_reason if end else None}
+                    yield _sse({**head, "choices": [choice], **extra})
+            if body.include_usage:
+                yield _sse({**head, "choices": [], "usage": self.usage(last)})
+        except EngineStepError as e:
+            tracker.end("error")
+            yield _sse(error_body(str(e), "server_error", None, "engine_error"))
+        finally:
+            if not stream.finished:
+                tracker.end("abort")
+            stream.close()
+        yield "data: [DONE]\n\n"
+
+    # -- /v1/chat/completions --
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        tok = self.tokenizer
+        if tok is None:
+            raise APIError(400, "Chat needs a tokenizer, and this server runs without one (skip_tokenizer_init).")
+        if body.chat_template is None and not getattr(tok, "chat_template", None):
+            raise APIError(400, "The model has no chat template: pass one as `chat_template` in the request, "
+                                "or use /v1/completions.", param="chat_template")
+        messages = [m.for_template() for m in body.messages]
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, chat_template=body.chat_template,
+                                           add_generation_prompt=body.add_generation_prompt)
+        except Exception as e:  # jinja errors, raise_exception() in templates ("roles must alternate", ...)
+            raise APIError(400, f"The chat template could not render these messages: {e}", param="messages") from None
+        return tok.encode(text, add_special_tokens=False)  # the template already holds BOS etc.
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
+        prompt_ids = self.chat_prompt(body)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = self.sampling_params({**body.sampling_kwargs(), "max_tokens": max_tokens,
+                                       "logprobs": (body.top_logprobs or 0) if body.logprobs else None})
+        stream, tracker = await self.start([prompt_ids], params, "chatcmpl")
+        head = {"id": stream.request_ids[0].rsplit("-", 1)[0], "created": int(time.time()), "model": self.model_name}
+        num_top = body.top_logprobs or 0
+        if body.stream:
+            return SSEResponse(self._chat_events(stream, tracker, head, num_top, body))
+        last = await self.collect(request, stream, tracker)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, num_top) if body.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in last[0].outputs]
+        return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": self.usage(last),
+                             "system_fingerprint": None})
+
+    async def _chat_events(self, stream: RequestStream, tracker: _Tracker, head: dict, num_top: int,
+                           body: ChatCompletionRequest) -> AsyncIterator[str]:
+        head = {**head, "object": "chat.completion.chunk"}
+        extra = {"usage": None} if body.include_usage else {}
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        finished: set[int] = set()
+        last: dict[int, RequestOutput] = {}
+        try:
+            for j in range(body.n):  # the role first, as OpenAI does
+                yield _sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}], **extra})
+            async for i, out in stream:
+                tracker.observe(i, out)
+                last[i] = out
+                for c in out.outputs:
+                    delta = c.text[sent_text.get(c.index, 0):]
+                    new_ids = c.token_ids[sent_tokens.get(c.index, 0):]
+                    end = c.finish_reason if c.finish_reason is not None and c.index not in finished else None
+                    if not (delta or end or (body.logprobs and new_ids)):
+                        continue
+                    lp = None
+                    if body.logprobs:
+                        new_lps = (c.logprobs or [])[sent_tokens.get(c.index, 0):len(c.token_ids)]
+                        lp = self.chat_logprobs(new_ids, new_lps, num_top)
+                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                    if end is not None:
+                        finished.add(c.index)
+                    choice = {"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                              "finish_reason": end, "stop_reason": c.stop_reason if end else None}
+                    yield _sse({**head, "choices": [choice], **extra})
+            if body.include_usage:
+                yield _sse({**head, "choices": [], "usage": self.usage(last)})
+        except EngineStepError as e:
+            tracker.end("error")
+            yield _sse(error_body(str(e), "server_error", None, "engine_error"))
+        finally:
+            if not stream.finished:
+                tracker.end("abort")
+            stream.close()
+        yield "data: [DONE]\n\n"
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "nanoserve",
+                "max_model_len": self.engine.config.max_model_len}
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its non-streaming answer was ready (its request was aborted)."""
+
+
+def _prompt_list(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty.", param="prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _is_union_tag(part) -> bool:
+    """pydantic names the union member an error belongs to in `loc`: 'str', 'list[int]', 'TextPart', ..."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part or part[:1].isupper())
+
+
+def _validation_message(errors) -> tuple[str, str | None]:
+    """FastAPI/pydantic errors → one readable line and the first offending parameter. A value that fits
+    no member of a union (prompt, stop, content) gets one line listing the accepted forms."""
+    parts: dict[str, list[str]] = {}  # field path → messages
+    forms: dict[str, list[str]] = {}  # field path → union members tried
+    for err in errors:
+        if err.get("type") == "json_invalid":
+            return f"The request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}.", None
+        loc = [x for x in err.get("loc", ()) if x != "body"]
+        tags = [i for i, x in enumerate(loc) if _is_union_tag(x)]
+        path = ".".join(str(x) for x in (loc[:tags[0]] if tags else loc))
+        if tags:
+            forms.setdefault(path, []).append(loc[tags[0]])
+        if err.get("type") == "extra_forbidden":
+            msg = f"Unrecognized request argument supplied: {path}"
+        elif not path:
+            msg = f"The request body must be a JSON object: {err.get('msg')}"
+        else:
+            msg = f"{path}: {err.get('msg')}"
+        parts.setdefault(path, []).append(msg)
+    lines = []
+    for path, msgs in parts.items():
+        kinds = list(dict.fromkeys(forms.get(path, [])))
+        lines.append(f"{path}: must be one of {', '.join(kinds)}" if len(kinds) > 1 else msgs[0])
+    first = next(iter(parts), "")
+    return "; ".join(lines) or "Invalid request.", first.split(".", 1)[0] or None
+
+
+def build_app(engine: LLMEngine | EngineConfig | str, *, api_key: str | None = None,
+              served_model_name: str | None = None, **engine_options) -> FastAPI:
+    """The FastAPI app. `engine` is a model folder (+ EngineConfig options as keywords), an EngineConfig,
+    or a ready LLMEngine. The engine thread starts and stops with the app's lifespan."""
+    if isinstance(engine, str):
+        engine = EngineConfig.from_kwargs(engine, **engine_options)
+    elif engine_options:
+        raise TypeError(f"engine options {sorted(engine_options)} are only accepted with a model folder")
+    if isinstance(engine, EngineConfig):
+        engine = LLMEngine(engine)
+    async_engine = AsyncEngine(engine)
+    metrics = ServerMetrics(async_engine)
+    server = OpenAIServer(async_engine, served_model_name or engine.config.model, metrics)
+
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="nanoserve", lifespan=lifespan)
+    app.state.async_engine, app.state.engine, app.state.metrics, app.state.server = async_engine, engine, metrics, server
+    app.add_middleware(_V1Middleware, api_key=api_key, metrics=metrics)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc.errors())
+        return APIError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(_ClientGone)
+    async def _client_gone(request: Request, exc: _ClientGone):
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception("unhandled error in %s", request.url.path, exc_info=exc)
+        return JSONResponse(error_body(f"Internal server error: {type(exc).__name__}", "server_error"),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.is_running:
+            return JSONResponse({"status": "engine not running"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return server.models()
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        server.check_model(model)
+        return server.model_card()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await server.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await server.chat(body, request)
+
+    return app
+
+
+def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          served_model_name: str | None = None, log_level: str = "info") -> None:
+    """Load the model, then serve the OpenAI API until interrupted (what `nanoserve serve` runs)."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_app(config, api_key=api_key, served_model_name=served_model_name)
+    logger.info("serving %s on http://%s:%d/v1", app.state.server.model_name, host, port)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -255,6 +255,13 @@ def power_of_two_sizes(max_size: int) -> list[int]:
 # Timing and bandwidth
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (no-op on CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_ms(fn: Callable[[], object], device: torch.device | str, warmup: int = 5, iters: int = 30) -> list[float]:
     """Per-call times in ms. On CUDA: synchronize, record an event, call, record an event —
     each sample covers one call's host launch work plus its GPU execution, as in a real step.

@@ -45,6 +45,7 @@ from benchmarks.common import (  # noqa: E402
     power_of_two_sizes,
     release_cuda_memory,
     summarize_ms,
+    synchronize,
     time_ms,
     write_json,
     write_model_dir,
@@ -125,20 +126,24 @@ def measure_decode(runner, cfg: dict, b: int, args: argparse.Namespace, bandwidt
         "floor_bytes": dataclasses.asdict(floor) | {"total": floor.total},
         "floor_ms": floor.total / bandwidth * 1e3,
     }
+    device = runner.device
     try:
         batch = runner.dummy_decode_batch(b, args.context)
         with torch.inference_mode():
-            eager = summarize_ms(time_ms(lambda: runner.decode_logits(batch, use_graph=False), "cuda",
+            eager = summarize_ms(time_ms(lambda: runner.decode_logits(batch, use_graph=False), device,
                                          args.warmup, args.iters))
             rec["eager_ms"], rec["eager_stats"] = eager["median"], eager
             if runner.graph_runner is not None:
-                graph = summarize_ms(time_ms(lambda: runner.decode_logits(batch, use_graph=True), "cuda",
+                graph = summarize_ms(time_ms(lambda: runner.decode_logits(batch, use_graph=True), device,
                                              args.warmup, args.iters))
                 rec["graph_ms"], rec["graph_stats"] = graph["median"], graph
                 rec["speedup"] = eager["median"] / graph["median"]
                 # Same inputs, same cache: replay must reproduce the eager logits (bf16 tolerance).
+                # Synchronise between calls: both stage inputs through one pinned host buffer.
                 ref = runner.decode_logits(batch, use_graph=False).float()
+                synchronize(device)
                 out = runner.decode_logits(batch, use_graph=True).float()
+                synchronize(device)
                 rec["max_abs_logit_diff"] = (out - ref).abs().max().item()
                 rec["argmax_agree"] = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
                 del ref, out
@@ -157,6 +162,7 @@ def measure_e2e(llm, cfg: dict, b: int, args: argparse.Namespace) -> dict:
     from nanoserve import SamplingParams
 
     engine = llm.engine
+    device = engine.model_runner.device
     rec: dict = {"batch_size": b, "prompt_tokens": args.context}
     ids = [f"e2e-{b}-{i}" for i in range(b)]
     try:
@@ -172,7 +178,7 @@ def measure_e2e(llm, cfg: dict, b: int, args: argparse.Namespace) -> dict:
             prefill_steps += 1
             if prefill_steps > 4 * b + 16:
                 raise RuntimeError(f"{engine.stats.num_waiting} requests still waiting after {prefill_steps} steps")
-        torch.cuda.synchronize()
+        synchronize(device)
         rec["prefill_seconds"], rec["prefill_steps"] = time.perf_counter() - t0, prefill_steps
         for _ in range(E2E_WARMUP_STEPS):
             engine.step()
@@ -180,10 +186,10 @@ def measure_e2e(llm, cfg: dict, b: int, args: argparse.Namespace) -> dict:
         samples, running = [], []
         for _ in range(args.e2e_steps):
             running.append(engine.stats.num_running)
-            torch.cuda.synchronize()
+            synchronize(device)
             t = time.perf_counter()
             engine.step()
-            torch.cuda.synchronize()
+            synchronize(device)
             samples.append((time.perf_counter() - t) * 1e3)
         stats = summarize_ms(samples)
         rec.update(step_ms=stats["median"], step_stats=stats, tokens_per_s=b / stats["median"] * 1e3,

@@ -137,7 +137,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
             k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_kt
                         + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
             scores = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale  # log2 domain
-            
+            scores = tl.where(tok_ok[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: every tile holds a valid token
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(scores - m_new[:, None])

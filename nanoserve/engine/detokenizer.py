@@ -27,6 +27,15 @@ def append_text(tokenizer, seq: Sequence) -> None:
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
 
 
+def flush_text(tokenizer, seq: Sequence) -> None:
+    """At the end, release what was held back for completion (even a trailing incomplete character)."""
+    ids, skip = seq.token_ids, seq.params.skip_special_tokens
+    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
+    seq.text += full[len(prefix):]
+    seq.prefix_offset = seq.read_offset = len(ids)
+
+
 def find_stop_string(seq: Sequence, num_new_chars: int) -> str | None:
     """If a stop string now appears in seq.text, cut the text there and return it."""
     stops = seq.params.stop

@@ -183,17 +183,20 @@ class LLMEngine:
             detokenizer.append_text(self.tokenizer, seq)
             stop_string = detokenizer.find_stop_string(seq, len(seq.text) - before)
         if seq.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids:
-                seq.stop_reason = token
-                return self.scheduler.finish(seq, "stop")
-            if token in self.eos_token_ids and not params.ignore_eos:
-                return self.scheduler.finish(seq, "stop")
             if stop_string is not None:
                 seq.stop_reason = stop_string
                 return self.scheduler.finish(seq, "stop")
+            if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+                seq.stop_reason = token if token in params.stop_token_ids else None
+                return self._finish_with_text(seq, "stop")
         if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) \
                 or len(seq) >= self.config.max_model_len:
-            self.scheduler.finish(seq, "length")
+            self._finish_with_text(seq, "length")
+
+    def _finish_with_text(self, seq: Sequence, reason: str) -> None:
+        if self.tokenizer is not None:
+            detokenizer.flush_text(self.tokenizer, seq)
+        self.scheduler.finish(seq, reason)
 
     def _request_output(self, request_id: str) -> RequestOutput:
         request = self.requests[request_id]

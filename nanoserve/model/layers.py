@@ -56,7 +56,9 @@ def rope_inv_freq(head_dim: int, params: dict, max_position: int) -> tuple[torch
     """
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        why = " (it rescales with the sequence length, so cached keys would go stale)" if rope_type in (
+            "dynamic", "longrope") else ""
+        raise ValueError(f"unsupported rope_type {rope_type!r}{why}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
     base = float(params["rope_theta"])

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary, rope_parameters
+from nanoserve.model.layers import (MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary, rope_inv_freq,
+                                    rope_parameters)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -74,6 +75,10 @@ class ModelSpec:
         )
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        try:
+            rope_inv_freq(head_dim, spec.rope, spec.max_position_embeddings)  # validates the RoPE settings early
+        except KeyError as e:
+            raise ValueError(f"rope_type {spec.rope['rope_type']!r} needs the setting {e.args[0]!r}") from None
         return spec
 
 

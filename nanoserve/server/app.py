@@ -300,7 +300,10 @@ class OpenAIServer:
             s = self.token_str(tid)
             tokens.append(s)
             token_lps.append(lp.get(tid))
-            tops.append({self.token_str(t): v for t, v in sorted(lp.items(), key=lambda kv: -kv[1])})
+            top: dict[str, float] = {}
+            for t, v in sorted(lp.items(), key=lambda kv: -kv[1]):
+                top.setdefault(self.token_str(t), v)  # tokens that decode alike (partial UTF-8): keep the likeliest
+            tops.append(top)
             offsets.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset

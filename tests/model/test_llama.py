@@ -5,6 +5,7 @@ torch attention path independently of the scheduler and model runner.
 """
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -15,7 +16,9 @@ from nanoserve.model.layers import RMSNorm, RotaryEmbedding, rope_inv_freq, rope
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.model.loader import ModelLoadError, load_hf_config, load_model
 
-ATOL = 1e-4
+# fp32 rounding, amplified by the deliberately large random weights (logits reach ~35): measured worst
+# |ours - HF| is 1.9e-4 at |logit| 26; a real bug (wrong RoPE, mask, norm, slot) moves logits by ~1 or more.
+TOL = dict(atol=2e-4, rtol=2e-5)
 
 
 class PagedKV:
@@ -131,14 +134,14 @@ def test_prefill_then_decode_matches_hf(arch, tiny_model_dirs, hf_models):
     logits = model.compute_logits(model(ids, pos, meta))
     assert logits.shape == (sum(prompt_lens), model.vocab_size) and logits.dtype == torch.float32
     for i, rows in enumerate(logits.split(prompt_lens)):
-        torch.testing.assert_close(rows, refs[i][: prompt_lens[i]], atol=ATOL, rtol=0)
+        torch.testing.assert_close(rows, refs[i][: prompt_lens[i]], **TOL)
 
     for step in range(num_decode):
         positions = [n + step for n in prompt_lens]  # crosses block boundaries at 4, 8, 12, 16
         ids, pos, meta = decode_batch(kv, tables, [s[p] for s, p in zip(full, positions)], positions)
         logits = model.compute_logits(model(ids, pos, meta))
         for i, p in enumerate(positions):
-            torch.testing.assert_close(logits[i], refs[i][p], atol=ATOL, rtol=0)
+            torch.testing.assert_close(logits[i], refs[i][p], **TOL)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -156,12 +159,14 @@ def test_prefill_after_cached_prefix_matches_hf(arch, tiny_model_dirs, hf_models
     assert meta.has_cached_prefix
     logits = model.compute_logits(model(ids, pos, meta))
     for i, rows in enumerate(logits.split([len(s) - c for s, c in zip(seqs, prefix)])):
-        torch.testing.assert_close(rows, hf_logits(hf_models[arch], seqs[i])[prefix[i]:], atol=ATOL, rtol=0)
+        torch.testing.assert_close(rows, hf_logits(hf_models[arch], seqs[i])[prefix[i]:], **TOL)
 
 
 @torch.inference_mode()
 def test_padded_decode_rows_do_not_change_real_rows(tiny_model_dirs):
-    """Rows that pad a batch to a CUDA-graph size write only the dummy block and leave real rows bit-identical."""
+    """Rows that pad a batch to a CUDA-graph size write only the dummy block and do not change real rows.
+
+    (Equal to rounding, not bitwise: a different row count may pick a different matmul blocking.)"""
     model = ours(tiny_model_dirs["qwen2"])
     kv = PagedKV(model, num_blocks=16, block_size=4)
     seqs = random_seqs([6, 3], model.vocab_size, seed=3)
@@ -172,7 +177,7 @@ def test_padded_decode_rows_do_not_change_real_rows(tiny_model_dirs):
     tokens = [s[-1] for s in seqs]
     plain = model.compute_logits(model(*decode_batch(kv, tables, tokens, positions)))
     padded = model.compute_logits(model(*decode_batch(kv, tables, tokens, positions, pad_rows=3)))
-    torch.testing.assert_close(padded[:2], plain, atol=0, rtol=0)
+    torch.testing.assert_close(padded[:2], plain, **TOL)
     for attn, before in zip(model.attention_layers(), snapshot):
         real = [b for t in tables for b in t]
         changed = (attn.k_cache != before).flatten(1).any(1).nonzero().flatten().tolist()
@@ -264,23 +269,21 @@ def test_rope_table_applies_scale_and_positions():
 
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "made_up"])
 def test_unsupported_rope_type_is_a_clear_error(tmp_path, tiny_model_dirs, rope_type):
-    from nanoserve.tiny import make_tiny_model
+    raw = json.loads((tiny_model_dirs["llama"] / "config.json").read_text())
+    raw.pop("rope_parameters", None)
+    raw["rope_scaling"] = {"rope_type": rope_type, "factor": 2.0, "original_max_position_embeddings": 1024,
+                           "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match=rope_type):
+        load_hf_config(tmp_path)
 
-    rope = {"rope_type": rope_type, "factor": 2.0}
-    if rope_type == "longrope":
-        rope.update(short_factor=[1.0] * 8, long_factor=[2.0] * 8, original_max_position_embeddings=1024)
-    try:
-        d = make_tiny_model(tmp_path / "m", "llama", rope_scaling=rope)
-    except Exception:  # transformers refuses the name itself: write the config by hand
-        import json
-        d = tmp_path / "m"
-        d.mkdir(exist_ok=True)
-        raw = json.loads((tiny_model_dirs["llama"] / "config.json").read_text())
-        raw.pop("rope_parameters", None)
-        raw["rope_scaling"] = rope
-        (d / "config.json").write_text(json.dumps(raw))
-    with pytest.raises((ModelLoadError, ValueError), match=rope_type):
-        load_hf_config(d)
+
+def test_rope_setting_missing_is_named(tmp_path, tiny_model_dirs):
+    raw = json.loads((tiny_model_dirs["llama"] / "config.json").read_text())
+    del raw["rope_parameters"]["low_freq_factor"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="low_freq_factor"):
+        load_hf_config(tmp_path)
 
 
 def test_dummy_weights_need_no_files(tiny_model_dirs, tmp_path):

@@ -1,0 +1,233 @@
+"""End-to-end engine behaviour on CPU: HF parity, batching, preemption, prefix caching, errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.engine.engine import QueueFullError
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy generate, float32, one prompt at a time (no padding effects), EOS disabled."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                 eos_token_id=None, pad_token_id=0)
+        outs.append(gen[0, len(prompt):].tolist())
+    return outs
+
+
+def prompts_of_lengths(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dirs):
+    """One small-block engine per arch (block_size 4 so prompts and generations cross many block boundaries)."""
+    return {arch: LLM(str(path), device="cpu", dtype="float32", block_size=4, max_model_len=128, max_num_seqs=8)
+            for arch, path in tiny_model_dirs.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_matches_transformers_and_batching_is_invisible(arch, engines, tiny_model_dirs):
+    llm = engines[arch]
+    prompts = prompts_of_lengths([1, 5, 9, 16, 23], llm.engine.vocab_size)
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    expected = hf_greedy(tiny_model_dirs[arch], prompts, 20)
+    batched = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert batched == expected
+    one_by_one = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
+    assert one_by_one == expected
+    assert len(set(map(tuple, expected))) > 1, "outputs should differ across prompts (a degenerate model proves little)"
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_text_prompts_and_detokenization(engines, tiny_model_dirs):
+    llm = engines["qwen3"]
+    out = llm.generate("Hello there, how are you?", SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0]
+    tok = llm.tokenizer
+    assert out.prompt_token_ids == tok.encode("Hello there, how are you?")
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+    assert out.finish_reason == "length" and len(out.token_ids) == 12
+
+
+def test_stream_equals_generate(engines):
+    llm = engines["llama"]
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    full = llm.generate("The quick brown fox", params, use_tqdm=False)[0]
+    deltas = list(llm.stream("The quick brown fox", params))
+    assert "".join(d.text for d in deltas) == full.text
+    assert [t for d in deltas for t in d.token_ids] == full.token_ids
+    assert deltas[-1].finish_reason == "length"
+
+
+def test_stop_strings_cut_text(engines):
+    llm = engines["qwen3"]
+    base = llm.generate("Once upon a time", SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0]
+    stop = base.text[5:8]
+    assert stop and stop.strip(), base.text
+    cut = llm.generate("Once upon a time", SamplingParams(max_tokens=24, stop=[stop], **GREEDY), use_tqdm=False)[0]
+    assert cut.finish_reason == "stop" and cut.outputs[0].stop_reason == stop
+    assert cut.text == base.text[:base.text.index(stop)]
+    kept = llm.generate("Once upon a time", SamplingParams(max_tokens=24, stop=[stop], include_stop_str_in_output=True,
+                                                           **GREEDY), use_tqdm=False)[0]
+    assert kept.text == base.text[:base.text.index(stop) + len(stop)]
+    deltas = list(llm.stream("Once upon a time", SamplingParams(max_tokens=24, stop=[stop], **GREEDY)))
+    assert "".join(d.text for d in deltas) == cut.text  # streaming never leaks part of a stop string
+
+
+def test_stop_token_ids_and_eos(engines):
+    llm = engines["qwen2"]
+    base = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)[0]
+    stop_tok = base.token_ids[3]
+    out = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, stop_token_ids=[stop_tok], **GREEDY),
+                       use_tqdm=False)[0]
+    first = base.token_ids.index(stop_tok)
+    assert out.token_ids == base.token_ids[:first + 1] and out.finish_reason == "stop"
+    assert out.outputs[0].stop_reason == stop_tok
+    eos = llm.engine.eos_token_ids
+    llm.engine.eos_token_ids = [stop_tok]  # pretend that token is EOS: generation stops there unless ignore_eos
+    try:
+        stopped = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)[0]
+        assert stopped.token_ids == base.token_ids[:first + 1] and stopped.finish_reason == "stop"
+        at_least = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, min_tokens=first + 2, temperature=0.0),
+                                use_tqdm=False)[0]
+        assert len(at_least.token_ids) >= first + 2
+    finally:
+        llm.engine.eos_token_ids = eos
+
+
+def test_seeds_reproduce_and_n_completions(engines):
+    llm = engines["qwen3"]
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    a = llm.generate([3, 4, 5], params, use_tqdm=False)[0]
+    noise = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    mixed = llm.generate([[9, 9], [3, 4, 5], [1, 2, 3, 4]], [noise, params, noise], use_tqdm=False)[1]
+    assert a.token_ids == mixed.token_ids
+    n3 = llm.generate([3, 4, 5], SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True),
+                      use_tqdm=False)[0]
+    assert [o.index for o in n3.outputs] == [0, 1, 2]
+    assert n3.outputs[0].token_ids == a.token_ids  # completion i uses seed + i
+    assert len({tuple(o.token_ids) for o in n3.outputs}) > 1
+
+
+def test_logprobs_match_log_softmax(engines, tiny_model_dirs):
+    llm = engines["llama"]
+    prompt = [4, 8, 15, 16, 23, 42]
+    out = llm.generate([prompt], SamplingParams(max_tokens=4, logprobs=3, **GREEDY), use_tqdm=False)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"], dtype=torch.float32).eval()
+    ids = prompt + out.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for i, entry in enumerate(out.logprobs):
+        row = ref[len(prompt) - 1 + i]
+        top = torch.topk(row, 3)
+        assert list(entry)[:3] == top.indices.tolist()
+        for tok, lp in entry.items():
+            assert lp == pytest.approx(row[tok].item(), abs=1e-4)
+    assert out.outputs[0].cumulative_logprob == pytest.approx(
+        sum(ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.token_ids)), abs=1e-3)
+
+
+def test_preemption_completes_every_request_with_the_same_tokens(tiny_model_dirs):
+    path = str(tiny_model_dirs["qwen3"])
+    prompts = prompts_of_lengths([6, 11, 3, 14, 9, 7, 12, 5], 500, seed=3)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    roomy = LLM(path, device="cpu", dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=256)
+    expected = [o.token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(path, device="cpu", dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=16,
+                enable_prefix_caching=False)
+    engine = tight.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in done
+                done[out.request_id] = out.token_ids
+        bm = engine.block_manager
+        assert bm.num_used_blocks + bm.num_free_blocks == bm.num_blocks
+        live = list(engine.scheduler.running)
+        assert bm.num_used_blocks == sum(len(s.block_table) for s in live)
+        assert all(not s.block_table for s in engine.scheduler.waiting)
+    assert engine.stats.preemptions > 0
+    assert [done[str(i)] for i in range(len(prompts))] == expected
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_prefix_cache_hits_give_the_same_tokens(tiny_model_dirs):
+    llm = LLM(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", block_size=4, max_model_len=128)
+    shared = prompts_of_lengths([21], 500, seed=5)[0]
+    prompts = [shared + [7, 8], shared + [9], shared]
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    cold = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]  # later ones hit the cache
+    assert llm.engine.stats.prefix_cache_hit_tokens >= 2 * 20
+    no_cache = LLM(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", block_size=4, max_model_len=128,
+                   enable_prefix_caching=False)
+    assert cold == [o.token_ids for o in no_cache.generate(prompts, params, use_tqdm=False)]
+    both = llm.generate(prompts, params, use_tqdm=False)  # same step: later prompts reuse blocks filled this step
+    assert [o.token_ids for o in both] == cold
+
+
+def test_abort_frees_blocks(engines):
+    engine = engines["qwen2"].engine
+    engine.add_request("a", [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=50, **GREEDY))
+    engine.add_request("b", [1, 2, 3], SamplingParams(max_tokens=50, **GREEDY))
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    engine.abort_request("a")
+    engine.abort_request("b")
+    engine.abort_request("never-existed")
+    assert engine.block_manager.num_used_blocks == 0
+    assert not engine.has_unfinished_requests() and engine.step() == []
+
+
+def test_bad_requests_raise_clear_errors(engines):
+    llm = engines["llama"]
+    engine = llm.engine
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("long", [1] * 128, SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", [], SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("oov", [1, 10**9], SamplingParams())
+    with pytest.raises(ValueError, match="string or a list of token ids"):
+        engine.add_request("weird", 3.5, SamplingParams())
+    engine.add_request("dup", [1, 2], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", [1, 2], SamplingParams(max_tokens=1))
+    engine.abort_request("dup")
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate([[1], [2], [3]], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_engine_options_are_validated(tiny_model_dirs):
+    path = str(tiny_model_dirs["llama"])
+    with pytest.raises(TypeError, match="unknown engine option"):
+        LLM(path, device="cpu", max_num_seq=4)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(path, device="cpu", max_model_len=100, num_kv_blocks=2, block_size=16)
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
+        LLM(path, device="cpu", max_num_seqs=4, cudagraph_capture_sizes=[1, 8])
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(path, device="cpu", dtype="int8")
+
+
+def test_full_waiting_queue_is_refused(tiny_model_dirs):
+    llm = LLM(str(tiny_model_dirs["qwen2"]), device="cpu", max_model_len=64, max_waiting_requests=2)
+    llm.engine.add_request("1", [1, 2], SamplingParams(max_tokens=2))
+    llm.engine.add_request("2", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFullError):
+        llm.engine.add_request("3", [1, 2], SamplingParams(max_tokens=2))

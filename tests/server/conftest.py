@@ -1,0 +1,110 @@
+"""A real uvicorn server on 127.0.0.1 (free port, background thread) over a tiny random model, shared by
+the server tests, plus an offline LLM on the same folder as the reference for greedy outputs."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from nanoserve import LLM
+from nanoserve.server.app import build_app
+
+ARCH = "qwen3"
+ENGINE_OPTIONS = dict(device="cpu", max_num_seqs=64, max_model_len=256, num_kv_blocks=1024, show_progress=False)
+API_KEY = "sk-test-key"
+MODEL = "tiny"
+
+
+def start_uvicorn(app) -> tuple[uvicorn.Server, threading.Thread, str]:
+    """Serve `app` from a thread on a socket bound here (port 0: no race for a free port)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+@dataclass
+class LiveServer:
+    app: object
+    base_url: str
+    model: str = MODEL
+    api_key: str = API_KEY
+
+    @property
+    def async_engine(self):
+        return self.app.state.async_engine
+
+    @property
+    def engine(self):
+        return self.app.state.engine
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60, **kw)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+    def http(self, auth: bool = True) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {API_KEY}"} if auth else {}
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=60)
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """/metrics parsed with prometheus_client's own parser: (sample name, sorted labels) → value."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until the engine holds no request and no KV block (stats as of the engine thread's last step)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.async_engine.stats
+            if s.num_running == s.num_waiting == s.kv_blocks_used == 0 and not self.engine.has_unfinished_requests():
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine not idle after {timeout}s: {s}")
+            time.sleep(0.02)
+
+
+    @staticmethod
+    def metric(snapshot: dict, name: str, **labels) -> float:
+        """One sample of a metrics() snapshot (0 when absent)."""
+        return snapshot.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture(scope="package")
+def model_dir(tiny_model_dirs) -> str:
+    return str(tiny_model_dirs[ARCH])
+
+
+@pytest.fixture(scope="package")
+def live(model_dir):
+    app = build_app(model_dir, api_key=API_KEY, served_model_name=MODEL, **ENGINE_OPTIONS)
+    server, thread, base_url = start_uvicorn(app)
+    try:
+        yield LiveServer(app, base_url)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert not app.state.async_engine.is_running, "the engine thread must stop with the server"
+
+
+@pytest.fixture(scope="package")
+def offline(model_dir) -> LLM:
+    """The offline API on the same model folder: the reference for greedy outputs."""
+    return LLM(model_dir, **ENGINE_OPTIONS)

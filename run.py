@@ -131,7 +131,8 @@ def gpu_demo(args: argparse.Namespace) -> int:
             print("this engine captured no graphs (enforce_eager?) — nothing to demonstrate")
             return 1
         kv_gib = llm.engine.stats.kv_blocks_total * 16 * kv_bytes_per_token(cfg, dtype_bytes) / 2**30
-        print(f"\ncapture: {len(gr.capture_sizes)} graphs (batch sizes {gr.capture_sizes}) in {gr.capture_seconds:.2f} s; "
+        print(f"\ncapture: {len(gr.capture_sizes)} graphs (batch sizes {gr.capture_sizes}) in "
+              f"{gr.capture_seconds:.2f} s; "
               f"graph pool {gr.pool_bytes / 2**20:.1f} MiB; KV cache {llm.engine.stats.kv_blocks_total} blocks × 16 "
               f"tokens ({kv_gib:.2f} GiB); start-up {startup:.1f} s in all")
 
@@ -243,7 +244,8 @@ def logits_both_ways(runner, batch) -> tuple[torch.Tensor, torch.Tensor]:
     return ref, out
 
 
-def generation_check(llm, llm_cls, model_dir: Path, cfg: dict, dtype: str, options: dict, max_model_len: int) -> list[str]:
+def generation_check(llm, llm_cls, model_dir: Path, cfg: dict, dtype: str, options: dict,
+                     max_model_len: int) -> list[str]:
     """Greedy tokens with graphs vs an enforce_eager engine on the same weights.
 
     Why two dtypes: in bf16 the graph runs the bucket's 8 rows where eager runs 6, so GEMMs may pick

@@ -37,7 +37,6 @@ from benchmarks.common import (  # noqa: E402
     decode_bytes,
     env_info,
     fit_batch_sizes,
-    kv_blocks_needed,
     kv_bytes_per_token,
     measure_copy_bandwidth,
     model_config,
@@ -95,13 +94,15 @@ def kv_tokens_per_seq(context: int, e2e_steps: int) -> int:
     return context + E2E_WARMUP_STEPS + e2e_steps + E2E_EXTRA_TOKENS + 1
 
 
-def build_llm(model_dir: Path, cfg: dict, batch_sizes: list[int], tokens_per_seq: int, num_blocks: int,
+def engine_max_model_len(cfg: dict, tokens_per_seq: int, block_size: int) -> int:
+    """At least 1024 (a modest block-table width), at least one row's tokens, at most the model's limit."""
+    return min(max(1024, math.ceil(tokens_per_seq / block_size) * block_size), cfg["max_position_embeddings"])
+
+
+def build_llm(model_dir: Path, cfg: dict, batch_sizes: list[int], max_model_len: int, num_blocks: int,
               args: argparse.Namespace):
     from nanoserve import LLM
 
-    block = args.block_size
-    max_model_len = max(1024, math.ceil(tokens_per_seq / block) * block)
-    max_model_len = min(max_model_len, cfg["max_position_embeddings"])
     return LLM(
         str(model_dir),
         load_format="dummy",
@@ -109,7 +110,7 @@ def build_llm(model_dir: Path, cfg: dict, batch_sizes: list[int], tokens_per_seq
         dtype=args.dtype,
         max_num_seqs=batch_sizes[-1],
         max_model_len=max_model_len,
-        block_size=block,
+        block_size=args.block_size,
         num_kv_blocks=num_blocks,
         cudagraph_capture_sizes=list(batch_sizes),
         enable_prefix_caching=False,
@@ -170,7 +171,8 @@ def measure_e2e(llm, cfg: dict, b: int, args: argparse.Namespace) -> dict:
                                 max_tokens=E2E_WARMUP_STEPS + args.e2e_steps + E2E_EXTRA_TOKENS)
         gen = torch.Generator().manual_seed(1000 + b)
         for rid in ids:  # distinct random prompts: no prefix-cache sharing
-            engine.add_request(rid, torch.randint(0, cfg["vocab_size"], (args.context,), generator=gen).tolist(), params)
+            prompt = torch.randint(0, cfg["vocab_size"], (args.context,), generator=gen).tolist()
+            engine.add_request(rid, prompt, params)
         t0 = time.perf_counter()
         prefill_steps = 0
         while engine.stats.num_waiting > 0:
@@ -216,7 +218,7 @@ def measure_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict
                     "decode": [], "e2e": []}
     result["params"]["total"] = param_counts(cfg).total
     tokens = kv_tokens_per_seq(args.context, args.e2e_steps)
-    free, _total = torch.cuda.mem_get_info()
+    free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 1 << 50  # the fit check is for GPUs
     sizes, blocks = fit_batch_sizes(cfg, args.batch_sizes, tokens, args.block_size, free, dtype_bytes)
     skipped = [b for b in args.batch_sizes if b not in sizes]
     if skipped:
@@ -225,6 +227,12 @@ def measure_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict
     if not sizes:
         result["error"] = "weights + KV for batch size 1 do not fit in free GPU memory"
         return result
+    max_model_len = engine_max_model_len(cfg, tokens, args.block_size)
+    if tokens > max_model_len:
+        result["error"] = f"context {args.context} + generated tokens exceed max_position_embeddings {max_model_len}"
+        return result
+    blocks = max(blocks, math.ceil(max_model_len / args.block_size))  # the engine wants one whole row to fit
+    result["max_model_len"] = max_model_len
     result["kv_blocks_requested"] = blocks
     result["kv_gib"] = blocks * args.block_size * kv_bytes_per_token(cfg, dtype_bytes) / 2**30
     llm = runner = None
@@ -232,7 +240,7 @@ def measure_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict
         try:
             model_dir = write_model_dir(cfg, tmp)
             t0 = time.perf_counter()
-            llm = build_llm(model_dir, cfg, sizes, tokens, blocks, args)
+            llm = build_llm(model_dir, cfg, sizes, max_model_len, blocks, args)
             result["startup_seconds"] = time.perf_counter() - t0
             runner = llm.engine.model_runner
             gr = runner.graph_runner
@@ -242,7 +250,7 @@ def measure_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict
                 "pool_mib": gr.pool_bytes / 2**20,
             }
             result["kv_blocks_total"] = llm.engine.stats.kv_blocks_total
-            result["weights_gib_allocated"] = torch.cuda.memory_allocated() / 2**30
+            result["allocated_gib_after_start"] = _allocated_gib()
             print_model_header(result)
             for b in sizes:
                 rec = measure_decode(runner, cfg, b, args, bandwidth)
@@ -258,8 +266,12 @@ def measure_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict
         finally:
             gr = runner = llm = None  # noqa: F841 — drop every reference before freeing the memory
             release_cuda_memory()
-    result["allocated_gib_after_free"] = torch.cuda.memory_allocated() / 2**30
+    result["allocated_gib_after_free"] = _allocated_gib()
     return result
+
+
+def _allocated_gib() -> float | None:
+    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
 def print_model_header(result: dict) -> None:
@@ -282,7 +294,8 @@ def print_decode_row(rec: dict) -> None:
         print(f"{rec['batch_size']:>5} error: {rec['error']}")
         return
     print(f"{rec['batch_size']:>5} {_fmt(rec.get('eager_ms'), '9.3f')} {_fmt(rec.get('graph_ms'), '9.3f'):>9} "
-          f"{rec['floor_ms']:9.3f} {_fmt(rec.get('speedup'), '8.2f'):>8}x {_fmt(rec.get('graph_tokens_per_s'), '12.0f'):>12} "
+          f"{rec['floor_ms']:9.3f} {_fmt(rec.get('speedup'), '8.2f'):>8}x "
+          f"{_fmt(rec.get('graph_tokens_per_s'), '12.0f'):>12} "
           f"{_fmt(rec.get('floor_fraction'), '11.2f'):>11} {_fmt(rec.get('argmax_agree'), '9.3f'):>9}", flush=True)
 
 
@@ -318,8 +331,10 @@ def plot(report: dict, path: Path) -> Path | None:
         e2e = [r for r in m.get("e2e", []) if "step_ms" in r]
         if e2e:
             ax.plot([r["batch_size"] for r in e2e], [r["step_ms"] for r in e2e], "s", ms=8,
-                    label="engine.step() (graph)")
+                    label="engine.step(): + scheduling, sampling")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(bs, [str(b) for b in bs])
+        ax.minorticks_off()
         ax.set_yscale("log")
         ax.set_xlabel("decode batch size (rows)")
         ax.set_ylabel("ms per decode step")
@@ -359,10 +374,11 @@ def main(argv: list[str] | None = None) -> int:
         "copy_bandwidth_bytes_per_s": bandwidth,
         "models": [],
     }
+    out_json = args.out / "decode_latency.json"
     for name in args.models:
         report["models"].append(measure_model(name, args, bandwidth))
-    report["total_seconds"] = time.perf_counter() - start
-    out_json = write_json(args.out / "decode_latency.json", report)
+        report["total_seconds"] = time.perf_counter() - start
+        write_json(out_json, report)  # after every model, so a later crash keeps what was measured
     print(f"\nwrote {out_json}")
     if not args.no_plot:
         try:

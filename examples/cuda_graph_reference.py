@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
-        print(f"cuda_graph_reference: CUDA is not available (torch={torch.__version__}), so there is no graph to capture.")
+        print(f"cuda_graph_reference: CUDA is not available (torch={torch.__version__}), "
+              "so there is no graph to capture.")
         print("On a GPU it captures a tiny fp32 block, checks replay == eager and that the static input/output "
               "data_ptr()s never move, and prints eager vs copy_ + graph replay median latency.")
         return 0

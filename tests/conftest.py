@@ -1,7 +1,13 @@
 """Shared fixtures: tiny random HF-format models (llama, qwen2, qwen3), built once per test session."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # CPU CI: Triton kernels run in the interpreter (set before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

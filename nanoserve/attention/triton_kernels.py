@@ -24,15 +24,15 @@ from nanoserve.attention.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 
-# Decode tiling. A split should cover at least MIN_PARTITION tokens (less is not worth its partials),
-# and the grid aims for WAVES programs per SM so that small batches still fill the GPU.
+# Decode splits: each covers at least MIN_PARTITION tokens (less is not worth its partials), and the
+# grid aims for WAVES programs per SM so that small batches still fill the GPU.
 DECODE_MIN_PARTITION = 256
 DECODE_WAVES = 4
 DECODE_MAX_SPLITS = 128
 DECODE_NUM_WARPS = 4
-PREFILL_BLOCK_M = 64
-PREFILL_BLOCK_N = 64
-PREFILL_NUM_WARPS = 4
+# K/V tiles of at most this many bytes (64 tokens of bf16 at head_dim 128): larger ones spill registers.
+KV_TILE_BYTES = 16384
+MAX_BLOCK_N = 64
 
 
 @triton.jit
@@ -100,11 +100,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-                   part_acc_ptr, part_ml_ptr, qk_scale, partition_size,
+                   part_acc_ptr, part_ml_ptr, qk_scale, partition_size, num_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                   SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    DOT_UPCAST: tl.constexpr):
     seq = tl.program_id(0)
@@ -146,13 +146,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                         + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
             m_i = m_new
-        if NUM_SPLITS == 1:
+        if not SPLIT:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
         else:
-            # Partials are [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM] and [..., 2], contiguous.
-            part = (seq * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * NUM_SPLITS + split
+            # Partials are [num_seqs, num_heads, num_splits, HEAD_DIM] and [..., 2], contiguous.
+            part = (seq * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * num_splits + split
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
                      mask=row_ok[:, None] & dim_ok[None, :])
             tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
@@ -160,8 +160,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
 
 
 @triton.jit
-def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, partition_size,
-                          stride_ob, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, partition_size, num_splits,
+                          stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -170,7 +170,7 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, 
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
     split_ok = splits < num_valid
-    part = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS + splits
+    part = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits + splits
     m = tl.load(part_ml_ptr + part * 2, mask=split_ok, other=float("-inf"))
     l = tl.load(part_ml_ptr + part * 2 + 1, mask=split_ok, other=0.0)
     m_max = tl.max(m, 0)
@@ -215,7 +215,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = num_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
     block_d = max(16, _pow2(head_dim))
-    block_n = 64 if block_d <= 128 else 32
+    block_n = _kv_tile_tokens(block_d, k_cache.element_size())
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context, _num_sms(q.device))
     # Partitions are whole tiles; recount so that no split is empty for a full-length context.
@@ -229,16 +229,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_acc = part_ml = out  # unused by the single-split kernel
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, scale * _LOG2E, partition_size,
+        num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
         BLOCK_G=max(16, _pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         **_dot_args(q.device, k_cache.dtype), num_warps=DECODE_NUM_WARPS)
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_acc, part_ml, context_lens, out, partition_size, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits), BLOCK_D=_pow2(head_dim),
+            part_acc, part_ml, context_lens, out, partition_size, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_S=_pow2(num_splits), BLOCK_D=_pow2(head_dim),
             num_warps=4)
     return out
 
@@ -252,12 +253,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_l
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                    Q_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
     kv_head = tl.program_id(2)
-    Q_PER_TILE: tl.constexpr = BLOCK_M // GROUP
     q_begin = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
     context_len = tl.load(context_lens_ptr + seq)
@@ -324,16 +324,17 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     _require_unit_last_stride(prefill_attention=(q, k_cache, v_cache, meta.block_tables))
     group = num_heads // num_kv_heads
-    block_m = max(PREFILL_BLOCK_M, _pow2(group))
-    grid = (meta.num_seqs, triton.cdiv(meta.max_seqlen_q, block_m // group), num_kv_heads)
+    block_m, block_n, num_warps = _prefill_tiles(max(16, _pow2(head_dim)), k_cache.element_size(), group)
+    q_per_tile = block_m // group  # rows are (token, head) pairs; a non-power-of-two group leaves a few idle
+    grid = (meta.num_seqs, triton.cdiv(meta.max_seqlen_q, q_per_tile), num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q, out, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
-        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N,
+        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, Q_PER_TILE=q_per_tile, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, _pow2(head_dim)), **_dot_args(q.device, k_cache.dtype),
-        num_warps=PREFILL_NUM_WARPS)
+        num_warps=num_warps)
     return out
 
 
@@ -385,6 +386,17 @@ def _can_use_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
 
 def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(n)))
+
+
+def _kv_tile_tokens(block_d: int, element_size: int) -> int:
+    return max(16, min(MAX_BLOCK_N, KV_TILE_BYTES // (block_d * element_size)))
+
+
+def _prefill_tiles(block_d: int, element_size: int, group: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) that compile without register spills on sm_90 (checked with ptxas)."""
+    block_m = 32 if element_size >= 4 and block_d >= 256 else 64
+    num_warps = 4 if element_size <= 2 and block_d <= 128 else 8
+    return max(block_m, _pow2(group)), _kv_tile_tokens(block_d, element_size), num_warps
 
 
 def _dot_args(device: torch.device, dtype: torch.dtype) -> dict:

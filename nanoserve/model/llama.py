@@ -132,7 +132,7 @@ class LlamaAttentionBlock(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn(q, k, v, meta)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -49,6 +49,7 @@ class StaticDecodeInputs:
         self.host = torch.zeros(size, dtype=torch.int32, pin_memory=on_cuda)
         self.host_np = self.host.numpy()
         self.device_buf = torch.zeros(size, dtype=torch.int32, device=device) if on_cuda else self.host
+        self.copied = torch.cuda.Event() if on_cuda else None  # the host mirror is reused only after its last copy
 
     def views(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids, positions, metadata) over the buffer's region for `rows` rows."""
@@ -65,6 +66,8 @@ class StaticDecodeInputs:
         """Write batch into the region for `rows` ≥ batch.size rows; rows past it become padding."""
         b, r, h = batch.size, rows, self.host_np
         w = batch.block_tables.shape[1]
+        if self.copied is not None:
+            self.copied.synchronize()
         h[0:b], h[b:r] = batch.input_ids, 0
         h[r:r + b], h[r + b:2 * r] = batch.positions, 0
         h[2 * r:2 * r + b], h[2 * r + b:3 * r] = batch.slot_mapping, self.dummy_slot
@@ -74,8 +77,9 @@ class StaticDecodeInputs:
         tables[:b, w:] = self.dummy_block
         tables[b:] = self.dummy_block
         n = 4 * r + r * self.max_blocks
-        if self.device_buf is not self.host:
+        if self.copied is not None:
             self.device_buf[:n].copy_(self.host[:n], non_blocking=True)
+            self.copied.record()
 
 
 class GraphRunner:

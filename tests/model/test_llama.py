@@ -343,3 +343,47 @@ def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
         if isinstance(value, torch.Tensor):
             fields[name] = value.to(device)
     return AttentionMetadata(**fields)
+
+
+@torch.inference_mode()
+def test_tiny_models_greedy_decode_is_varied_and_matches_hf(tiny_model_dirs, hf_models):
+    """The random weights are large enough that greedy text wanders, and our greedy tokens equal HF generate()."""
+    from transformers import AutoTokenizer
+
+    for arch, d in tiny_model_dirs.items():
+        tok = AutoTokenizer.from_pretrained(str(d))
+        model = ours(d)
+        kv = PagedKV(model, num_blocks=64, block_size=4)
+        prompts = [tok.encode(p) for p in ("Hello, world!", "The capital of France is", "Write a poem")]
+        tables: list[list[int]] = [[] for _ in prompts]
+        logits = model.compute_logits(model(*prefill_batch(kv, tables, prompts, [0] * len(prompts))))
+        last_rows = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+        generated = [[t] for t in logits[last_rows].argmax(-1).tolist()]
+        for _ in range(19):
+            positions = [len(p) + len(g) - 1 for p, g in zip(prompts, generated)]
+            logits = model.compute_logits(model(*decode_batch(kv, tables, [g[-1] for g in generated], positions)))
+            for g, t in zip(generated, logits.argmax(-1).tolist()):
+                g.append(t)
+        for prompt, out in zip(prompts, generated):
+            ref = hf_models[arch].generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            assert out == ref, arch
+            assert len(set(out)) >= 10, (arch, out)
+        assert len({tuple(g) for g in generated}) == len(prompts)
+
+
+def test_make_tiny_model_is_deterministic_and_configurable(tmp_path):
+    from safetensors.torch import load_file
+
+    from nanoserve.tiny import make_tiny_model
+
+    a = load_file(str(make_tiny_model(tmp_path / "a", "llama", seed=7) / "model.safetensors"))
+    b = load_file(str(make_tiny_model(tmp_path / "b", "llama", seed=7) / "model.safetensors"))
+    c = load_file(str(make_tiny_model(tmp_path / "c", "llama", seed=8) / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a) and not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    d = make_tiny_model(tmp_path / "d", "llama", num_hidden_layers=3, tie_word_embeddings=True)
+    model = ours(d)
+    assert model.num_layers == 3 and model.lm_head is None
+    with pytest.raises(ValueError, match="arch must be one of"):
+        make_tiny_model(tmp_path / "e", "gpt2")

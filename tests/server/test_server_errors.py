@@ -1,0 +1,178 @@
+"""Malformed and hostile requests get the right 4xx in OpenAI's error format, engine failures a 500 or
+503, and the server keeps serving after each."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+MODEL = "tiny"  # served_model_name of the `live` server (tests/server/conftest.py)
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "Hi"}]
+
+
+def cmpl(**fields):
+    return {"model": MODEL, "prompt": "Hello", "max_tokens": 2, **fields}
+
+
+def chat(**fields):
+    return {"model": MODEL, "messages": MSGS, "max_tokens": 2, **fields}
+
+
+def without(body: dict, key: str) -> dict:
+    return {k: v for k, v in body.items() if k != key}
+
+
+# (id, method, path, body (dict → JSON, str → raw bytes), headers override, status, words the message must hold)
+CASES = [
+    ("bad-json", "POST", CMPL, '{"model": "tiny", "prompt": ', None, 400, "not valid JSON"),
+    ("empty-body", "POST", CMPL, "", None, 400, "JSON"),
+    ("json-array", "POST", CMPL, "[1, 2]", None, 400, "JSON object"),
+    ("json-string", "POST", CHAT, '"hello"', None, 400, "JSON object"),
+    ("missing-model", "POST", CMPL, without(cmpl(), "model"), None, 400, "model"),
+    ("missing-prompt", "POST", CMPL, without(cmpl(), "prompt"), None, 400, "prompt"),
+    ("unknown-field", "POST", CMPL, cmpl(best_of_luck=3), None, 400, "Unrecognized request argument supplied: "
+                                                                      "best_of_luck"),
+    ("unknown-model", "POST", CMPL, cmpl(model="gpt-9"), None, 404, "gpt-9"),
+    ("negative-max-tokens", "POST", CMPL, cmpl(max_tokens=-5), None, 400, "max_tokens"),
+    ("zero-max-tokens", "POST", CMPL, cmpl(max_tokens=0), None, 400, "max_tokens"),
+    ("string-max-tokens", "POST", CMPL, cmpl(max_tokens="5"), None, 400, "max_tokens"),
+    ("bool-max-tokens", "POST", CMPL, cmpl(max_tokens=True), None, 400, "max_tokens"),
+    ("negative-temperature", "POST", CMPL, cmpl(temperature=-1), None, 400, "temperature"),
+    ("string-temperature", "POST", CMPL, cmpl(temperature="hot"), None, 400, "temperature"),
+    ("top-p-2", "POST", CMPL, cmpl(top_p=2), None, 400, "top_p"),
+    ("top-p-0", "POST", CMPL, cmpl(top_p=0), None, 400, "top_p"),
+    ("top-k-minus-2", "POST", CMPL, cmpl(top_k=-2), None, 400, "top_k"),
+    ("min-p-1.5", "POST", CMPL, cmpl(min_p=1.5), None, 400, "min_p"),
+    ("n-0", "POST", CMPL, cmpl(n=0), None, 400, "n must be"),
+    ("huge-n", "POST", CMPL, cmpl(n=100000), None, 400, "n must be"),
+    ("presence-penalty-3", "POST", CMPL, cmpl(presence_penalty=3), None, 400, "presence_penalty"),
+    ("frequency-penalty--2.5", "POST", CHAT, chat(frequency_penalty=-2.5), None, 400, "frequency_penalty"),
+    ("repetition-penalty-0", "POST", CMPL, cmpl(repetition_penalty=0), None, 400, "repetition_penalty"),
+    ("min-tokens-over-max", "POST", CMPL, cmpl(min_tokens=5, max_tokens=2), None, 400, "min_tokens"),
+    ("logprobs-21", "POST", CMPL, cmpl(logprobs=21), None, 400, "logprobs"),
+    ("logprobs-negative", "POST", CMPL, cmpl(logprobs=-1), None, 400, "logprobs"),
+    ("stop-int", "POST", CMPL, cmpl(stop=5), None, 400, "stop"),
+    ("stop-empty-string", "POST", CMPL, cmpl(stop=[""]), None, 400, "stop"),
+    ("stop-token-ids-negative", "POST", CMPL, cmpl(stop_token_ids=[-1]), None, 400, "stop_token_ids"),
+    ("seed-string", "POST", CMPL, cmpl(seed="42"), None, 400, "seed"),
+    ("stream-string", "POST", CMPL, cmpl(stream="yes"), None, 400, "stream"),
+    ("stream-options-unknown", "POST", CMPL, cmpl(stream=True, stream_options={"usage": True}), None, 400,
+     "stream_options.usage"),
+    ("prompt-empty-list", "POST", CMPL, cmpl(prompt=[]), None, 400, "prompt"),
+    ("prompt-empty-string", "POST", CMPL, cmpl(prompt=""), None, 400, "empty"),
+    ("prompt-dict", "POST", CMPL, cmpl(prompt={"text": "hi"}), None, 400, "prompt"),
+    ("prompt-mixed-list", "POST", CMPL, cmpl(prompt=[[1, 2], "x"]), None, 400, "prompt"),
+    ("token-id-negative", "POST", CMPL, cmpl(prompt=[1, -1]), None, 400, "token id -1"),
+    ("token-id-huge", "POST", CMPL, cmpl(prompt=[1, 10**9]), None, 400, "vocabulary"),
+    ("token-id-float", "POST", CMPL, cmpl(prompt=[1, 2.5]), None, 400, "prompt"),
+    ("prompt-too-long-ids", "POST", CMPL, cmpl(prompt=[5] * 300), None, 400, "max_model_len"),
+    ("prompt-too-long-text", "POST", CMPL, cmpl(prompt="hello world " * 400), None, 400, "max_model_len"),
+    ("one-bad-prompt-in-list", "POST", CMPL, cmpl(prompt=["fine", "hello world " * 400]), None, 400, "max_model_len"),
+    ("chat-empty-messages", "POST", CHAT, chat(messages=[]), None, 400, "messages"),
+    ("chat-missing-messages", "POST", CHAT, without(chat(), "messages"), None, 400, "messages"),
+    ("chat-missing-role", "POST", CHAT, chat(messages=[{"content": "hi"}]), None, 400, "role"),
+    ("chat-bad-role", "POST", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), None, 400, "role"),
+    ("chat-content-int", "POST", CHAT, chat(messages=[{"role": "user", "content": 7}]), None, 400, "content"),
+    ("chat-image-part", "POST", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), None, 400, "content"),
+    ("chat-messages-not-list", "POST", CHAT, chat(messages="hi"), None, 400, "messages"),
+    ("chat-top-logprobs-without-logprobs", "POST", CHAT, chat(top_logprobs=2), None, 400, "top_logprobs"),
+    ("chat-top-logprobs-50", "POST", CHAT, chat(logprobs=True, top_logprobs=50), None, 400, "top_logprobs"),
+    ("chat-logprobs-int", "POST", CHAT, chat(logprobs=5), None, 400, "logprobs"),
+    ("chat-max-completion-tokens-negative", "POST", CHAT, chat(max_completion_tokens=-1), None, 400, "max_tokens"),
+    ("chat-broken-template", "POST", CHAT, chat(chat_template="{% for %}"), None, 400, "chat template"),
+    ("chat-template-raises", "POST", CHAT, chat(chat_template="{{ raise_exception('roles must alternate') }}"),
+     None, 400, "roles must alternate"),
+    ("chat-unknown-model", "POST", CHAT, chat(model="other"), None, 404, "other"),
+    ("no-api-key", "POST", CMPL, cmpl(), {"Authorization": ""}, 401, "API key"),
+    ("wrong-api-key", "POST", CMPL, cmpl(), {"Authorization": "Bearer nope"}, 401, "API key"),
+    ("wrong-auth-scheme", "GET", "/v1/models", None, {"Authorization": "Basic c2stdGVzdC1rZXk="}, 401, "API key"),
+    ("bad-key-beats-bad-body", "POST", CMPL, "{not json", {"Authorization": "Bearer nope"}, 401, "API key"),
+    ("unknown-route", "POST", "/v1/engines", cmpl(), None, 404, "Not Found"),
+    ("wrong-method", "GET", CMPL, None, None, 405, "Method Not Allowed"),
+]
+
+
+@pytest.mark.parametrize("method,path,body,headers,status,words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_request(live, method, path, body, headers, status, words):
+    with live.http() as http:
+        content = body if isinstance(body, str) or body is None else json.dumps(body)
+        r = http.request(method, path, content=content,
+                         headers={"Content-Type": "application/json", **(headers or {})})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert words in err["message"], err
+    assert err["type"]
+
+
+def test_still_serving_after_bad_requests(live):
+    r = live.client().completions.create(model=MODEL, prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+    live.wait_idle()
+
+
+def test_unknown_model_is_openai_not_found(live):
+    with pytest.raises(openai.NotFoundError) as err:
+        live.client().completions.create(model="gpt-4", prompt="Hi", max_tokens=1)
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+
+
+def test_health_and_metrics_need_no_key(live):
+    with live.http(auth=False) as http:
+        assert http.get("/health").status_code == 200
+        assert http.get("/metrics").status_code == 200
+        assert http.get("/v1/models").status_code == 401
+
+
+def test_queue_full_is_503(live, monkeypatch):
+    monkeypatch.setattr(live.engine.config, "max_waiting_requests", 0)  # every add now finds the queue "full"
+    with pytest.raises(openai.InternalServerError) as err:
+        live.client().completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert err.value.status_code == 503 and err.value.body["code"] == "queue_full"
+    monkeypatch.undo()
+    assert live.client().completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices
+
+
+def _fail_next_step(monkeypatch, engine):
+    """The next engine.step() raises (once), as a CUDA error or a bug would."""
+    real_step = engine.step
+
+    def failing_step():
+        monkeypatch.setattr(engine, "step", real_step)
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(engine, "step", failing_step)
+
+
+def test_step_failure_fails_requests_with_500_and_keeps_serving(live, monkeypatch):
+    client = live.client()
+    errors_before = live.metrics()
+    _fail_next_step(monkeypatch, live.engine)
+    with pytest.raises(openai.InternalServerError) as err:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+    assert err.value.status_code == 500 and "injected step failure" in err.value.body["message"]
+    live.wait_idle()  # the failed request was aborted: its blocks are free
+
+    _fail_next_step(monkeypatch, live.engine)
+    with pytest.raises(openai.APIError) as err:  # streaming: the error arrives as an SSE event
+        for _ in client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, stream=True):
+            pass
+    assert "injected step failure" in str(err.value)
+    live.wait_idle()
+
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=3, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+    after = live.metrics()
+    assert live.metric(after, "nanoserve_engine_step_errors_total") - \
+        live.metric(errors_before, "nanoserve_engine_step_errors_total") == 2
+    assert live.metric(after, "nanoserve_completions_finished_total", reason="error") - \
+        live.metric(errors_before, "nanoserve_completions_finished_total", reason="error") == 2
+    assert httpx_health(live) == 200
+
+
+def httpx_health(live) -> int:
+    with live.http() as http:
+        return http.get("/health").status_code

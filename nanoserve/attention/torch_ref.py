@@ -58,7 +58,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (masked beyond context_lens): simple and correct, not fast.
     """
     num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     tables = block_tables.long()
     k = k_cache[tables].flatten(1, 2).to(torch.float32)  # [S, L, Hkv, D]
@@ -69,5 +69,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     valid = positions[None, :] < context_lens[:, None].long()  # [S, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    v = torch.where(valid[:, :, None, None], v, 0.0)  # unwritten slots may hold anything, NaN included
     out = torch.einsum("skgl,slkd->skgd", probs, v)
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)

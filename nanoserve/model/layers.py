@@ -7,11 +7,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.attention import paged_attention
 from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.model import fused_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -25,10 +25,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        x = x + residual
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps), x
+        return fused_ops.rms_norm(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -119,7 +116,7 @@ class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate-half, as in HF Llama/Qwen) from a cos/sin table precomputed for every position.
 
     The table is built on the CPU even when the model is constructed on the meta device, and follows the
-    model with .to(device). Row p holds [cos, cos, -sin, sin] so applying it is one cat and one addcmul.
+    model with .to(device). Row p holds [cos, cos, -sin, sin]: fused_ops.qk_norm_rope applies it.
     """
 
     def __init__(self, head_dim: int, max_position: int, params: dict, dtype: torch.dtype) -> None:
@@ -132,23 +129,6 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([cos, cos, -sin, sin], dim=-1).to(dtype)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] → (cos, signed sin), each [T, 1, head_dim], broadcastable over heads."""
-        cos_sin = F.embedding(positions, self.cos_sin_cache).unsqueeze(1)
-        return cos_sin[..., : self.head_dim], cos_sin[..., self.head_dim:]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, N, D] rotated: x * cos + [x2, x1] * [-sin, sin], i.e. HF's x * cos + rotate_half(x) * sin."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2I] holding [gate, up] → silu(gate) * up, [..., I]."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
 
 class MLP(nn.Module):
     """SwiGLU MLP with gate and up projections merged into one matmul."""
@@ -159,7 +139,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class Attention(nn.Module):

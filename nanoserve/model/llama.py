@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.model.layers import (MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary, rope_inv_freq,
-                                    rope_parameters)
+from nanoserve.model import fused_ops
+from nanoserve.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding, rope_inv_freq, rope_parameters
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -122,15 +122,15 @@ class LlamaAttentionBlock(nn.Module):
             self.q_norm = self.k_norm = None
         self.attn = Attention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None)
+        q, k = fused_ops.qk_norm_rope(q, k, cos_sin_cache, positions, *norms)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -143,14 +143,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it); their sum is HF's hidden state."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, meta)
+        x = self.self_attn(x, positions, cos_sin_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -165,10 +165,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, meta)
+            x, residual = layer(x, residual, positions, self.rotary_emb.cos_sin_cache, meta)
         x, _ = self.norm(x, residual)
         return x
 

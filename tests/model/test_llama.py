@@ -259,12 +259,13 @@ def test_rope_table_applies_scale_and_positions():
     params = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
     rope = RotaryEmbedding(16, 256, params, torch.float32)
     inv_freq, scale = rope_inv_freq(16, params, 256)
-    cos, sin = rope(torch.tensor([0, 5, 255]))
-    assert cos.shape == sin.shape == (3, 1, 16)
+    rows = rope.cos_sin_cache[torch.tensor([0, 5, 255])]
+    assert rows.shape == (3, 32)  # [cos, cos, -sin, sin] per position
     angles = torch.tensor([0.0, 5.0, 255.0])[:, None] * inv_freq
-    torch.testing.assert_close(cos[:, 0, :8], angles.cos() * scale)
-    torch.testing.assert_close(sin[:, 0, 8:], angles.sin() * scale)
-    torch.testing.assert_close(sin[:, 0, :8], -angles.sin() * scale)
+    torch.testing.assert_close(rows[:, :8], angles.cos() * scale)
+    torch.testing.assert_close(rows[:, 8:16], angles.cos() * scale)
+    torch.testing.assert_close(rows[:, 16:24], -angles.sin() * scale)
+    torch.testing.assert_close(rows[:, 24:], angles.sin() * scale)
 
 
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "made_up"])

@@ -31,7 +31,9 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(config.max_model_len, config.block_size)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # pin an index: graphs, pools and streams belong to one device
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, hf_config, self.dtype, self.device, config.load_format)

@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 import uvicorn
@@ -27,11 +27,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import LLMEngine, QueueFullError, RequestOutput
 from nanoserve.sampling import SamplingParams
-from nanoserve.server.async_engine import AsyncEngine, EngineStepError, EngineStoppedError, RequestStream
+from nanoserve.server.async_engine import AsyncEngine, EngineError, EngineStoppedError, RequestStream
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 logger = logging.getLogger("nanoserve.server")
 
+MAX_BODY_BYTES = 32 * 2**20  # a 32k-token prompt as token ids is ~0.3 MiB of JSON
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                0.75, 1.0, 2.5)
@@ -142,9 +143,13 @@ class _Tracker:
 # ---- ASGI pieces ---------------------------------------------------------------------------------
 
 
+class _BodyTooLarge(Exception):
+    pass
+
+
 class _V1Middleware:
-    """For /v1 routes: checks the API key before anything else (so a bad key is 401 even for a bad body)
-    and counts responses by status code."""
+    """For /v1 routes: checks the API key before anything else (so a bad key is 401 even for a bad body),
+    refuses bodies over MAX_BODY_BYTES, and counts responses by status code."""
 
     def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
         self.app, self.api_key, self.metrics = app, api_key, metrics
@@ -160,12 +165,26 @@ class _V1Middleware:
                 status = message["status"]
             await send(message)
 
+        received = 0
+
+        async def limited_receive():  # bodies sent without Content-Length (chunked) are counted as they come
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > MAX_BODY_BYTES:
+                raise _BodyTooLarge()  # FastAPI turns a failed body read into a 400
+            return message
+
         try:
             if self.api_key is not None and not self._authorized(scope):
                 resp = APIError(401, "Invalid or missing API key: send the header 'Authorization: Bearer <key>'.",
                                 code="invalid_api_key").response()
                 return await resp(scope, receive, counting_send)
-            await self.app(scope, receive, counting_send)
+            length = dict(scope["headers"]).get(b"content-length", b"0")
+            if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+                resp = APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.").response()
+                return await resp(scope, receive, counting_send)
+            await self.app(scope, limited_receive, counting_send)
         finally:
             self.metrics.requests.labels(str(status)).inc()
 
@@ -181,27 +200,31 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str]):
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
         super().__init__(content, headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
-        async with anyio.create_task_group() as tg:
+        try:
+            async with anyio.create_task_group() as tg:
 
-            async def stream() -> None:
-                try:
-                    await self.stream_response(send)
-                except OSError:  # the socket went away mid-send
-                    pass
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the socket went away mid-send
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
-
-            tg.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            tg.cancel_scope.cancel()
-        # a cancel that hit while the generator sat at a `yield` leaves it suspended: close it now so its
-        # cleanup (the abort) runs here rather than whenever it is garbage-collected
-        aclose = getattr(self.body_iterator, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        finally:
+            # a cancel that hit while the generator sat at a `yield` (or before it started) leaves its own
+            # cleanup unrun: close it, and abort through on_close, now rather than at garbage collection
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            self.on_close()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -209,8 +232,22 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
+def _close(stream: RequestStream, tracker: _Tracker) -> None:
+    """Abort what is unfinished (the client left) and count it; a no-op once everything finished."""
+    if not stream.finished:
+        tracker.end("abort")
+    stream.close()
+
+
+def _finite(logprob: float | None) -> float | None:
+    """-inf (and NaN) are not JSON: report them as -9999.0 (vLLM's convention for impossible tokens)."""
+    if logprob is None:
+        return None
+    return max(-9999.0, logprob)
+
+
 def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 # ---- the app -------------------------------------------------------------------------------------
@@ -235,12 +272,17 @@ class OpenAIServer:
                            param="model", code="model_not_found")
 
     @staticmethod
-    def sampling_params(kwargs: dict) -> SamplingParams:
+    def sampling_params(kwargs: dict, names: dict[str, str] | None = None) -> SamplingParams:
+        """SamplingParams(**kwargs); its ValueError becomes a 400 naming the request's own field
+        (`names` maps SamplingParams names to request names where they differ)."""
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:  # SamplingParams names the field first: "top_p must be ..."
-            field = str(e).split(" ", 1)[0]
-            raise APIError(400, str(e), param=field if field in kwargs else None) from None
+            field, _, rest = str(e).partition(" ")
+            if field not in kwargs:
+                raise APIError(400, str(e)) from None
+            field = (names or {}).get(field, field)
+            raise APIError(400, f"{field} {rest}", param=field) from None
 
     async def start(self, prompts: list, params: SamplingParams, prefix: str) -> tuple[RequestStream, _Tracker]:
         rid = f"{prefix}-{uuid.uuid4().hex}"
@@ -265,13 +307,11 @@ class OpenAIServer:
                 async for i, out in stream:
                     tracker.observe(i, out)
                     last[i] = out
-            except EngineStepError as e:
+            except EngineError as e:
                 tracker.end("error")
                 raise APIError(500, str(e), type="server_error", code="engine_error") from None
             finally:
-                if not stream.finished:
-                    tracker.end("abort")
-                stream.close()
+                _close(stream, tracker)
             return last
 
         task = asyncio.ensure_future(run())
@@ -299,10 +339,10 @@ class OpenAIServer:
         for tid, lp in zip(token_ids, logprobs or []):
             s = self.token_str(tid)
             tokens.append(s)
-            token_lps.append(lp.get(tid))
+            token_lps.append(_finite(lp.get(tid)))
             top: dict[str, float] = {}
             for t, v in sorted(lp.items(), key=lambda kv: -kv[1]):
-                top.setdefault(self.token_str(t), v)  # tokens that decode alike (partial UTF-8): keep the likeliest
+                top.setdefault(self.token_str(t), _finite(v))  # tokens decoding alike (partial UTF-8): keep the first
             tops.append(top)
             offsets.append(offset)
             offset += len(s)
@@ -318,7 +358,7 @@ class OpenAIServer:
 
     def _chat_token(self, token_id: int, logprob: float | None) -> dict:
         s = self.token_str(token_id)
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": _finite(logprob), "bytes": list(s.encode("utf-8"))}
 
     @staticmethod
     def usage(last: dict[int, RequestOutput]) -> dict:
@@ -337,7 +377,8 @@ class OpenAIServer:
         head = {"id": stream.request_ids[0].rsplit("-", 1)[0], "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name}
         if body.stream:
-            return SSEResponse(self._completion_events(stream, tracker, head, params.n, body))
+            return SSEResponse(self._completion_events(stream, tracker, head, params.n, body),
+                               on_close=lambda: _close(stream, tracker))
         last = await self.collect(request, stream, tracker)
         choices = []
         for i in sorted(last):
@@ -378,13 +419,11 @@ class OpenAIServer:
                     yield _sse({**head, "choices": [choice], **extra})
             if body.include_usage:
                 yield _sse({**head, "choices": [], "usage": self.usage(last)})
-        except EngineStepError as e:
+        except EngineError as e:
             tracker.end("error")
             yield _sse(error_body(str(e), "server_error", None, "engine_error"))
         finally:
-            if not stream.finished:
-                tracker.end("abort")
-            stream.close()
+            _close(stream, tracker)
         yield "data: [DONE]\n\n"
 
     # -- /v1/chat/completions --
@@ -410,13 +449,17 @@ class OpenAIServer:
             raise APIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
         prompt_ids = self.chat_prompt(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        names = {"logprobs": "top_logprobs"}
+        if body.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
         params = self.sampling_params({**body.sampling_kwargs(), "max_tokens": max_tokens,
-                                       "logprobs": (body.top_logprobs or 0) if body.logprobs else None})
+                                       "logprobs": (body.top_logprobs or 0) if body.logprobs else None}, names)
         stream, tracker = await self.start([prompt_ids], params, "chatcmpl")
         head = {"id": stream.request_ids[0].rsplit("-", 1)[0], "created": int(time.time()), "model": self.model_name}
         num_top = body.top_logprobs or 0
         if body.stream:
-            return SSEResponse(self._chat_events(stream, tracker, head, num_top, body))
+            return SSEResponse(self._chat_events(stream, tracker, head, num_top, body),
+                               on_close=lambda: _close(stream, tracker))
         last = await self.collect(request, stream, tracker)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, num_top) if body.logprobs else None,
@@ -457,13 +500,11 @@ class OpenAIServer:
                     yield _sse({**head, "choices": [choice], **extra})
             if body.include_usage:
                 yield _sse({**head, "choices": [], "usage": self.usage(last)})
-        except EngineStepError as e:
+        except EngineError as e:
             tracker.end("error")
             yield _sse(error_body(str(e), "server_error", None, "engine_error"))
         finally:
-            if not stream.finished:
-                tracker.end("abort")
-            stream.close()
+            _close(stream, tracker)
         yield "data: [DONE]\n\n"
 
     def models(self) -> dict:
@@ -606,4 +647,4 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(config, api_key=api_key, served_model_name=served_model_name)
     logger.info("serving %s on http://%s:%d/v1", app.state.server.model_name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)

@@ -14,6 +14,8 @@ import queue
 import threading
 from dataclasses import dataclass
 
+import torch
+
 from nanoserve.engine.engine import LLMEngine, RequestOutput
 from nanoserve.sampling import SamplingParams
 
@@ -22,23 +24,27 @@ logger = logging.getLogger("nanoserve.server")
 Prompt = str | list[int]
 
 
-class EngineStepError(RuntimeError):
+class EngineError(RuntimeError):
+    """A request was ended by the engine side, not by anything in the request (the server answers 5xx)."""
+
+
+class EngineStepError(EngineError):
     """engine.step() raised: every in-flight request was aborted; the engine keeps serving new ones."""
 
 
-class EngineStoppedError(RuntimeError):
-    """The engine thread is not running (not started yet, shut down, or crashed)."""
+class EngineStoppedError(EngineError):
+    """The engine thread is not running (not started yet, or shut down)."""
 
 
 class RequestStream:
     """The outputs of a group of engine requests (one per prompt) as (prompt index, RequestOutput).
 
     Outputs are cumulative, like LLMEngine.step()'s. Iteration ends when every request has
-    finished; it raises EngineStepError if the engine failed under it. close() aborts whatever is
+    finished; it raises an EngineError if the engine failed or stopped under it. close() aborts whatever is
     unfinished (and frees its KV blocks): call it in a finally block, it is a no-op when done.
     """
 
-    def __init__(self, engine: "AsyncEngine", request_ids: list[str], loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], loop: asyncio.AbstractEventLoop):
         self.request_ids = request_ids
         self._engine = engine
         self._loop = loop
@@ -49,7 +55,7 @@ class RequestStream:
     def finished(self) -> bool:
         return not self._unfinished
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> tuple[int, RequestOutput]:
@@ -105,6 +111,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._streams: dict[str, tuple[RequestStream, int]] = {}  # engine thread only
         self._stats = copy.copy(engine.stats)
+        # the engine made its device current on this (the constructing) thread; the engine thread repeats that
+        on_cuda = engine.config.torch_device.type == "cuda"
+        self._cuda_device = torch.cuda.current_device() if on_cuda else None
         self.step_errors = 0
 
     # ---- event-loop side -------------------------------------------------------------------
@@ -160,6 +169,8 @@ class AsyncEngine:
     # ---- engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self._cuda_device is not None:  # the current CUDA device is per thread: launch where the cache lives
+            torch.cuda.set_device(self._cuda_device)
         logger.info("engine thread started")
         while True:
             self._wakeup.clear()  # cleared before draining: a command sent after this sets it again

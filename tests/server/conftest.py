@@ -54,13 +54,13 @@ class LiveServer:
         return self.app.state.engine
 
     def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60, **kw)
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.api_key, max_retries=0, timeout=60, **kw)
 
     def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=self.api_key, max_retries=0, timeout=60)
 
     def http(self, auth: bool = True) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {API_KEY}"} if auth else {}
+        headers = {"Authorization": f"Bearer {self.api_key}"} if auth else {}
         return httpx.Client(base_url=self.base_url, headers=headers, timeout=60)
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
@@ -92,6 +92,12 @@ def model_dir(tiny_model_dirs) -> str:
     return str(tiny_model_dirs[ARCH])
 
 
+def stop_uvicorn(app, server: uvicorn.Server, thread: threading.Thread) -> None:
+    server.should_exit = True
+    thread.join(30)
+    assert not app.state.async_engine.is_running, "the engine thread must stop with the server"
+
+
 @pytest.fixture(scope="package")
 def live(model_dir):
     app = build_app(model_dir, api_key=API_KEY, served_model_name=MODEL, **ENGINE_OPTIONS)
@@ -99,9 +105,22 @@ def live(model_dir):
     try:
         yield LiveServer(app, base_url)
     finally:
-        server.should_exit = True
-        thread.join(30)
-    assert not app.state.async_engine.is_running, "the engine thread must stop with the server"
+        stop_uvicorn(app, server, thread)
+
+
+@pytest.fixture
+def serve_app():
+    """serve_app(app) → LiveServer for an app of the test's own (stopped when the test ends)."""
+    started = []
+
+    def start(app) -> LiveServer:
+        server, thread, base_url = start_uvicorn(app)
+        started.append((app, server, thread))
+        return LiveServer(app, base_url)
+
+    yield start
+    for app, server, thread in started:
+        stop_uvicorn(app, server, thread)
 
 
 @pytest.fixture(scope="package")

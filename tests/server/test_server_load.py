@@ -9,8 +9,10 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from nanoserve import SamplingParams
+from nanoserve.server import build_app
 
 MODEL = "tiny"  # served_model_name of the `live` server (tests/server/conftest.py)
 NUM_CLIENTS = 64
@@ -113,11 +115,10 @@ def test_streaming_client_disconnect_aborts_and_frees_blocks(live, slow_steps):
 
 def test_non_streaming_client_disconnect_aborts_and_frees_blocks(live, slow_steps):
     aborted = _aborted(live)
-    with live.http() as http:
-        with pytest.raises(httpx.ReadTimeout):
-            http.post("/v1/chat/completions", timeout=0.5,
-                      json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200,
-                            "ignore_eos": True})
+    with live.http() as http, pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/chat/completions", timeout=0.5,
+                  json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200,
+                        "ignore_eos": True})
     t0 = time.monotonic()
     live.wait_idle(timeout=5)
     assert time.monotonic() - t0 < 2.0, "the request must have been aborted when the client left (>= 3 s to go)"
@@ -205,3 +206,29 @@ def test_idle_engine_thread_sleeps(live, monkeypatch):
     assert calls == {"step": 0, "poll": 0}
     r = live.client().completions.create(model=MODEL, prompt="wake up", max_tokens=2, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 2 and calls["step"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_server_decodes_by_graph_replay(model_dir, serve_app):
+    """On a GPU the server's decode steps replay CUDA graphs; /metrics shows it (and the padded rows)."""
+    app = build_app(model_dir, device="cuda", max_num_seqs=8, max_model_len=256, show_progress=False,
+                    served_model_name=MODEL)
+    server = serve_app(app)
+
+    async def one(client, i):
+        r = await client.completions.create(model=MODEL, prompt=f"GPU request {i}", max_tokens=16, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        return r.usage.completion_tokens
+
+    async def main():
+        async with server.async_client() as client:
+            return await asyncio.gather(*(one(client, i) for i in range(5)))
+
+    assert asyncio.run(main()) == [16] * 5
+    server.wait_idle()
+    m = server.metrics()
+    assert server.metric(m, "nanoserve_decode_steps_total", mode="graph") > 0
+    assert server.metric(m, "nanoserve_decode_steps_total", mode="eager") == 0
+    assert server.metric(m, "nanoserve_padding_rows_total") > 0  # 5 or 3 live rows run in the 8-row graph
+    assert server.metric(m, "nanoserve_kv_cache_usage") == 0

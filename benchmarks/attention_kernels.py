@@ -41,6 +41,22 @@ BATCHES = (1, 8, 32, 128)
 CONTEXTS = (512, 4096, 32768)
 HEAD_DIM, BLOCK_SIZE, NUM_KV_HEADS = 128, 16, 8
 DEV = torch.device("cuda")
+DECODE_CHECKS = [  # (model, batch, max context, dtype, block size)
+    ("qwen3-0.6b", 8, 4096, torch.bfloat16, 16), ("llama-3.1-8b", 8, 4096, torch.bfloat16, 16),
+    ("llama-3.1-8b", 2, 32768, torch.bfloat16, 16), ("qwen3-0.6b", 64, 512, torch.bfloat16, 16),
+    ("llama-3.1-8b", 8, 2048, torch.bfloat16, 32), ("llama-3.1-8b", 8, 2048, torch.bfloat16, 8),
+    ("llama-3.1-8b", 8, 2048, torch.float16, 16), ("llama-3.1-8b", 8, 2048, torch.float32, 16),
+]
+PREFILL_CHECKS = [  # (name, cached prefix lengths, new lengths, dtype), llama-3.1-8b heads
+    ("prefill_no_prefix", [0, 0, 0, 0, 0], [1, 100, 1024, 2048, 333], torch.bfloat16),
+    ("prefill_cached_prefix", [16, 512, 2000, 0, 77], [1, 100, 1024, 2048, 333], torch.bfloat16),
+    ("prefill_no_prefix", [0, 0, 0], [1, 700, 1500], torch.float32),
+    ("prefill_cached_prefix", [48, 1000, 5], [1, 700, 1500], torch.float16),
+]
+GRAPH_CHECK = (16, 8192)  # (batch, max context) of the decode replayed from a CUDA graph
+PREFILL_BENCH = [("no_prefix", [0] * 4, [2048] * 4), ("cached_prefix", [3072] * 4, [1024] * 4),
+                 ("no_prefix", [0] * 16, [512] * 16)]
+SWEEP_SHAPES = [(1, 32768), (8, 32768), (128, 4096)]  # (batch, context), llama-3.1-8b heads
 
 
 def bench_ms(fn) -> dict:
@@ -101,8 +117,9 @@ def random_tables(num_seqs: int, blocks_per_seq: int, num_blocks: int) -> torch.
     return ids.view(num_seqs, blocks_per_seq).to(torch.int32)
 
 
-def small_cache(num_tokens: int, num_kv_heads: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE):
-    num_blocks = triton.cdiv(num_tokens, block_size) + 1
+def small_cache(num_blocks: int, num_kv_heads: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE):
+    """Random K/V caches of num_blocks usable blocks plus the reserved dummy block."""
+    num_blocks += 1
     k = torch.randn(num_blocks, block_size, num_kv_heads, HEAD_DIM, device=DEV, dtype=dtype)
     return k, torch.randn_like(k)
 
@@ -110,7 +127,7 @@ def small_cache(num_tokens: int, num_kv_heads: int, dtype: torch.dtype, block_si
 def prefill_inputs(cached: list[int], new: list[int], num_heads: int, dtype: torch.dtype):
     ctx = [c + n for c, n in zip(cached, new)]
     max_blocks = max(triton.cdiv(c, BLOCK_SIZE) for c in ctx)
-    k_cache, v_cache = small_cache(len(ctx) * max_blocks * BLOCK_SIZE, NUM_KV_HEADS, dtype)
+    k_cache, v_cache = small_cache(len(ctx) * max_blocks, NUM_KV_HEADS, dtype)
     tables = random_tables(len(ctx), max_blocks, k_cache.shape[0])
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, new)]).to(DEV)
     seq_of = torch.cat([torch.full((n,), i) for i, n in enumerate(new)]).to(DEV)
@@ -144,20 +161,14 @@ def check_correctness(results: list) -> None:
     with Case(results, "store_kv", dtype="bfloat16", num_tokens=4096) as r:
         k = torch.randn(4096, NUM_KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        k_cache, v_cache = small_cache(8192, NUM_KV_HEADS, torch.bfloat16)
+        k_cache, v_cache = small_cache(8192 // BLOCK_SIZE, NUM_KV_HEADS, torch.bfloat16)
         slots = torch.randperm((k_cache.shape[0] - 1) * BLOCK_SIZE, device=DEV)[:4096]
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
         torch_ref.store_kv(k, v, k_ref, v_ref, slots)
         tk.store_kv(k, v, k_cache, v_cache, slots)
         r["ok"] = bool(torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref))
 
-    decode_cases = [  # (model, batch, max context, dtype, block size)
-        ("qwen3-0.6b", 8, 4096, torch.bfloat16, 16), ("llama-3.1-8b", 8, 4096, torch.bfloat16, 16),
-        ("llama-3.1-8b", 2, 32768, torch.bfloat16, 16), ("qwen3-0.6b", 64, 512, torch.bfloat16, 16),
-        ("llama-3.1-8b", 8, 2048, torch.bfloat16, 32), ("llama-3.1-8b", 8, 2048, torch.bfloat16, 8),
-        ("llama-3.1-8b", 8, 2048, torch.float16, 16), ("llama-3.1-8b", 8, 2048, torch.float32, 16),
-    ]
-    for model, batch, max_ctx, dtype, block_size in decode_cases:
+    for model, batch, max_ctx, dtype, block_size in DECODE_CHECKS:
         num_heads, num_kv_heads = MODELS[model]
         with Case(results, "decode", model=model, batch=batch, max_context=max_ctx, dtype=str(dtype)[6:],
                   block_size=block_size) as r:
@@ -165,7 +176,7 @@ def check_correctness(results: list) -> None:
             lens[0] = max_ctx
             lens[-1] = 1
             blocks = triton.cdiv(max_ctx, block_size)
-            k_cache, v_cache = small_cache(batch * max_ctx, num_kv_heads, dtype, block_size)
+            k_cache, v_cache = small_cache(batch * blocks, num_kv_heads, dtype, block_size)
             tables = random_tables(batch, blocks, k_cache.shape[0])
             q = torch.randn(batch, num_heads, HEAD_DIM, device=DEV, dtype=dtype)
             out = tk.decode_attention(q, k_cache, v_cache, tables, lens, scale)
@@ -174,25 +185,20 @@ def check_correctness(results: list) -> None:
             r.update(errors(out, ref, 2e-2 if dtype == torch.bfloat16 else 5e-3))
             del k_cache, v_cache
 
-    with Case(results, "decode_cuda_graph", model="llama-3.1-8b", batch=16, max_context=8192) as r:
+    batch, max_ctx = GRAPH_CHECK
+    with Case(results, "decode_cuda_graph", model="llama-3.1-8b", batch=batch, max_context=max_ctx) as r:
         num_heads, num_kv_heads = MODELS["llama-3.1-8b"]
-        k_cache, v_cache = small_cache(16 * 8192, num_kv_heads, torch.bfloat16)
-        tables = random_tables(16, 8192 // BLOCK_SIZE, k_cache.shape[0])
-        lens = torch.ones(16, dtype=torch.int32, device=DEV)
-        q = torch.randn(16, num_heads, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+        k_cache, v_cache = small_cache(batch * triton.cdiv(max_ctx, BLOCK_SIZE), num_kv_heads, torch.bfloat16)
+        tables = random_tables(batch, triton.cdiv(max_ctx, BLOCK_SIZE), k_cache.shape[0])
+        lens = torch.ones(batch, dtype=torch.int32, device=DEV)
+        q = torch.randn(batch, num_heads, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
         replay, out = graphed(lambda: tk.decode_attention(q, k_cache, v_cache, tables, lens, scale))
-        lens.copy_(torch.randint(1, 8193, (16,), device=DEV, dtype=torch.int32))  # new lengths after capture
+        lens.copy_(torch.randint(1, max_ctx + 1, (batch,), device=DEV, dtype=torch.int32))  # changed after capture
         replay()
         ref = torch_ref.decode_attention(q, k_cache, v_cache, tables, lens, scale)
         r.update(errors(out, ref, 2e-2))
 
-    prefill_cases = [  # (name, cached prefix lengths, new lengths, dtype)
-        ("prefill_no_prefix", [0, 0, 0, 0, 0], [1, 100, 1024, 2048, 333], torch.bfloat16),
-        ("prefill_cached_prefix", [16, 512, 2000, 0, 77], [1, 100, 1024, 2048, 333], torch.bfloat16),
-        ("prefill_no_prefix", [0, 0, 0], [1, 700, 1500], torch.float32),
-        ("prefill_cached_prefix", [48, 1000, 5], [1, 700, 1500], torch.float16),
-    ]
-    for name, cached, new, dtype in prefill_cases:
+    for name, cached, new, dtype in PREFILL_CHECKS:
         num_heads = MODELS["llama-3.1-8b"][0]
         with Case(results, name, model="llama-3.1-8b", cached=cached, new=new, dtype=str(dtype)[6:]) as r:
             q, k, v, k_cache, v_cache, meta = prefill_inputs(cached, new, num_heads, dtype)
@@ -242,8 +248,7 @@ def bench_decode(results: list, k_cache: torch.Tensor, v_cache: torch.Tensor, co
 def bench_prefill(results: list) -> None:
     scale = HEAD_DIM ** -0.5
     num_heads = MODELS["llama-3.1-8b"][0]
-    for name, cached, new in [("no_prefix", [0] * 4, [2048] * 4), ("cached_prefix", [3072] * 4, [1024] * 4),
-                              ("no_prefix", [0] * 16, [512] * 16)]:
+    for name, cached, new in PREFILL_BENCH:
         with Case(results, "prefill_" + name, model="llama-3.1-8b", cached=cached, new=new) as r:
             q, k, v, k_cache, v_cache, meta = prefill_inputs(cached, new, num_heads, torch.bfloat16)
             flops = causal_flops(cached, new, num_heads)
@@ -265,8 +270,7 @@ def sweep_decode(results: list, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
     num_heads, num_kv_heads = MODELS["llama-3.1-8b"]
     settings = [{"DECODE_NUM_WARPS": w, "MAX_BLOCK_N": n, "KV_TILE_BYTES": n * HEAD_DIM * 2}
                 for w in (4, 8) for n in (32, 64, 128)]
-    shapes = [(1, 32768), (8, 32768), (128, 4096)]
-    for batch, ctx in shapes:
+    for batch, ctx in SWEEP_SHAPES:
         tables = random_tables(batch, ctx // BLOCK_SIZE, k_cache.shape[0])
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
         q = torch.randn(batch, num_heads, HEAD_DIM, device=DEV, dtype=k_cache.dtype)

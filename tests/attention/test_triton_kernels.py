@@ -140,7 +140,7 @@ def test_store_kv_rejects_mismatched_shapes():
 # --------------------------------------------------------------------------------------------- decode
 
 
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 7])
 @pytest.mark.parametrize("num_splits", [None, 2])
 def test_decode_gqa_groups(group, num_splits):
     # 1 token, exactly one block, just over, several blocks, just over one 64-token tile.
@@ -150,7 +150,8 @@ def test_decode_gqa_groups(group, num_splits):
 
 
 @pytest.mark.parametrize("block_size,head_dim,dtype", [(8, 64, torch.float16), (32, 128, torch.bfloat16),
-                                                       (16, 16, torch.float32), (16, 256, torch.bfloat16)])
+                                                       (16, 16, torch.float32), (16, 256, torch.bfloat16),
+                                                       (16, 80, torch.float32)])
 def test_decode_block_sizes_head_dims_dtypes(block_size, head_dim, dtype):
     lens = [1, block_size, block_size + 1, 3 * block_size, 130]
     out, ref = decode_case(lens, num_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=block_size,

@@ -307,7 +307,8 @@ def environment() -> dict:
             "gpu": torch.cuda.get_device_name(DEV), "sm_count": props.multi_processor_count,
             "gpu_memory_gib": round(props.total_memory / 2 ** 30, 1), "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-            "varlen_attn": tk._varlen_attn is not None, "varlen_kwargs": {k: str(v) for k, v in tk._VARLEN_KWARGS.items()},
+            "varlen_attn": tk._varlen_attn is not None,
+            "varlen_kwargs": {k: str(v) for k, v in tk._VARLEN_KWARGS.items()},
             "peak_tb_per_s_assumed": PEAK_TBPS,
             "decode_settings": {k: getattr(tk, k) for k in ("DECODE_MIN_PARTITION", "DECODE_WAVES", "DECODE_MAX_SPLITS",
                                                             "DECODE_NUM_WARPS", "KV_TILE_BYTES", "MAX_BLOCK_N")}}

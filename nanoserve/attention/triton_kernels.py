@@ -143,7 +143,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
             p = tl.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
-                        + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+                        + kv_head * stride_vh + dims[None, :])
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
             m_i = m_new
         if not SPLIT:
@@ -166,7 +166,7 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, 
     seq = tl.program_id(0)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
-    num_valid = tl.cdiv(context_len, partition_size)  # splits that ran; the rest wrote nothing
+    num_valid = tl.cdiv(context_len, partition_size)  # splits that saw tokens; any later partial is ignored
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
     split_ok = splits < num_valid
@@ -406,7 +406,7 @@ def _dot_args(device: torch.device, dtype: torch.dtype) -> dict:
     return {"DOT_PRECISION": "ieee" if upcast or dtype == torch.float32 else "tf32", "DOT_UPCAST": upcast}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

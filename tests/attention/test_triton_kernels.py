@@ -38,8 +38,7 @@ class PagedBatch:
     """Sequences of given context lengths scattered over shuffled cache blocks.
 
     Slots outside every context (tails of last blocks, unused blocks, the dummy block that pads the
-    block tables) hold NaN in `k_cache`/`v_cache` so reading them shows up; `k_clean`/`v_clean` hold
-    zeros there for torch_ref.decode_attention, which multiplies every slot by its (zero) probability.
+    block tables) hold NaN, so a kernel that lets them into its output shows up.
     """
 
     def __init__(self, context_lens, block_size, num_kv_heads, head_dim, dtype, spare_blocks=1, seed=0):
@@ -63,8 +62,6 @@ class PagedBatch:
         invalid = ~valid.view(num_blocks, block_size, 1, 1)
         self.k_cache = k.masked_fill(invalid, float("nan")).to(DEVICE)
         self.v_cache = v.masked_fill(invalid, float("nan")).to(DEVICE)
-        self.k_clean = k.masked_fill(invalid, 0.0).to(DEVICE)
-        self.v_clean = v.masked_fill(invalid, 0.0).to(DEVICE)
         self.block_tables = tables.to(DEVICE)
         self.context_lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
 
@@ -80,7 +77,7 @@ def decode_case(context_lens, num_heads, num_kv_heads, head_dim, block_size, dty
     scale = head_dim ** -0.5
     out = tk.decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, scale,
                               num_splits=num_splits)
-    ref = torch_ref.decode_attention(q, batch.k_clean, batch.v_clean, batch.block_tables, batch.context_lens, scale)
+    ref = torch_ref.decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, scale)
     return out, ref
 
 
@@ -173,7 +170,7 @@ def test_decode_empty_context_gives_zeros():
     """Padded CUDA-graph rows may have context_len 0; they must give finite output, not NaN."""
     batch = PagedBatch([5, 0, 70], block_size=16, num_kv_heads=2, head_dim=32, dtype=torch.float32)
     q = torch.randn(3, 4, 32, device=DEVICE)
-    ref = torch_ref.decode_attention(q, batch.k_clean, batch.v_clean, batch.block_tables, batch.context_lens, 0.2)
+    ref = torch_ref.decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.2)
     for splits in (1, 2):
         out = tk.decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.2,
                                   num_splits=splits)
@@ -186,7 +183,7 @@ def test_decode_strided_query():
     packed = torch.randn(2, 8, 32, device=DEVICE)
     q = packed[:, ::2]  # head stride 64, not 32
     out = tk.decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.3)
-    ref = torch_ref.decode_attention(q, batch.k_clean, batch.v_clean, batch.block_tables, batch.context_lens, 0.3)
+    ref = torch_ref.decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.3)
     assert_close(out, ref, torch.float32)
 
 
@@ -259,7 +256,7 @@ def test_gpu_decode_in_cuda_graph():
     num_seqs, num_heads, num_kv_heads, head_dim, block_size = 8, 32, 8, 128, 16
     batch = PagedBatch([1, 17, 3000, 5, 64, 65, 999, 1200], block_size, num_kv_heads, head_dim, torch.bfloat16)
     # Static buffers, captured while they describe one-token contexts in block 0.
-    k_cache, v_cache = torch.zeros_like(batch.k_clean), torch.zeros_like(batch.v_clean)
+    k_cache, v_cache = torch.zeros_like(batch.k_cache), torch.zeros_like(batch.v_cache)
     tables = torch.zeros_like(batch.block_tables)
     lens = torch.ones_like(batch.context_lens)
     slots = torch.zeros(num_seqs, dtype=torch.int64, device=DEVICE)
@@ -283,14 +280,14 @@ def test_gpu_decode_in_cuda_graph():
     with torch.cuda.graph(graph):
         out = step()
     # New contents in place; each sequence's last token is this step's k/v.
-    k_cache.copy_(batch.k_clean)
-    v_cache.copy_(batch.v_clean)
+    k_cache.copy_(batch.k_cache)
+    v_cache.copy_(batch.v_cache)
     tables.copy_(batch.block_tables)
     lens.copy_(batch.context_lens)
     last = [batch.slots(i, range(c - 1, c))[0] for i, c in enumerate(batch.context_lens.tolist())]
     slots.copy_(torch.tensor(last, device=DEVICE))
     graph.replay()
-    k_ref, v_ref = batch.k_clean.clone(), batch.v_clean.clone()
+    k_ref, v_ref = batch.k_cache.clone(), batch.v_cache.clone()
     torch_ref.store_kv(k_new, v_new, k_ref, v_ref, slots)
     ref = torch_ref.decode_attention(q, k_ref, v_ref, batch.block_tables, batch.context_lens, scale)
     assert_close(out, ref, torch.bfloat16)

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 try:
     import openai
+    import uvicorn
 except ImportError:  # the GPU image has no openai client; these tests run in the CPU CI, which installs it
     openai = None
     collect_ignore_glob = ["test_*.py"]

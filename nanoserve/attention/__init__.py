@@ -20,13 +20,17 @@ def select_backend(device: torch.device) -> str:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, backend: str) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D] for the T new tokens → attention output [T, H, D]."""
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, backend: str,
+                    kv_stored: bool = False) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] for the T new tokens → attention output [T, H, D].
+
+    kv_stored: the caller already wrote k/v into the cache (fused into its rotary kernel)."""
     if backend == "triton":
         from nanoserve.attention import triton_kernels as impl
     else:
         impl = torch_ref
-    impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if not kv_stored:
+        impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_prefill:
         return impl.prefill_attention(q, k, v, k_cache, v_cache, meta, scale)
     return impl.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)

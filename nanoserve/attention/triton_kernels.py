@@ -143,7 +143,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
             p = tl.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
-                        + kv_head * stride_vh + dims[None, :])
+                        + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
             m_i = m_new
         if not SPLIT:

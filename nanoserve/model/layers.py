@@ -154,11 +154,12 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.backend = "torch"  # "torch" | "triton", see nanoserve.attention.select_backend
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] → [T, H, D]; also stores k/v at meta.slot_mapping."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv_stored: bool = False) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] → [T, H, D]; stores k/v at meta.slot_mapping unless kv_stored."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention layer has no KV cache: the model runner must set k_cache/v_cache first")
-        return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.backend)
+        return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.backend, kv_stored)
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, backend={self.backend}"

@@ -130,8 +130,12 @@ class LlamaAttentionBlock(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None)
-        q, k = fused_ops.qk_norm_rope(q, k, cos_sin_cache, positions, *norms)
-        out = self.attn(q, k, v, meta)
+        attn = self.attn
+        if attn.k_cache is None:
+            raise RuntimeError("attention layer has no KV cache: the model runner must set k_cache/v_cache first")
+        q, k = fused_ops.qk_norm_rope(q, k, cos_sin_cache, positions, *norms,
+                                      kv_store=(v, attn.k_cache, attn.v_cache, meta.slot_mapping))
+        out = attn(q, k, v, meta, kv_stored=True)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -50,3 +50,31 @@ def test_qk_norm_rope_on_strided_views(with_norm, dtype):
     want = fused_ops.qk_norm_rope_ref(q, k, cache, positions, qw, kw, 1e-6)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_stores_k_and_v_in_the_paged_cache(dtype):
+    g = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, d, blocks, block_size = 3, 4, 2, 32, 5, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(DEVICE, dtype)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k, v = q.view(tokens, heads, d), k.view(tokens, kv_heads, d), v.view(tokens, kv_heads, d)
+    angles = torch.rand(16, d // 2, generator=g) * 6
+    cache = torch.cat([angles.cos(), angles.cos(), -angles.sin(), angles.sin()], dim=-1).to(DEVICE, dtype)
+    positions = torch.tensor([3, 0, 9], device=DEVICE)
+    slots = torch.tensor([17, 2, 9], device=DEVICE)
+    caches = []
+    for force in (True, False):
+        k_cache = torch.zeros(blocks, block_size, kv_heads, d, dtype=dtype, device=DEVICE)
+        v_cache = torch.zeros_like(k_cache)
+        q_out, k_out = fused_ops.qk_norm_rope(q, k, cache, positions, kv_store=(v, k_cache, v_cache, slots),
+                                              force_triton=force)
+        caches.append((q_out, k_out, k_cache, v_cache))
+    for a, b in zip(*caches):
+        torch.testing.assert_close(a, b, **tol(dtype))
+    k_cache, v_cache = caches[0][2].view(-1, kv_heads, d), caches[0][3].view(-1, kv_heads, d)
+    torch.testing.assert_close(k_cache[slots], caches[0][1], **tol(dtype))
+    torch.testing.assert_close(v_cache[slots], v, **tol(dtype))
+    untouched = torch.ones(blocks * block_size, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert not k_cache[untouched.to(DEVICE)].any() and not v_cache[untouched.to(DEVICE)].any()

@@ -26,7 +26,7 @@ _LOG2E = 1.4426950408889634
 
 # Decode splits: each covers at least MIN_PARTITION tokens (less is not worth its partials), and the
 # grid aims for WAVES programs per SM so that small batches still fill the GPU.
-DECODE_MIN_PARTITION = 256
+DECODE_MIN_PARTITION = 64  # tokens; with per-sequence partitions short contexts still spread over the splits
 DECODE_WAVES = 4
 DECODE_MAX_SPLITS = 128
 DECODE_NUM_WARPS = 4
@@ -99,8 +99,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
+def _partition_size(context_len, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens per split for this sequence: its own context spread over all splits, in whole tiles. Sized on the
+    device from context_len, so a short context in an engine built for long ones still uses every split."""
+    return tl.maximum(tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-                   part_acc_ptr, part_ml_ptr, qk_scale, partition_size, num_splits,
+                   part_acc_ptr, part_ml_ptr, qk_scale, num_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -111,6 +118,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
+    partition_size = _partition_size(context_len, num_splits, BLOCK_N)
     part_start = split * partition_size
     # Partitions past the context exit at once. "<=" lets an empty context (padding rows) write
     # zeros from split 0; the reduce ignores the empty partial that this also writes for split > 0.
@@ -160,12 +168,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
 
 
 @triton.jit
-def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, partition_size, num_splits,
+def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, num_splits,
                           stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
+    partition_size = _partition_size(context_len, num_splits, BLOCK_N)
     num_valid = tl.cdiv(context_len, partition_size)  # splits that saw tokens; any later partial is ignored
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
@@ -218,9 +227,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_n = _kv_tile_tokens(block_d, k_cache.element_size())
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context, _num_sms(q.device))
-    # Partitions are whole tiles; recount so that no split is empty for a full-length context.
-    partition_size = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max(max_context, 1), partition_size)
+    num_splits = max(1, min(num_splits, triton.cdiv(max_context, block_n)))  # a split is at least one tile
     if num_splits > 1:
         parts = torch.empty(num_seqs * num_heads * num_splits * (head_dim + 2), dtype=torch.float32, device=q.device)
         part_acc = parts[:num_seqs * num_heads * num_splits * head_dim]
@@ -228,8 +235,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part_acc = part_ml = out  # unused by the single-split kernel
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, scale * _LOG2E, partition_size,
-        num_splits,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -238,8 +244,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         **_dot_args(q.device, k_cache.dtype), num_warps=DECODE_NUM_WARPS)
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_acc, part_ml, context_lens, out, partition_size, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=_pow2(num_splits), BLOCK_D=_pow2(head_dim),
+            part_acc, part_ml, context_lens, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_S=_pow2(num_splits), BLOCK_D=_pow2(head_dim), BLOCK_N=block_n,
             num_warps=4)
     return out
 

@@ -158,8 +158,8 @@ def test_decode_block_sizes_head_dims_dtypes(block_size, head_dim, dtype):
 
 @pytest.mark.parametrize("num_splits", [2, 4])
 def test_decode_every_context_length_with_splits(num_splits):
-    """Each length from 1 to 200 in partitions of two 64-token tiles (2 splits) or one (4 splits): every
-    boundary of blocks, tiles and partitions, and partitions past the context (which must exit early)."""
+    """Each length from 1 to 200, its context spread over 2 or 4 splits in whole tiles: every boundary of
+    blocks, tiles and partitions, and splits past the context (which must exit early)."""
     block_size, max_context = 8, 200
     out, ref = decode_case(list(range(1, max_context + 1)), num_heads=2, num_kv_heads=1, head_dim=16,
                            block_size=block_size, dtype=torch.float32, num_splits=num_splits)
@@ -189,7 +189,7 @@ def test_decode_strided_query():
 
 def test_decode_num_splits_from_static_shapes_only():
     sms = 132
-    assert tk.decode_num_splits(1, 8, 512, sms) == 2  # capped by the minimum partition length
+    assert tk.decode_num_splits(1, 8, 512, sms) == 512 // tk.DECODE_MIN_PARTITION  # capped by the minimum partition
     assert tk.decode_num_splits(1, 8, 32768, sms) == triton.cdiv(tk.DECODE_WAVES * sms, 8)
     assert tk.decode_num_splits(256, 8, 32768, sms) == 1  # the batch alone fills the GPU
     assert tk.decode_num_splits(1, 1, 10 ** 7, sms) == tk.DECODE_MAX_SPLITS

@@ -231,3 +231,41 @@ def test_full_waiting_queue_is_refused(tiny_model_dirs):
     llm.engine.add_request("2", [1, 2], SamplingParams(max_tokens=2))
     with pytest.raises(QueueFullError):
         llm.engine.add_request("3", [1, 2], SamplingParams(max_tokens=2))
+
+
+# ---------------------------------------------------------------------------------------- GPU
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_gpu_greedy_matches_transformers(arch, tiny_model_dirs):
+    """float32 on CUDA with graphs: tokens identical to transformers; bf16: last-token logits within tolerance."""
+    path = tiny_model_dirs[arch]
+    llm = LLM(str(path), device="cuda", dtype="float32", block_size=16, max_model_len=256, max_num_seqs=8,
+              num_kv_blocks=128, show_progress=False)
+    prompts = prompts_of_lengths([1, 5, 17, 33, 40], llm.engine.vocab_size)
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
+                                 min_new_tokens=40, eos_token_id=None, pad_token_id=0)
+        expected.append(gen[0, len(prompt):].tolist())
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert llm.engine.stats.decode_steps_graph > 0
+
+    bf16 = LLM(str(path), device="cuda", dtype="bfloat16", block_size=16, max_model_len=256, max_num_seqs=8,
+               num_kv_blocks=128, show_progress=False)
+    out = bf16.generate(prompts, SamplingParams(max_tokens=8, logprobs=5, **GREEDY), use_tqdm=False)
+    for prompt, o in zip(prompts, out):
+        ids = torch.tensor([prompt + o.token_ids], device="cuda")
+        with torch.no_grad():
+            ref = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), dim=-1)
+        for step, entry in enumerate(o.logprobs):
+            for tok, lp in entry.items():
+                assert lp == pytest.approx(ref[step, tok].item(), abs=0.15)  # bf16 weights vs fp32 reference

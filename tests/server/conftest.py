@@ -2,21 +2,19 @@
 the server tests, plus an offline LLM on the same folder as the reference for greedy outputs."""
 from __future__ import annotations
 
-import socket
+import pytest
+
+# The GPU image has neither the openai client nor uvicorn: there these tests are skipped (CPU CI runs them).
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+import socket  # noqa: E402
 import threading
 import time
 from dataclasses import dataclass
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-try:
-    import openai
-    import uvicorn
-except ImportError:  # the GPU image has no openai client; these tests run in the CPU CI, which installs it
-    openai = None
-    collect_ignore_glob = ["test_*.py"]
 
 from nanoserve import LLM
 from nanoserve.server.app import build_app

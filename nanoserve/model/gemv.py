@@ -81,9 +81,15 @@ class GemvConfig:
         return f"{kind} {self.block_n}x{self.block_k} w{self.num_warps} st{self.num_stages} {split}"
 
 
-# Defaults per path (set from benchmarks/gemv.py runs on an H200).
-FMA_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3, programs_per_sm=2)
-DOT_CONFIG = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, use_dot=True, programs_per_sm=2)
+# Variants and where they win, from benchmarks/results/gemv_h200.json (H200, graph-timed, cold weights):
+# one row: the kernel beats cuBLAS on every decode matrix up to ~160 MB (Qwen3-0.6B o_proj 3.5 vs 12.8 µs,
+# down 4.1 vs 7.4; Llama-3.1-8B o_proj 10.7 vs 13.4, down 28.7 vs 31.3, qkv 14.8 vs 15.7) and ties above;
+# two rows: only small matrices (< 8 MB) win; from four rows on cuBLAS is as fast, so it keeps them.
+FMA_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3, programs_per_sm=0)
+FMA_SMALL_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=3, programs_per_sm=0)
+DOT_CONFIG = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, use_dot=True, programs_per_sm=1)
+SMALL_WEIGHT_BYTES = 8 * 2**20
+MAX_AUTO_M = 2  # rows for which `linear` picks the kernel on its own (force_triton/config reach MAX_M)
 
 
 @dataclass(frozen=True)
@@ -126,8 +132,19 @@ def num_sms(device: torch.device) -> int:
 
 
 def default_config(m: int, n: int, k: int) -> GemvConfig:
-    """The module's choice for a shape: the FMA path for few rows, the tensor-core path beyond."""
-    return FMA_CONFIG if m <= FMA_MAX_M else DOT_CONFIG
+    """The variant for a shape: multiply-add on CUDA cores for few rows (narrow tiles for small matrices),
+    tensor cores beyond."""
+    if m > FMA_MAX_M:
+        return DOT_CONFIG
+    return FMA_SMALL_CONFIG if n * k * 2 <= SMALL_WEIGHT_BYTES else FMA_CONFIG
+
+
+def auto_applies(m: int, n: int, k: int, element_size: int) -> bool:
+    """Where the measurements say the kernel beats cuBLAS (see the variants above)."""
+    weight_bytes = n * k * element_size
+    if m == 1:
+        return MIN_WEIGHT_BYTES <= weight_bytes <= MAX_WEIGHT_BYTES
+    return m <= MAX_AUTO_M and weight_bytes <= SMALL_WEIGHT_BYTES
 
 
 def plan(config: GemvConfig, m: int, n: int, k: int, sms: int) -> LaunchPlan:
@@ -223,7 +240,7 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                     (bias is not None and bias.requires_grad)):
         return False  # the kernel has no backward
-    return MIN_WEIGHT_BYTES <= n * k * weight.element_size() <= MAX_WEIGHT_BYTES
+    return auto_applies(m, n, k, weight.element_size())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -11,7 +11,7 @@ from torch import nn
 
 from nanoserve.attention import paged_attention
 from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.model import fused_ops
+from nanoserve.model import fused_ops, gemv
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -130,13 +130,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose few-row (decode) products go to the Triton GEMV where it beats cuBLAS (model/gemv.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemv.linear(x, self.weight, self.bias)
+
+
 class MLP(nn.Module):
     """SwiGLU MLP with gate and up projections merged into one matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))

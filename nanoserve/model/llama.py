@@ -10,12 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.model import fused_ops
-from nanoserve.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding, rope_inv_freq, rope_parameters
+from nanoserve.model import fused_ops, gemv
+from nanoserve.model.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding, rope_inv_freq, rope_parameters
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -113,8 +112,8 @@ class LlamaAttentionBlock(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias, dtype=dtype)
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias, dtype=dtype)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype)
@@ -206,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] → logits [N, vocab_size] in the model dtype."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return gemv.linear(hidden, weight)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

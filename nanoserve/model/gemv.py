@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanoserve.model import fused_ops
+
 try:
     import triton
     import triton.language as tl
@@ -249,18 +251,57 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     on any device — CPU runs go through TRITON_INTERPRET=1). config overrides the default variant."""
     if not (force_triton or kernel_applies(x, weight, bias)):
         return F.linear(x, weight, bias)
+    return _launch(x, weight, bias, x.shape[1], config)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None, *, force_triton: bool = False):
+    """(rms_norm(x + residual) · norm_weight) @ weight.T + bias, and the new residual x + residual.
+
+    For one row (batch-1 decode) the norm runs inside the GEMV's prologue: one kernel instead of two.
+    Without a residual (the first layer) the new residual is x itself."""
+    if not (force_triton or (kernel_applies(x, weight, bias) and x.shape[0] == 1)):
+        if residual is None:
+            return linear(fused_ops.rms_norm(x, norm_weight, eps), weight, bias), x
+        normed, residual = fused_ops.rms_norm(x, norm_weight, eps, residual)
+        return linear(normed, weight, bias), residual
+    new_residual = torch.empty_like(x) if residual is not None else x
+    out = _launch(x, weight, bias, x.shape[1], None, prologue=_NORM, residual=residual,
+                  residual_out=new_residual, norm_weight=norm_weight, eps=eps)
+    return out, new_residual
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    force_triton: bool = False) -> torch.Tensor:
+    """(silu(gate) · up) @ weight.T + bias for gate_up = [gate | up]; one kernel for one row."""
+    k = gate_up.shape[1] // 2
+    one_row = gate_up.shape[0] == 1 and gate_up.stride(1) == 1
+    if not (force_triton or (one_row and kernel_applies(gate_up[:, :k], weight, bias))):
+        return linear(fused_ops.silu_and_mul(gate_up), weight, bias)
+    return _launch(gate_up, weight, bias, k, None, prologue=_SILU_MUL)
+
+
+_PLAIN, _NORM, _SILU_MUL = 0, 1, 2  # what the kernel does to x as it loads it
+
+
+def _launch(x, weight, bias, k, config, prologue=_PLAIN, residual=None, residual_out=None, norm_weight=None,
+            eps=0.0) -> torch.Tensor:
     if triton is None:
-        raise RuntimeError("force_triton=True but triton is not installed")
-    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise RuntimeError("the Triton GEMV was requested but triton is not installed")
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    m, k = x.shape
-    n = weight.shape[0]
+    m, n = x.shape[0], weight.shape[0]
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    if prologue != _PLAIN and m != 1:
+        raise ValueError(f"the fused norm / SiLU prologue handles one row, got {m}")
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
-    p = plan(config or default_config(m, n, k), m, n, k, num_sms(x.device))
+    cfg = config or default_config(m, n, k)
+    if prologue != _PLAIN:  # each program must see the whole row for the norm: never split K
+        cfg = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.use_dot, split_k=1)
+    p = plan(cfg, m, n, k, num_sms(x.device))
     counters = _counters_for(x.device) if p.split_k > 1 else None
     if p.split_k > 1 and counters is None:  # first use inside a capture: take the unsplit variant
         p = plan(GemvConfig(p.block_n, p.block_k, p.num_warps, p.num_stages, p.use_dot, split_k=1), m, n, k, 1)
@@ -272,11 +313,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         counters = torch.empty(1, dtype=torch.int32, device=x.device)
     _gemv_kernel[p.grid](
         x, weight, bias if bias is not None else out, out, partials, counters,
+        residual if residual is not None else x, residual_out if residual_out is not None else x,
+        norm_weight if norm_weight is not None else x, eps,
         m, n, k, x.stride(0), out.stride(0), p.k_per_split,
         BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, USE_DOT=p.use_dot,
         EVEN_K=k % p.block_k == 0, HAS_BIAS=bias is not None, REDUCE_CHUNK=p.reduce_chunk,
         LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=not x.is_cuda,  # the interpreter (CPU tensors) multiplies bf16 bit patterns as integers
+        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         num_warps=p.num_warps, num_stages=p.num_stages)
     return out
 
@@ -291,13 +335,22 @@ if triton is not None:
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
                  mask=mask)
 
+    @triton.jit
+    def _residual_sum(x_ptr, res_ptr, cols, K, HAS_RESIDUAL: tl.constexpr):
+        """x + residual for one row, rounded to the model dtype like HF's add, as fp32."""
+        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+        if HAS_RESIDUAL:
+            x = (x.to(tl.float32) + tl.load(res_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)).to(x.dtype)
+        return x.to(tl.float32)
+
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+                     res_ptr, res_out_ptr, norm_w_ptr, eps,
                      M, N, K, stride_xm, stride_om, k_per_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                      REDUCE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     DOT_IN_FP32: tl.constexpr):
+                     DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         num_splits = tl.num_programs(1)
@@ -310,6 +363,14 @@ if triton is not None:
         m_mask = offs_m[:, None] < M
         k_start = pid_k * k_per_split
         k_stop = tl.minimum(k_start + k_per_split, K)
+
+        inv_rms = 0.0
+        if PROLOGUE == 1:  # RMSNorm prologue (one row, K unsplit): every program first takes the row's norm
+            sum_sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                h = _residual_sum(x_ptr, res_ptr, k + offs_k, K, HAS_RESIDUAL)
+                sum_sq += h * h
+            inv_rms = tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
 
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_wide = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # M = 1: reduce over K once, at the end
@@ -326,8 +387,21 @@ if triton is not None:
                 else:
                     acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
             elif BLOCK_M == 1:
-                x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-                acc_wide += w.to(tl.float32) * x.to(tl.float32)
+                if PROLOGUE == 1:  # x = norm_w · round(h · inv_rms), rounded like the separate RMSNorm kernel
+                    h = _residual_sum(x_ptr, res_ptr, cols, K, HAS_RESIDUAL)
+                    if HAS_RESIDUAL:
+                        if pid_n == 0:  # one program writes the new residual stream
+                            tl.store(res_out_ptr + cols, h.to(res_out_ptr.dtype.element_ty), mask=cols < K)
+                    dtype = out_ptr.dtype.element_ty
+                    nw = tl.load(norm_w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+                    xf = (nw * (h * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                elif PROLOGUE == 2:  # x = silu(gate) · up from the [gate | up] row, rounded once
+                    gate = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+                    up = tl.load(x_ptr + K + cols, mask=cols < K, other=0.0).to(tl.float32)
+                    xf = (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty).to(tl.float32)
+                else:
+                    xf = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+                acc_wide += w.to(tl.float32) * xf
             else:  # one row of x at a time keeps the live registers at one [BLOCK_N, BLOCK_K] product
                 wf = w.to(tl.float32)
                 for i in tl.static_range(BLOCK_M):  # rows past M repeat row M - 1 and are never stored

@@ -27,6 +27,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return fused_ops.rms_norm(x, self.weight, self.eps, residual)
 
+    def then(self, linear: "Linear", x: torch.Tensor, residual: torch.Tensor | None):
+        """(linear(norm(x + residual)), x + residual); for one decode row the norm runs in the GEMV's prologue."""
+        return gemv.norm_linear(x, residual, self.weight, self.eps, linear.weight, linear.bias)
+
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
@@ -138,15 +142,17 @@ class Linear(nn.Linear):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP with gate and up projections merged into one matmul."""
+    """SwiGLU MLP with gate and up projections merged into one matmul; SiLU-and-mul feeds the down projection."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm MLP of a decoder layer: returns (its output, the residual stream)."""
+        gate_up, residual = norm.then(self.gate_up_proj, x, residual)
+        return gemv.silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias), residual
 
 
 class Attention(nn.Module):

@@ -121,10 +121,12 @@ class LlamaAttentionBlock(nn.Module):
             self.q_norm = self.k_norm = None
         self.attn = Attention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm attention of a decoder layer: returns (its output, the residual stream)."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv, residual = norm.then(self.qkv_proj, x, residual)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -135,7 +137,7 @@ class LlamaAttentionBlock(nn.Module):
         q, k = fused_ops.qk_norm_rope(q, k, cos_sin_cache, positions, *norms,
                                       kv_store=(v, attn.k_cache, attn.v_cache, meta.slot_mapping))
         out = attn(q, k, v, meta, kv_stored=True)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size)), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -149,13 +151,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it); their sum is HF's hidden state."""
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, cos_sin_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual = self.self_attn(x, residual, self.input_layernorm, positions, cos_sin_cache, meta)
+        return self.mlp(x, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):

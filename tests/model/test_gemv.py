@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoserve.model import gemv
+from nanoserve.model import fused_ops, gemv
 from nanoserve.model.gemv import GemvConfig
 
 needs_triton = pytest.mark.skipif(gemv.triton is None, reason="triton is not installed")
@@ -212,3 +212,44 @@ def test_gpu_cuda_graph_replays_split_k(fresh_counters, monkeypatch):
         assert gemv._counters == {}, "no counter buffer may be allocated from the graph's pool"
     else:
         assert int(gemv._counters[x.device].count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_prologue_equals_rms_norm_then_linear(dtype, with_residual):
+    g = torch.Generator().manual_seed(11)
+    n, k = 40, 96  # K not a multiple of the tile; N not of block_n
+    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    residual = torch.randn(1, k, generator=g).to(DEVICE, dtype) if with_residual else None
+    norm_w = torch.randn(k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype)
+    out, new_residual = gemv.norm_linear(x, residual, norm_w, 1e-6, w, b, force_triton=True)
+    if residual is None:
+        normed, want_residual = fused_ops.rms_norm_ref(x, norm_w, 1e-6), x
+    else:
+        normed, want_residual = fused_ops.rms_norm_ref(x, norm_w, 1e-6, residual)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, F.linear(normed, w, b), **tol)
+    torch.testing.assert_close(new_residual, want_residual, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_prologue_equals_silu_and_mul_then_linear(dtype):
+    g = torch.Generator().manual_seed(12)
+    n, k = 24, 80
+    gate_up = torch.randn(1, 2 * k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    out = gemv.silu_mul_linear(gate_up, w, force_triton=True)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, F.linear(fused_ops.silu_and_mul_ref(gate_up), w), **tol)
+
+
+def test_prologues_fall_back_for_several_rows():
+    x = torch.randn(3, 64)
+    w = torch.randn(8, 64)
+    out, residual = gemv.norm_linear(x, None, torch.ones(64), 1e-6, w)  # CPU, 3 rows: the unfused path
+    torch.testing.assert_close(out, F.linear(fused_ops.rms_norm_ref(x, torch.ones(64), 1e-6), w))
+    assert residual is x
+    with pytest.raises(ValueError, match="one row"):
+        gemv.silu_mul_linear(torch.randn(3, 128), w, force_triton=True)

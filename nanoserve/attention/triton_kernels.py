@@ -28,8 +28,7 @@ _LOG2E = 1.4426950408889634
 # Decode splits: each covers at least MIN_PARTITION tokens (less is not worth its partials), and the
 # grid aims for WAVES programs per SM so that small batches still fill the GPU.
 DECODE_MIN_PARTITION = 64  # tokens; with per-sequence partitions short contexts still spread over the splits
-DECODE_WAVES = 2  # 4 (twice the splits) was ~6% faster at batch 1, 32k context, but doubles the partials to merge
-FUSED_REDUCE_MAX_SPLITS = 32  # the last split merges partials one after another; beyond this a reduce kernel does
+DECODE_WAVES = 4
 DECODE_MAX_SPLITS = 128
 DECODE_NUM_WARPS = 4
 # K/V tiles of at most this many bytes (64 tokens of bf16 at head_dim 128): larger ones spill registers.
@@ -184,7 +183,7 @@ def _combine_partials(part_acc_ptr, part_ml_ptr, out_ptr, first_part, context_le
     m_tot = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_tot = tl.zeros([BLOCK_G], tl.float32)
     acc_tot = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for s in tl.range(0, tl.maximum(tl.cdiv(context_len, partition_size), 1), num_stages=2):
+    for s in range(0, tl.maximum(tl.cdiv(context_len, partition_size), 1)):
         part = first_part + s
         m_s = tl.load(part_ml_ptr + part * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
         l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
@@ -268,7 +267,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         parts = torch.empty(num_seqs * num_heads * num_splits * (head_dim + 2), dtype=torch.float32, device=q.device)
         part_acc = parts[:num_seqs * num_heads * num_splits * head_dim]
         part_ml = parts[num_seqs * num_heads * num_splits * head_dim:]
-        if fused_reduce and num_splits <= FUSED_REDUCE_MAX_SPLITS and num_seqs * num_kv_heads <= gemv.COUNTER_SLOTS:
+        if fused_reduce and num_seqs * num_kv_heads <= gemv.COUNTER_SLOTS:
             counters = gemv.split_counters(q.device)
     else:
         part_acc = part_ml = out  # unused by the single-split kernel

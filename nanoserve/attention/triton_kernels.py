@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.model import gemv
 
 _LOG2E = 1.4426950408889634
 
@@ -108,21 +107,22 @@ def _partition_size(context_len, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-                   part_acc_ptr, part_ml_ptr, counter_ptr, qk_scale, num_splits,
+                   part_acc_ptr, part_ml_ptr, qk_scale, num_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   DOT_UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr):
+                   DOT_UPCAST: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     partition_size = _partition_size(context_len, num_splits, BLOCK_N)
     part_start = split * partition_size
-    # Partitions past the context exit at once; split 0 always runs, so an empty context writes zeros.
-    if (part_start < context_len) | (split == 0):
+    # Partitions past the context exit at once. "<=" lets an empty context (padding rows) write
+    # zeros from split 0; the reduce ignores the empty partial that this also writes for split > 0.
+    if part_start <= context_len:
         part_end = tl.minimum(part_start + partition_size, context_len)
         rows = tl.arange(0, BLOCK_G)
         dims = tl.arange(0, BLOCK_D)
@@ -165,38 +165,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                      mask=row_ok[:, None] & dim_ok[None, :])
             tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
             tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
-            if FUSED_REDUCE:  # the last split of this (seq, kv head) to finish combines all partials: no 2nd launch
-                tl.debug_barrier()  # every thread's partials are written before the (one-thread) release below
-                slot = seq * tl.num_programs(1) + kv_head
-                arrived = tl.atomic_add(counter_ptr + slot, 1, sem="acq_rel", scope="gpu")
-                if arrived == tl.maximum(tl.cdiv(context_len, partition_size), 1) - 1:
-                    _combine_partials(part_acc_ptr, part_ml_ptr, out_ptr, part - split, context_len,
-                                      partition_size, seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-                                      row_ok, dims, dim_ok, HEAD_DIM, BLOCK_G, BLOCK_D)
-                    tl.atomic_xchg(counter_ptr + slot, 0)  # zero again for the next launch / graph replay
-
-
-@triton.jit
-def _combine_partials(part_acc_ptr, part_ml_ptr, out_ptr, first_part, context_len, partition_size, out_offsets,
-                      row_ok, dims, dim_ok, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Online-softmax merge of the valid splits' (max, sum, acc) for a group of heads; writes the output."""
-    m_tot = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_tot = tl.zeros([BLOCK_G], tl.float32)
-    acc_tot = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for s in range(0, tl.maximum(tl.cdiv(context_len, partition_size), 1)):
-        part = first_part + s
-        m_s = tl.load(part_ml_ptr + part * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
-        a_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
-                      other=0.0, cache_modifier=".cg")  # from L2: other SMs wrote them
-        m_new = tl.maximum(m_tot, m_s)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha, beta = tl.exp2(m_tot - m_ref), tl.exp2(m_s - m_ref)
-        acc_tot = acc_tot * alpha[:, None] + a_s * beta[:, None]
-        l_tot = l_tot * alpha + l_s * beta
-        m_tot = m_new
-    out = acc_tot / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit
@@ -234,14 +202,12 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, *, num_splits: int | None = None,
-                     fused_reduce: bool = True) -> torch.Tensor:
+                     context_lens: torch.Tensor, scale: float, *, num_splits: int | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context → [num_seqs, num_heads, head_dim].
 
     q [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] int32; context_lens
     [num_seqs] int32 (0 gives a zero output row). num_splits overrides the shape heuristic
-    (tests, benchmarks). With several splits the last one to finish merges the partials (fused_reduce,
-    one launch); otherwise a second reduce kernel does. No host sync: safe inside CUDA-graph capture.
+    (tests, benchmarks). No host sync: safe inside CUDA-graph capture.
     """
     num_seqs, num_heads, head_dim = q.shape
     _num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -262,25 +228,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context, _num_sms(q.device))
     num_splits = max(1, min(num_splits, triton.cdiv(max_context, block_n)))  # a split is at least one tile
-    counters = None
     if num_splits > 1:
         parts = torch.empty(num_seqs * num_heads * num_splits * (head_dim + 2), dtype=torch.float32, device=q.device)
         part_acc = parts[:num_seqs * num_heads * num_splits * head_dim]
         part_ml = parts[num_seqs * num_heads * num_splits * head_dim:]
-        if fused_reduce and num_seqs * num_kv_heads <= gemv.COUNTER_SLOTS:
-            counters = gemv.split_counters(q.device)
     else:
         part_acc = part_ml = out  # unused by the single-split kernel
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml,
-        counters if counters is not None else context_lens, scale * _LOG2E, num_splits,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
         BLOCK_G=max(16, _pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        **_dot_args(q.device, k_cache.dtype), FUSED_REDUCE=counters is not None, num_warps=DECODE_NUM_WARPS)
-    if num_splits > 1 and counters is None:
+        **_dot_args(q.device, k_cache.dtype), num_warps=DECODE_NUM_WARPS)
+    if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, context_lens, out, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_S=_pow2(num_splits), BLOCK_D=_pow2(head_dim), BLOCK_N=block_n,

@@ -214,10 +214,9 @@ def configs_for(m: int, n: int, k: int, sms: int = DEFAULT_NUM_SMS) -> list[Gemv
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
-def split_counters(device: torch.device) -> torch.Tensor | None:
-    """The device's zeroed counter buffer (COUNTER_SLOTS int32) for one-launch split reductions, shared by
-    every such kernel on the stream (each leaves its counters at 0); None while a CUDA graph is being
-    captured and the buffer does not exist yet (it must not come from the graph's private pool)."""
+def _counters_for(device: torch.device) -> torch.Tensor | None:
+    """The device's zeroed counter buffer; None while a CUDA graph is being captured and the buffer
+    does not exist yet (it must not come from the graph's private pool, which dies with the graph)."""
     buf = _counters.get(device)
     if buf is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -303,7 +302,7 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, residual=None, residual
     if prologue != _PLAIN:  # each program must see the whole row for the norm: never split K
         cfg = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.use_dot, split_k=1)
     p = plan(cfg, m, n, k, num_sms(x.device))
-    counters = split_counters(x.device) if p.split_k > 1 else None
+    counters = _counters_for(x.device) if p.split_k > 1 else None
     if p.split_k > 1 and counters is None:  # first use inside a capture: take the unsplit variant
         p = plan(GemvConfig(p.block_n, p.block_k, p.num_warps, p.num_stages, p.use_dot, split_k=1), m, n, k, 1)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

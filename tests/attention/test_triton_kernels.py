@@ -18,7 +18,6 @@ triton = pytest.importorskip("triton")
 from nanoserve.attention import torch_ref  # noqa: E402
 from nanoserve.attention import triton_kernels as tk  # noqa: E402
 from nanoserve.attention.metadata import AttentionMetadata  # noqa: E402
-from nanoserve.model import gemv  # noqa: E402
 
 if not torch.cuda.is_available() and type(tk._decode_kernel).__name__ != "InterpretedFunction":
     pytest.skip("triton_kernels was imported before TRITON_INTERPRET=1 was set; its kernels cannot run on CPU",
@@ -71,14 +70,13 @@ class PagedBatch:
         return [table[p // self.block_size] * self.block_size + p % self.block_size for p in positions]
 
 
-def decode_case(context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits=None, seed=0,
-                fused_reduce=True):
+def decode_case(context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits=None, seed=0):
     batch = PagedBatch(context_lens, block_size, num_kv_heads, head_dim, dtype, seed=seed)
     q = torch.randn(len(context_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
     q = q.to(dtype).to(DEVICE)
     scale = head_dim ** -0.5
     out = tk.decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, scale,
-                              num_splits=num_splits, fused_reduce=fused_reduce)
+                              num_splits=num_splits)
     ref = torch_ref.decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, scale)
     return out, ref
 
@@ -158,17 +156,14 @@ def test_decode_block_sizes_head_dims_dtypes(block_size, head_dim, dtype):
     assert_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("fused_reduce", [True, False])
 @pytest.mark.parametrize("num_splits", [2, 4])
-def test_decode_every_context_length_with_splits(num_splits, fused_reduce):
+def test_decode_every_context_length_with_splits(num_splits):
     """Each length from 1 to 200, its context spread over 2 or 4 splits in whole tiles: every boundary of
     blocks, tiles and partitions, and splits past the context (which must exit early)."""
     block_size, max_context = 8, 200
     out, ref = decode_case(list(range(1, max_context + 1)), num_heads=2, num_kv_heads=1, head_dim=16,
-                           block_size=block_size, dtype=torch.float32, num_splits=num_splits, fused_reduce=fused_reduce)
+                           block_size=block_size, dtype=torch.float32, num_splits=num_splits)
     assert_close(out, ref, torch.float32)
-    if fused_reduce:  # the last split of each (seq, kv head) reset its counter: the next launch starts from zero
-        assert not gemv.split_counters(torch.device(DEVICE)).any()
 
 
 def test_decode_empty_context_gives_zeros():

@@ -58,6 +58,9 @@ class ModelRunner:
             logger.info("captured %d CUDA graphs (batch sizes %s) in %.2f s; graph pool %.1f MiB; %d KV blocks",
                         len(gr.graphs), gr.capture_sizes, gr.capture_seconds, gr.pool_bytes / 2**20,
                         self.num_kv_blocks)
+        else:
+            why = "enforce_eager" if config.enforce_eager else "no CUDA device"
+            logger.info("decode runs eagerly (%s); %d KV blocks of %d tokens", why, self.num_kv_blocks, self.block_size)
 
     # -- KV cache and memory plan --------------------------------------------------------------
     @property
@@ -79,8 +82,9 @@ class ModelRunner:
         peak prefill activations and the graph pool (measured before the cache is sized)."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        if self.device.type != "cuda":
-            return max(int(self.config.cpu_kv_cache_gb * 2**30) // self.block_bytes, 1)
+        if self.device.type != "cuda":  # cpu_kv_cache_gb, but no more than max_num_seqs full-length sequences use
+            most_needed = self.config.max_num_seqs * self.max_blocks_per_seq
+            return max(min(int(self.config.cpu_kv_cache_gb * 2**30) // self.block_bytes, most_needed), 1)
         activation_peak, graph_bytes = self._profile_memory()
         free, total = torch.cuda.mem_get_info()
         in_use = total - free  # weights, CUDA context, allocator cache

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP API: FastAPI routes, SSE streaming, auth, errors, Prometheus metrics.
+"""OpenAI-compatible HTTP API: FastAPI routes, SSE streaming, auth, errors (metrics: metrics.py).
 
 Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
 Every error answers in OpenAI's format {"error": {"message", "type", "param", "code"}}: invalid
@@ -20,22 +20,19 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import LLMEngine, QueueFullError, RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.async_engine import AsyncEngine, EngineError, EngineStoppedError, RequestStream
+from nanoserve.server.metrics import ServerMetrics, Tracker
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 logger = logging.getLogger("nanoserve.server")
 
 MAX_BODY_BYTES = 32 * 2**20  # a 32k-token prompt as token ids is ~0.3 MiB of JSON
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
-               0.75, 1.0, 2.5)
 
 
 class APIError(Exception):
@@ -51,93 +48,6 @@ class APIError(Exception):
 
 
 # ---- metrics -----------------------------------------------------------------------------------
-
-
-class _EngineCollector:
-    """Engine gauges and counters read from AsyncEngine.stats at scrape time."""
-
-    def __init__(self, async_engine: AsyncEngine):
-        self.async_engine = async_engine
-
-    def collect(self):
-        s = self.async_engine.stats
-        yield GaugeMetricFamily("nanoserve_num_requests_running", "Requests in the running batch", value=s.num_running)
-        yield GaugeMetricFamily("nanoserve_num_requests_waiting", "Requests waiting to be scheduled",
-                                value=s.num_waiting)
-        yield GaugeMetricFamily("nanoserve_kv_cache_usage", "Fraction of KV-cache blocks in use (0..1)",
-                                value=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
-        yield GaugeMetricFamily("nanoserve_kv_cache_blocks_used", "KV-cache blocks in use", value=s.kv_blocks_used)
-        yield GaugeMetricFamily("nanoserve_kv_cache_blocks_total", "KV-cache blocks in all", value=s.kv_blocks_total)
-        counters = [
-            ("nanoserve_prompt_tokens", "Prompt tokens processed", s.prompt_tokens),
-            ("nanoserve_generation_tokens", "Tokens generated", s.generation_tokens),
-            ("nanoserve_padding_rows", "Padded rows in graph-replayed decode batches", s.padding_rows),
-            ("nanoserve_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks", s.preemptions),
-            ("nanoserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-             s.prefix_cache_hit_tokens),
-            ("nanoserve_engine_step_errors", "engine.step() calls that raised", self.async_engine.step_errors),
-        ]
-        for name, doc, value in counters:
-            yield CounterMetricFamily(name, doc, value=value)
-        steps = CounterMetricFamily("nanoserve_decode_steps", "Decode steps by how they ran", labels=["mode"])
-        steps.add_metric(["graph"], s.decode_steps_graph)
-        steps.add_metric(["eager"], s.decode_steps_eager)
-        yield steps
-
-
-class ServerMetrics:
-    """Prometheus metrics in the app's own registry (never the global one: several apps may share a process)."""
-
-    def __init__(self, async_engine: AsyncEngine):
-        self.registry = CollectorRegistry()
-        self.requests = Counter("nanoserve_http_requests", "HTTP requests to /v1 routes by status code", ["status"],
-                                registry=self.registry)
-        self.finished = Counter("nanoserve_completions_finished",
-                                "Completions ended, by finish reason (abort: client went away; error: engine failed)",
-                                ["reason"], registry=self.registry)
-        self.ttft = Histogram("nanoserve_time_to_first_token_seconds", "Request arrival to its first output token",
-                              buckets=TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("nanoserve_inter_token_latency_seconds", "Time between successive output tokens",
-                             buckets=ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("nanoserve_request_latency_seconds", "Request arrival to its last token",
-                             buckets=TTFT_BUCKETS, registry=self.registry)
-        self.registry.register(_EngineCollector(async_engine))
-
-
-class _Tracker:
-    """Follows one group of engine requests to observe TTFT / ITL / finish reasons."""
-
-    def __init__(self, metrics: ServerMetrics, num_prompts: int, n: int):
-        self.metrics, self.n = metrics, n
-        self.arrival = time.perf_counter()
-        self.last = [self.arrival] * num_prompts
-        self.tokens = [0] * num_prompts
-        self.done: set[tuple[int, int]] = set()  # (prompt, completion) pairs whose end was counted
-        self.num_prompts = num_prompts
-
-    def observe(self, i: int, out: RequestOutput) -> None:
-        now = time.perf_counter()
-        progress = max((len(c.token_ids) for c in out.outputs), default=0)
-        if progress > self.tokens[i]:
-            if self.tokens[i] == 0:
-                self.metrics.ttft.observe(now - self.arrival)
-            else:
-                self.metrics.itl.observe((now - self.last[i]) / (progress - self.tokens[i]))
-            self.tokens[i], self.last[i] = progress, now
-        for c in out.outputs:
-            if c.finish_reason is not None and (i, c.index) not in self.done:
-                self.done.add((i, c.index))
-                self.metrics.finished.labels(c.finish_reason).inc()
-        if out.finished:
-            self.metrics.e2e.observe(now - self.arrival)
-
-    def end(self, reason: str) -> None:
-        """Count every completion not yet finished as ended with `reason` (abort / error)."""
-        for i in range(self.num_prompts):
-            for j in range(self.n):
-                if (i, j) not in self.done:
-                    self.done.add((i, j))
-                    self.metrics.finished.labels(reason).inc()
 
 
 # ---- ASGI pieces ---------------------------------------------------------------------------------
@@ -232,7 +142,7 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def _close(stream: RequestStream, tracker: _Tracker) -> None:
+def _close(stream: RequestStream, tracker: Tracker) -> None:
     """Abort what is unfinished (the client left) and count it; a no-op once everything finished."""
     if not stream.finished:
         tracker.end("abort")
@@ -284,7 +194,7 @@ class OpenAIServer:
             field = (names or {}).get(field, field)
             raise APIError(400, f"{field} {rest}", param=field) from None
 
-    async def start(self, prompts: list, params: SamplingParams, prefix: str) -> tuple[RequestStream, _Tracker]:
+    async def start(self, prompts: list, params: SamplingParams, prefix: str) -> tuple[RequestStream, Tracker]:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         items = [(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)]
         try:
@@ -296,9 +206,9 @@ class OpenAIServer:
             raise APIError(503, str(e), type="server_error", code="engine_stopped") from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        return stream, _Tracker(self.metrics, len(prompts), params.n)
+        return stream, Tracker(self.metrics, len(prompts), params.n)
 
-    async def collect(self, request: Request, stream: RequestStream, tracker: _Tracker) -> dict[int, RequestOutput]:
+    async def collect(self, request: Request, stream: RequestStream, tracker: Tracker) -> dict[int, RequestOutput]:
         """The final output of each prompt; aborts the requests if the client disconnects first."""
 
         async def run() -> dict[int, RequestOutput]:
@@ -377,8 +287,9 @@ class OpenAIServer:
         head = {"id": stream.request_ids[0].rsplit("-", 1)[0], "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name}
         if body.stream:
-            return SSEResponse(self._completion_events(stream, tracker, head, params.n, body),
-                               on_close=lambda: _close(stream, tracker))
+            events = self._events(stream, tracker, head, params.n, body.include_usage, body.logprobs is not None,
+                                  self._completion_choices(body))
+            return SSEResponse(events, on_close=lambda: _close(stream, tracker))
         last = await self.collect(request, stream, tracker)
         choices = []
         for i in sorted(last):
@@ -388,36 +299,48 @@ class OpenAIServer:
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return JSONResponse({**head, "choices": choices, "usage": self.usage(last), "system_fingerprint": None})
 
-    async def _completion_events(self, stream: RequestStream, tracker: _Tracker, head: dict, n: int,
-                                 body: CompletionRequest) -> AsyncIterator[str]:
+    def _completion_choices(self, body: CompletionRequest):
+        """Builds each streamed completion chunk's choice; keeps the running text_offset of each choice."""
+        text_offset: dict[int, int] = {}
+
+        def choice(index: int, c, delta: str, new_ids: list[int], new_lps, end: str | None) -> dict:
+            lp = None
+            if new_lps is not None:
+                lp, text_offset[index] = self.completion_logprobs(new_ids, new_lps, text_offset.get(index, 0))
+            return {"index": index, "text": delta, "logprobs": lp, "finish_reason": end,
+                    "stop_reason": c.stop_reason if end else None}
+        return choice
+
+    async def _events(self, stream: RequestStream, tracker: Tracker, head: dict, n: int, include_usage: bool,
+                      want_logprobs: bool, choice_for, preamble: tuple[dict, ...] = ()) -> AsyncIterator[str]:
+        """Server-sent events of a streamed request: every completion's new text (and logprobs) as it is produced,
+        then usage if asked and [DONE]. choice_for(index, completion, delta, new_ids, new_logprobs, finish) shapes
+        one chunk's choice — the one place where completions and chat differ."""
+        extra = {"usage": None} if include_usage else {}
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
-        text_offset: dict[int, int] = {}
         finished: set[int] = set()
-        extra = {"usage": None} if body.include_usage else {}
         last: dict[int, RequestOutput] = {}
         try:
+            for chunk in preamble:
+                yield _sse({**head, **chunk, **extra})
             async for i, out in stream:
                 tracker.observe(i, out)
                 last[i] = out
                 for c in out.outputs:
-                    ci = i * n + c.index
-                    delta = c.text[sent_text.get(ci, 0):]
-                    new_ids = c.token_ids[sent_tokens.get(ci, 0):]
-                    end = c.finish_reason if c.finish_reason is not None and ci not in finished else None
-                    if not (delta or end or (body.logprobs is not None and new_ids)):
+                    index = i * n + c.index
+                    start = sent_tokens.get(index, 0)
+                    delta, new_ids = c.text[sent_text.get(index, 0):], c.token_ids[start:]
+                    end = c.finish_reason if c.finish_reason is not None and index not in finished else None
+                    if not (delta or end or (want_logprobs and new_ids)):
                         continue
-                    lp = None
-                    if body.logprobs is not None:
-                        new_lps = (c.logprobs or [])[sent_tokens.get(ci, 0):len(c.token_ids)]
-                        lp, text_offset[ci] = self.completion_logprobs(new_ids, new_lps, text_offset.get(ci, 0))
-                    sent_text[ci], sent_tokens[ci] = len(c.text), len(c.token_ids)
+                    new_lps = (c.logprobs or [])[start:len(c.token_ids)] if want_logprobs else None
+                    choice = choice_for(index, c, delta, new_ids, new_lps, end)
+                    sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
                     if end is not None:
-                        finished.add(ci)
-                    choice = {"index": ci, "text": delta, "logprobs": lp, "finish_reason": end,
-                              "stop_reason": c.stop_reason if end else None}
+                        finished.add(index)
                     yield _sse({**head, "choices": [choice], **extra})
-            if body.include_usage:
+            if include_usage:
                 yield _sse({**head, "choices": [], "usage": self.usage(last)})
         except EngineError as e:
             tracker.end("error")
@@ -458,8 +381,11 @@ class OpenAIServer:
         head = {"id": stream.request_ids[0].rsplit("-", 1)[0], "created": int(time.time()), "model": self.model_name}
         num_top = body.top_logprobs or 0
         if body.stream:
-            return SSEResponse(self._chat_events(stream, tracker, head, num_top, body),
-                               on_close=lambda: _close(stream, tracker))
+            role = tuple({"choices": [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                       "finish_reason": None}]} for j in range(body.n))  # the role first, as OpenAI does
+            events = self._events(stream, tracker, {**head, "object": "chat.completion.chunk"}, body.n,
+                                  body.include_usage, bool(body.logprobs), self._chat_choice(num_top), role)
+            return SSEResponse(events, on_close=lambda: _close(stream, tracker))
         last = await self.collect(request, stream, tracker)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, num_top) if body.logprobs else None,
@@ -467,45 +393,12 @@ class OpenAIServer:
         return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": self.usage(last),
                              "system_fingerprint": None})
 
-    async def _chat_events(self, stream: RequestStream, tracker: _Tracker, head: dict, num_top: int,
-                           body: ChatCompletionRequest) -> AsyncIterator[str]:
-        head = {**head, "object": "chat.completion.chunk"}
-        extra = {"usage": None} if body.include_usage else {}
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        finished: set[int] = set()
-        last: dict[int, RequestOutput] = {}
-        try:
-            for j in range(body.n):  # the role first, as OpenAI does
-                yield _sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}], **extra})
-            async for i, out in stream:
-                tracker.observe(i, out)
-                last[i] = out
-                for c in out.outputs:
-                    delta = c.text[sent_text.get(c.index, 0):]
-                    new_ids = c.token_ids[sent_tokens.get(c.index, 0):]
-                    end = c.finish_reason if c.finish_reason is not None and c.index not in finished else None
-                    if not (delta or end or (body.logprobs and new_ids)):
-                        continue
-                    lp = None
-                    if body.logprobs:
-                        new_lps = (c.logprobs or [])[sent_tokens.get(c.index, 0):len(c.token_ids)]
-                        lp = self.chat_logprobs(new_ids, new_lps, num_top)
-                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                    if end is not None:
-                        finished.add(c.index)
-                    choice = {"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                              "finish_reason": end, "stop_reason": c.stop_reason if end else None}
-                    yield _sse({**head, "choices": [choice], **extra})
-            if body.include_usage:
-                yield _sse({**head, "choices": [], "usage": self.usage(last)})
-        except EngineError as e:
-            tracker.end("error")
-            yield _sse(error_body(str(e), "server_error", None, "engine_error"))
-        finally:
-            _close(stream, tracker)
-        yield "data: [DONE]\n\n"
+    def _chat_choice(self, num_top: int):
+        def choice(index: int, c, delta: str, new_ids: list[int], new_lps, end: str | None) -> dict:
+            lp = self.chat_logprobs(new_ids, new_lps, num_top) if new_lps is not None else None
+            return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                    "finish_reason": end, "stop_reason": c.stop_reason if end else None}
+        return choice
 
     def models(self) -> dict:
         return {"object": "list", "data": [self.model_card()]}

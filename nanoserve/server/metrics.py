@@ -1,0 +1,102 @@
+"""Prometheus metrics of the server: request counts, token counters, TTFT / inter-token latency histograms,
+and the engine's live state (running / waiting, KV-cache use, decode steps by graph vs eager) read at scrape time."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from nanoserve.engine.engine import RequestOutput
+from nanoserve.server.async_engine import AsyncEngine
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+               0.75, 1.0, 2.5)
+
+
+class _EngineCollector:
+    """Engine gauges and counters read from AsyncEngine.stats at scrape time."""
+
+    def __init__(self, async_engine: AsyncEngine):
+        self.async_engine = async_engine
+
+    def collect(self):
+        s = self.async_engine.stats
+        yield GaugeMetricFamily("nanoserve_num_requests_running", "Requests in the running batch", value=s.num_running)
+        yield GaugeMetricFamily("nanoserve_num_requests_waiting", "Requests waiting to be scheduled",
+                                value=s.num_waiting)
+        yield GaugeMetricFamily("nanoserve_kv_cache_usage", "Fraction of KV-cache blocks in use (0..1)",
+                                value=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+        yield GaugeMetricFamily("nanoserve_kv_cache_blocks_used", "KV-cache blocks in use", value=s.kv_blocks_used)
+        yield GaugeMetricFamily("nanoserve_kv_cache_blocks_total", "KV-cache blocks in all", value=s.kv_blocks_total)
+        counters = [
+            ("nanoserve_prompt_tokens", "Prompt tokens processed", s.prompt_tokens),
+            ("nanoserve_generation_tokens", "Tokens generated", s.generation_tokens),
+            ("nanoserve_padding_rows", "Padded rows in graph-replayed decode batches", s.padding_rows),
+            ("nanoserve_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks", s.preemptions),
+            ("nanoserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+             s.prefix_cache_hit_tokens),
+            ("nanoserve_engine_step_errors", "engine.step() calls that raised", self.async_engine.step_errors),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+        steps = CounterMetricFamily("nanoserve_decode_steps", "Decode steps by how they ran", labels=["mode"])
+        steps.add_metric(["graph"], s.decode_steps_graph)
+        steps.add_metric(["eager"], s.decode_steps_eager)
+        yield steps
+
+
+class ServerMetrics:
+    """Prometheus metrics in the app's own registry (never the global one: several apps may share a process)."""
+
+    def __init__(self, async_engine: AsyncEngine):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("nanoserve_http_requests", "HTTP requests to /v1 routes by status code", ["status"],
+                                registry=self.registry)
+        self.finished = Counter("nanoserve_completions_finished",
+                                "Completions ended, by finish reason (abort: client went away; error: engine failed)",
+                                ["reason"], registry=self.registry)
+        self.ttft = Histogram("nanoserve_time_to_first_token_seconds", "Request arrival to its first output token",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("nanoserve_inter_token_latency_seconds", "Time between successive output tokens",
+                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("nanoserve_request_latency_seconds", "Request arrival to its last token",
+                             buckets=TTFT_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineCollector(async_engine))
+
+
+class Tracker:
+    """Follows one group of engine requests to observe TTFT / ITL / finish reasons."""
+
+    def __init__(self, metrics: ServerMetrics, num_prompts: int, n: int):
+        self.metrics, self.n = metrics, n
+        self.arrival = time.perf_counter()
+        self.last = [self.arrival] * num_prompts
+        self.tokens = [0] * num_prompts
+        self.done: set[tuple[int, int]] = set()  # (prompt, completion) pairs whose end was counted
+        self.num_prompts = num_prompts
+
+    def observe(self, i: int, out: RequestOutput) -> None:
+        now = time.perf_counter()
+        progress = max((len(c.token_ids) for c in out.outputs), default=0)
+        if progress > self.tokens[i]:
+            if self.tokens[i] == 0:
+                self.metrics.ttft.observe(now - self.arrival)
+            else:
+                self.metrics.itl.observe((now - self.last[i]) / (progress - self.tokens[i]))
+            self.tokens[i], self.last[i] = progress, now
+        for c in out.outputs:
+            if c.finish_reason is not None and (i, c.index) not in self.done:
+                self.done.add((i, c.index))
+                self.metrics.finished.labels(c.finish_reason).inc()
+        if out.finished:
+            self.metrics.e2e.observe(now - self.arrival)
+
+    def end(self, reason: str) -> None:
+        """Count every completion not yet finished as ended with `reason` (abort / error)."""
+        for i in range(self.num_prompts):
+            for j in range(self.n):
+                if (i, j) not in self.done:
+                    self.done.add((i, j))
+                    self.metrics.finished.labels(reason).inc()

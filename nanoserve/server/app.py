@@ -47,9 +47,6 @@ class APIError(Exception):
         return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)
 
 
-# ---- metrics -----------------------------------------------------------------------------------
-
-
 # ---- ASGI pieces ---------------------------------------------------------------------------------
 
 

@@ -99,6 +99,33 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, end, last_key, kv_head, dims, dim_ok,
+                 qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 DOT_UPCAST: tl.constexpr):
+    """Fold keys [start, start + BLOCK_N) ∩ [0, end) of one paged context into the running (max, sum, acc) of
+    the rows of q (log2-domain online softmax); row r attends only to keys <= last_key[r]. Every tile holds a
+    key each row may see (the decode partition's first, or key 0 for prefill), so the running max stays finite."""
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < end
+    block_ids = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    offsets = keys % BLOCK_SIZE
+    kv_mask = key_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_kt
+                + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+    scores = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+    scores = tl.where(key_ok[None, :] & (keys[None, :] <= last_key[:, None]), scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
+                + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _partition_size(context_len, num_splits, BLOCK_N: tl.constexpr):
     """Tokens per split for this sequence: its own context spread over all splits, in whole tiles. Sized on the
     device from context_len, so a short context in an engine built for long ones still uses every split."""
@@ -136,24 +163,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        last_key = tl.zeros([BLOCK_G], tl.int32) + (part_end - 1)  # every row sees the whole partition
         for start in range(part_start, part_end, BLOCK_N):
-            tokens = start + tl.arange(0, BLOCK_N)
-            tok_ok = tokens < part_end
-            block_ids = tl.load(table + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
-            offsets = tokens % BLOCK_SIZE
-            kv_mask = tok_ok[:, None] & dim_ok[None, :]
-            k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_kt
-                        + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
-            scores = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale  # log2 domain
-            scores = tl.where(tok_ok[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: every tile holds a valid token
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
-                        + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, part_end, last_key,
+                                         kv_head, dims, dim_ok, qk_scale, stride_kb, stride_kt, stride_kh,
+                                         stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+                                         DOT_UPCAST)
         if not SPLIT:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
@@ -289,23 +304,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_l
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         for start in range(0, kv_end, BLOCK_N):
-            keys = start + tl.arange(0, BLOCK_N)
-            key_ok = keys < kv_end
-            block_ids = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-            offsets = keys % BLOCK_SIZE
-            kv_mask = key_ok[:, None] & dim_ok[None, :]
-            k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_kt
-                        + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
-            scores = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
-            scores = tl.where(keys[None, :] <= q_pos[:, None], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))  # key 0 is in the first tile, so finite
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
-                        + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_end, q_pos,
+                                         kv_head, dims, dim_ok, qk_scale, stride_kb, stride_kt, stride_kh,
+                                         stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+                                         DOT_UPCAST)
         out = acc / l_i[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])

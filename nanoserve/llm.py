@@ -43,7 +43,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 request_ids.append(f"gen-{next(self._ids)}")
-                self.engine.add_request(request_ids[-1], prompt, p)
+                self.engine.add_request(request_ids[-1], prompt, p, stream=False)
         except Exception:
             for rid in request_ids:
                 self.engine.abort_request(rid)

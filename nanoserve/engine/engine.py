@@ -79,6 +79,7 @@ class EngineStats:
 @dataclass
 class _Request:
     prompt: str | None
+    stream: bool  # report every step (False: only when finished, and detokenize once at the end if possible)
     seqs: list[Sequence] = field(default_factory=list)
 
 
@@ -99,7 +100,10 @@ class LLMEngine:
         self._prompt_tokens = self._generation_tokens = self._prefix_hits = 0
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    stream: bool = True) -> None:
+        """Queue a request. stream=False: step() reports it only once finished, and unless stop strings need
+        checking every token, its text is decoded once at the end (offline generate: less work per step)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -110,7 +114,7 @@ class LLMEngine:
         if len(token_ids) >= max_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {max_len} "
                              "(the prompt must leave room for at least one generated token)")
-        request = _Request(prompt_text)
+        request = _Request(prompt_text, stream)
         for i in range(params.n):
             seq = Sequence(request_id, i, token_ids, params)
             seq.generator = params.make_generator(self.model_runner.device, index=i)
@@ -162,8 +166,11 @@ class LLMEngine:
             self._append_token(seq, sampled.token_ids[i], logprob, top)
         outputs = []
         for request_id in dict.fromkeys(s.request_id for s in seqs):
-            outputs.append(self._request_output(request_id))
-            if outputs[-1].finished:
+            request = self.requests[request_id]
+            finished = all(s.is_finished for s in request.seqs)
+            if request.stream or finished:
+                outputs.append(self._request_output(request_id))
+            if finished:
                 del self.requests[request_id]
         return outputs
 
@@ -178,7 +185,7 @@ class LLMEngine:
                 seq.logprobs.append(entry)
         params = seq.params
         stop_string = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and (params.stop or self.requests[seq.request_id].stream):
             before = len(seq.text)
             detokenizer.append_text(self.tokenizer, seq)
             stop_string = detokenizer.find_stop_string(seq, len(seq.text) - before)

@@ -70,6 +70,25 @@ def test_stream_equals_generate(engines):
     assert deltas[-1].finish_reason == "length"
 
 
+def test_final_only_requests_report_once_with_the_streamed_text(engines):
+    """LLM.generate's requests (stream=False) are reported only when finished and detokenized once at the end;
+    the text must equal what incremental detokenization streams, unicode and byte-fallback pieces included."""
+    llm = engines["qwen3"]
+    engine = llm.engine
+    prompts = ["Hello there", "Ünïcode ✓ — text", "1 2 3 4"]
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"final-{i}", prompt, params, stream=False)
+    reported = []
+    while engine.has_unfinished_requests():
+        reported += engine.step()
+    assert sorted(o.request_id for o in reported) == [f"final-{i}" for i in range(3)]
+    assert all(o.finished for o in reported)
+    for out in reported:
+        prompt = prompts[int(out.request_id.split("-")[1])]
+        assert out.text == "".join(d.text for d in llm.stream(prompt, params))
+
+
 def test_stop_strings_cut_text(engines):
     llm = engines["qwen3"]
     base = llm.generate("Once upon a time", SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0]

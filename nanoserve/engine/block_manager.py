@@ -85,9 +85,11 @@ class BlockManager:
 
     def append_slot(self, seq: Sequence) -> None:
         """Make sure the block for seq's last token exists; register a block this token fills."""
-        if len(seq.block_table) * self.block_size < len(seq):
+        num_tokens = len(seq)
+        if len(seq.block_table) * self.block_size < num_tokens:
             seq.block_table.append(self._take(self.free_ids[0]))
-        self._register_full_blocks(seq, (len(seq) - 1) // self.block_size, len(seq))
+        if num_tokens % self.block_size == 0:
+            self._register_full_blocks(seq, num_tokens // self.block_size - 1, num_tokens)
 
     # -- release --------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
@@ -124,11 +126,10 @@ class BlockManager:
     def _register_full_blocks(self, seq: Sequence, first: int, num_tokens: int) -> None:
         if not self.enable_prefix_caching:
             return
-        tokens = seq.token_ids
         prev = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
         for i in range(first, num_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            chunk = tuple(seq.tokens_between(i * self.block_size, (i + 1) * self.block_size))
             if block.hash is None:
                 block.hash, block.token_ids = self.chain_hash(prev, chunk), chunk
                 self.hash_to_block[block.hash] = block.block_id

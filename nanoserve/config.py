@@ -1,4 +1,9 @@
-"""Engine configuration: one validated dataclass; unknown options are errors."""
+"""Engine configuration: one validated dataclass whose fields are the CLI flags; unknown options are errors.
+
+A user's EngineConfig keeps what the user asked for ("auto" included). `resolve()` turns it, once the
+model's limits are known, into a new EngineConfig of concrete values (an indexed device, a dtype, token
+limits) that the engine runs on; nothing mutates a config after construction.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +13,8 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+MAX_DEFAULT_MODEL_LEN = 32768
 
 
 @dataclass
@@ -18,15 +25,16 @@ class EngineConfig:
     device: str = "auto"  # "auto" → cuda when available, else cpu
     dtype: str = "auto"  # "auto" → the model's torch_dtype on CUDA, float32 on CPU
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None → max(8192, max_model_len)
+    max_num_batched_tokens: int | None = None  # tokens per step (long prompts are prefilled in chunks); None → 8192
     max_model_len: int | None = None  # None → the model's max_position_embeddings (capped at 32768)
     block_size: int = 16
     num_kv_blocks: int | None = None  # None → sized from memory (GPU) or cpu_kv_cache_gb (CPU)
     gpu_memory_utilization: float = 0.90
     cpu_kv_cache_gb: float = 1.0
     enforce_eager: bool = False
-    cudagraph_capture_sizes: list[int] | None = None  # None → 1, 2, 4, … ≤ max_num_seqs, plus max_num_seqs
+    cudagraph_capture_sizes: list[int] | None = None  # None → 1, 2, 4, … ≤ max_num_seqs, plus max_num_seqs; []: none
     enable_prefix_caching: bool = True
+    async_scheduling: bool = True  # the host schedules step N+1 while the device runs step N
     max_waiting_requests: int = 4096  # the server answers 503 beyond this
     seed: int = 0
     tokenizer: str | None = None  # None → the model folder
@@ -43,17 +51,15 @@ class EngineConfig:
         return cls(model=model, **kwargs)
 
     def __post_init__(self) -> None:
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but CUDA is not available on this machine")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        _positive("max_num_seqs", self.max_num_seqs)
-        _positive("block_size", self.block_size)
+        for name in ("max_num_seqs", "block_size", "max_waiting_requests"):
+            _positive(name, getattr(self, name))
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
@@ -61,54 +67,57 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kv_cache_gb <= 0:
             raise ValueError(f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}")
-        _positive("max_waiting_requests", self.max_waiting_requests)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.cudagraph_capture_sizes is not None:
             sizes = list(self.cudagraph_capture_sizes)
-            if not sizes or any(not isinstance(s, int) or s <= 0 for s in sizes):
+            if any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in sizes):
                 raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {sizes}")
-            if max(sizes) > self.max_num_seqs:
+            if sizes and max(sizes) > self.max_num_seqs:
                 raise ValueError(f"cudagraph_capture_sizes {sizes} exceed max_num_seqs={self.max_num_seqs}")
             self.cudagraph_capture_sizes = sorted(set(sizes))
 
+    def resolve(self, model_max_len: int, model_dtype: torch.dtype | None) -> "EngineConfig":
+        """The concrete config the engine runs on: device indexed, dtype chosen, token limits filled in,
+        capture sizes listed ([] when decode runs eagerly). Raises ValueError for limits the model cannot meet."""
+        if self.max_model_len is not None and self.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={model_max_len}")
+        max_model_len = self.max_model_len or min(model_max_len, MAX_DEFAULT_MODEL_LEN)
+        device = _resolve_device(self.device)
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "float32" if device == "cpu" else _serving_dtype(model_dtype)
+        sizes = self.cudagraph_capture_sizes
+        if sizes is None:
+            sizes = default_capture_sizes(self.max_num_seqs)
+        use_graphs = device.startswith("cuda") and not self.enforce_eager
+        return dataclasses.replace(
+            self, device=device, dtype=dtype, max_model_len=max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            cudagraph_capture_sizes=list(sizes) if use_graphs else [])
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.device != "auto" and self.dtype != "auto" and self.max_model_len is not None
+
     @property
     def torch_device(self) -> torch.device:
+        self._require_resolved()
         return torch.device(self.device)
-
-    def capture_sizes(self) -> list[int]:
-        """Batch sizes that get a CUDA graph, ascending: powers of two up to max_num_seqs, plus max_num_seqs."""
-        if self.cudagraph_capture_sizes is not None:
-            return list(self.cudagraph_capture_sizes)
-        return default_capture_sizes(self.max_num_seqs)
-
-    def resolve(self, model_max_len: int, model_dtype: torch.dtype | None) -> None:
-        """Fill the options that depend on the model (called once by the loader)."""
-        if self.max_model_len is None:
-            self.max_model_len = min(model_max_len, 32768)
-        elif self.max_model_len > model_max_len:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={model_max_len}"
-            )
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(8192, self.max_model_len)
-        elif self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len={self.max_model_len} "
-                "(a whole prompt is prefilled in one step)"
-            )
-        if self.dtype == "auto":
-            on_cpu = self.device == "cpu"
-            self.dtype = "float32" if on_cpu else _serving_dtype(model_dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            raise RuntimeError("dtype is resolved when the model is loaded")
+        self._require_resolved()
         return DTYPES[self.dtype]
+
+    def _require_resolved(self) -> None:
+        if not self.is_resolved:
+            raise RuntimeError("this EngineConfig is not resolved yet: call resolve() with the model's limits")
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """The design notes' buckets: powers of two below max_num_seqs, plus max_num_seqs itself."""
     sizes, b = [], 1
     while b < max_num_seqs:
         sizes.append(b)
@@ -128,6 +137,15 @@ def hf_config_dtype(hf_config) -> torch.dtype | None:
 def _positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _resolve_device(device: str) -> str:
+    """'auto' → cuda when available; 'cuda' → 'cuda:<current>' (graphs, pools and streams belong to one device)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    return device
 
 
 def _serving_dtype(model_dtype: torch.dtype | None) -> str:

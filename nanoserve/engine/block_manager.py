@@ -1,13 +1,15 @@
-"""Paged KV-cache blocks: allocate, append, free, with hash-based prefix caching.
+"""Paged KV-cache blocks: allocate, extend, free, with hash-based prefix caching.
 
-Every block is either in use (ref_count > 0) or on the free queue (ref_count == 0), so
-used + free == total always holds. A freed full block keeps its content hash and can be
-picked up again by a later prompt with the same prefix until it is reused for something else
-(least recently freed first).
+Every block is either in use (ref_count > 0) or on the free queue (ref_count == 0), so used + free ==
+total always holds. A full block is registered under the hash of its tokens (chained with its
+predecessors') once its tokens are known and their KV is scheduled; a later prompt with the same prefix
+reuses it, until the block is taken fresh for something else (least recently freed first). Blocks
+filled by a decode step are registered only when the host learns the sampled token (one step late with
+asynchronous scheduling).
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from nanoserve.engine.sequence import Sequence
@@ -26,8 +28,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_ids: deque[int] = deque(range(num_blocks))
-        self.free_set: set[int] = set(range(num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
 
     @property
@@ -36,101 +37,93 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_set)
+        return len(self.free_queue)
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
-    # -- prefill --------------------------------------------------------------------------
-    @staticmethod
-    def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-        return hash((prev_hash, token_ids))
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids that already hold this sequence's leading full blocks (at least one token is left to compute)."""
+    # -- allocation -------------------------------------------------------------------------------
+    def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> bool:
+        """Make seq's blocks cover its first num_tokens tokens. A sequence without blocks first takes `hits`
+        (its cached_prefix(), setting num_cached_tokens / num_computed_tokens). False, changing nothing,
+        if the free blocks do not suffice."""
+        assert not (hits and seq.block_table), "prefix hits apply to a sequence without blocks"
+        have = len(seq.block_table) + len(hits)
+        needed = max(self.blocks_for(max(num_tokens, have * self.block_size)) - have, 0)
+        if needed + sum(self.blocks[b].ref_count == 0 for b in hits) > self.num_free_blocks:
+            return False
+        if not seq.block_table:
+            for block_id in hits:
+                self._take(block_id)
+            seq.block_table = list(hits)
+            seq.num_hashed_blocks = len(hits)
+            seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        for _ in range(needed):
+            block_id = next(iter(self.free_queue))
+            self._forget(self.blocks[block_id])
+            seq.block_table.append(self._take(block_id))
+        return True
+
+    def can_append_one(self, seq: Sequence) -> bool:
+        """Room for one more token's KV (a decode step)."""
+        return len(seq.block_table) * self.block_size > seq.num_tokens - 1 or self.num_free_blocks > 0
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks already holding seq's leading full blocks of known tokens (at least one token left to compute)."""
         if not self.enable_prefix_caching:
             return []
-        hits, prev, tokens = [], None, seq.token_ids
-        for i in range((len(tokens) - 1) // self.block_size):
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            prev = self.chain_hash(prev, chunk)
+        hits, prev, bs = [], None, self.block_size
+        for i in range((seq.num_known_tokens - 1) // bs):
+            chunk = tuple(seq.tokens_between(i * bs, (i + 1) * bs))
+            prev = hash((prev, chunk))
             block_id = self.hash_to_block.get(prev)
             if block_id is None or self.blocks[block_id].token_ids != chunk:
                 break
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._cached_prefix(seq)
-        needed = seq.num_blocks_needed(self.block_size) - sum(self.blocks[b].ref_count > 0 for b in hits)
-        return needed <= self.num_free_blocks
+    # -- prefix registration ----------------------------------------------------------------------
+    def register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the full blocks among seq's first num_tokens tokens (all known, their KV scheduled)."""
+        if not self.enable_prefix_caching:
+            return
+        bs, first, last = self.block_size, seq.num_hashed_blocks, min(num_tokens, seq.num_known_tokens) // self.block_size
+        prev = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
+        for i in range(first, min(last, len(seq.block_table))):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                chunk = tuple(seq.tokens_between(i * bs, (i + 1) * bs))
+                block.hash, block.token_ids = hash((prev, chunk)), chunk
+                self.hash_to_block[block.hash] = block.block_id
+            prev = block.hash
+            seq.num_hashed_blocks = i + 1
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give seq blocks for all its tokens, reusing cached prefix blocks; sets seq.num_cached_tokens."""
-        assert not seq.block_table, "sequence already has blocks"
-        hits = self._cached_prefix(seq)
-        for block_id in hits:
-            self._take(block_id, reuse=True)
-        seq.block_table = list(hits)
-        seq.num_cached_tokens = len(hits) * self.block_size
-        for _ in range(len(hits), seq.num_blocks_needed(self.block_size)):
-            seq.block_table.append(self._take(self.free_ids[0]))
-        self._register_full_blocks(seq, len(hits), len(seq))
-
-    # -- decode ---------------------------------------------------------------------------
-    def can_append(self, seq: Sequence) -> bool:
-        """Room for the KV of seq's last token (the one the next decode step computes)."""
-        return len(seq.block_table) * self.block_size >= len(seq) or self.num_free_blocks > 0
-
-    def append_slot(self, seq: Sequence) -> None:
-        """Make sure the block for seq's last token exists; register a block this token fills."""
-        num_tokens = len(seq)
-        if len(seq.block_table) * self.block_size < num_tokens:
-            seq.block_table.append(self._take(self.free_ids[0]))
-        if num_tokens % self.block_size == 0:
-            self._register_full_blocks(seq, num_tokens // self.block_size - 1, num_tokens)
-
-    # -- release --------------------------------------------------------------------------
+    # -- release ----------------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
-                self.free_ids.append(block_id)
-                self.free_set.add(block_id)
+                self.free_queue[block_id] = None
         seq.block_table = []
-        seq.num_cached_tokens = 0
+        seq.num_synced_blocks = seq.num_hashed_blocks = 0
+        seq.num_cached_tokens = seq.num_computed_tokens = 0
 
-    # -- internals ------------------------------------------------------------------------
-    def _take(self, block_id: int, reuse: bool = False) -> int:
-        """Add a reference to block_id; a block taken fresh from the free queue forgets its old content."""
+    # -- internals --------------------------------------------------------------------------------
+    def _take(self, block_id: int) -> int:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            if self.free_ids[0] == block_id:
-                self.free_ids.popleft()
-            else:
-                self.free_ids.remove(block_id)
-            self.free_set.discard(block_id)
-            if not reuse:
-                self._forget(block)
+            del self.free_queue[block_id]
         block.ref_count += 1
         return block_id
 
     def _forget(self, block: Block) -> None:
+        """A block taken fresh from the free queue forgets the content it was registered for."""
         if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
             del self.hash_to_block[block.hash]
         block.hash, block.token_ids = None, ()
-
-    def _register_full_blocks(self, seq: Sequence, first: int, num_tokens: int) -> None:
-        if not self.enable_prefix_caching:
-            return
-        prev = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
-        for i in range(first, num_tokens // self.block_size):
-            block = self.blocks[seq.block_table[i]]
-            chunk = tuple(seq.tokens_between(i * self.block_size, (i + 1) * self.block_size))
-            if block.hash is None:
-                block.hash, block.token_ids = self.chain_hash(prev, chunk), chunk
-                self.hash_to_block[block.hash] = block.block_id
-            prev = block.hash

@@ -1,68 +1,82 @@
-"""Incremental detokenization and stop-string handling.
+"""Incremental detokenization (front end): token ids in, text that is final out.
 
-Decoding only a short window of tokens per step keeps the cost flat in sequence length; text is
-released only once it is final: a trailing incomplete UTF-8 character ("\ufffd") waits for the
-next token, and a tail that could still become a stop string is held back until it cannot.
+Fast tokenizers use the tokenizers library's DecodeStream (constant work per token, holds back
+incomplete UTF-8); others decode a short window per token. Both are primed with the last prompt tokens,
+so the first output token's leading space comes out as a full decode would give it. `full_text` decodes
+everything once (at the end, or for requests that are reported only when finished): streamed text is
+always a prefix of it.
 """
 from __future__ import annotations
 
-from nanoserve.engine.sequence import Sequence
-
-PROMPT_WINDOW = 5  # prompt tokens decoded with the first output tokens, so leading spaces come out right
+PROMPT_WINDOW = 5  # prompt tokens decoded with the output, so leading spaces come out right
 
 
-def init_offsets(seq: Sequence) -> None:
-    seq.prefix_offset = max(seq.num_prompt_tokens - PROMPT_WINDOW, 0)
-    seq.read_offset = seq.num_prompt_tokens
+def full_text(tokenizer, prompt_ids: list[int], output_ids: list[int], skip_special_tokens: bool) -> str:
+    tail = prompt_ids[-PROMPT_WINDOW:]
+    prefix = tokenizer.decode(tail, skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode(tail + output_ids, skip_special_tokens=skip_special_tokens)[len(prefix):]
 
 
-def append_text(tokenizer, seq: Sequence) -> None:
-    """Extend seq.text with whatever the newest token makes final."""
-    ids = seq.token_ids
-    skip = seq.params.skip_special_tokens
-    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
-    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
-    if len(full) > len(prefix) and not full.endswith("\ufffd"):
-        seq.text += full[len(prefix):]
-        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._stream = _decode_stream(backend, prompt_ids[-PROMPT_WINDOW:], skip_special_tokens)
+        self._backend = backend
+        self._ids = list(prompt_ids[-PROMPT_WINDOW:])  # window fallback state
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+
+    def push(self, token_id: int) -> str:
+        """The text that token_id makes final ("" while a character is incomplete)."""
+        if self._stream is not None:
+            return self._stream.step(self._backend, token_id) or ""
+        self._ids.append(token_id)
+        ids, skip = self._ids, self.skip
+        prefix = self.tokenizer.decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=skip)
+        full = self.tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        return full[len(prefix):]
 
 
-def flush_text(tokenizer, seq: Sequence) -> None:
-    """At the end, release what was held back for completion (even a trailing incomplete character)."""
-    ids, skip = seq.token_ids, seq.params.skip_special_tokens
-    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
-    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
-    seq.text += full[len(prefix):]
-    seq.prefix_offset = seq.read_offset = len(ids)
+def _decode_stream(backend, prompt_tail: list[int], skip_special_tokens: bool):
+    """A DecodeStream primed with the prompt's tail, or None (slow tokenizer, old tokenizers library)."""
+    if backend is None:
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    try:
+        return DecodeStream(ids=prompt_tail, skip_special_tokens=skip_special_tokens)
+    except TypeError:  # a tokenizers version without `ids`: prime by stepping through the tail
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        for t in prompt_tail:
+            stream.step(backend, t)
+        return stream
 
 
-def find_stop_string(seq: Sequence, num_new_chars: int) -> str | None:
-    """If a stop string now appears in seq.text, cut the text there and return it."""
-    stops = seq.params.stop
+def find_stop(text: str, stops: list[str], num_new_chars: int) -> tuple[int, str] | None:
+    """(position, stop string) of the earliest stop string that the last num_new_chars characters completed."""
     if not stops or num_new_chars == 0:
         return None
     longest = max(len(s) for s in stops)
-    search_from = max(len(seq.text) - num_new_chars - longest + 1, 0)
+    search_from = max(len(text) - num_new_chars - longest + 1, 0)
     best: tuple[int, str] | None = None
     for stop in stops:
-        at = seq.text.find(stop, search_from)
+        at = text.find(stop, search_from)
         if at != -1 and (best is None or at < best[0]):
             best = (at, stop)
-    if best is None:
-        return None
-    at, stop = best
-    seq.text = seq.text[:at + len(stop)] if seq.params.include_stop_str_in_output else seq.text[:at]
-    return stop
+    return best
 
 
-def visible_text(seq: Sequence) -> str:
-    """The text that is final: while running, a tail that could begin a stop string is withheld."""
-    if seq.is_finished or not seq.params.stop:
-        return seq.text
-    text, hold = seq.text, 0
-    for stop in seq.params.stop:
+def held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of text that could still begin a stop string (not released while running)."""
+    hold = 0
+    for stop in stops:
         for k in range(min(len(stop) - 1, len(text)), hold, -1):
             if text.endswith(stop[:k]):
                 hold = k
                 break
-    return text[:len(text) - hold]
+    return hold

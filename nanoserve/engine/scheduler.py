@@ -1,28 +1,66 @@
-"""Continuous batching: which sequences run this step, and whether it is a prefill or a decode step.
+"""Scheduler: which sequences run in the next step, and how many tokens each, under a token budget.
 
-Waiting prompts are prefilled as soon as blocks and the token budget allow (a prefill step);
-otherwise every running sequence decodes one token (a decode step). The batch therefore changes
-every step. When the cache runs out during decode, the newest running sequence is preempted:
-its blocks are freed and it goes back to the front of the queue, to be recomputed later
+Every step has a budget of max_num_batched_tokens. Running sequences come first, in arrival order: a
+decoding sequence costs one token, a sequence part-way through its prompt gets the next chunk that fits.
+Waiting sequences are then admitted first-come first-served into what is left, each starting with a
+chunk of its prompt (after any prefix-cache hit). A step whose every row is one decode token replays a
+CUDA graph; a step with any prefill chunk runs eagerly, and the decode rows ride along in it ("mixed"
+policy), or — "alternate" policy — prefill and decode steps take turns.
+
+When a running sequence needs a KV block and none is free, the latest-arrived running sequence is
+preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed later
 (prompt + the tokens it already produced), so no request is lost.
 """
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 
+POLICIES = ("mixed", "alternate")
+
+
+@dataclass
+class ScheduledStep:
+    """The sequences of one step, in row order, and how many of their tokens run."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # tokens already in the cache before this step
+    num_new_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)  # the chunk reaches the sequence's end: sample a token
+    decode_rows: list[bool] = field(default_factory=list)  # one token whose id is on the device
+    is_decode: bool = True  # every row is a decode row: the step can replay a CUDA graph
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+    def add(self, seq: Sequence, num_tokens: int, decoding: bool) -> None:
+        self.seqs.append(seq)
+        self.starts.append(seq.num_computed_tokens)
+        self.num_new_tokens.append(num_tokens)
+        self.samples.append(seq.num_computed_tokens + num_tokens == seq.num_tokens)
+        self.decode_rows.append(decoding)
+        self.is_decode = self.is_decode and decoding
+
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, policy: str = "mixed"):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {POLICIES}, got {policy!r}")
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
         self.block_manager = block_manager
+        self.policy = policy
         self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))  # popped from the end: low slots first
         self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0
+        self._last_had_prefill = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -30,58 +68,104 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Returns (sequences, is_prefill). Empty when nothing can run."""
-        prefill = self._schedule_prefill()
-        if prefill:
-            return prefill, True
-        return self._schedule_decode(), False
+    # -- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
+        budget = self.max_num_batched_tokens
+        prefill_turn = self.policy == "mixed" or not self._last_had_prefill or not self._has_decodes()
+        decode_turn = self.policy == "mixed" or not prefill_turn or not self._has_prefill_work()
+        budget = self._schedule_running(step, budget, decode_turn, prefill_turn)
+        if prefill_turn:
+            self._schedule_waiting(step, budget)
+        self._last_had_prefill = not step.is_decode
+        return step
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        scheduled: list[Sequence] = []
-        num_tokens = 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if num_tokens + len(seq) > self.max_num_batched_tokens and scheduled:
+    def _schedule_running(self, step: ScheduledStep, budget: int, decodes: bool, prefills: bool) -> int:
+        """Decode rows first (one token each, preempting for blocks), then the next chunks of prompts in progress."""
+        if decodes:
+            budget = self._schedule_decodes(step, budget)
+        for seq in self.running if prefills else ():
+            if budget <= 0:
                 break
-            if not self.block_manager.can_allocate(seq):
-                break
-            self.block_manager.allocate(seq)
-            num_tokens += len(seq) - seq.num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
-            self.running.append(seq)
-            scheduled.append(seq)
-        return scheduled
+            if not seq.decoding:
+                n = min(seq.num_uncomputed_tokens, budget)
+                if self.block_manager.allocate(seq, seq.num_computed_tokens + n):  # else it waits for blocks
+                    self._add_to_step(step, seq, n, decoding=False)
+                    budget -= n
+        return budget
 
-    def _schedule_decode(self) -> list[Sequence]:
-        scheduled: list[Sequence] = []
-        while self.running:
-            seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:  # seq alone cannot grow (max_model_len fits the cache, so this needs others' blocks)
-                    self._preempt(seq)
+    def _schedule_decodes(self, step: ScheduledStep, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            i += 1
+            if not seq.decoding or seq.reached_length_limit(self.max_model_len):
+                continue  # a prompt in progress, or a sequence ended by its pending token
+            while not self.block_manager.can_append_one(seq):
+                victim = self.running[-1]  # latest arrival, not scheduled in this step yet
+                self._preempt(victim)
+                if victim is seq:
                     break
             else:
-                self.block_manager.append_slot(seq)
-                scheduled.append(seq)
-        self.running.extend(scheduled)
-        return scheduled
+                self.block_manager.allocate(seq, seq.num_tokens)
+                self._add_to_step(step, seq, 1, decoding=True)
+                budget -= 1
+        return budget
 
+    def _schedule_waiting(self, step: ScheduledStep, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_pending:  # just preempted: its last step's token is still on the device
+                break
+            hits = bm.cached_prefix(seq)
+            n = min(seq.num_tokens - len(hits) * bm.block_size, budget)
+            if not bm.allocate(seq, len(hits) * bm.block_size + n, hits):
+                break
+            self.waiting.popleft()
+            self.num_prefix_hit_tokens += seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            seq.slot = self.free_slots.pop()
+            self.running.append(seq)
+            self._add_to_step(step, seq, n, decoding=False)
+            budget -= n
+
+    def _add_to_step(self, step: ScheduledStep, seq: Sequence, n: int, decoding: bool) -> None:
+        step.add(seq, n, decoding)
+        if not decoding:  # the chunk's tokens are known: its full blocks can serve other prompts
+            self.block_manager.register_full_blocks(seq, seq.num_computed_tokens + n)
+        seq.num_computed_tokens += n
+        if step.samples[-1]:
+            seq.num_pending += 1
+            seq.decoding = True
+
+    # -- state changes ----------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
+        self.running.remove(seq)
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark seq finished and release its blocks (it may be running or waiting)."""
+        """Mark seq finished and release its blocks and slot (it may be running or waiting)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        if seq.slot is not None:
+            self.free_slots.append(seq.slot)
+            seq.slot = None
+        seq.decoding = False
+
+    def _has_decodes(self) -> bool:
+        return any(s.decoding for s in self.running)
+
+    def _has_prefill_work(self) -> bool:
+        return bool(self.waiting) or any(not s.decoding for s in self.running)

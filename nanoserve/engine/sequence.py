@@ -1,4 +1,9 @@
-"""Sequence: one completion being generated: its tokens, status, cache blocks and sampling state."""
+"""Sequence: the engine core's state for one sequence being generated.
+
+With asynchronous scheduling the host runs one step ahead of the device, so a sequence may have
+`num_pending` sampled tokens whose values are still on the device: they count towards its length (its
+KV slots and positions are known) but not yet towards output_token_ids.
+"""
 from __future__ import annotations
 
 import enum
@@ -21,40 +26,22 @@ class SequenceStatus(enum.Enum):
 @dataclass(eq=False)
 class Sequence:
     request_id: str
-    index: int  # which of the request's n completions
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: int = field(default_factory=lambda: next(_counter))
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # tokens whose values the host knows
+    num_pending: int = 0  # sampled tokens still on the device (async scheduling)
     status: SequenceStatus = SequenceStatus.WAITING
+    slot: int | None = None  # the persistent batch row while running (device block table, last token)
+    decoding: bool = False  # its prompt is done and its last token was sampled into its slot on the device
     block_table: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at the last prefill
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_synced_blocks: int = 0  # leading block_table entries already in the device's block table
+    num_hashed_blocks: int = 0  # leading full blocks registered for prefix reuse
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache once the scheduled steps have run
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at the last allocation
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: list[dict[int, float]] | None = None  # per output token: {token_id: logprob}
-    cumulative_logprob: float = 0.0
-    # detokenizer state (engine/detokenizer.py)
-    text: str = ""
-    read_offset: int = 0
-    prefix_offset: int = 0
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    def tokens_between(self, start: int, end: int) -> list[int]:
-        """token_ids[start:end] without building the whole list (hot: called per step for full blocks)."""
-        prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
-        if end <= n:
-            return prompt[start:end]
-        if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return prompt[start:] + self.output_token_ids[:end - n]
-
-    def __len__(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    stop_reason: int | None = None  # the stop token id that ended it
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -62,16 +49,39 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        """Generated tokens, the ones still on the device included."""
+        return len(self.output_token_ids) + self.num_pending
 
     @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+    def num_known_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_known_tokens + self.num_pending
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens the next steps must run: 1 while decoding, more while (chunked) prefilling."""
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def num_blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
-        n = len(self) if num_tokens is None else num_tokens
-        return (n + block_size - 1) // block_size
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """Known token ids [start, end) without building prompt + output (hot: per step for full blocks)."""
+        prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
+        if end <= n:
+            return prompt[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return prompt[start:] + self.output_token_ids[:end - n]
+
+    def reached_length_limit(self, max_model_len: int) -> bool:
+        """No further token may be scheduled: max_tokens or max_model_len is reached (pending tokens count)."""
+        max_tokens = self.params.max_tokens
+        return (max_tokens is not None and self.num_output_tokens >= max_tokens) or self.num_tokens >= max_model_len

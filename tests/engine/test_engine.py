@@ -113,8 +113,9 @@ def test_stop_token_ids_and_eos(engines):
     first = base.token_ids.index(stop_tok)
     assert out.token_ids == base.token_ids[:first + 1] and out.finish_reason == "stop"
     assert out.outputs[0].stop_reason == stop_tok
-    eos = llm.engine.eos_token_ids
-    llm.engine.eos_token_ids = [stop_tok]  # pretend that token is EOS: generation stops there unless ignore_eos
+    core = llm.engine.core
+    eos = core.eos_token_ids
+    core.eos_token_ids = [stop_tok]  # pretend that token is EOS: generation stops there unless ignore_eos
     try:
         stopped = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)[0]
         assert stopped.token_ids == base.token_ids[:first + 1] and stopped.finish_reason == "stop"
@@ -122,7 +123,7 @@ def test_stop_token_ids_and_eos(engines):
                                 use_tqdm=False)[0]
         assert len(at_least.token_ids) >= first + 2
     finally:
-        llm.engine.eos_token_ids = eos
+        core.eos_token_ids = eos
 
 
 def test_seeds_reproduce_and_n_completions(engines):
@@ -167,7 +168,7 @@ def test_preemption_completes_every_request_with_the_same_tokens(tiny_model_dirs
                 enable_prefix_caching=False)
     engine = tight.engine
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(str(i), p, params, stream=False)
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

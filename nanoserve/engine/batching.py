@@ -1,0 +1,96 @@
+"""A scheduled step → the runner's plain batch (runner/batch.py): slots, positions, KV slots, block-table
+updates and per-row sampling parameters, built in O(rows) with no per-token Python list copies."""
+from __future__ import annotations
+
+import numpy as np
+
+from nanoserve.engine.scheduler import ScheduledStep
+from nanoserve.engine.sequence import Sequence
+from nanoserve.runner.batch import BlockUpdates, DecodeBatch, Penalties, PrefillBatch, SamplingBatch
+
+
+def build_batch(step: ScheduledStep, block_size: int, eos_token_ids: list[int]) -> DecodeBatch | PrefillBatch:
+    """Call right after scheduling: the sequences' block tables, slots and pending counts are this step's."""
+    sampled = [s for s, samples in zip(step.seqs, step.samples) if samples]
+    sampling = sampling_batch(sampled, eos_token_ids) if sampled else None
+    updates = block_updates(step.seqs)
+    if step.is_decode:
+        return _decode_batch(step, block_size, updates, sampling)
+    return _prefill_batch(step, block_size, updates, sampling)
+
+
+def _decode_batch(step: ScheduledStep, bs: int, updates: BlockUpdates, sampling) -> DecodeBatch:
+    positions = np.array(step.starts, dtype=np.int32)
+    slot_mapping = np.fromiter((s.block_table[p // bs] * bs + p % bs for s, p in zip(step.seqs, step.starts)),
+                               dtype=np.int32, count=len(step.seqs))
+    slots = np.fromiter((s.slot for s in step.seqs), dtype=np.int32, count=len(step.seqs))
+    return DecodeBatch(slots, positions, slot_mapping, positions + 1, updates, sampling)
+
+
+def _prefill_batch(step: ScheduledStep, bs: int, updates: BlockUpdates, sampling) -> PrefillBatch:
+    token_ids, slot_mapping = [], []
+    for seq, start, n, decode in zip(step.seqs, step.starts, step.num_new_tokens, step.decode_rows):
+        if decode:  # its input is the token it sampled last, on the device
+            token_ids.append(np.array([-1], np.int32))
+            slot_mapping.append(np.array([seq.block_table[start // bs] * bs + start % bs], np.int32))
+        else:
+            token_ids.append(np.array(seq.tokens_between(start, start + n), np.int32))
+            p = np.arange(start, start + n)
+            slot_mapping.append((np.asarray(seq.block_table, np.int32)[p // bs] * bs + p % bs).astype(np.int32))
+    sample_rows = np.flatnonzero(step.samples).astype(np.int32)
+    return PrefillBatch(
+        slots=np.fromiter((s.slot for s in step.seqs), dtype=np.int32, count=len(step.seqs)),
+        starts=np.array(step.starts, np.int32), query_lens=np.array(step.num_new_tokens, np.int32),
+        token_ids=np.concatenate(token_ids), slot_mapping=np.concatenate(slot_mapping), block_updates=updates,
+        sample_rows=sample_rows, sampling=sampling, max_blocks=max(len(s.block_table) for s in step.seqs))
+
+
+def block_updates(seqs: list[Sequence]) -> BlockUpdates:
+    """The block-table entries the device does not have yet (a joining sequence's whole table, else new blocks)."""
+    slots, cols, ids = [], [], []
+    for seq in seqs:
+        start = seq.num_synced_blocks
+        new = seq.block_table[start:]
+        if new:
+            slots += [seq.slot] * len(new)
+            cols += range(start, start + len(new))
+            ids += new
+            seq.num_synced_blocks = len(seq.block_table)
+    return BlockUpdates(np.array(slots, np.int32), np.array(cols, np.int32), np.array(ids, np.int32))
+
+
+def sampling_batch(seqs: list[Sequence], eos_token_ids: list[int]) -> SamplingBatch:
+    """Per-row sampling parameters of the sequences that sample this step (their pending count includes it)."""
+    n = len(seqs)
+    params = [s.params for s in seqs]
+    temperature = np.fromiter((0.0 if p.greedy else p.temperature for p in params), np.float32, n)
+    batch = SamplingBatch(
+        slots=np.fromiter((s.slot for s in seqs), np.int32, n), temperature=temperature,
+        top_p=np.fromiter((p.top_p for p in params), np.float32, n),
+        top_k=np.fromiter((p.top_k for p in params), np.int32, n),
+        min_p=np.fromiter((p.min_p for p in params), np.float32, n))
+    if any(s.generator is not None for s in seqs):
+        batch.generators = [s.generator for s in seqs]
+    if any(p.logprobs is not None for p in params):
+        batch.num_logprobs = [p.logprobs for p in params]
+    _ban_stop_tokens(batch, seqs, eos_token_ids)
+    if any(p.uses_penalties for p in params):
+        batch.penalties = Penalties(
+            np.fromiter((p.repetition_penalty for p in params), np.float32, n),
+            np.fromiter((p.frequency_penalty for p in params), np.float32, n),
+            np.fromiter((p.presence_penalty for p in params), np.float32, n),
+            [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs])
+    return batch
+
+
+def _ban_stop_tokens(batch: SamplingBatch, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
+    """min_tokens: a row whose token is not yet past min_tokens may not sample EOS or its stop_token_ids."""
+    rows, tokens = [], []
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if seq.num_output_tokens - 1 < p.min_tokens:  # this step's token is output number num_output_tokens
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            rows += [i] * len(banned)
+            tokens += sorted(banned)
+    if rows:
+        batch.banned_rows, batch.banned_tokens = np.array(rows, np.int32), np.array(tokens, np.int32)

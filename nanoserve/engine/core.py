@@ -1,0 +1,166 @@
+"""EngineCore: the step loop — schedule → run on the device → learn the sampled tokens → per-step deltas.
+
+With async_scheduling (the default) the host schedules and launches step N+1 before it reads step N's
+tokens, so the Python around the graph overlaps the device: a step's input ids are the previous step's
+samples, read on the device. The host learns tokens one step late: a sequence that step N finished
+(EOS, a stop id) has already been scheduled in step N+1; that extra token is discarded and its blocks
+were freed when step N was read (the device runs the steps in order, so nothing is reused under it).
+Lengths are known on the host, so max_tokens never produces an extra token. Penalties need each row's
+token history, so while any request uses them the loop waits for each step before the next (same
+tokens, no overlap).
+
+The core deals in token ids only; text, stop strings and n > 1 fan-out are the front end's
+(engine/output.py), in the API process or in-process for the offline LLM.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from nanoserve.config import EngineConfig, hf_config_dtype
+from nanoserve.engine.batching import build_batch
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.messages import EngineRequest, EngineStats, SeqOutput
+from nanoserve.engine.scheduler import ScheduledStep, Scheduler
+from nanoserve.engine.sequence import Sequence
+from nanoserve.model.loader import eos_token_ids, load_hf_config, load_tokenizer, model_max_len
+from nanoserve.runner.model_runner import ModelRunner
+from nanoserve.runner.sampler import SampleHandle
+
+logger = logging.getLogger("nanoserve")
+
+
+@dataclass
+class _InFlight:
+    step: ScheduledStep
+    sampled: list[Sequence]
+    handle: SampleHandle | None
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, scheduling_policy: str = "mixed"):
+        hf_config = load_hf_config(config.model)
+        self.config = config.resolve(model_max_len(hf_config), hf_config_dtype(hf_config))
+        self.runner = ModelRunner(self.config, hf_config)
+        self.vocab_size = self.runner.vocab_size
+        self.eos_token_ids = [t for t in self._eos_ids(hf_config) if 0 <= t < self.vocab_size]
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager, scheduling_policy)
+        self.sequences: dict[str, Sequence] = {}
+        self._inflight: deque[_InFlight] = deque()
+        self._num_penalty_seqs = 0
+        self._prompt_tokens = self._generation_tokens = self._mixed_steps = 0
+
+    def _eos_ids(self, hf_config) -> list[int]:
+        ids = eos_token_ids(self.config.model, hf_config)
+        if not ids and not self.config.skip_tokenizer_init:  # only the tokenizer knows it
+            ids = eos_token_ids(self.config.model, hf_config, load_tokenizer(self.config.tokenizer or self.config.model))
+        return ids
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue one sequence. Raises ValueError for what the front end should have refused."""
+        rid, ids, params = request.request_id, request.prompt_token_ids, request.params
+        if rid in self.sequences:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if params.n != 1:
+            raise ValueError(f"the engine core runs single sequences (n=1), got n={params.n}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.config.max_model_len} "
+                             "(the prompt must leave room for at least one generated token)")
+        bad = [t for t in (*ids, *params.stop_token_ids) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        seq = Sequence(rid, list(ids), params)
+        seq.generator = params.make_generator(self.runner.device)
+        self.sequences[rid] = seq
+        self.scheduler.add(seq)
+        self._num_penalty_seqs += params.uses_penalties
+        self._prompt_tokens += len(ids)
+
+    def abort_requests(self, request_ids) -> None:
+        """Stop and free these sequences now (unknown or finished ids are ignored); no output follows."""
+        for rid in request_ids:
+            seq = self.sequences.pop(rid, None)
+            if seq is not None:
+                self._finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.sequences) or bool(self._inflight)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[SeqOutput]:
+        """Schedule and launch a step; return what the previous one (or, synchronously, this one) produced."""
+        outputs: list[SeqOutput] = []
+        overlap = self.config.async_scheduling and self._num_penalty_seqs == 0
+        if self._inflight and not overlap:
+            outputs += self._complete(self._inflight.popleft())
+        step = self.scheduler.schedule()
+        if step:
+            batch = build_batch(step, self.config.block_size, self.eos_token_ids)
+            self._mixed_steps += not step.is_decode
+            sampled = [s for s, samples in zip(step.seqs, step.samples) if samples]
+            self._inflight.append(_InFlight(step, sampled, self.runner.execute(batch)))
+        while len(self._inflight) > (1 if overlap and step else 0):
+            outputs += self._complete(self._inflight.popleft())
+        return outputs
+
+    def _complete(self, done: _InFlight) -> list[SeqOutput]:
+        """Read a step's sampled tokens; append, register full blocks, finish; the deltas of live sequences."""
+        if done.handle is None:
+            return []
+        result = done.handle.result()
+        outputs = []
+        for i, seq in enumerate(done.sampled):
+            seq.num_pending -= 1
+            if seq.is_finished:  # finished or aborted after this step was launched: the token is discarded
+                continue
+            token = result.token_ids[i]
+            seq.output_token_ids.append(token)
+            self._generation_tokens += 1
+            self.block_manager.register_full_blocks(seq, seq.num_computed_tokens)
+            out = SeqOutput(seq.request_id, [token])
+            if result.logprobs is not None:
+                out.token_logprobs, out.top_logprobs = [result.logprobs[i]], [result.top_logprobs[i]]
+            if len(seq.output_token_ids) == 1:
+                out.num_cached_tokens = seq.num_cached_tokens
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                out.finish_reason, out.stop_reason = reason, seq.stop_reason
+                self.sequences.pop(seq.request_id, None)
+                self._finish(seq, reason)
+            outputs.append(out)
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p, num_out = seq.params, len(seq.output_token_ids)
+        if num_out >= p.min_tokens:  # (earlier tokens could not be stop tokens: the sampler banned them)
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+            if token in self.eos_token_ids and not p.ignore_eos:
+                return "stop"
+        if (p.max_tokens is not None and num_out >= p.max_tokens) or seq.num_known_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if not seq.is_finished:
+            self.scheduler.finish(seq, reason)
+            self._num_penalty_seqs -= seq.params.uses_penalties
+
+    # -- observability ----------------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        r = self.runner
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.block_manager.num_blocks, kv_blocks_used=self.block_manager.num_used_blocks,
+            prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
+            decode_steps_graph=r.decode_steps_graph, decode_steps_eager=r.decode_steps_eager,
+            mixed_steps=self._mixed_steps, padding_rows=r.padding_rows, preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens)

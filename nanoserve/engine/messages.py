@@ -1,0 +1,56 @@
+"""What crosses the engine core's boundary: requests in, per-step deltas and stats out.
+
+msgspec Structs, so the same objects are passed in-process (offline LLM) and encoded as msgpack between
+the API process and the engine-core process. The core deals in single sequences: a request with n > 1
+is fanned out into n core requests by the front end (engine/output.py), each with its own seed.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from nanoserve.sampling import SamplingParams
+
+
+class EngineRequest(msgspec.Struct, array_like=True):
+    """One sequence to generate. params.n is 1 here; prompt_token_ids are already validated."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step added to one sequence: usually one token; the last delta carries the finish reason.
+
+    token_logprobs[i] is the sampled token's logprob and top_logprobs[i] the (token id, logprob) pairs of the
+    params.logprobs most likely tokens, for new_token_ids[i] (both None unless logprobs were asked for).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | None = None  # the stop token id that ended it (stop strings are the front end's)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (sent with the first token)
+    error: str | None = None  # finish_reason "error": why the core refused or dropped the request
+
+
+class EngineStats(msgspec.Struct):
+    """The core's live state and counters (read by /metrics and benchmarks)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    decode_steps_graph: int = 0
+    decode_steps_eager: int = 0
+    mixed_steps: int = 0  # steps that prefilled a chunk (decode rows may ride along)
+    padding_rows: int = 0
+    preemptions: int = 0
+    prefix_cache_hit_tokens: int = 0
+
+
+__all__ = ["EngineRequest", "SeqOutput", "EngineStats"]

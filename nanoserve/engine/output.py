@@ -1,0 +1,233 @@
+"""The front end of the engine: per-step token deltas → text, stop strings, n > 1 fan-in, RequestOutputs.
+
+One place turns the core's SeqOutputs into what users see, for the offline LLM and the server alike.
+A request with n completions becomes n core sequences (child ids `<request_id>/<i>`, seed + i). Text is
+released only once final: an incomplete UTF-8 character waits for the next token, and a tail that could
+still become a stop string is held back until it cannot. A stop string ends its completion here; the
+caller aborts the core sequence (`ProcessedOutputs.aborts`).
+
+Outputs come as deltas (what each step added: text, token ids, logprobs) for streaming, or once per
+request when everything finished (offline generate), decoded once at the end when no stop string needs
+checking on the way.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from nanoserve.engine import detokenizer
+from nanoserve.engine.messages import EngineRequest, SeqOutput
+from nanoserve.sampling import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # the delta's new text, or the whole text when reported once at the end
+    token_ids: list[int]
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None
+    logprobs: list[dict[int, float]] | None  # per token of token_ids: {token id: logprob}, the sampled one included
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    error: str | None = None  # the core refused or dropped the request
+
+    # n == 1 conveniences
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs
+
+
+@dataclass
+class ProcessedOutputs:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)  # core sequences a stop string ended: abort them in the core
+
+
+class _Completion:
+    """One completion's text state."""
+
+    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, tokenizer, incremental: bool):
+        self.index, self.params, self.tokenizer, self.prompt_ids = index, params, tokenizer, prompt_ids
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.sent_tokens = self.sent_text = 0  # what earlier deltas reported
+        self.end_reported = False
+        self.detok = None
+        if tokenizer is not None and (incremental or params.stop):
+            self.detok = detokenizer.IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, out: SeqOutput) -> bool:
+        """Take one delta; True when a stop string ended the completion (the core must be told)."""
+        self.token_ids += out.new_token_ids
+        if out.token_logprobs is not None:
+            self.cumulative_logprob += sum(out.token_logprobs)
+            if self.logprobs is not None:
+                for token, lp, top in zip(out.new_token_ids, out.token_logprobs, out.top_logprobs):
+                    entry = dict(top)
+                    entry.setdefault(token, lp)
+                    self.logprobs.append(entry)
+        stopped = self.detok is not None and self._extend_text(out.new_token_ids)
+        if not stopped and out.finish_reason is not None:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+            if self.tokenizer is not None and out.finish_reason in ("stop", "length"):
+                self.text = detokenizer.full_text(self.tokenizer, self.prompt_ids, self.token_ids,
+                                                  self.params.skip_special_tokens)
+        return stopped
+
+    def _extend_text(self, new_ids: list[int]) -> bool:
+        before = len(self.text)
+        for t in new_ids:
+            self.text += self.detok.push(t)
+        if len(self.token_ids) < self.params.min_tokens:
+            return False
+        hit = detokenizer.find_stop(self.text, self.params.stop, len(self.text) - before)
+        if hit is None:
+            return False
+        at, stop = hit
+        self.text = self.text[:at + len(stop)] if self.params.include_stop_str_in_output else self.text[:at]
+        self.finish_reason, self.stop_reason = "stop", stop
+        return True
+
+    def visible_text(self) -> str:
+        if self.finished or not self.params.stop:
+            return self.text
+        return self.text[:len(self.text) - detokenizer.held_back(self.text, self.params.stop)]
+
+    def delta(self) -> CompletionOutput | None:
+        """What changed since the last delta, or None."""
+        text = self.visible_text()
+        new_text, new_ids = text[self.sent_text:], self.token_ids[self.sent_tokens:]
+        if not (new_text or new_ids or (self.finished and not self.end_reported)):
+            return None
+        lps = self.logprobs[self.sent_tokens:] if self.logprobs is not None else None
+        self.sent_text, self.sent_tokens = len(text), len(self.token_ids)
+        self.end_reported = self.finished
+        return CompletionOutput(self.index, new_text, new_ids, self.finish_reason, self.stop_reason, lps,
+                                self.cumulative_logprob)
+
+    def whole(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.text, list(self.token_ids), self.finish_reason, self.stop_reason,
+                                self.logprobs, self.cumulative_logprob)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: list[_Completion]
+    stream: bool
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _Request] = {}
+        self._children: dict[str, tuple[_Request, _Completion]] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    stream: bool) -> list[EngineRequest]:
+        """Track a request; the core requests to submit for it (one per completion)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        completions = [_Completion(i, prompt_token_ids, params, self.tokenizer, stream) for i in range(params.n)]
+        request = _Request(request_id, prompt, prompt_token_ids, completions, stream)
+        self.requests[request_id] = request
+        core_requests = []
+        for i, c in enumerate(completions):
+            child = child_id(request_id, i)
+            self._children[child] = (request, c)
+            seed = None if params.seed is None else (params.seed + i) % 2**64
+            core_requests.append(EngineRequest(child, prompt_token_ids, dataclasses.replace(params, n=1, seed=seed)))
+        return core_requests
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; the core sequences to abort."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return []
+        ids = [child_id(request_id, c.index) for c in request.completions]
+        for child in ids:
+            self._children.pop(child, None)
+        return [child for child, c in zip(ids, request.completions) if not c.finished]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def process(self, outputs: list[SeqOutput]) -> ProcessedOutputs:
+        result = ProcessedOutputs()
+        touched: dict[str, _Request] = {}
+        for out in outputs:
+            entry = self._children.get(out.request_id)
+            if entry is None:  # aborted meanwhile, or ended by a stop string already
+                continue
+            request, completion = entry
+            if completion.append(out):
+                result.aborts.append(out.request_id)
+            if out.num_cached_tokens:
+                request.num_cached_tokens = max(request.num_cached_tokens, out.num_cached_tokens)
+            if out.error is not None:
+                request.error = out.error
+            if completion.finished:
+                del self._children[out.request_id]
+            touched[request.request_id] = request
+        for request in touched.values():
+            output = self._output(request)
+            if output is not None:
+                result.outputs.append(output)
+            if request.finished:
+                del self.requests[request.request_id]
+        return result
+
+    def _output(self, request: _Request) -> RequestOutput | None:
+        finished = request.finished
+        if request.stream:
+            outs = [d for d in (c.delta() for c in request.completions) if d is not None]
+            if not outs:
+                return None
+        elif finished:
+            outs = [c.whole() for c in request.completions]
+        else:
+            return None
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs, finished,
+                             request.num_cached_tokens, request.error)
+
+
+def child_id(request_id: str, index: int) -> str:
+    return f"{request_id}/{index}"

@@ -1,0 +1,65 @@
+"""Prompts in, validated token ids out: the one place that normalises prompts (text, token ids, lists of
+either) and checks them against the model's limits, for the offline LLM and the server alike."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+Prompt = str | list[int]
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are already waiting (the server answers 503)."""
+
+
+def is_token_ids(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """A string, a list of token ids, or a list of those → a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and is_token_ids(prompts):
+        return [list(prompts)]
+    if isinstance(prompts, (list, tuple)):
+        return [p if isinstance(p, str) else list(p) if is_token_ids(p) else _bad(p) for p in prompts]
+    return _bad(prompts)
+
+
+def _bad(prompt):
+    raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+
+def tokenize(tokenizer, prompt: Prompt, vocab_size: int, max_model_len: int,
+             add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+    """(prompt text or None, token ids), or ValueError: empty, ids outside the vocabulary, no room to generate."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this engine was started with skip_tokenizer_init: give prompts as token ids")
+        text, ids = prompt, tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    elif is_token_ids(prompt):
+        text, ids = None, list(prompt)
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    else:
+        _bad(prompt)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    check_prompt_length(len(ids), max_model_len)
+    return text, ids
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
+    if num_tokens >= max_model_len:
+        raise ValueError(f"the prompt has {num_tokens} tokens; max_model_len is {max_model_len} "
+                         "(the prompt must leave room for at least one generated token)")
+
+
+def check_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """The server's rule (vLLM's): prompt + max_tokens must fit max_model_len."""
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in the "
+            f"completion). Please reduce the length of the prompt or max_tokens.")

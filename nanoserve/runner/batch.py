@@ -1,0 +1,120 @@
+"""What the engine hands the runner each step: plain arrays, no engine objects.
+
+Sequences live in fixed slots (rows of the persistent device state: block table, last sampled token).
+A decode batch is one token per slot whose input id is the slot's last sampled token, read on the
+device; a prefill batch carries prompt chunks (host token ids) and may carry decode rows too (token id
+-1: read on the device). Block-table changes travel as (slot, column, block id) updates, so the device
+table is patched, never rebuilt.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+def _empty(dtype=np.int32) -> np.ndarray:
+    return np.zeros(0, dtype)
+
+
+@dataclass
+class BlockUpdates:
+    """New block-table entries: block_table[slots[i], cols[i]] = block_ids[i]."""
+
+    slots: np.ndarray = field(default_factory=_empty)
+    cols: np.ndarray = field(default_factory=_empty)
+    block_ids: np.ndarray = field(default_factory=_empty)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+@dataclass
+class SamplingBatch:
+    """One row per sampled sequence, in the order of its batch's sampled rows."""
+
+    slots: np.ndarray  # [n] int32: the sampled token is stored in this slot for the next step's input
+    temperature: np.ndarray  # [n] float32 (0: greedy)
+    top_p: np.ndarray  # [n] float32
+    top_k: np.ndarray  # [n] int32 (0: off)
+    min_p: np.ndarray  # [n] float32
+    generators: list[torch.Generator | None] | None = None  # per row, None when no row is seeded
+    num_logprobs: list[int | None] | None = None  # per row, None when no row asks for logprobs
+    banned_rows: np.ndarray = field(default_factory=_empty)  # min_tokens: these rows may not sample ...
+    banned_tokens: np.ndarray = field(default_factory=_empty)  # ... these tokens (EOS, stop ids)
+    penalties: "Penalties | None" = None
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @property
+    def all_greedy(self) -> bool:
+        return not (self.temperature > 0).any()
+
+    @property
+    def max_logprobs(self) -> int | None:
+        """Top-k width of the step's logprobs (0: only the sampled token's), None when no row asks."""
+        if self.num_logprobs is None:
+            return None
+        return max((k for k in self.num_logprobs if k is not None), default=None)
+
+
+@dataclass
+class Penalties:
+    """Repetition / frequency / presence penalties need each row's token history (host lists)."""
+
+    repetition: np.ndarray  # [n] float32
+    frequency: np.ndarray
+    presence: np.ndarray
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+
+
+@dataclass
+class DecodeBatch:
+    """b decode rows (graph-replayable): row i runs slot slots[i]'s last sampled token."""
+
+    slots: np.ndarray  # [b] int32
+    positions: np.ndarray  # [b] int32: position of the input token
+    slot_mapping: np.ndarray  # [b] int32: KV-cache slot (block * block_size + offset) of the input token
+    context_lens: np.ndarray  # [b] int32: tokens in the cache after this step (positions + 1)
+    block_updates: BlockUpdates
+    sampling: SamplingBatch | None  # None: forward only (benchmarks)
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+
+@dataclass
+class PrefillBatch:
+    """Chunks of s sequences (eager): sequence i runs query_lens[i] tokens from position starts[i]."""
+
+    slots: np.ndarray  # [s] int32
+    starts: np.ndarray  # [s] int32: tokens already in the cache
+    query_lens: np.ndarray  # [s] int32
+    token_ids: np.ndarray  # [T] int32; -1: the slot's last sampled token (a decode row riding along)
+    slot_mapping: np.ndarray  # [T] int32
+    block_updates: BlockUpdates
+    sample_rows: np.ndarray  # [n] int32: the sequences (indices into slots) whose chunk ends with a sampled token
+    sampling: SamplingBatch | None
+    max_blocks: int  # widest block table among the s sequences (host-side bound for the attention metadata)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def has_cached_context(self) -> bool:
+        """Some query attends to keys that only the paged cache holds (prefix hits, earlier chunks, decode rows)."""
+        return bool((self.starts > 0).any())
+
+
+@dataclass
+class SampledTokens:
+    """What the device sampled for a step's sampled rows, as read back from pinned memory."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # the sampled token's logprob per row
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per row, its params.logprobs best pairs

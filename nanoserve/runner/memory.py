@@ -1,0 +1,110 @@
+"""The start-up memory plan: how many KV blocks fit once weights, activations and graphs have their share.
+
+Measured, not estimated: a probe runs the largest eager step (a full token budget of prefill, then the
+sampler on max_num_seqs rows with every option on) and captures the largest decode graph, each over
+buffers of its own that are dropped afterwards; the peaks and the graph pool are subtracted from
+gpu_memory_utilization × total memory.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanoserve.config import EngineConfig
+from nanoserve.runner.batch import BlockUpdates, PrefillBatch, SamplingBatch
+from nanoserve.runner.cuda_graph import GraphRunner
+from nanoserve.runner.forward import DecodeForward, PrefillForward
+from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker
+from nanoserve.runner.kv_cache import KVCacheSpec
+from nanoserve.runner.sampler import MAX_LOGPROBS, Sampler, SamplingTensors
+
+logger = logging.getLogger("nanoserve")
+
+
+@dataclass
+class MemoryPlan:
+    num_kv_blocks: int
+    activation_bytes: int = 0
+    graph_bytes: int = 0
+
+
+def plan_memory(model, config: EngineConfig, kv: KVCacheSpec) -> MemoryPlan:
+    """Explicit num_kv_blocks, the CPU budget, or what the GPU has left after the probes."""
+    if config.num_kv_blocks is not None:
+        return MemoryPlan(config.num_kv_blocks)
+    max_blocks = kv.blocks_for(config.max_model_len)
+    if config.torch_device.type != "cuda":  # cpu_kv_cache_gb, but no more than max_num_seqs full sequences use
+        most_needed = config.max_num_seqs * max_blocks
+        return MemoryPlan(max(min(int(config.cpu_kv_cache_gb * 2**30) // kv.block_bytes, most_needed), 1))
+    activation, graphs = _probe(model, config, kv)
+    free, total = torch.cuda.mem_get_info()
+    in_use = total - free  # weights, CUDA context, allocator cache
+    budget = total * config.gpu_memory_utilization - in_use - activation - graphs
+    num_blocks = int(budget // kv.block_bytes)
+    if num_blocks <= 0:
+        raise ValueError(f"no memory left for the KV cache: {total / 2**30:.1f} GiB × gpu_memory_utilization "
+                         f"{config.gpu_memory_utilization} minus weights/activations/graphs is {budget / 2**30:.2f} GiB")
+    logger.info("memory plan: activation peak %.0f MiB, graph pool %.0f MiB, KV cache %.0f MiB (%d blocks)",
+                activation / 2**20, graphs / 2**20, num_blocks * kv.block_bytes / 2**20, num_blocks)
+    return MemoryPlan(num_blocks, activation, graphs)
+
+
+@torch.inference_mode()
+def _probe(model, config: EngineConfig, kv: KVCacheSpec) -> tuple[int, int]:
+    device = config.torch_device
+    budget = config.max_num_batched_tokens
+    seq_len = min(config.max_model_len, budget)
+    num_seqs = max(min(budget // seq_len, config.max_num_seqs), 1)
+    per_seq = kv.blocks_for(seq_len)
+    num_blocks = num_seqs * per_seq
+    cache = kv.allocate(model, num_blocks, device)
+    state = PersistentState(config.max_num_seqs, kv.blocks_for(config.max_model_len), num_blocks, device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    _probe_prefill(model, state, num_seqs, seq_len, per_seq, device, kv.block_size)
+    _probe_sampler(config.max_num_seqs, model.vocab_size, config.torch_dtype, device, state)
+    torch.cuda.synchronize()
+    activation = torch.cuda.max_memory_allocated() - base
+    graphs = 0
+    if config.cudagraph_capture_sizes:
+        largest = max(config.cudagraph_capture_sizes)
+        inputs = DecodeInputs(config.max_num_seqs, state, num_blocks * kv.block_size, device)
+        forward = DecodeForward(model, state, inputs)
+        probe = GraphRunner(forward, forward.prepare_padding, [largest])
+        probe.capture(show_progress=False)
+        graphs = probe.pool_bytes + inputs.device_buf.numel() * 4 + state.block_tables.numel() * 4
+        del probe, forward, inputs
+    kv.release(model)
+    del cache, state
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return activation, graphs
+
+
+def _probe_prefill(model, state, num_seqs, seq_len, per_seq, device, block_size) -> None:
+    slots = np.arange(num_seqs, dtype=np.int32)
+    tables = np.arange(num_seqs * per_seq, dtype=np.int32).reshape(num_seqs, per_seq)
+    positions = np.tile(np.arange(seq_len), num_seqs)
+    slot_mapping = (tables[np.repeat(slots, seq_len), positions // block_size] * block_size
+                    + positions % block_size).astype(np.int32)
+    cols = np.tile(np.arange(per_seq, dtype=np.int32), num_seqs)
+    updates = BlockUpdates(np.repeat(slots, per_seq), cols, tables.reshape(-1))
+    batch = PrefillBatch(slots, np.zeros(num_seqs, np.int32), np.full(num_seqs, seq_len, np.int32),
+                         np.ones(num_seqs * seq_len, np.int32), slot_mapping, updates, slots.copy(), None, per_seq)
+    PrefillForward(model, state, StepPacker(device))(batch)
+
+
+def _probe_sampler(rows: int, vocab: int, dtype: torch.dtype, device: torch.device, state: PersistentState) -> None:
+    """The sampler's worst case: every row sampled with top-p / top-k and full logprobs."""
+    logits = torch.randn(rows, vocab, dtype=dtype, device=device)
+    n = np.full(rows, 1, np.float32)
+    batch = SamplingBatch(np.arange(rows, dtype=np.int32), n * 0.7, n * 0.9, np.full(rows, 50, np.int32), n * 0.01,
+                          num_logprobs=[MAX_LOGPROBS] * rows)
+    params = SamplingTensors(*(torch.from_numpy(a).to(device) for a in
+                               (batch.temperature, batch.top_p, batch.top_k, batch.min_p)))
+    slots = torch.arange(rows, dtype=torch.int32, device=device)
+    Sampler(rows, device)(logits, batch, params, state.last_tokens, slots).result()

@@ -1,0 +1,178 @@
+"""The batched sampler on the device, and the one device→host transfer of each step.
+
+Sampling never leaves the device: per-row parameters arrive as device tensors (copied with the step's
+other inputs), the sampled ids are written into each slot's last-token cell (the next step's input),
+and everything the host needs (ids, logprobs) is packed into one int32 tensor and copied into pinned
+memory without blocking. The host reads it one step later (`SampleHandle.result()`).
+
+Seeded rows draw their noise from their own generator, so a seeded request gives the same tokens
+whatever else is batched, and in the same order whether or not the host runs ahead.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanoserve.runner.batch import Penalties, SampledTokens, SamplingBatch
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row parameters on the device (views of the step's input buffer)."""
+
+    temperature: torch.Tensor  # [n] float32
+    top_p: torch.Tensor
+    top_k: torch.Tensor  # [n] int32
+    min_p: torch.Tensor
+
+
+class SampleHandle:
+    """One step's sampled rows, on their way to pinned host memory."""
+
+    def __init__(self, packed: torch.Tensor, event: torch.cuda.Event | None, num_rows: int, top_k: int | None,
+                 row_k: list[int | None] | None):
+        self._packed, self._event = packed, event
+        self.num_rows, self._top_k, self._row_k = num_rows, top_k, row_k
+
+    def result(self) -> SampledTokens:
+        """Blocks until the device has produced this step's tokens."""
+        if self._event is not None:
+            self._event.synchronize()
+        words = self._packed.numpy()
+        n = self.num_rows
+        tokens = words[:n].tolist()
+        if self._top_k is None:
+            return SampledTokens(tokens)
+        floats = words.view(np.float32)
+        k = self._top_k
+        logprobs = floats[n:2 * n].tolist()
+        top_ids = words[2 * n:2 * n + n * k].reshape(n, k).tolist()
+        top_vals = floats[2 * n + n * k:2 * n + 2 * n * k].reshape(n, k).tolist()
+        top = [list(zip(ids[:rk or 0], vals[:rk or 0])) for ids, vals, rk in zip(top_ids, top_vals, self._row_k)]
+        return SampledTokens(tokens, logprobs, top)
+
+
+class Sampler:
+    """logits [n, V] + a SamplingBatch → sampled ids in the slots' last-token cells, and a SampleHandle."""
+
+    def __init__(self, max_rows: int, device: torch.device):
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+        words = max_rows * (2 + 2 * MAX_LOGPROBS)
+        # two pinned buffers: the host reads step N's while step N+1's copy is queued
+        self._host = [torch.zeros(words, dtype=torch.int32, pin_memory=self.on_cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() if self.on_cuda else None for _ in range(2)]
+        self._turn = 0
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors,
+                 last_tokens: torch.Tensor, slots: torch.Tensor) -> SampleHandle:
+        """Sample one token per row; store it at last_tokens[slots]; start the copy to the host."""
+        if logits.shape[0] != len(batch):
+            raise ValueError(f"got {logits.shape[0]} logit rows for {len(batch)} sampled rows")
+        top_k = batch.max_logprobs
+        simple = batch.all_greedy and top_k is None and batch.penalties is None and not len(batch.banned_rows)
+        raw_logprobs = None
+        if simple:
+            tokens = logits.argmax(dim=-1)
+        else:
+            logits = logits.float() if logits.dtype != torch.float32 else logits.clone()  # masked in place below
+            if top_k is not None:
+                raw_logprobs = torch.log_softmax(logits, dim=-1)
+            tokens = self._sample(logits, batch, params)
+        tokens = tokens.to(torch.int32)
+        last_tokens.index_copy_(0, slots.long(), tokens)
+        return self._to_host(tokens, raw_logprobs, top_k, batch.num_logprobs)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors) -> torch.Tensor:
+        if len(batch.banned_rows):
+            rows = torch.from_numpy(batch.banned_rows).to(self.device, torch.long)
+            cols = torch.from_numpy(batch.banned_tokens).to(self.device, torch.long)
+            logits[rows, cols] = -math.inf
+        if batch.penalties is not None:
+            apply_penalties(logits, batch.penalties)
+        greedy_rows = batch.temperature <= 0
+        tokens = logits.argmax(dim=-1) if greedy_rows.any() else None
+        if not greedy_rows.all():
+            sampled = sample_rows(logits, batch, params)
+            tokens = sampled if tokens is None else torch.where(params.temperature <= 0, tokens, sampled)
+        return tokens
+
+    def _to_host(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, top_k: int | None,
+                 row_k: list[int | None] | None) -> SampleHandle:
+        parts = [tokens]
+        if top_k is not None:
+            parts.append(raw_logprobs.gather(1, tokens.long()[:, None])[:, 0].contiguous().view(torch.int32))
+            if top_k:
+                vals, ids = raw_logprobs.topk(min(top_k, raw_logprobs.shape[1]), dim=-1)
+                k = ids.shape[1]
+                parts += [ids.to(torch.int32).flatten(), vals.contiguous().view(torch.int32).flatten()]
+                top_k = k
+        packed = torch.cat(parts) if len(parts) > 1 else tokens
+        host = self._host[self._turn][:packed.numel()]
+        event = self._events[self._turn]
+        self._turn ^= 1
+        if event is not None:
+            host.copy_(packed, non_blocking=True)
+            event.record()
+        else:
+            host.copy_(packed)
+        return SampleHandle(host, event, tokens.numel(), top_k, row_k)
+
+
+def sample_rows(logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then an exponential race (argmax of probs / E, E ~ Exp(1))."""
+    n, vocab = logits.shape
+    temperature = torch.where(params.temperature > 0, params.temperature, 1.0)
+    logits = logits / temperature[:, None]
+    use_top_k = bool(((batch.top_k > 0) & (batch.top_k < vocab)).any())
+    use_top_p = bool((batch.top_p < 1).any())
+    if use_top_k or use_top_p:
+        sorted_logits = logits.sort(dim=-1, descending=True).values
+        if use_top_k:  # keep logits >= the k-th largest (ties at the boundary are kept)
+            k = torch.where((params.top_k > 0) & (params.top_k < vocab), params.top_k, vocab).long()
+            kth = sorted_logits.gather(1, (k - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, -math.inf)
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -math.inf)
+        if use_top_p:  # keep the smallest prefix whose mass reaches top_p (at least one token)
+            probs = sorted_logits.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            keep = (mass_before < params.top_p[:, None]).sum(dim=-1).clamp(min=1)
+            keep = torch.where(params.top_p < 1, keep, vocab)
+            threshold = sorted_logits.gather(1, (keep - 1)[:, None])
+            logits = logits.masked_fill(logits < threshold, -math.inf)
+    if (batch.min_p > 0).any():  # p < min_p * p_max  <=>  logit < max_logit + log(min_p)
+        log_min_p = torch.where(params.min_p > 0, params.min_p.clamp_min(1e-30).log(), -math.inf)
+        floor = logits.max(dim=-1, keepdim=True).values + log_min_p[:, None]
+        logits = logits.masked_fill(logits < floor, -math.inf)
+    probs = logits.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    for i, g in enumerate(batch.generators or ()):
+        if g is not None and batch.temperature[i] > 0:
+            noise[i].exponential_(generator=g)
+    return probs.div_(noise.clamp_min_(1e-10)).argmax(dim=-1)
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab] occurrence counts; lists are padded with `vocab`, a column that is dropped."""
+    width = max((len(t) for t in token_lists), default=0)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    if width:
+        ids = torch.tensor([t + [vocab] * (width - len(t)) for t in token_lists], device=device)
+        counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
+    """Repetition penalty over prompt+output tokens, presence/frequency penalties over output tokens (in place)."""
+    vocab, device = logits.shape[1], logits.device
+    rep, freq, pres = (torch.from_numpy(a).to(device)[:, None] for a in (p.repetition, p.frequency, p.presence))
+    out_counts = _token_counts(p.output_token_ids, vocab, device)
+    seen = (_token_counts(p.prompt_token_ids, vocab, device) > 0) | (out_counts > 0)
+    x = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits.copy_(x - freq * out_counts - pres * (out_counts > 0).float())

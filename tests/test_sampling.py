@@ -1,32 +1,44 @@
-"""SamplingParams validation and the batched Sampler (CPU; one GPU test for the seeded path)."""
+"""SamplingParams validation and the batched device sampler (CPU; one GPU test for the seeded path).
+
+The sampler is driven the way the engine drives it: engine/batching.py's sampling_batch turns the
+sequences into per-row arrays, runner/sampler.py samples them and reads the result back."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from nanoserve.sampling import Sampler, SamplerOutput, SamplingParams, _apply_penalties
+from nanoserve.engine.batching import sampling_batch
+from nanoserve.engine.sequence import Sequence
+from nanoserve.runner.sampler import Sampler, SampledTokens, SamplingTensors, apply_penalties
+from nanoserve.sampling import SamplingParams
 
 
-@dataclass
-class Seq:
-    params: SamplingParams
-    prompt_token_ids: list[int] = field(default_factory=lambda: [0])
-    output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+def Seq(params: SamplingParams, prompt_token_ids=None, output_token_ids=None, generator=None) -> Sequence:
+    return Sequence("r", list(prompt_token_ids or [0]), params, output_token_ids=list(output_token_ids or []),
+                    generator=generator)
 
 
-def seqs_of(params: SamplingParams, n: int) -> list[Seq]:
+def seqs_of(params: SamplingParams, n: int) -> list[Sequence]:
     return [Seq(params) for _ in range(n)]
 
 
-sampler = Sampler()
+def sampler(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> SampledTokens:
+    """One sampling step of these sequences (each the row of its index), as the engine runs it."""
+    for i, s in enumerate(seqs):
+        s.slot, s.num_pending = i, 1  # the token being sampled counts as pending, as after scheduling
+    batch = sampling_batch(seqs, eos_token_ids)
+    dev = logits.device
+    params = SamplingTensors(*(torch.from_numpy(a).to(dev) for a in
+                               (batch.temperature, batch.top_p, batch.top_k, batch.min_p)))
+    last = torch.zeros(len(seqs) + 1, dtype=torch.int32, device=dev)
+    slots = torch.arange(len(seqs), dtype=torch.int32, device=dev)
+    out = Sampler(len(seqs), dev)(logits, batch, params, last, slots).result()
+    assert last[:len(seqs)].tolist() == out.token_ids  # the next step's inputs, on the device
+    for s in seqs:
+        s.num_pending = 0
+    return out
 
 
 # ---------------------------------------------------------------- SamplingParams
@@ -210,7 +222,7 @@ def test_logprobs_are_raw_log_softmax(dtype):
     seqs = [Seq(p, prompt_token_ids=[1, 2, 3], output_token_ids=[4, 5]) for p in params]
     out = sampler(logits, seqs, eos_token_ids=[0])
     ref = torch.log_softmax(logits.float(), dim=-1)  # raw: before penalties and temperature
-    assert isinstance(out, SamplerOutput) and len(out.logprobs) == 4
+    assert isinstance(out, SampledTokens) and len(out.logprobs) == 4
     for i, t in enumerate(out.token_ids):
         assert out.logprobs[i] == pytest.approx(ref[i, t].item(), abs=1e-6)
     assert out.top_logprobs[0] == [] and out.top_logprobs[2] == []
@@ -261,7 +273,9 @@ def test_penalties_match_loop_reference(seed):
     logits, seqs = random_penalty_batch(seed)
     expected = reference_penalties(logits, seqs)
     got = logits.clone()
-    _apply_penalties(got, seqs, [i for i, s in enumerate(seqs) if s.params.uses_penalties])
+    for i, s in enumerate(seqs):
+        s.slot, s.num_pending = i, 1
+    apply_penalties(got, sampling_batch(seqs, []).penalties)
     torch.testing.assert_close(got, expected)
     assert torch.equal(got[3], logits[3])
     assert not torch.equal(got, logits)
@@ -311,7 +325,7 @@ def test_with_real_sequence():
     from nanoserve.engine.sequence import Sequence
 
     p = SamplingParams(seed=11, logprobs=2)
-    seq = Sequence(request_id="r", index=0, prompt_token_ids=[1, 2], params=p, generator=p.make_generator("cpu"))
+    seq = Sequence("r", [1, 2], p, generator=p.make_generator("cpu"))
     out = sampler(torch.randn(1, 32), [seq], eos_token_ids=[0])
     assert len(out.token_ids) == 1 and len(out.top_logprobs[0]) == 2
 

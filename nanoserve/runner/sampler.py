@@ -91,8 +91,9 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors) -> torch.Tensor:
         if len(batch.banned_rows):
-            rows = torch.from_numpy(batch.banned_rows).to(self.device, torch.long)
-            cols = torch.from_numpy(batch.banned_tokens).to(self.device, torch.long)
+            in_vocab = batch.banned_tokens < logits.shape[1]
+            rows = torch.from_numpy(batch.banned_rows[in_vocab]).to(self.device, torch.long)
+            cols = torch.from_numpy(batch.banned_tokens[in_vocab]).to(self.device, torch.long)
             logits[rows, cols] = -math.inf
         if batch.penalties is not None:
             apply_penalties(logits, batch.penalties)

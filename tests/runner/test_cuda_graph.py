@@ -9,7 +9,9 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig, default_capture_sizes
-from nanoserve.runner.cuda_graph import DecodeBatch, GraphRunner, StaticDecodeInputs
+from nanoserve.runner.batch import BlockUpdates, DecodeBatch, SamplingBatch
+from nanoserve.runner.cuda_graph import GraphRunner
+from nanoserve.runner.inputs import DecodeInputs, PersistentState
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -18,17 +20,19 @@ def test_default_capture_sizes_are_powers_of_two_plus_max():
     assert default_capture_sizes(1) == [1]
     assert default_capture_sizes(8) == [1, 2, 4, 8]
     assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
-    assert EngineConfig("m", max_num_seqs=256).capture_sizes()[-3:] == [64, 128, 256]
+    assert default_capture_sizes(256)[-3:] == [64, 128, 256]
+    resolved = EngineConfig("m", max_num_seqs=256, device="cpu").resolve(4096, None)
+    assert resolved.cudagraph_capture_sizes == [] and resolved.max_model_len == 4096  # no graphs on CPU
 
 
-@pytest.mark.parametrize("sizes", [[0, 1], [-2], [], [1, 2.5], [1, 64]])
+@pytest.mark.parametrize("sizes", [[0, 1], [-2], [1, 2.5], [1, 64], [True]])
 def test_capture_sizes_are_validated(sizes):
     with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
         EngineConfig("m", max_num_seqs=32, cudagraph_capture_sizes=sizes)
 
 
 def test_custom_capture_sizes_are_sorted_and_deduplicated():
-    assert EngineConfig("m", max_num_seqs=32, cudagraph_capture_sizes=[8, 1, 8, 3]).capture_sizes() == [1, 3, 8]
+    assert EngineConfig("m", max_num_seqs=32, cudagraph_capture_sizes=[8, 1, 8, 3]).cudagraph_capture_sizes == [1, 3, 8]
 
 
 def test_bucket_is_the_smallest_captured_size_at_least_b():
@@ -38,21 +42,28 @@ def test_bucket_is_the_smallest_captured_size_at_least_b():
     assert runner.bucket_for(25) is None  # eager fallback above the largest bucket
 
 
-def test_static_inputs_pad_rows_to_the_dummy_block():
-    inputs = StaticDecodeInputs(max_rows=8, max_blocks=4, dummy_block=99, block_size=16, device=torch.device("cpu"))
-    batch = DecodeBatch(np.array([5, 6, 7], np.int32), np.array([10, 20, 30], np.int32),
-                        np.array([17, 33, 50], np.int32), np.array([11, 21, 31], np.int32),
-                        np.array([[1, 0], [2, 0], [3, 4]], np.int32))
+def test_static_inputs_pad_rows_to_the_dummy_slot_and_block():
+    state = PersistentState(max_num_seqs=8, max_blocks=4, dummy_block=99, device=torch.device("cpu"))
+    inputs = DecodeInputs(max_rows=8, state=state, dummy_kv_slot=99 * 16, device=torch.device("cpu"))
+    i32 = lambda *v: np.array(v, np.int32)  # noqa: E731
+    f32 = lambda *v: np.array(v, np.float32)  # noqa: E731
+    sampling = SamplingBatch(i32(2, 5, 0), f32(0.0, 0.7, 1.0), f32(1.0, 0.9, 1.0), i32(0, 5, 0), f32(0, 0, 0.1))
+    batch = DecodeBatch(i32(2, 5, 0), i32(10, 20, 30), i32(17, 33, 50), i32(11, 21, 31),
+                        BlockUpdates(i32(5), i32(1), i32(7)), sampling)
     addresses = inputs.device_buf.data_ptr()
     inputs.load(batch, rows=4)
-    ids, pos, meta = inputs.views(4)
-    assert ids.tolist() == [5, 6, 7, 0] and pos.tolist() == [10, 20, 30, 0]
-    assert meta.slot_mapping.tolist() == [17, 33, 50, 99 * 16]  # padded row writes only to the dummy block
-    assert meta.context_lens.tolist() == [11, 21, 31, 1]
-    assert meta.block_tables.tolist() == [[1, 0, 99, 99], [2, 0, 99, 99], [3, 4, 99, 99], [99, 99, 99, 99]]
+    v = inputs.views(4)
+    assert v.slots.tolist() == [2, 5, 0, 8] and v.positions.tolist() == [10, 20, 30, 0]  # slot 8: the dummy slot
+    assert v.slot_mapping.tolist() == [17, 33, 50, 99 * 16]  # the padded row writes only to the dummy block
+    assert v.context_lens.tolist() == [11, 21, 31, 1]
+    assert (v.update_slots.tolist(), v.update_cols.tolist(), v.update_blocks.tolist()) == ([5, 8, 8, 8], [1, 0, 0, 0],
+                                                                                            [7, 99, 99, 99])
+    assert v.sampling.temperature.tolist() == pytest.approx([0.0, 0.7, 1.0, 0.0])
+    assert v.sampling.top_k.tolist() == [0, 5, 0, 0]
+    state.apply(v.update_slots, v.update_cols, v.update_blocks)
+    assert state.block_tables[5].tolist() == [99, 7, 99, 99] and state.block_tables[8].tolist() == [99] * 4
     assert inputs.device_buf.data_ptr() == addresses  # views of one buffer, never reallocated
-    small_ids, _, small_meta = inputs.views(2)
-    assert small_ids.data_ptr() == addresses and small_meta.block_tables.shape == (2, 4)
+    assert inputs.views(2).slots.data_ptr() == addresses and inputs.views(4) is v
 
 
 # ---------------------------------------------------------------------------------------- GPU
@@ -103,10 +114,17 @@ def test_static_addresses_never_change(tiny_model_dirs):
     llm = _tiny_llm(tiny_model_dirs["qwen2"])
     runner = llm.engine.model_runner
     gr = runner.graph_runner
-    before = (runner.decode_inputs.device_buf.data_ptr(), gr.logits.data_ptr(), runner.kv_cache.data_ptr())
+
+    def addresses():
+        return (runner.decode_inputs.device_buf.data_ptr(), runner.kv_cache.data_ptr(),
+                runner.state.block_tables.data_ptr(), runner.state.last_tokens.data_ptr(),
+                sorted(o.data_ptr() for o in gr.outputs.values()))
+
+    before = addresses()
     for b in [1, 16, 3, 9, 2, 16, 1] * 20:
         runner.decode_logits(runner.dummy_decode_batch(b, 64))
-    assert (runner.decode_inputs.device_buf.data_ptr(), gr.logits.data_ptr(), runner.kv_cache.data_ptr()) == before
+    llm.generate([[3, 4, 5]] * 5, SamplingParams(max_tokens=20), use_tqdm=False)
+    assert addresses() == before
 
 
 @pytest.mark.gpu
@@ -117,7 +135,7 @@ def test_padded_rows_never_touch_real_kv(tiny_model_dirs):
     llm.generate([[5] * 100, [6] * 50], SamplingParams(max_tokens=1), use_tqdm=False)
     real = runner.kv_cache[:, :, :runner.num_kv_blocks].clone()
     batch = runner.dummy_decode_batch(3, 40)  # bucket 4: one padded row
-    batch.slot_mapping[:] = runner.dummy_block * runner.block_size  # real rows also write only to the dummy block
+    batch.slot_mapping[:] = runner.dummy_block * runner.config.block_size  # real rows also write only to the dummy block
     runner.decode_logits(batch)
     assert runner.padding_rows >= 1
     assert torch.equal(runner.kv_cache[:, :, :runner.num_kv_blocks], real)
@@ -125,34 +143,15 @@ def test_padded_rows_never_touch_real_kv(tiny_model_dirs):
 
 @pytest.mark.gpu
 @gpu
-def test_churn_500_steps_matches_enforce_eager(tiny_model_dirs):
-    """Requests join and leave at random; batch sizes cross buckets, exceed the largest (eager) and drop to 1."""
+def test_churn_500_steps_graphs_and_async_match_eager_sync(tiny_model_dirs):
+    """Requests join and leave at random (EOS, stop ids, max_tokens, aborts; seeded sampling too); batch sizes
+    cross buckets, exceed the largest (eager) and drop to 1. Graphs + async scheduling == eager + synchronous."""
+    from tests.engine.churn import run_churn
+
     path = tiny_model_dirs["qwen3"]
-
-    def run(enforce_eager: bool):
-        llm = _tiny_llm(path, max_num_seqs=24, cudagraph_capture_sizes=[1, 2, 4, 8, 16], enforce_eager=enforce_eager)
-        engine, rng = llm.engine, random.Random(0)
-        finished, next_id, steps = {}, 0, 0
-        while steps < 500:
-            if rng.random() < 0.35 and next_id < 400:
-                n = rng.choice([1, 1, 2, 6])
-                for _ in range(n):
-                    prompt = [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))]
-                    engine.add_request(str(next_id), prompt,
-                                       SamplingParams(max_tokens=rng.randrange(1, 60), temperature=0.0, ignore_eos=True))
-                    next_id += 1
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out.token_ids
-            steps += 1
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out.token_ids
-        assert engine.block_manager.num_used_blocks == 0
-        return finished, engine.stats
-
-    got, stats = run(False)
-    want, _ = run(True)
+    fast = _tiny_llm(path, max_num_seqs=24, cudagraph_capture_sizes=[1, 2, 4, 8, 16])
+    slow = _tiny_llm(path, max_num_seqs=24, enforce_eager=True, async_scheduling=False)
+    got, stats = run_churn(fast.engine, steps=500)
+    want, _ = run_churn(slow.engine, steps=500)
     assert got == want
     assert stats.decode_steps_graph > 0 and stats.decode_steps_eager > 0  # both paths exercised

@@ -130,7 +130,7 @@ def gpu_demo(args: argparse.Namespace) -> int:
         if gr is None:
             print("this engine captured no graphs (enforce_eager?) — nothing to demonstrate")
             return 1
-        kv_gib = llm.engine.stats.kv_blocks_total * 16 * kv_bytes_per_token(cfg, dtype_bytes) / 2**30
+        kv_gib = llm.engine.stats.kv_blocks_total * runner.kv.block_bytes / 2**30
         print(f"\ncapture: {len(gr.capture_sizes)} graphs (batch sizes {gr.capture_sizes}) in "
               f"{gr.capture_seconds:.2f} s; "
               f"graph pool {gr.pool_bytes / 2**20:.1f} MiB; KV cache {llm.engine.stats.kv_blocks_total} blocks × 16 "

@@ -162,9 +162,12 @@ def param_counts(cfg: dict) -> ParamCounts:
 
 
 def kv_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
-    """K and V of one token across all layers."""
+    """K and V of one token across all layers (the engine's KVCacheSpec, for a config not yet loaded)."""
+    from nanoserve.runner.kv_cache import KVCacheSpec
+
     nkv = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    return 2 * cfg["num_hidden_layers"] * nkv * head_dim(cfg) * dtype_bytes
+    dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    return KVCacheSpec(cfg["num_hidden_layers"], nkv, head_dim(cfg), 1, dtype).bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -230,10 +233,10 @@ def fit_batch_sizes(cfg: dict, batch_sizes: list[int], tokens_per_seq: int, bloc
 
 
 def bucket_for(batch_size: int, capture_sizes: list[int]) -> int | None:
-    """The graph a batch of batch_size rows replays: the smallest captured size ≥ batch_size;
-    None when it is larger than every bucket (it then runs eagerly)."""
-    fits = [s for s in capture_sizes if s >= batch_size]
-    return min(fits) if fits else None
+    """The graph a batch of batch_size rows replays (the engine's own rule)."""
+    from nanoserve.runner.cuda_graph import bucket_for as engine_bucket_for
+
+    return engine_bucket_for(sorted(capture_sizes), batch_size)
 
 
 def padding_rows(batch_size: int, capture_sizes: list[int]) -> int:
@@ -243,12 +246,10 @@ def padding_rows(batch_size: int, capture_sizes: list[int]) -> int:
 
 
 def power_of_two_sizes(max_size: int) -> list[int]:
-    """1, 2, 4, …, up to and including max_size when it is a power of two."""
-    sizes, b = [], 1
-    while b <= max_size:
-        sizes.append(b)
-        b *= 2
-    return sizes
+    """The engine's default buckets (powers of two, plus max_size)."""
+    from nanoserve.config import default_capture_sizes
+
+    return default_capture_sizes(max_size)
 
 
 # ---------------------------------------------------------------------------------------------

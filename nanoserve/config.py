@@ -15,6 +15,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 MAX_DEFAULT_MODEL_LEN = 32768
+SCHEDULING_POLICIES = ("mixed", "alternate")
 
 
 @dataclass
@@ -35,6 +36,7 @@ class EngineConfig:
     cudagraph_capture_sizes: list[int] | None = None  # None → 1, 2, 4, … ≤ max_num_seqs, plus max_num_seqs; []: none
     enable_prefix_caching: bool = True
     async_scheduling: bool = True  # the host schedules step N+1 while the device runs step N
+    scheduling_policy: str = "mixed"  # "mixed": decode rows ride along prefill chunks; "alternate": steps take turns
     max_waiting_requests: int = 4096  # the server answers 503 beyond this
     seed: int = 0
     tokenizer: str | None = None  # None → the model folder
@@ -67,6 +69,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kv_cache_gb <= 0:
             raise ValueError(f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.cudagraph_capture_sizes is not None:

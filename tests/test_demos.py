@@ -176,7 +176,7 @@ def test_written_config_loads_with_the_engine_loader(tmp_path):
 def test_buckets_and_padding():
     sizes = common.power_of_two_sizes(256)
     assert sizes == [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    assert common.power_of_two_sizes(6) == [1, 2, 4]
+    assert common.power_of_two_sizes(6) == [1, 2, 4, 6]  # the engine's default buckets end at max_num_seqs
     assert common.bucket_for(5, sizes) == 8 and common.padding_rows(5, sizes) == 3
     assert common.bucket_for(8, sizes) == 8 and common.padding_rows(8, sizes) == 0
     assert common.bucket_for(129, sizes) == 256 and common.padding_rows(129, sizes) == 127
@@ -189,7 +189,7 @@ def test_kv_sizing():
     with pytest.raises(ValueError):
         common.kv_blocks_needed(0, 512, 16)
     assert common.kv_bytes_per_token(common.model_config("llama-3.1-8b")) == 2 * 32 * 8 * 128 * 2 == 131072
-    assert dl.kv_tokens_per_seq(512, 10) == 512 + dl.E2E_WARMUP_STEPS + 10 + dl.E2E_EXTRA_TOKENS + 1
+    assert dl.kv_tokens_per_seq(512, 10) == 512 + dl.E2E_WARMUP_STEPS + dl.E2E_RUNS * 10 + dl.E2E_EXTRA_TOKENS + 1
 
 
 def test_fit_batch_sizes_drops_the_largest_until_it_fits():

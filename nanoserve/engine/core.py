@@ -39,7 +39,7 @@ class _InFlight:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, scheduling_policy: str = "mixed"):
+    def __init__(self, config: EngineConfig):
         hf_config = load_hf_config(config.model)
         self.config = config.resolve(model_max_len(hf_config), hf_config_dtype(hf_config))
         self.runner = ModelRunner(self.config, hf_config)
@@ -47,7 +47,7 @@ class EngineCore:
         self.eos_token_ids = [t for t in self._eos_ids(hf_config) if 0 <= t < self.vocab_size]
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.block_manager, scheduling_policy)
+        self.scheduler = Scheduler(self.config, self.block_manager)
         self.sequences: dict[str, Sequence] = {}
         self._inflight: deque[_InFlight] = deque()
         self._num_penalty_seqs = 0

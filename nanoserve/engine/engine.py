@@ -21,8 +21,8 @@ logger = logging.getLogger("nanoserve")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, scheduling_policy: str = "mixed"):
-        self.core = EngineCore(config, scheduling_policy)
+    def __init__(self, config: EngineConfig):
+        self.core = EngineCore(config)
         self.config = self.core.config
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -20,9 +20,6 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 
-POLICIES = ("mixed", "alternate")
-
-
 @dataclass
 class ScheduledStep:
     """The sequences of one step, in row order, and how many of their tokens run."""
@@ -47,14 +44,12 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, policy: str = "mixed"):
-        if policy not in POLICIES:
-            raise ValueError(f"scheduling policy must be one of {POLICIES}, got {policy!r}")
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.block_manager = block_manager
-        self.policy = policy
+        self.policy = config.scheduling_policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))  # popped from the end: low slots first

@@ -21,6 +21,13 @@ from tqdm import tqdm
 logger = logging.getLogger("nanoserve")
 
 
+def bucket_for(capture_sizes: list[int], batch_size: int) -> int | None:
+    """The bucket a batch of batch_size rows replays: the smallest captured size ≥ batch_size (sizes ascending);
+    None when it is larger than every bucket (it then runs eagerly)."""
+    i = bisect.bisect_left(capture_sizes, batch_size)
+    return capture_sizes[i] if i < len(capture_sizes) else None
+
+
 class GraphRunner:
     """forward(rows) → logits [rows, vocab] reads only static buffers; prepare(rows) loads an all-padding batch."""
 
@@ -37,9 +44,7 @@ class GraphRunner:
         self.pool_bytes = 0
 
     def bucket_for(self, batch_size: int) -> int | None:
-        """Smallest captured size ≥ batch_size, or None when the batch is too large for any graph."""
-        i = bisect.bisect_left(self.capture_sizes, batch_size)
-        return self.capture_sizes[i] if i < len(self.capture_sizes) else None
+        return bucket_for(self.capture_sizes, batch_size)
 
     @torch.inference_mode()
     def capture(self, show_progress: bool = True) -> None:

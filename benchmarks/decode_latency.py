@@ -176,7 +176,8 @@ def measure_e2e(llm, cfg: dict, b: int, args: argparse.Namespace) -> dict:
             engine.add_request(rid, prompt, params)
         t0 = time.perf_counter()
         prefill_steps = 0
-        while engine.stats.num_waiting > 0:
+        scheduler = engine.scheduler  # until every prompt is prefilled (chunked prefill takes several steps)
+        while scheduler.waiting or not all(s.decoding for s in scheduler.running):
             engine.step()
             prefill_steps += 1
             if prefill_steps > 4 * b + 16:

@@ -84,28 +84,47 @@ def roofline_seconds(prompts, params, weight_bytes: int, kv_bytes_per_token: int
 
 
 def run_variant(model_dir: str, prompts, params, options: dict) -> dict:
+    """One LLM.generate-equivalent run (the engine's own loop, so each step's wall time and rows are recorded)."""
     from nanoserve import LLM, SamplingParams
 
     llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
               show_progress=False, **options)
-    try:
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, as nano-vllm does
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        generated = sum(len(o.token_ids) for o in outs)
-        stats = llm.engine.stats
-        runner = llm.engine.model_runner
-        return {"seconds": seconds, "output_tokens": generated, "output_tokens_per_s": generated / seconds,
-                "stats": {f: getattr(stats, f) for f in stats.__struct_fields__},
-                "kv_blocks": runner.num_kv_blocks, "capture_sizes": runner.config.cudagraph_capture_sizes,
-                "weight_bytes_per_step": weight_bytes_read_per_step(runner.model),
-                "kv_bytes_per_token": runner.kv.bytes_per_token,
-                "num_params": sum(p.numel() for p in runner.model.parameters())}
-    finally:
-        del llm
-        release_cuda_memory()
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, as nano-vllm does
+    engine = llm.engine
+    runner = engine.model_runner
+    rec = {"kv_blocks": runner.num_kv_blocks, "capture_sizes": runner.config.cudagraph_capture_sizes,
+           "weight_bytes_per_step": weight_bytes_read_per_step(runner.model),
+           "kv_bytes_per_token": runner.kv.bytes_per_token,
+           "num_params": sum(p.numel() for p in runner.model.parameters())}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p, stream=False)
+    generated, trace, last = 0, {}, time.perf_counter()
+    while engine.has_unfinished_requests():
+        rows = len(engine.scheduler.running)
+        outs = engine.step()
+        generated += sum(len(o.token_ids) for o in outs)
+        now = time.perf_counter()
+        key = "mixed" if engine.stats.mixed_steps > trace.get("_mixed", 0) else _rows_bucket(rows)
+        trace["_mixed"] = engine.stats.mixed_steps
+        steps, ms = trace.get(key, (0, 0.0))
+        trace[key] = (steps + 1, ms + (now - last) * 1e3)
+        last = now
+    seconds = time.perf_counter() - t0
+    trace.pop("_mixed")
+    stats = engine.stats
+    rec.update(seconds=seconds, output_tokens=generated, output_tokens_per_s=generated / seconds,
+               stats={f: getattr(stats, f) for f in stats.__struct_fields__},
+               step_trace={k: {"steps": n, "ms": round(ms, 1), "ms_per_step": round(ms / n, 3)}
+                           for k, (n, ms) in sorted(trace.items(), key=lambda kv: str(kv[0]))})
+    return rec
+
+
+def _rows_bucket(rows: int) -> str:
+    """Running rows in ranges of 32, for the per-step trace."""
+    low = (max(rows - 1, 0) // 32) * 32
+    return f"rows {low + 1:3d}-{low + 32:3d}"
 
 
 def measure_model(name: str, variants: list[str], bandwidth: float, flops: float) -> dict:
@@ -122,6 +141,8 @@ def measure_model(name: str, variants: list[str], bandwidth: float, flops: float
                 traceback.print_exc()
                 result["variants"][variant] = {"error": f"{type(e).__name__}: {e}"}
                 continue
+            finally:
+                release_cuda_memory()  # the engine is garbage once run_variant returns
             if "roofline" not in result:
                 result["roofline"] = roofline_seconds(prompts, params, rec["weight_bytes_per_step"],
                                                       rec["kv_bytes_per_token"], rec["num_params"], bandwidth, flops)

@@ -147,12 +147,13 @@ class _Request:
     prompt_token_ids: list[int]
     completions: list[_Completion]
     stream: bool
+    num_unfinished: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.completions)
+        return self.num_unfinished == 0
 
 
 class OutputProcessor:
@@ -167,7 +168,7 @@ class OutputProcessor:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         completions = [_Completion(i, prompt_token_ids, params, self.tokenizer, stream) for i in range(params.n)]
-        request = _Request(request_id, prompt, prompt_token_ids, completions, stream)
+        request = _Request(request_id, prompt, prompt_token_ids, completions, stream, num_unfinished=params.n)
         self.requests[request_id] = request
         core_requests = []
         for i, c in enumerate(completions):
@@ -206,6 +207,7 @@ class OutputProcessor:
                 request.error = out.error
             if completion.finished:
                 del self._children[out.request_id]
+                request.num_unfinished -= 1
             touched[request.request_id] = request
         for request in touched.values():
             output = self._output(request)

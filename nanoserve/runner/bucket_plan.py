@@ -70,15 +70,17 @@ class StepCurve:
     within a few percent of the curve, and the planner needs only the relative cost of neighbouring
     sizes. The monotone fit absorbs timing noise: a step never gets cheaper with more rows.
 
-    pool_bytes(r) is the pool of a graph captured first (the largest, max_num_seqs); each further,
-    smaller graph captured into the same pool adds extra_pool_bytes(r), which defaults to
-    pool_bytes(r) (no sharing: an upper bound). capture_seconds(r) includes the warm-up forwards.
+    Graphs are captured largest first (max_num_seqs) into one shared pool. capture_seconds(r) and
+    pool_bytes(r) are what that first graph costs, one-off set-up included; each further, smaller
+    graph adds extra_capture_seconds(r) and extra_pool_bytes(r) (it reuses the pool the first one
+    grew). The extras default to the first graph's costs: no sharing, an upper bound.
     """
 
     rows: tuple[int, ...]
     ms: tuple[float, ...]
     capture_seconds: LinearCost = LinearCost()
     pool_bytes: LinearCost = LinearCost()
+    extra_capture_seconds: LinearCost | None = None
     extra_pool_bytes: LinearCost | None = None
 
     def __post_init__(self) -> None:
@@ -91,18 +93,17 @@ class StepCurve:
             raise ValueError(f"curve ms must be positive, finite and non-decreasing, got {self.ms}")
 
     @classmethod
-    def fit(cls, step_ms: Mapping[int, float] | Iterable[tuple[int, float]],
-            capture_seconds: LinearCost | Mapping | Iterable = (), pool_bytes: LinearCost | Mapping | Iterable = (),
-            extra_pool_bytes: LinearCost | Mapping | Iterable | None = None) -> "StepCurve":
-        """A curve from measured (rows, ms) points (repeats are averaged) and per-graph costs,
-        each a LinearCost or (rows, value) points to fit one to (none: free)."""
+    def fit(cls, step_ms: Mapping[int, float] | Iterable[tuple[int, float]], capture_seconds=(), pool_bytes=(),
+            extra_capture_seconds=None, extra_pool_bytes=None) -> "StepCurve":
+        """A curve from measured (rows, ms) points (repeats are averaged) and per-graph costs, each a
+        LinearCost or (rows, value) points to fit one to (empty: free; an extra left None: no sharing)."""
         rows, ms = _points(step_ms, "step time")
         unique, inverse, counts = np.unique(rows, return_inverse=True, return_counts=True)
         means = np.bincount(inverse, weights=ms) / counts
         fitted = _isotonic(means, counts.astype(np.float64))
-        extra = None if extra_pool_bytes is None else _as_cost(extra_pool_bytes)
+        extras = [None if e is None else _as_cost(e) for e in (extra_capture_seconds, extra_pool_bytes)]
         return cls(tuple(int(r) for r in unique), tuple(float(t) for t in fitted),
-                   _as_cost(capture_seconds), _as_cost(pool_bytes), extra)
+                   _as_cost(capture_seconds), _as_cost(pool_bytes), *extras)
 
     def __call__(self, rows):
         """ms per step at `rows` (a number or an array of row counts)."""
@@ -115,14 +116,12 @@ class StepCurve:
         return out
 
     def capture_seconds_for(self, sizes: Iterable[int]) -> float:
-        """Seconds to warm up and capture every size (each graph is captured on its own)."""
-        return float(np.sum(self.capture_seconds(list(sizes))))
+        """Seconds to warm up and capture the sizes, largest first."""
+        return _set_cost(sizes, self.capture_seconds, self.extra_capture_seconds)
 
     def pool_bytes_for(self, sizes: Iterable[int]) -> float:
         """Pool bytes of the sizes captured largest first into one shared pool."""
-        ordered = sorted(set(sizes))
-        extra = self.extra_pool_bytes or self.pool_bytes
-        return float(self.pool_bytes(ordered[-1]) + np.sum(extra(ordered[:-1])))
+        return _set_cost(sizes, self.pool_bytes, self.extra_pool_bytes)
 
 
 class BatchDistribution:
@@ -301,6 +300,11 @@ def expected_waste(sizes: Iterable[int], curve: StepTime, distribution: BatchDis
 def average_padded_rows(sizes: Iterable[int], distribution: BatchDistribution) -> float:
     """E_b[bucket(b)]: the rows a step computes on average, padding included (compare E[b])."""
     return float(distribution.probabilities() @ buckets(sizes, distribution.max_num_seqs))
+
+
+def _set_cost(sizes: Iterable[int], first: LinearCost, extra: LinearCost | None) -> float:
+    ordered = sorted({int(s) for s in sizes})
+    return float(first(ordered[-1]) + np.sum((extra or first)(ordered[:-1])))
 
 
 def _candidates(candidates: Iterable[int] | None, n: int) -> np.ndarray:

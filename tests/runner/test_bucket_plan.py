@@ -27,7 +27,7 @@ LLAMA_3_1_8B_H200 = {1: 4.26, 32: 5.35, 64: 5.99, 256: 10.68}
 # Capturing the 9 powers of two took 1.8 s (Qwen3) and 2.1 s (Llama) with pools of 168 / 160 MiB.
 H200_CAPTURE = LinearCost(0.2, 0.0002)
 H200_POOL = LinearCost(8 * MiB, 0.6 * MiB)
-H200_EXTRA_POOL = LinearCost(2 * MiB, 0.0)
+H200_EXTRA_POOL = LinearCost(2 * MiB, 0.0)  # graphs after the first reuse its pool
 POWERS_OF_TWO_256 = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
@@ -42,6 +42,7 @@ def random_case(rng: np.random.Generator, n: int):
     curve = StepCurve.fit(dict(zip(rows.tolist(), ms.tolist())),
                           capture_seconds=LinearCost(rng.uniform(0.05, 0.3), rng.uniform(0, 0.002)),
                           pool_bytes=LinearCost(rng.uniform(1, 20) * MiB, rng.uniform(0, 1) * MiB),
+                          extra_capture_seconds=LinearCost(rng.uniform(0.02, 0.2), rng.uniform(0, 0.001)),
                           extra_pool_bytes=LinearCost(rng.uniform(0, 10) * MiB, rng.uniform(0, 0.5) * MiB))
     counts = rng.integers(0, 5, size=n) * (rng.uniform(size=n) < 0.5)
     return curve, BatchDistribution(counts)
@@ -87,12 +88,13 @@ def test_linear_cost_fit():
         LinearCost(-1.0, 0.0)
 
 
-def test_set_costs_share_the_pool_of_the_largest_graph():
-    curve = StepCurve.fit({1: 1.0}, capture_seconds=LinearCost(0.1, 0.01), pool_bytes=LinearCost(100, 10),
-                          extra_pool_bytes=LinearCost(1, 0))
-    assert curve.capture_seconds_for([4, 16]) == pytest.approx(0.1 + 0.04 + 0.1 + 0.16)
+def test_set_costs_are_the_largest_graph_plus_the_extras():
+    curve = StepCurve.fit({1: 1.0}, capture_seconds=LinearCost(0.3, 0.01), pool_bytes=LinearCost(100, 10),
+                          extra_capture_seconds=LinearCost(0.1, 0.01), extra_pool_bytes=LinearCost(1, 0))
+    assert curve.capture_seconds_for([4, 16, 4]) == pytest.approx(0.3 + 0.16 + 0.1 + 0.04)
     assert curve.pool_bytes_for([4, 16]) == pytest.approx(100 + 160 + 1)
-    unshared = StepCurve.fit({1: 1.0}, pool_bytes=LinearCost(100, 10))  # no extra cost given: no sharing
+    unshared = StepCurve.fit({1: 1.0}, capture_seconds={1: 0.2}, pool_bytes=LinearCost(100, 10))  # no extras
+    assert unshared.capture_seconds_for([4, 16]) == pytest.approx(0.4)
     assert unshared.pool_bytes_for([4, 16]) == pytest.approx(140 + 260)
 
 

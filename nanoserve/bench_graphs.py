@@ -351,7 +351,7 @@ def _plot_one(ax, report: dict) -> None:
     ax.set_xlim(0, n + 1)
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="lower right")
 
 
 __all__ = ["run_graphs_report", "format_report", "plot_reports", "report_engine_options", "load_distribution"]

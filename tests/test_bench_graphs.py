@@ -3,16 +3,23 @@ its options and errors, and (GPU) the full report on a tiny model."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from nanoserve.bench_graphs import format_report, report_engine_options, run_graphs_report
-from nanoserve.runner.bucket_plan import BatchDistribution
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import graphs as graphs_benchmark  # noqa: E402
+from nanoserve.bench_graphs import format_report, report_engine_options, run_graphs_report  # noqa: E402
+from nanoserve.runner.bucket_plan import BatchDistribution  # noqa: E402
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -143,3 +150,18 @@ def test_graph_bookkeeping_runs_on_cpu(tiny_model_dirs, monkeypatch):
         assert v["capture_s"] is not None and v["predicted_capture_s"] is not None
     assert report["curve"]["extra_pool_bytes"] is not None
     assert "plan" in format_report(report)
+
+
+def test_benchmark_target_lines_and_no_gpu_exit():
+    plan = {"waste_pct": 2.71, "num_sizes": 22, "capture_s": 4.2, "predicted_capture_s": 4.5, "pool_mib": 600.0,
+            "predicted_pool_mib": 180.0}
+    pow2 = {"waste_pct": 21.0, "num_sizes": 9}
+    lines = graphs_benchmark.target_lines({"sets": {"plan": plan, "powers_of_two": pow2},
+                                           "settings": {"max_num_seqs": 256}})
+    assert lines[0].startswith("PASS") and "plan 2.71% (22 sizes; powers of two 21.00%, 9 sizes)" in lines[0]
+    assert lines[1].startswith("PASS") and "4.20 s" in lines[1]
+    assert lines[2].startswith("FAIL") and "600 MiB" in lines[2] and "target ≤ 512 MiB" in lines[2]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "benchmarks/graphs.py"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and "needs a GPU" in proc.stdout

@@ -69,7 +69,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-len", type=int, default=128)
     _add_engine_flags(bench)
     graphs = bench.add_subparsers(dest="bench_command", metavar="graphs").add_parser(
-        "graphs", help="per CUDA-graph size: replay/eager ms and pool MiB; padding of powers of two vs the plan")
+        "graphs", help="per CUDA-graph size: replay/eager ms and pool MiB; padding of powers of two vs the plan",
+        description="Measures the powers of two, plans sizes from their step-time curve, measures the plan "
+        "(the report chooses its own capture sizes; unless given, --max-model-len is max(1024, context) and "
+        "--num-kv-blocks what max_num_seqs rows of --context tokens need, so its engines fit side by side).")
     graphs.add_argument("--model", required=True)
     graphs.add_argument("--distribution", default="uniform", metavar="uniform|FILE",
                         help="batch sizes to plan for: uniform over 1..max_num_seqs, or a recorded histogram")

@@ -61,12 +61,27 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     _add_engine_flags(gen)
 
-    bench = sub.add_parser("bench", help="offline throughput: random token prompts, fixed output length")
-    bench.add_argument("--model", required=True)
+    bench = sub.add_parser("bench", help="offline throughput: random token prompts, fixed output length "
+                           "(`bench graphs`: the CUDA-graph size report)")
+    bench.add_argument("--model", default=None, help="model folder (required)")
     bench.add_argument("--num-prompts", type=int, default=64)
     bench.add_argument("--input-len", type=int, default=128)
     bench.add_argument("--output-len", type=int, default=128)
     _add_engine_flags(bench)
+    graphs = bench.add_subparsers(dest="bench_command", metavar="graphs").add_parser(
+        "graphs", help="per CUDA-graph size: replay/eager ms and pool MiB; padding of powers of two vs the plan",
+        description="Measures the powers of two, plans sizes from their step-time curve, measures the plan "
+        "(the report chooses its own capture sizes; unless given, --max-model-len is max(1024, context) and "
+        "--num-kv-blocks what max_num_seqs rows of --context tokens need, so its engines fit side by side).")
+    graphs.add_argument("--model", required=True)
+    graphs.add_argument("--distribution", default="uniform", metavar="uniform|FILE",
+                        help="batch sizes to plan for: uniform over 1..max_num_seqs, or a recorded histogram")
+    graphs.add_argument("--context", type=int, default=512, help="tokens in the KV cache per row")
+    graphs.add_argument("--warmup", type=int, default=3, help="untimed calls before each timing")
+    graphs.add_argument("--iters", type=int, default=20, help="timed calls per size (median reported)")
+    graphs.add_argument("--png", default=None, metavar="PATH", help="plot step time against rows with the sizes")
+    graphs.add_argument("--json", default=None, metavar="PATH", help="write the whole report as JSON")
+    _add_engine_flags(graphs)
 
     tiny = sub.add_parser("make-tiny-model", help="write a small random model folder (no download needed)")
     tiny.add_argument("dir")
@@ -108,6 +123,10 @@ def _cmd_bench(args) -> int:
 
     from nanoserve import LLM, SamplingParams
 
+    if args.bench_command == "graphs":
+        return _cmd_bench_graphs(args)
+    if args.model is None:
+        raise ValueError("bench needs --model DIR")
     llm = LLM(args.model, **_engine_options(args))
     rng = random.Random(0)
     vocab = llm.engine.vocab_size
@@ -120,6 +139,24 @@ def _cmd_bench(args) -> int:
     print(json.dumps({"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                       "seconds": round(seconds, 3), "output_tokens_per_s": round(generated / seconds, 1),
                       "total_tokens_per_s": round((generated + args.num_prompts * args.input_len) / seconds, 1)}))
+    return 0
+
+
+def _cmd_bench_graphs(args) -> int:
+    from nanoserve.bench_graphs import format_report, plot_reports, run_graphs_report
+
+    if args.context < 1 or args.iters < 1 or args.warmup < 0:
+        raise ValueError("--context and --iters must be positive, --warmup not negative")
+    report = run_graphs_report(args.model, _engine_options(args), distribution=args.distribution,
+                               context=args.context, warmup=args.warmup, iters=args.iters,
+                               log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    if args.png:
+        print(f"wrote {plot_reports([report], args.png)}")
     return 0
 
 

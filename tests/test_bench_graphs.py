@@ -1,0 +1,168 @@
+"""`nanoserve bench graphs`: the CPU path (eager timings only, planner on their curve) through the CLI,
+its options and errors, and (GPU) the full report on a tiny model."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import graphs as graphs_benchmark  # noqa: E402
+from nanoserve.bench_graphs import format_report, report_engine_options, run_graphs_report  # noqa: E402
+from nanoserve.runner.bucket_plan import BatchDistribution  # noqa: E402
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "nanoserve", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def check_report(report: dict, n: int, graphs: bool) -> None:
+    """Self-consistency: every set's figures follow from the per-size rows and the distribution."""
+    step = {r["rows"]: r["replay_ms"] if graphs else r["eager_ms"] for r in report["sizes"]}
+    pow2, plan = report["sets"]["powers_of_two"], report["sets"]["plan"]
+    assert pow2["sizes"] == [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < n] + [n]
+    assert plan["sizes"][-1] == n and plan["sizes"] == sorted(set(plan["sizes"]))
+    assert set(step) == set(pow2["sizes"]) | set(plan["sizes"])
+    assert all(v > 0 for v in step.values())
+    p = np.full(n, 1.0 / n) if report["settings"]["distribution"] == "uniform" else None
+    for v in (pow2, plan):
+        bucket = [min(s for s in v["sizes"] if s >= b) for b in range(1, n + 1)]
+        if p is not None:
+            assert v["average_padded_rows"] == pytest.approx(float(p @ bucket))
+            assert v["expected_padded_ms"] == pytest.approx(float(p @ [step[s] for s in bucket]))
+        assert v["num_sizes"] == len(v["sizes"])
+    for r in report["sizes"]:
+        assert (r["replay_ms"] is not None) == graphs and (r["alone_pool_mib"] is not None) == graphs
+        assert r["sets"] == [k for k in ("powers_of_two", "plan") if r["rows"] in report["sets"][k]["sizes"]]
+
+
+def test_report_runs_on_cpu_through_the_cli(tiny_model_dirs, tmp_path):
+    out_json, out_png = tmp_path / "graphs.json", tmp_path / "graphs.png"
+    proc = run_cli("bench", "graphs", "--model", str(tiny_model_dirs["llama"]), "--device", "cpu",
+                   "--max-num-seqs", "6", "--context", "16", "--warmup", "0", "--iters", "2",
+                   "--json", str(out_json), "--png", str(out_png))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out_json.read_text())
+    assert report["settings"]["graphs"] is False and report["settings"]["device"] == "cpu"
+    check_report(report, 6, graphs=False)
+    assert "no CUDA graphs: eager timings only" in proc.stdout
+    assert "powers of two" in proc.stdout and f"plan: {report['sets']['plan']['sizes']}" in proc.stdout
+    assert out_png.stat().st_size > 10_000
+
+
+def test_report_plans_for_a_recorded_histogram(tiny_model_dirs, tmp_path):
+    hist = BatchDistribution.empty(12)  # recorded with a larger max_num_seqs: steps above 5 now run 5 rows
+    hist.record(3, steps=10)
+    hist.record(9, steps=10)
+    path = tmp_path / "hist.json"
+    hist.save(path)
+    report = run_graphs_report(str(tiny_model_dirs["qwen2"]), {"device": "cpu", "max_num_seqs": 5},
+                               distribution=str(path), context=16, warmup=0, iters=1, log=lambda _: None)
+    check_report(report, 5, graphs=False)
+    pow2 = report["sets"]["powers_of_two"]
+    assert pow2["average_padded_rows"] == pytest.approx(0.5 * 4 + 0.5 * 5)  # 3 → 4, 9 → 5
+    assert "powers of two" in format_report(report)
+
+
+def test_report_engine_options_fit_several_engines():
+    config, opts = report_engine_options("m", {"device": "cpu", "max_num_seqs": 8,
+                                               "cudagraph_capture_sizes": [1, 2]}, context=100)
+    assert "cudagraph_capture_sizes" not in opts  # the report chooses its own sets
+    assert opts["max_model_len"] == 1024 and opts["num_kv_blocks"] == 8 * 7 + 64
+    assert opts["skip_tokenizer_init"] is True and opts["show_progress"] is False
+    _, given = report_engine_options("m", {"device": "cpu", "max_model_len": 256, "num_kv_blocks": 99}, 100)
+    assert given["max_model_len"] == 256 and given["num_kv_blocks"] == 99
+    with pytest.raises(ValueError, match="--context 300 must be below max_model_len=256"):
+        report_engine_options("m", {"device": "cpu", "max_model_len": 256}, 300)
+
+
+def test_bad_distribution_file_is_one_clear_line(tiny_model_dirs, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    proc = run_cli("bench", "graphs", "--model", str(tiny_model_dirs["llama"]), "--device", "cpu",
+                   "--distribution", str(bad))
+    assert proc.returncode == 2
+    assert "not a nanoserve batch histogram" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_plain_bench_still_runs_and_still_needs_a_model(tiny_model_dirs):
+    proc = run_cli("bench", "--model", str(tiny_model_dirs["llama"]), "--device", "cpu", "--num-prompts", "2",
+                   "--input-len", "4", "--output-len", "2", "--max-model-len", "64")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["num_prompts"] == 2
+    missing = run_cli("bench")
+    assert missing.returncode == 2 and "bench needs --model DIR" in missing.stderr
+
+
+@gpu
+@needs_cuda
+def test_report_on_cuda_measures_graphs(tiny_model_dirs):
+    report = run_graphs_report(str(tiny_model_dirs["qwen3"]), {"device": "cuda", "dtype": "bfloat16",
+                                                               "max_num_seqs": 24}, context=64, log=lambda _: None)
+    check_report(report, 24, graphs=True)
+    plan = report["sets"]["plan"]
+    assert plan["predicted_capture_s"] <= 5.0 and plan["predicted_pool_mib"] <= 512
+    # A tiny model captures in milliseconds, within the start-up noise: only the signs of memory are sure.
+    for r in report["sizes"]:
+        assert np.isfinite(r["alone_capture_s"]) and r["alone_pool_mib"] >= 0 and r["replay_ms"] < r["eager_ms"]
+    for v in report["sets"].values():
+        assert np.isfinite(v["capture_s"]) and v["pool_mib"] >= 0
+
+
+def test_graph_bookkeeping_runs_on_cpu(tiny_model_dirs, monkeypatch):
+    """The GPU branch's bookkeeping (engines per size and per set, curve with costs, summaries) on a CPU
+    engine that stands in for a graph engine: its stand-in graph runner reports the sizes asked for and no
+    bucket, so decode_logits(use_graph=True) runs eagerly. The numbers are CPU timings, not graph ones."""
+    import nanoserve.bench_graphs as bg
+
+    real_build, built = bg._build, []
+
+    def build(model, options):
+        llm, seconds, grown = real_build(model, options)
+        sizes = options.get("cudagraph_capture_sizes")
+        if sizes is not None:
+            stand_in = SimpleNamespace(capture_sizes=sorted(sizes), bucket_for=lambda b: None)  # None → eager
+            llm.engine.model_runner.graph_runner = stand_in
+        built.append(sizes)
+        return llm, seconds, grown
+
+    monkeypatch.setattr(bg, "_captures_graphs", lambda config: True)
+    monkeypatch.setattr(bg, "_build", build)
+    report = bg.run_graphs_report(str(tiny_model_dirs["llama"]), {"device": "cpu", "max_num_seqs": 5},
+                                  context=16, warmup=0, iters=1, log=lambda _: None)
+    check_report(report, 5, graphs=True)
+    plan = report["sets"]["plan"]["sizes"]
+    new = [s for s in plan if s not in (1, 2, 4, 5)]
+    assert built == [None, None, [1], [2], [4], [5], [1, 2, 4, 5]] + [[s] for s in new] + [plan]
+    for v in report["sets"].values():
+        assert v["capture_s"] is not None and v["predicted_capture_s"] is not None
+    assert report["curve"]["extra_pool_bytes"] is not None
+    assert "plan" in format_report(report)
+
+
+def test_benchmark_target_lines_and_no_gpu_exit():
+    plan = {"waste_pct": 2.71, "num_sizes": 22, "capture_s": 4.2, "predicted_capture_s": 4.5, "pool_mib": 600.0,
+            "predicted_pool_mib": 180.0}
+    pow2 = {"waste_pct": 21.0, "num_sizes": 9}
+    lines = graphs_benchmark.target_lines({"sets": {"plan": plan, "powers_of_two": pow2},
+                                           "settings": {"max_num_seqs": 256}})
+    assert lines[0].startswith("PASS") and "plan 2.71% (22 sizes; powers of two 21.00%, 9 sizes)" in lines[0]
+    assert lines[1].startswith("PASS") and "4.20 s" in lines[1]
+    assert lines[2].startswith("FAIL") and "600 MiB" in lines[2] and "target ≤ 512 MiB" in lines[2]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "benchmarks/graphs.py"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and "needs a GPU" in proc.stdout

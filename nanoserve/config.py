@@ -16,6 +16,7 @@ DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp1
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 MAX_DEFAULT_MODEL_LEN = 32768
 SCHEDULING_POLICIES = ("mixed", "alternate")
+CAPTURE_SIZE_MODES = ("auto", "pow2")
 
 
 @dataclass
@@ -33,7 +34,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     cpu_kv_cache_gb: float = 1.0
     enforce_eager: bool = False
-    cudagraph_capture_sizes: list[int] | None = None  # None → 1, 2, 4, … ≤ max_num_seqs, plus max_num_seqs; []: none
+    cudagraph_capture_sizes: list[int] | str = "auto"  # "auto": planned from measurements; "pow2"; sizes; []: none
+    cudagraph_plan: str | None = None  # batch-size histogram file: read by "auto" at start, written on shutdown
+    cudagraph_capture_budget_s: float = 5.0  # "auto": capture time the planned sizes may take
+    cudagraph_pool_budget_mib: int = 512  # "auto": graph-pool memory the planned sizes may take
+    skip_graph_check: bool = False  # skip replaying every captured size against the eager forward at start-up
     enable_prefix_caching: bool = True
     async_scheduling: bool = True  # the host schedules step N+1 while the device runs step N
     scheduling_policy: str = "mixed"  # "mixed": decode rows ride along prefill chunks; "alternate": steps take turns
@@ -73,13 +78,10 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.cudagraph_capture_sizes is not None:
-            sizes = list(self.cudagraph_capture_sizes)
-            if any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in sizes):
-                raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {sizes}")
-            if sizes and max(sizes) > self.max_num_seqs:
-                raise ValueError(f"cudagraph_capture_sizes {sizes} exceed max_num_seqs={self.max_num_seqs}")
-            self.cudagraph_capture_sizes = sorted(set(sizes))
+        self.cudagraph_capture_sizes = _capture_sizes(self.cudagraph_capture_sizes, self.max_num_seqs)
+        if not self.cudagraph_capture_budget_s > 0:
+            raise ValueError(f"cudagraph_capture_budget_s must be > 0, got {self.cudagraph_capture_budget_s}")
+        _positive("cudagraph_pool_budget_mib", self.cudagraph_pool_budget_mib)
 
     def resolve(self, model_max_len: int, model_dtype: torch.dtype | None) -> "EngineConfig":
         """The concrete config the engine runs on: device indexed, dtype chosen, token limits filled in,
@@ -93,13 +95,19 @@ class EngineConfig:
         if dtype == "auto":
             dtype = "float32" if device == "cpu" else _serving_dtype(model_dtype)
         sizes = self.cudagraph_capture_sizes
-        if sizes is None:
+        if sizes == "pow2":
             sizes = default_capture_sizes(self.max_num_seqs)
         use_graphs = device.startswith("cuda") and not self.enforce_eager
         return dataclasses.replace(
             self, device=device, dtype=dtype, max_model_len=max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-            cudagraph_capture_sizes=list(sizes) if use_graphs else [])
+            cudagraph_capture_sizes=sizes if use_graphs else [])
+
+    @property
+    def largest_capture_size(self) -> int | None:
+        """The largest decode graph ("auto" always captures max_num_seqs); None without graphs."""
+        sizes = self.cudagraph_capture_sizes
+        return self.max_num_seqs if sizes == "auto" else max(sizes, default=None)
 
     @property
     def is_resolved(self) -> bool:
@@ -128,6 +136,23 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
         b *= 2
     sizes.append(max_num_seqs)
     return sizes
+
+
+def _capture_sizes(value, max_num_seqs: int) -> list[int] | str:
+    """"auto", "pow2" (also given as a one-word list, as the CLI passes it) or ascending distinct sizes."""
+    if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if isinstance(value, str):
+        if value not in CAPTURE_SIZE_MODES:
+            raise ValueError(f"cudagraph_capture_sizes must be one of {CAPTURE_SIZE_MODES} or a list of sizes, "
+                             f"got {value!r}")
+        return value
+    sizes = [int(s) if isinstance(s, str) and s.isdigit() else s for s in value]
+    if any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in sizes):
+        raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {list(value)}")
+    if sizes and max(sizes) > max_num_seqs:
+        raise ValueError(f"cudagraph_capture_sizes {sizes} exceed max_num_seqs={max_num_seqs}")
+    return sorted(set(sizes))
 
 
 def hf_config_dtype(hf_config) -> torch.dtype | None:

@@ -153,6 +153,15 @@ class EngineCore:
             self.scheduler.finish(seq, reason)
             self._num_penalty_seqs -= seq.params.uses_penalties
 
+    def close(self) -> None:
+        """Finish what is in flight, write the batch histogram (cudagraph_plan), drop the device state."""
+        while self._inflight:
+            self._complete(self._inflight.popleft())
+        self.abort_requests(list(self.sequences))
+        if self.runner is not None:
+            self.runner.save_batch_histogram()
+            self.runner = None
+
     # -- observability ----------------------------------------------------------------------------
     @property
     def stats(self) -> EngineStats:

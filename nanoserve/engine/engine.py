@@ -73,6 +73,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
+    def close(self) -> None:
+        self.core.close()
+
     def step(self) -> list[RequestOutput]:
         processed = self.output_processor.process(self.core.step())
         if processed.aborts:

@@ -4,16 +4,17 @@ A graph replays fixed kernels on fixed addresses, so the decode forward reads on
 the flat DecodeInputs buffer (allocated once for the largest bucket; a bucket of B rows reads the
 regions of its prefix) and the persistent per-slot state. A batch of b rows replays the smallest
 bucket B ≥ b; rows b..B-1 are padding that touch only the dummy slot and the dummy KV block. Graphs
-are captured largest first into one shared memory pool, after warm-up forwards on a side stream (so
-allocator state and Triton compilation stay out of the graphs). Each graph keeps its own output
-tensor (the logits), valid until the next replay.
+are captured largest first into one shared memory pool, each after warm-up forwards on a side stream
+(so allocator state and Triton compilation stay out of the graphs). Each graph keeps its own output
+tensor (the logits), valid until the next replay; any graph may be replayed in any order, since
+nothing but those outputs outlives a replay.
 """
 from __future__ import annotations
 
 import bisect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from tqdm import tqdm
@@ -31,49 +32,60 @@ def bucket_for(capture_sizes: list[int], batch_size: int) -> int | None:
 class GraphRunner:
     """forward(rows) → logits [rows, vocab] reads only static buffers; prepare(rows) loads an all-padding batch."""
 
-    def __init__(self, forward: Callable[[int], torch.Tensor], prepare: Callable[[int], None],
-                 capture_sizes: list[int]):
-        if not capture_sizes:
-            raise ValueError("GraphRunner needs at least one capture size")
+    def __init__(self, forward: Callable[[int], torch.Tensor], prepare: Callable[[int], None]):
         self.forward, self.prepare = forward, prepare
-        self.capture_sizes = sorted(capture_sizes)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_times: dict[int, float] = {}  # seconds to warm up and capture each size
+        self.pool_growth: dict[int, int] = {}  # bytes the pool grew by when each size was captured
         self.pool = None
-        self.capture_seconds = 0.0
-        self.pool_bytes = 0
+        self.capture_sizes: list[int] = []
+
+    @property
+    def capture_seconds(self) -> float:
+        return sum(self.capture_times[s] for s in self.capture_sizes)
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(self.pool_growth.values())
 
     def bucket_for(self, batch_size: int) -> int | None:
         return bucket_for(self.capture_sizes, batch_size)
 
     @torch.inference_mode()
-    def capture(self, show_progress: bool = True) -> None:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        reserved_before = torch.cuda.memory_reserved()
-        start = time.perf_counter()
-        sizes = list(reversed(self.capture_sizes))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for rows in sizes:
-                self.prepare(rows)
+    def capture(self, sizes: Iterable[int], show_progress: bool = False) -> None:
+        """Capture these sizes (largest first) into the shared pool, next to those already captured."""
+        todo = sorted(set(sizes) - set(self.graphs), reverse=True)
+        for rows in tqdm(todo, desc="Capturing CUDA graphs", disable=not show_progress, leave=False):
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            reserved = torch.cuda.memory_reserved()
+            start = time.perf_counter()
+            self.prepare(rows)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
                 for _ in range(2):
                     self.forward(rows)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        for rows in tqdm(sizes, desc="Capturing CUDA graphs", disable=not show_progress, leave=False):
-            self.prepare(rows)
+            torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self.outputs[rows] = self.forward(rows)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[rows] = graph
-        torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - start
-        torch.cuda.empty_cache()
-        self.pool_bytes = torch.cuda.memory_reserved() - reserved_before
+            torch.cuda.synchronize()
+            self.capture_times[rows] = time.perf_counter() - start
+            torch.cuda.empty_cache()
+            self.pool_growth[rows] = torch.cuda.memory_reserved() - reserved
+        self.capture_sizes = sorted(self.graphs)
+
+    def drop(self, sizes: Iterable[int]) -> None:
+        """Forget these graphs (their memory returns to the shared pool for the others)."""
+        for rows in sizes:
+            self.graphs.pop(rows, None)
+            self.outputs.pop(rows, None)
+        self.capture_sizes = sorted(self.graphs)
 
     def replay(self, rows: int) -> torch.Tensor:
         """Replay bucket `rows` (its inputs already loaded); its logits [rows, vocab]."""

@@ -70,12 +70,12 @@ def _probe(model, config: EngineConfig, kv: KVCacheSpec) -> tuple[int, int]:
     torch.cuda.synchronize()
     activation = torch.cuda.max_memory_allocated() - base
     graphs = 0
-    if config.cudagraph_capture_sizes:
-        largest = max(config.cudagraph_capture_sizes)
+    largest = config.largest_capture_size
+    if largest is not None:
         inputs = DecodeInputs(config.max_num_seqs, state, num_blocks * kv.block_size, device)
         forward = DecodeForward(model, state, inputs)
-        probe = GraphRunner(forward, forward.prepare_padding, [largest])
-        probe.capture(show_progress=False)
+        probe = GraphRunner(forward, forward.prepare_padding)
+        probe.capture([largest])
         graphs = probe.pool_bytes + inputs.device_buf.numel() * 4 + state.block_tables.numel() * 4
         del probe, forward, inputs
     kv.release(model)

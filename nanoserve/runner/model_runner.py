@@ -16,7 +16,9 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.model.loader import load_model
+from nanoserve.runner import graph_setup
 from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch
+from nanoserve.runner.bucket_plan import BatchDistribution
 from nanoserve.runner.cuda_graph import GraphRunner
 from nanoserve.runner.forward import DecodeForward, PrefillForward
 from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker
@@ -25,6 +27,8 @@ from nanoserve.runner.memory import plan_memory
 from nanoserve.runner.sampler import SampleHandle, Sampler, SamplingTensors
 
 logger = logging.getLogger("nanoserve")
+
+PROBE_CONTEXT = 512  # tokens per row in the start-up probes and self-check
 
 
 class ModelRunner:
@@ -47,6 +51,8 @@ class ModelRunner:
         self._allocate()
         self.decode_steps_graph = self.decode_steps_eager = self.padding_rows = 0
         self.graph_runner: GraphRunner | None = None
+        self.step_curve = None
+        self.batch_histogram = BatchDistribution.empty(config.max_num_seqs)
         if config.cudagraph_capture_sizes:
             self._capture()
         else:
@@ -65,11 +71,46 @@ class ModelRunner:
         self.sampler = Sampler(cfg.max_num_seqs, dev)
 
     def _capture(self) -> None:
-        gr = GraphRunner(self.decode_forward, self.decode_forward.prepare_padding, self.config.cudagraph_capture_sizes)
-        gr.capture(self.config.show_progress)
+        """Plan (for "auto"), capture, self-check; one log line."""
+        cfg = self.config
+        gr = GraphRunner(self.decode_forward, self.decode_forward.prepare_padding)
+        sizes, probe_seconds = cfg.cudagraph_capture_sizes, 0.0
+        if sizes == "auto":
+            probes = graph_setup.probe_sizes(cfg.max_num_seqs)
+            curve = graph_setup.measure_curve(gr, self._load_probe_batch, probes)
+            sizes = graph_setup.plan(curve, cfg.max_num_seqs, cfg.cudagraph_plan, cfg.cudagraph_capture_budget_s,
+                                     cfg.cudagraph_pool_budget_mib * 2**20)
+            probe_seconds = sum(gr.capture_times.values())
+            gr.drop(set(probes) - set(sizes))
+            self.step_curve = curve
+        gr.capture(sizes, cfg.show_progress)
         self.graph_runner = gr
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.2f s; graph pool %.1f MiB; %d KV blocks",
-                    len(gr.graphs), gr.capture_sizes, gr.capture_seconds, gr.pool_bytes / 2**20, self.num_kv_blocks)
+        check = "skipped"
+        if not cfg.skip_graph_check:
+            worst = graph_setup.self_check(gr, self._load_check_batch, self.decode_forward, self.dtype)
+            check = f"every size equals eager (max relative logit error {worst:.1e})"
+        logger.info("CUDA graphs: %d sizes %s captured in %.2f s (%s); pool %.0f MiB; %d KV blocks; self-check: %s",
+                    len(gr.capture_sizes), gr.capture_sizes, gr.capture_seconds + probe_seconds,
+                    "planned from measured replays" if probe_seconds else "as configured", gr.pool_bytes / 2**20,
+                    self.num_kv_blocks, check)
+
+    def _load_probe_batch(self, rows: int, context: int | None = None) -> None:
+        """A decode batch of `rows` real rows over disjoint blocks, with fresh random input tokens (start-up probes
+        and the self-check; no request is running yet)."""
+        per_row = self.num_kv_blocks // max(self.config.max_num_seqs, 1)
+        longest = max(1, min(PROBE_CONTEXT, per_row * self.config.block_size, self.config.max_model_len))
+        batch = self.dummy_decode_batch(rows, min(context or longest, longest))
+        self.state.last_tokens[:rows].random_(0, self.vocab_size)
+        self.decode_inputs.load(batch, rows)
+
+    def _load_check_batch(self, rows: int) -> None:
+        """Like the probe batch, at a random context length: no two checks see the same inputs."""
+        self._load_probe_batch(rows, int(torch.randint(1, PROBE_CONTEXT + 1, ()).item()))
+
+    def save_batch_histogram(self) -> None:
+        """Write the decode batch sizes seen (cudagraph_plan), for the next start-up's plan."""
+        if self.config.cudagraph_plan is not None and self.batch_histogram.counts.sum() > 0:
+            self.batch_histogram.save(self.config.cudagraph_plan)
 
     # -- one step ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -91,6 +132,7 @@ class ModelRunner:
     def _decode(self, batch: DecodeBatch, use_graph: bool = True) -> tuple[torch.Tensor, int]:
         """Logits [b, vocab] of a decode batch and the rows the step ran (its bucket, or b when eager)."""
         b = batch.size
+        self.batch_histogram.record(b)
         gr = self.graph_runner
         rows = gr.bucket_for(b) if gr is not None and use_graph else None
         if rows is not None:

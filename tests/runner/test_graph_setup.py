@@ -1,0 +1,69 @@
+"""Graph start-up: the "auto" plan, the self-check, the batch histogram (CPU where possible, GPU otherwise)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.config import EngineConfig
+from nanoserve.runner.bucket_plan import BatchDistribution
+from nanoserve.runner.graph_setup import GraphCheckError, probe_sizes, self_check
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_capture_size_modes_are_validated():
+    assert EngineConfig("m").cudagraph_capture_sizes == "auto"
+    assert EngineConfig("m", cudagraph_capture_sizes=["pow2"]).cudagraph_capture_sizes == "pow2"  # the CLI's form
+    assert EngineConfig("m", max_num_seqs=8, cudagraph_capture_sizes=["4", "1"]).cudagraph_capture_sizes == [1, 4]
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
+        EngineConfig("m", cudagraph_capture_sizes="powers")
+    with pytest.raises(ValueError, match="cudagraph_capture_budget_s"):
+        EngineConfig("m", cudagraph_capture_budget_s=0)
+    resolved = EngineConfig("m", max_num_seqs=20, cudagraph_capture_sizes="pow2", device="cpu").resolve(512, None)
+    assert resolved.cudagraph_capture_sizes == [] and resolved.largest_capture_size is None  # CPU: no graphs
+
+
+def test_probe_sizes_end_with_max_num_seqs():
+    assert probe_sizes(256) == [1, 8, 32, 64, 128, 256]
+    assert probe_sizes(20) == [1, 8, 20] and probe_sizes(1) == [1]
+
+
+def test_batch_histogram_is_recorded_and_written_on_close(tiny_model_dirs, tmp_path):
+    plan = tmp_path / "plan.json"
+    with LLM(str(tiny_model_dirs["qwen3"]), device="cpu", max_model_len=128, max_num_seqs=8,
+             cudagraph_plan=str(plan)) as llm:
+        llm.generate([[3, 4, 5]] * 3, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    counts = BatchDistribution.load(plan).counts
+    assert len(counts) == 8 and counts[2] >= 4 and counts.sum() == counts[2]  # every decode step had 3 rows
+
+
+def _tiny_gpu_llm(path, **kw):
+    opts = dict(device="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=32, num_kv_blocks=1024,
+                show_progress=False)
+    return LLM(str(path), **dict(opts, **kw))
+
+
+@pytest.mark.gpu
+@gpu
+def test_auto_plan_captures_within_budget_and_checks_every_size(tiny_model_dirs, tmp_path):
+    llm = _tiny_gpu_llm(tiny_model_dirs["qwen3"], cudagraph_capture_budget_s=5.0)
+    runner = llm.engine.model_runner
+    gr = runner.graph_runner
+    assert gr.capture_sizes[-1] == 32 and runner.step_curve is not None
+    assert gr.capture_seconds <= 5.0 + 1.0
+    out = llm.generate([[5, 6, 7]] * 5, SamplingParams(max_tokens=8), use_tqdm=False)
+    assert all(len(o.token_ids) == 8 for o in out) and llm.engine.stats.decode_steps_graph > 0
+
+
+@pytest.mark.gpu
+@gpu
+def test_self_check_catches_a_replaced_static_buffer(tiny_model_dirs):
+    llm = _tiny_gpu_llm(tiny_model_dirs["llama"], cudagraph_capture_sizes=[1, 4, 32])
+    runner = llm.engine.model_runner
+    assert self_check(runner.graph_runner, runner._load_check_batch, runner.decode_forward, runner.dtype) < 5e-2
+    inputs = runner.decode_inputs
+    inputs.device_buf = torch.zeros_like(inputs.device_buf)  # the graphs still read the old buffer
+    inputs._views.clear()
+    with pytest.raises(GraphCheckError, match="rows does not reproduce the eager forward"):
+        self_check(runner.graph_runner, runner._load_check_batch, runner.decode_forward, runner.dtype)

@@ -1,11 +1,11 @@
-"""GPU benchmark of the one-launch skinny matmul (nanoserve/model/gemv.py) against cuBLAS (F.linear).
+"""GPU benchmark of the one-launch skinny matmul (nanoserve/kernels/gemv.py) against cuBLAS (F.linear).
 
     python benchmarks/gemv.py benchmarks/results/gemv_h200.json [--budget-s 165] [--m 1,2,4,8,16]
 
 For the decode linear layers of Qwen3-0.6B and Llama-3.1-8B (bf16) and M = 1, 2, 4, 8, 16 rows:
 correctness (max error relative to the largest output, against an fp32 reference, for cuBLAS and
 every Triton variant), then the time per call of cuBLAS, of the module's default variant, and of
-every swept variant (gemv.configs_for), the achieved TB/s, and the best variant per (shape, M).
+every swept variant (configs_for), the achieved TB/s, and the best variant per (shape, M).
 It ends with a few extra checks (bias, odd N, split-K under CUDA-graph replay) and suggests the
 module constants (default variants, FMA_MAX_M, MAX_M, MAX_WEIGHT_BYTES) from the measurements.
 
@@ -38,8 +38,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: nanoserve, benchmarks.common
 
 from benchmarks.common import MODEL_CONFIGS, env_info, head_dim, write_json  # noqa: E402
-from nanoserve.model import gemv  # noqa: E402
-from nanoserve.model.gemv import GemvConfig  # noqa: E402
+from nanoserve.kernels import gemv  # noqa: E402
+from nanoserve.kernels._triton import HAS_TRITON  # noqa: E402
+from nanoserve.kernels.gemv import GemvConfig  # noqa: E402
 
 DTYPE = torch.bfloat16
 COPY_TBPS = 4.2  # measured device-to-device copy bandwidth of the H200, the practical ceiling
@@ -74,6 +75,43 @@ def decode_shapes() -> list[Shape]:
         shapes += [Shape(model, "qkv", q + 2 * kv, h), Shape(model, "o_proj", h, q),
                    Shape(model, "gate_up", 2 * inter, h), Shape(model, "down", h, inter)]
     return shapes
+
+
+# --------------------------------------------------------------------------------------------- the sweep
+
+# (block_n, block_k, num_warps, num_stages) per path, and split rules.
+SWEEP_FMA_TILES = ((4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 2), (8, 512, 4, 1), (16, 512, 4, 3),
+                   (16, 256, 4, 4), (16, 1024, 8, 2), (32, 256, 8, 3), (32, 512, 8, 3))
+SWEEP_DOT_TILES = ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 512, 4, 2), (64, 128, 4, 4),
+                   (64, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3))
+SWEEP_PROGRAMS_PER_SM = (0, 1, 2, 4)
+SWEEP_FMA_MAX_M = 4  # the FMA path is swept up to this many rows, the dot path from 2 rows
+H200_SMS = 132  # SM count assumed when no GPU says otherwise (tests of the sweep logic)
+
+
+def sweep_configs(m: int) -> list[GemvConfig]:
+    """Every swept variant for m rows, before removing those that resolve to the same launch."""
+    paths = [(False, t) for t in SWEEP_FMA_TILES] if m <= SWEEP_FMA_MAX_M else []
+    paths += [(True, t) for t in SWEEP_DOT_TILES] if m >= 2 else []
+    return [GemvConfig(bn, bk, warps, stages, use_dot, per_sm)
+            for use_dot, (bn, bk, warps, stages) in paths for per_sm in SWEEP_PROGRAMS_PER_SM]
+
+
+def launch_key(config: GemvConfig, m: int, n: int, k: int, sms: int) -> tuple:
+    """Two configs with the same key run the same launch on this shape."""
+    p = gemv.plan(config, m, n, k, sms)
+    return (p.use_dot, p.block_n, p.block_k, p.num_warps, p.num_stages, p.split_k)
+
+
+def configs_for(m: int, n: int, k: int, sms: int = H200_SMS) -> list[GemvConfig]:
+    """The swept variants worth timing for one shape: one per distinct launch."""
+    out, seen = [], set()
+    for cfg in sweep_configs(m):
+        key = launch_key(cfg, m, n, k, sms)
+        if key not in seen:
+            seen.add(key)
+            out.append(cfg)
+    return out
 
 
 # --------------------------------------------------------------------------------------------- measuring
@@ -131,7 +169,7 @@ def measure(call, copies: int, ref: torch.Tensor, moved_bytes: int) -> dict:
 def config_record(cfg: GemvConfig, m: int, shape: Shape, sms: int) -> dict:
     p = gemv.plan(cfg, m, shape.n, shape.k, sms)
     return {"name": cfg.short(), "config": asdict(cfg), "split_k": p.split_k, "grid": list(p.grid),
-            "launch_key": list(gemv.launch_key(cfg, m, shape.n, shape.k, sms))}
+            "launch_key": list(launch_key(cfg, m, shape.n, shape.k, sms))}
 
 
 def bench_shape(shape: Shape, ms: list[int], sms: int, l2_bytes: int, deadline: float) -> list[dict]:
@@ -151,7 +189,7 @@ def bench_shape(shape: Shape, ms: list[int], sms: int, l2_bytes: int, deadline: 
                            **measure(lambda i: gemv.linear(x, weights[i], force_triton=True), copies, ref, moved)}
         case["auto_uses_kernel"] = gemv.kernel_applies(x, weights[0], None)
         case["configs"], case["skipped_configs"] = [], 0
-        for cfg in gemv.configs_for(m, shape.n, shape.k, sms):
+        for cfg in configs_for(m, shape.n, shape.k, sms):
             if time.perf_counter() > deadline:
                 case["skipped_configs"] += 1
                 continue
@@ -173,7 +211,7 @@ def precompile(ms: list[int], sms: int) -> dict:
     w = torch.empty(4096, 4096, dtype=DTYPE, device="cuda").normal_(0, 4096 ** -0.5)
     for m in ms:
         x = torch.randn(m, 4096, dtype=DTYPE, device="cuda")
-        for cfg in gemv.configs_for(m, 4096, 4096, sms):
+        for cfg in configs_for(m, 4096, 4096, sms):
             try:
                 gemv.linear(x, w, force_triton=True, config=cfg)
                 torch.cuda.synchronize()
@@ -259,10 +297,10 @@ def timing_lookup(case: dict) -> dict:
 def score_policies(cases: list[dict], use_dot: bool, sms: int) -> list[tuple[float, GemvConfig]]:
     """Geometric mean over cases of (policy time / best Triton time); only policies timed in every case."""
     scored = []
-    for cfg in {c for m in sorted({case["m"] for case in cases}) for c in gemv.sweep_configs(m) if c.use_dot == use_dot}:
+    for cfg in {c for m in sorted({case["m"] for case in cases}) for c in sweep_configs(m) if c.use_dot == use_dot}:
         ratios = []
         for case in cases:
-            us = timing_lookup(case).get(gemv.launch_key(cfg, case["m"], case["n"], case["k"], sms))
+            us = timing_lookup(case).get(launch_key(cfg, case["m"], case["n"], case["k"], sms))
             if us is None or not case["best"]:
                 break
             ratios.append(us / case["best"]["us"])
@@ -273,12 +311,12 @@ def score_policies(cases: list[dict], use_dot: bool, sms: int) -> list[tuple[flo
 
 
 def policy_us(case: dict, cfg: GemvConfig, sms: int) -> float | None:
-    return timing_lookup(case).get(gemv.launch_key(cfg, case["m"], case["n"], case["k"], sms))
+    return timing_lookup(case).get(launch_key(cfg, case["m"], case["n"], case["k"], sms))
 
 
 def suggest(cases: list[dict], sms: int) -> dict:
     """Default variants, FMA_MAX_M, and the (MAX_M, MAX_WEIGHT_BYTES) rule that saves the most time."""
-    fma_cases = [c for c in cases if c["m"] <= gemv.SWEEP_FMA_MAX_M]
+    fma_cases = [c for c in cases if c["m"] <= SWEEP_FMA_MAX_M]
     dot_cases = [c for c in cases if c["m"] >= 2]
     fma_scores, dot_scores = score_policies(fma_cases, False, sms), score_policies(dot_cases, True, sms)
     if not fma_scores or not dot_scores:
@@ -286,7 +324,7 @@ def suggest(cases: list[dict], sms: int) -> dict:
     fma, dot = fma_scores[0][1], dot_scores[0][1]
     # FMA_MAX_M: the largest row count up to which the FMA default beats the dot default (geomean over shapes).
     fma_max_m = 1
-    for m in sorted({c["m"] for c in cases if 2 <= c["m"] <= gemv.SWEEP_FMA_MAX_M}):
+    for m in sorted({c["m"] for c in cases if 2 <= c["m"] <= SWEEP_FMA_MAX_M}):
         pairs = [(policy_us(c, fma, sms), policy_us(c, dot, sms)) for c in cases if c["m"] == m]
         pairs = [(a, b) for a, b in pairs if a and b]
         if not pairs or sum(math.log(a / b) for a, b in pairs) > 0:
@@ -349,7 +387,7 @@ def print_summary(cases: list[dict], suggestion: dict) -> None:
     print("  " + " " * 22 + "".join(f"M={m:<6d}" for m in ms), flush=True)
     for name, row in suggestion["speedup_vs_cublas"].items():
         print(f"  {name:<22s}" + "".join(f"{row[m]:<8.2f}" if row.get(m) else f"{'-':<8s}" for m in ms), flush=True)
-    print(f"\nsuggested module constants for nanoserve/model/gemv.py "
+    print(f"\nsuggested module constants for nanoserve/kernels/gemv.py "
           f"(saves {suggestion['saved_us_over_cases']:.1f} us over these cases):\n{suggestion['constants']}", flush=True)
 
 
@@ -365,7 +403,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gemv.py needs a CUDA GPU")
-    if gemv.triton is None:
+    if not HAS_TRITON:
         sys.exit("benchmarks/gemv.py needs triton")
     ms = [int(v) for v in args.m.split(",")]
     if any(not 1 <= m <= gemv.MAX_M for m in ms):

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.model import fused_ops, gemv
+from nanoserve.kernels import gemv, rotary_kv
+from nanoserve.kernels.metadata import AttentionMetadata
 from nanoserve.model.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding, rope_inv_freq, rope_parameters
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -134,8 +134,8 @@ class LlamaAttentionBlock(nn.Module):
         attn = self.attn
         if attn.k_cache is None:
             raise RuntimeError("attention layer has no KV cache: the model runner must set k_cache/v_cache first")
-        q, k = fused_ops.qk_norm_rope(q, k, cos_sin_cache, positions, *norms,
-                                      kv_store=(v, attn.k_cache, attn.v_cache, meta.slot_mapping))
+        q, k = rotary_kv.qk_norm_rope(q, k, cos_sin_cache, positions, *norms,
+                                       kv_store=(v, attn.k_cache, attn.v_cache, meta.slot_mapping))
         out = attn(q, k, v, meta, kv_stored=True)
         return self.o_proj(out.reshape(num_tokens, self.q_size)), residual
 

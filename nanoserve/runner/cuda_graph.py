@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger("nanoserve")
 

@@ -11,9 +11,9 @@ import logging
 import numpy as np
 import torch
 
-from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.config import EngineConfig
 from nanoserve.engine.sequence import Sequence
+from nanoserve.kernels.metadata import AttentionMetadata
 from nanoserve.model.loader import load_model
 from nanoserve.runner.cuda_graph import DecodeBatch, GraphRunner, StaticDecodeInputs
 

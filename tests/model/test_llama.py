@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.kernels.metadata import AttentionMetadata
 from nanoserve.model.layers import RMSNorm, RotaryEmbedding, rope_inv_freq, rope_parameters
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.model.loader import ModelLoadError, load_hf_config, load_model

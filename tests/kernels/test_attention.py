@@ -1,4 +1,4 @@
-"""Triton paged attention vs the torch_ref oracle.
+"""Triton paged attention vs the plain-PyTorch oracle (kernels/reference.py).
 
 Without CUDA the kernels run in the Triton interpreter on CPU (small shapes: it is slow). With CUDA the
 same small cases compile for the GPU, and the `gpu` tests add realistic sizes and CUDA-graph capture.
@@ -8,19 +8,20 @@ import os
 import pytest
 import torch
 
-# The interpreter is chosen when a kernel is decorated, i.e. when triton_kernels is first imported, so
+# The interpreter is chosen when a kernel is decorated, i.e. when kernels.attention is first imported, so
 # this must come before that import. Only without CUDA: on a GPU machine it would make every later
 # test module in the process run interpreted kernels too.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from nanoserve.attention import torch_ref  # noqa: E402
-from nanoserve.attention import triton_kernels as tk  # noqa: E402
-from nanoserve.attention.metadata import AttentionMetadata  # noqa: E402
+from nanoserve.kernels import attention as tk  # noqa: E402
+from nanoserve.kernels import reference as torch_ref  # noqa: E402
+from nanoserve.kernels._triton import num_sms  # noqa: E402
+from nanoserve.kernels.metadata import AttentionMetadata  # noqa: E402
 
 if not torch.cuda.is_available() and type(tk._decode_kernel).__name__ != "InterpretedFunction":
-    pytest.skip("triton_kernels was imported before TRITON_INTERPRET=1 was set; its kernels cannot run on CPU",
+    pytest.skip("kernels.attention was imported before TRITON_INTERPRET=1 was set; its kernels cannot run on CPU",
                 allow_module_level=True)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -265,7 +266,7 @@ def test_gpu_decode_in_cuda_graph():
     v_new = torch.randn_like(k_new)
     scale = head_dim ** -0.5
     max_context = tables.shape[1] * block_size
-    assert tk.decode_num_splits(num_seqs, num_kv_heads, max_context, tk._num_sms(DEVICE)) > 1  # reduce is captured
+    assert tk.decode_num_splits(num_seqs, num_kv_heads, max_context, num_sms(DEVICE)) > 1  # reduce is captured
 
     def step():
         tk.store_kv(k_new, v_new, k_cache, v_cache, slots)

@@ -29,20 +29,14 @@ Everything is CUDA-graph capturable: no host syncs, fixed-size allocations only.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from nanoserve.model import fused_ops
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
+from nanoserve.kernels import fused
+from nanoserve.kernels._triton import HAS_TRITON, cdiv, jit, next_power_of_2, num_sms, prev_power_of_2, tl
 
 MAX_M = 16  # rows handled by the kernel; more rows are a GEMM, left to cuBLAS
 FMA_MAX_M = 4  # rows up to this use CUDA-core multiply-add; more rows use tl.dot
@@ -50,7 +44,6 @@ MIN_WEIGHT_BYTES = 0  # `linear` uses the kernel for weights of MIN..MAX bytes (
 MAX_WEIGHT_BYTES = 160 * 2**20  # larger weights: cuBLAS already streams them at copy bandwidth
 MAX_SPLIT_K = 16
 COUNTER_SLOTS = 8192  # output tiles that can be split-K'd in one call (one int32 counter each)
-DEFAULT_NUM_SMS = 132  # SM count assumed off-GPU (CPU interpreter runs, configs_for): an H100/H200's
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -114,25 +107,6 @@ class LaunchPlan:
         return (self.n_tiles, self.split_k)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _prev_pow2(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def default_config(m: int, n: int, k: int) -> GemvConfig:
     """The variant for a shape: multiply-add on CUDA cores for few rows (narrow tiles for small matrices),
     tensor cores beyond."""
@@ -153,61 +127,27 @@ def plan(config: GemvConfig, m: int, n: int, k: int, sms: int) -> LaunchPlan:
     """Resolve block sizes and the K split for one shape (pure; unit-tested)."""
     if not 1 <= m <= MAX_M:
         raise ValueError(f"the gemv kernel handles 1..{MAX_M} rows, got {m}")
-    block_m = max(16, _next_pow2(m)) if config.use_dot else _next_pow2(m)
+    block_m = max(16, next_power_of_2(m)) if config.use_dot else next_power_of_2(m)
     floor_k = 16 if config.use_dot else 1
-    block_k = max(floor_k, min(config.block_k, _next_pow2(k)))
-    k_blocks = _cdiv(k, block_k)
-    tiles = _cdiv(n, config.block_n)
+    block_k = max(floor_k, min(config.block_k, next_power_of_2(k)))
+    k_blocks = cdiv(k, block_k)
+    tiles = cdiv(n, config.block_n)
     if config.split_k is not None:
         split = config.split_k
     elif config.programs_per_sm > 0:
-        split = _cdiv(math.ceil(config.programs_per_sm * sms), tiles)
+        split = cdiv(math.ceil(config.programs_per_sm * sms), tiles)
     else:
         split = 1
     split = max(1, min(split, k_blocks, MAX_SPLIT_K))
     if tiles > COUNTER_SLOTS:
         split = 1
-    k_per_split = _cdiv(k_blocks, split) * block_k
-    split = _cdiv(k, k_per_split)  # no empty slices
+    k_per_split = cdiv(k_blocks, split) * block_k
+    split = cdiv(k, k_per_split)  # no empty slices
     # The last program of a tile sums [reduce_chunk, block_n, block_m] partials per load round.
-    reduce_chunk = max(1, min(8, _prev_pow2(2048 // (config.block_n * block_m))))
+    reduce_chunk = max(1, min(8, prev_power_of_2(2048 // (config.block_n * block_m))))
     return LaunchPlan(block_m=block_m, block_n=config.block_n, block_k=block_k, n_tiles=tiles, split_k=split,
                       k_per_split=k_per_split, num_warps=config.num_warps, num_stages=config.num_stages,
                       use_dot=config.use_dot, reduce_chunk=reduce_chunk)
-
-
-# The sweep of benchmarks/gemv.py: (block_n, block_k, num_warps, num_stages) per path, and split rules.
-SWEEP_FMA_TILES = ((4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 2), (8, 512, 4, 1), (16, 512, 4, 3),
-                   (16, 256, 4, 4), (16, 1024, 8, 2), (32, 256, 8, 3), (32, 512, 8, 3))
-SWEEP_DOT_TILES = ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 512, 4, 2), (64, 128, 4, 4),
-                   (64, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3))
-SWEEP_PROGRAMS_PER_SM = (0, 1, 2, 4)
-SWEEP_FMA_MAX_M = 4  # the FMA path is swept up to this many rows, the dot path from 2 rows
-
-
-def sweep_configs(m: int) -> list[GemvConfig]:
-    """Every swept variant for m rows, before removing those that resolve to the same launch."""
-    paths = [(False, t) for t in SWEEP_FMA_TILES] if m <= SWEEP_FMA_MAX_M else []
-    paths += [(True, t) for t in SWEEP_DOT_TILES] if m >= 2 else []
-    return [GemvConfig(bn, bk, warps, stages, use_dot, per_sm)
-            for use_dot, (bn, bk, warps, stages) in paths for per_sm in SWEEP_PROGRAMS_PER_SM]
-
-
-def launch_key(config: GemvConfig, m: int, n: int, k: int, sms: int) -> tuple:
-    """Two configs with the same key run the same launch on this shape."""
-    p = plan(config, m, n, k, sms)
-    return (p.use_dot, p.block_n, p.block_k, p.num_warps, p.num_stages, p.split_k)
-
-
-def configs_for(m: int, n: int, k: int, sms: int = DEFAULT_NUM_SMS) -> list[GemvConfig]:
-    """The swept variants worth timing for one shape: one per distinct launch."""
-    out, seen = [], set()
-    for cfg in sweep_configs(m):
-        key = launch_key(cfg, m, n, k, sms)
-        if key not in seen:
-            seen.add(key)
-            out.append(cfg)
-    return out
 
 
 # -- persistent split-K counters -------------------------------------------------------------------
@@ -228,7 +168,7 @@ def _counters_for(device: torch.device) -> torch.Tensor | None:
 # -- entry points ------------------------------------------------------------------------------------
 def kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `linear` takes the Triton path for these arguments (see the module constants)."""
-    if triton is None or not x.is_cuda or x.dim() != 2 or weight.dim() != 2:
+    if not HAS_TRITON or not x.is_cuda or x.dim() != 2 or weight.dim() != 2:
         return False
     m, k = x.shape
     n = weight.shape[0]
@@ -262,8 +202,8 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     Without a residual (the first layer) the new residual is x itself."""
     if not (force_triton or (kernel_applies(x, weight, bias) and x.shape[0] == 1)):
         if residual is None:
-            return linear(fused_ops.rms_norm(x, norm_weight, eps), weight, bias), x
-        normed, residual = fused_ops.rms_norm(x, norm_weight, eps, residual)
+            return linear(fused.rms_norm(x, norm_weight, eps), weight, bias), x
+        normed, residual = fused.rms_norm(x, norm_weight, eps, residual)
         return linear(normed, weight, bias), residual
     new_residual = torch.empty_like(x) if residual is not None else x
     out = _launch(x, weight, bias, x.shape[1], None, prologue=_NORM, residual=residual,
@@ -277,7 +217,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     k = gate_up.shape[1] // 2
     one_row = gate_up.shape[0] == 1 and gate_up.stride(1) == 1
     if not (force_triton or (one_row and kernel_applies(gate_up[:, :k], weight, bias))):
-        return linear(fused_ops.silu_and_mul(gate_up), weight, bias)
+        return linear(fused.silu_and_mul(gate_up), weight, bias)
     return _launch(gate_up, weight, bias, k, None, prologue=_SILU_MUL)
 
 
@@ -286,7 +226,7 @@ _PLAIN, _NORM, _SILU_MUL = 0, 1, 2  # what the kernel does to x as it loads it
 
 def _launch(x, weight, bias, k, config, prologue=_PLAIN, residual=None, residual_out=None, norm_weight=None,
             eps=0.0) -> torch.Tensor:
-    if triton is None:
+    if not HAS_TRITON:
         raise RuntimeError("the Triton GEMV was requested but triton is not installed")
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -325,108 +265,108 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, residual=None, residual
     return out
 
 
-if triton is not None:
+@jit
+def _write_output(acc, bias_ptr, out_ptr, offs_n, offs_m, N, stride_om, mask, HAS_BIAS: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] fp32 (+ bias in fp32) → out[m, n], rounded once."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=mask)
 
-    @triton.jit
-    def _write_output(acc, bias_ptr, out_ptr, offs_n, offs_m, N, stride_om, mask, HAS_BIAS: tl.constexpr):
-        """acc [BLOCK_N, BLOCK_M] fp32 (+ bias in fp32) → out[m, n], rounded once."""
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=mask)
 
-    @triton.jit
-    def _residual_sum(x_ptr, res_ptr, cols, K, HAS_RESIDUAL: tl.constexpr):
-        """x + residual for one row, rounded to the model dtype like HF's add, as fp32."""
-        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-        if HAS_RESIDUAL:
-            x = (x.to(tl.float32) + tl.load(res_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)).to(x.dtype)
-        return x.to(tl.float32)
+@jit
+def _residual_sum(x_ptr, res_ptr, cols, K, HAS_RESIDUAL: tl.constexpr):
+    """x + residual for one row, rounded to the model dtype like HF's add, as fp32."""
+    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(res_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)).to(x.dtype)
+    return x.to(tl.float32)
 
-    @triton.jit(do_not_specialize=["M"])
-    def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-                     res_ptr, res_out_ptr, norm_w_ptr, eps,
-                     M, N, K, stride_xm, stride_om, k_per_split,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     REDUCE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        num_splits = tl.num_programs(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_k = tl.arange(0, BLOCK_K)
-        # Rows past N wrap around so weight loads need no mask (those outputs are never stored).
-        w_rows = w_ptr + (offs_n % N).to(tl.int64)[:, None] * K
-        x_rows = x_ptr + offs_m[:, None] * stride_xm  # the [BLOCK_M, BLOCK_K] x tile of the dot path
-        m_mask = offs_m[:, None] < M
-        k_start = pid_k * k_per_split
-        k_stop = tl.minimum(k_start + k_per_split, K)
 
-        inv_rms = 0.0
-        if PROLOGUE == 1:  # RMSNorm prologue (one row, K unsplit): every program first takes the row's norm
-            sum_sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            for k in range(0, K, BLOCK_K):
-                h = _residual_sum(x_ptr, res_ptr, k + offs_k, K, HAS_RESIDUAL)
-                sum_sq += h * h
-            inv_rms = tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
+@jit(do_not_specialize=["M"])
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+                 res_ptr, res_out_ptr, norm_w_ptr, eps,
+                 M, N, K, stride_xm, stride_om, k_per_split,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 REDUCE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows past N wrap around so weight loads need no mask (those outputs are never stored).
+    w_rows = w_ptr + (offs_n % N).to(tl.int64)[:, None] * K
+    x_rows = x_ptr + offs_m[:, None] * stride_xm  # the [BLOCK_M, BLOCK_K] x tile of the dot path
+    m_mask = offs_m[:, None] < M
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
 
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_wide = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # M = 1: reduce over K once, at the end
-        for k in tl.range(k_start, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
-            cols = k + offs_k[None, :]
-            if EVEN_K:
-                w = tl.load(w_rows + cols)
-            else:
-                w = tl.load(w_rows + cols, mask=cols < K, other=0.0)
-            if USE_DOT:
-                x = tl.load(x_rows + cols, mask=m_mask & (cols < K), other=0.0)
-                if DOT_IN_FP32:  # same products: bf16 x bf16 is exact in fp32
-                    acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
-            elif BLOCK_M == 1:
-                if PROLOGUE == 1:  # x = norm_w · round(h · inv_rms), rounded like the separate RMSNorm kernel
-                    h = _residual_sum(x_ptr, res_ptr, cols, K, HAS_RESIDUAL)
-                    if HAS_RESIDUAL:
-                        if pid_n == 0:  # one program writes the new residual stream
-                            tl.store(res_out_ptr + cols, h.to(res_out_ptr.dtype.element_ty), mask=cols < K)
-                    dtype = out_ptr.dtype.element_ty
-                    nw = tl.load(norm_w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-                    xf = (nw * (h * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-                elif PROLOGUE == 2:  # x = silu(gate) · up from the [gate | up] row, rounded once
-                    gate = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-                    up = tl.load(x_ptr + K + cols, mask=cols < K, other=0.0).to(tl.float32)
-                    xf = (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty).to(tl.float32)
-                else:
-                    xf = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-                acc_wide += w.to(tl.float32) * xf
-            else:  # one row of x at a time keeps the live registers at one [BLOCK_N, BLOCK_K] product
-                wf = w.to(tl.float32)
-                for i in tl.static_range(BLOCK_M):  # rows past M repeat row M - 1 and are never stored
-                    xi = tl.load(x_ptr + tl.minimum(i, M - 1) * stride_xm + cols, mask=cols < K, other=0.0)
-                    row = tl.sum(wf * xi.to(tl.float32), axis=1)
-                    acc += tl.where(offs_m[None, :] == i, row[:, None], 0.0)
-        if not USE_DOT and BLOCK_M == 1:
-            acc = tl.sum(acc_wide, axis=1)[:, None]
+    inv_rms = 0.0
+    if PROLOGUE == 1:  # RMSNorm prologue (one row, K unsplit): every program first takes the row's norm
+        sum_sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            h = _residual_sum(x_ptr, res_ptr, k + offs_k, K, HAS_RESIDUAL)
+            sum_sq += h * h
+        inv_rms = tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
 
-        out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-        if num_splits == 1:
-            _write_output(acc, bias_ptr, out_ptr, offs_n, offs_m, N, stride_om, out_mask, HAS_BIAS)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_wide = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # M = 1: reduce over K once, at the end
+    for k in tl.range(k_start, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
+        cols = k + offs_k[None, :]
+        if EVEN_K:
+            w = tl.load(w_rows + cols)
         else:
-            tile = offs_m[None, :] * N + offs_n[:, None]  # partials are [split, M, N] fp32
-            tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=out_mask)
-            tl.debug_barrier()  # all threads' partials are written before the (thread-0) release below
-            arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:  # last program of this tile: reduce in split order
-                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                offs_s = tl.arange(0, REDUCE_CHUNK)
-                for s0 in range(0, num_splits, REDUCE_CHUNK):
-                    s = s0 + offs_s
-                    parts = tl.load(partial_ptr + s[:, None, None] * (M * N) + tile[None, :, :],
-                                    mask=(s < num_splits)[:, None, None] & out_mask[None, :, :], other=0.0,
-                                    cache_modifier=".cg")  # from L2: other SMs wrote them
-                    total += tl.sum(parts, axis=0)
-                _write_output(total, bias_ptr, out_ptr, offs_n, offs_m, N, stride_om, out_mask, HAS_BIAS)
-                tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call / graph replay
+            w = tl.load(w_rows + cols, mask=cols < K, other=0.0)
+        if USE_DOT:
+            x = tl.load(x_rows + cols, mask=m_mask & (cols < K), other=0.0)
+            if DOT_IN_FP32:  # same products: bf16 x bf16 is exact in fp32
+                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        elif BLOCK_M == 1:
+            if PROLOGUE == 1:  # x = norm_w · round(h · inv_rms), rounded like the separate RMSNorm kernel
+                h = _residual_sum(x_ptr, res_ptr, cols, K, HAS_RESIDUAL)
+                if HAS_RESIDUAL:
+                    if pid_n == 0:  # one program writes the new residual stream
+                        tl.store(res_out_ptr + cols, h.to(res_out_ptr.dtype.element_ty), mask=cols < K)
+                dtype = out_ptr.dtype.element_ty
+                nw = tl.load(norm_w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+                xf = (nw * (h * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            elif PROLOGUE == 2:  # x = silu(gate) · up from the [gate | up] row, rounded once
+                gate = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+                up = tl.load(x_ptr + K + cols, mask=cols < K, other=0.0).to(tl.float32)
+                xf = (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                xf = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+            acc_wide += w.to(tl.float32) * xf
+        else:  # one row of x at a time keeps the live registers at one [BLOCK_N, BLOCK_K] product
+            wf = w.to(tl.float32)
+            for i in tl.static_range(BLOCK_M):  # rows past M repeat row M - 1 and are never stored
+                xi = tl.load(x_ptr + tl.minimum(i, M - 1) * stride_xm + cols, mask=cols < K, other=0.0)
+                row = tl.sum(wf * xi.to(tl.float32), axis=1)
+                acc += tl.where(offs_m[None, :] == i, row[:, None], 0.0)
+    if not USE_DOT and BLOCK_M == 1:
+        acc = tl.sum(acc_wide, axis=1)[:, None]
+
+    out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    if num_splits == 1:
+        _write_output(acc, bias_ptr, out_ptr, offs_n, offs_m, N, stride_om, out_mask, HAS_BIAS)
+    else:
+        tile = offs_m[None, :] * N + offs_n[:, None]  # partials are [split, M, N] fp32
+        tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=out_mask)
+        tl.debug_barrier()  # all threads' partials are written before the (thread-0) release below
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:  # last program of this tile: reduce in split order
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            offs_s = tl.arange(0, REDUCE_CHUNK)
+            for s0 in range(0, num_splits, REDUCE_CHUNK):
+                s = s0 + offs_s
+                parts = tl.load(partial_ptr + s[:, None, None] * (M * N) + tile[None, :, :],
+                                mask=(s < num_splits)[:, None, None] & out_mask[None, :, :], other=0.0,
+                                cache_modifier=".cg")  # from L2: other SMs wrote them
+                total += tl.sum(parts, axis=0)
+            _write_output(total, bias_ptr, out_ptr, offs_n, offs_m, N, stride_om, out_mask, HAS_BIAS)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call / graph replay

@@ -1,0 +1,97 @@
+"""Per-head q/k RMSNorm + rotary embedding + KV-cache store, as one kernel for all heads of a step.
+
+qk_norm_rope_ref is the plain-PyTorch reference (HF semantics) the Triton kernel is tested against.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels import reference
+from nanoserve.kernels._triton import jit, tl
+from nanoserve.kernels.fused import rms_norm_ref, use_triton
+
+
+def qk_norm_rope_ref(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, eps=1e-6, kv_store=None):
+    """q [T, H, D], k [T, Hkv, D] → rotated (and first per-head normalised, Qwen3) q, k.
+
+    cos_sin_cache rows are [cos, cos, -sin, sin] (each D/2), neox rotate-half as in HF Llama/Qwen.
+    kv_store = (v, k_cache, v_cache, slot_mapping): also write the rotated k and v into the paged cache.
+    """
+    d = q.shape[-1]
+    cs = F.embedding(positions, cos_sin_cache).unsqueeze(1)
+    cos, sin = cs[..., :d], cs[..., d:]
+    out = []
+    for x, w in ((q, q_norm_w), (k, k_norm_w)):
+        if w is not None:
+            x = rms_norm_ref(x, w, eps)
+        x1, x2 = x.chunk(2, dim=-1)
+        out.append(torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin))
+    if kv_store is not None:
+        v, k_cache, v_cache, slot_mapping = kv_store
+        reference.store_kv(out[1], v, k_cache, v_cache, slot_mapping)
+    return out[0], out[1]
+
+
+def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, eps=1e-6, kv_store=None,
+                 force_triton=False):
+    """One kernel for all q and k heads (and the KV-cache store); q/k/v may be strided views of the qkv output."""
+    if not (force_triton or use_triton(q)) or q.shape[-1] & (q.shape[-1] - 1):  # kernel needs a power-of-2 head_dim
+        return qk_norm_rope_ref(q, k, cos_sin_cache, positions, q_norm_w, k_norm_w, eps, kv_store)
+    tokens, num_heads, d = q.shape
+    num_kv_heads = k.shape[1]
+    q_out = torch.empty(tokens, num_heads, d, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(tokens, num_kv_heads, d, dtype=k.dtype, device=k.device)
+    has_norm = q_norm_w is not None
+    v, k_cache, v_cache, slots = kv_store if kv_store is not None else (k, k_out, k_out, positions)
+    if kv_store is not None and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
+    _qk_norm_rope_kernel[(tokens, num_heads + num_kv_heads)](
+        q, k, v, q_out, k_out, k_cache, v_cache, slots, cos_sin_cache, positions,
+        q_norm_w if has_norm else cos_sin_cache, k_norm_w if has_norm else cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), num_heads, eps,
+        HEAD_DIM=d, HAS_NORM=has_norm, STORE_KV=kv_store is not None)
+    return q_out, k_out
+
+
+@jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                         cos_sin_ptr, pos_ptr, qw_ptr, kw_ptr,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_heads, eps,
+                         HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    is_q = head < num_heads
+    kv_head = head - num_heads
+    half: tl.constexpr = HEAD_DIM // 2
+    dims = tl.arange(0, HEAD_DIM)
+    partner = (dims + half) % HEAD_DIM
+    if is_q:
+        src = q_ptr + token * stride_qt + head * stride_qh
+        dst = q_out_ptr + (token * num_heads + head) * HEAD_DIM
+        w_ptr = qw_ptr
+    else:
+        src = k_ptr + token * stride_kt + kv_head * stride_kh
+        dst = k_out_ptr + (token * (tl.num_programs(1) - num_heads) + kv_head) * HEAD_DIM
+        w_ptr = kw_ptr
+    dtype = q_out_ptr.dtype.element_ty
+    x = tl.load(src + dims).to(tl.float32)
+    x_partner = tl.load(src + partner).to(tl.float32)
+    if HAS_NORM:  # HF: normalise in float32, round, then scale by the (model-dtype) weight and round
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+        x = (tl.load(w_ptr + dims).to(tl.float32) * (x * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+        x_partner = tl.load(w_ptr + partner).to(tl.float32) * (x_partner * inv_rms).to(dtype).to(tl.float32)
+        x, x_partner = x.to(tl.float32), x_partner.to(dtype).to(tl.float32)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * 2 * HEAD_DIM + dims).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * 2 * HEAD_DIM + HEAD_DIM + dims).to(tl.float32)
+    out = (x * cos + x_partner * sin).to(dtype)
+    tl.store(dst + dims, out)
+    if STORE_KV:
+        if kv_head >= 0:  # write this token's rotated k and its v into the paged cache
+            num_kv_heads = tl.num_programs(1) - num_heads
+            slot = tl.load(slot_ptr + token).to(tl.int64)
+            cache_at = (slot * num_kv_heads + kv_head) * HEAD_DIM + dims
+            tl.store(k_cache_ptr + cache_at, out)
+            v = tl.load(v_ptr + token * stride_vt + kv_head * stride_vh + dims)
+            tl.store(v_cache_ptr + cache_at, v)

@@ -19,7 +19,8 @@ import inspect
 import torch
 
 from nanoserve.kernels import reference
-from nanoserve.kernels._triton import HAS_TRITON, cdiv, jit, next_power_of_2, num_sms, tl
+from nanoserve.kernels._triton import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, jit, next_power_of_2,
+                                       num_sms, pdl_args, tl)
 from nanoserve.kernels.metadata import AttentionMetadata
 
 
@@ -32,7 +33,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     kv_stored: bool = False) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for the T new tokens → attention output [T, H, D].
 
-    kv_stored: the caller already wrote k/v into the cache (fused into its rotary kernel)."""
+    kv_stored: the caller already wrote k/v into the cache (fused into its rotary kernel); k and v may then be
+    None (the fused qkv + rope GEMV keeps them only in the cache)."""
     if backend == "triton":
         store, prefill, decode = store_kv, prefill_attention, decode_attention
     else:
@@ -75,7 +77,10 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
@@ -114,7 +119,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
                            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
-                           num_warps=4)
+                           num_warps=4, **pdl_args(k.device))
 
 
 # --------------------------------------------------------------------------------------------- decode
@@ -162,7 +167,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   DOT_UPCAST: tl.constexpr):
+                   DOT_UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # q, the cache and the decode inputs all come from earlier kernels
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -207,7 +215,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
 @jit
 def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, num_splits,
                           stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
@@ -278,12 +290,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        **_dot_args(q.device, k_cache.dtype), num_warps=DECODE_NUM_WARPS)
+        **_dot_args(q.device, k_cache.dtype), num_warps=DECODE_NUM_WARPS, **pdl_args(q.device))
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, context_lens, out, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(num_splits), BLOCK_D=next_power_of_2(head_dim), BLOCK_N=block_n,
-            num_warps=4)
+            num_warps=4, **pdl_args(q.device))
     return out
 
 
@@ -297,7 +309,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_l
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     Q_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -364,17 +380,17 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, Q_PER_TILE=q_per_tile, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, next_power_of_2(head_dim)), **_dot_args(q.device, k_cache.dtype),
-        num_warps=num_warps)
+        num_warps=num_warps, **pdl_args(q.device))
     return out
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal varlen prefill → [num_new_tokens, num_heads, head_dim].
 
     Without a cached prefix every sequence's keys are exactly its new k/v (q_len == k_len), which is
     what torch's flash varlen_attn computes (CUDA, fp16/bf16). Everything else (prefix-cache hits,
-    fp32, older torch) takes the paged Triton kernel over the cache.
+    fp32, older torch, k/v only in the cache) takes the paged Triton kernel over the cache.
     """
     if _can_use_varlen(q, k, v, meta):
         return _varlen_attn(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q, meta.max_seqlen_q,
@@ -408,7 +424,7 @@ _varlen_attn, _VARLEN_KWARGS = _varlen_kwargs()
 
 def _can_use_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> bool:
     head_dim = q.shape[-1]
-    return (_varlen_attn is not None and not meta.has_cached_prefix and q.is_cuda
+    return (_varlen_attn is not None and not meta.has_cached_prefix and q.is_cuda and k is not None and v is not None
             and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
             and head_dim % 8 == 0 and head_dim <= 256
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)

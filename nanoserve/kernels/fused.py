@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels._triton import HAS_TRITON, cdiv, jit, next_power_of_2, tl
+from nanoserve.kernels._triton import HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, jit, next_power_of_2, pdl_args, tl
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -38,7 +38,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     new_residual = torch.empty_like(x) if residual is not None else out
     _rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, new_residual,
                               x.stride(0), (residual if residual is not None else x).stride(0), n, eps,
-                              HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(n))
+                              HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(n), **pdl_args(x.device))
     return (out, new_residual) if residual is not None else out
 
 
@@ -56,30 +56,36 @@ def silu_and_mul(x: torch.Tensor, force_triton: bool = False) -> torch.Tensor:
     half = width // 2
     out = torch.empty(rows, half, dtype=x.dtype, device=x.device)
     block = min(next_power_of_2(half), 1024)
-    _silu_and_mul_kernel[(rows, cdiv(half, block))](x, out, x.stride(0), half, BLOCK=block)
+    _silu_and_mul_kernel[(rows, cdiv(half, block))](x, out, x.stride(0), half, BLOCK=block, **pdl_args(x.device))
     return out
 
 
 @jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, n, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     dtype = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: safe before the wait
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     xf = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:  # the sum is rounded to the model dtype, like HF's add
         xf = (xf + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
         tl.store(res_out_ptr + row * n + cols, xf, mask=mask)
         xf = xf.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     normed = (xf * inv_rms).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * n + cols, (w * normed).to(dtype), mask=mask)
 
 
 @jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, half, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, half, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < half

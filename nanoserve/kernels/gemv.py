@@ -1,9 +1,10 @@
-"""Skinny matmul for decode: out = x @ W.T (+ bias) for a few rows x, as ONE Triton kernel.
+"""Few-row products for decode: out = x @ W.T (+ bias) for M = 1..64 rows, as ONE Triton kernel, and the
+one place that decides which kernel a linear layer runs (GEMV_TABLE).
 
-At decode every linear layer multiplies M = batch-size rows (1..16) by a weight W [N, K] that is
-read once from HBM, so its time is bytes(W) / bandwidth plus a fixed latency. cuBLAS's tiles are
-made for large M: on mid-size matrices at M = 1 it reaches a third of HBM bandwidth, and where it
-splits K it launches a second reduce kernel, which inside a CUDA graph costs another launch gap.
+At decode every linear layer multiplies M = batch-size rows by a weight W [N, K] that is read once
+from HBM, so its time is bytes(W) / bandwidth plus a fixed latency. cuBLAS's tiles are made for large
+M: on mid-size matrices at M = 1 it reaches a third of HBM bandwidth, and where it splits K it
+launches a second reduce kernel, which inside a CUDA graph costs another launch gap.
 
 The kernel (`_gemv_kernel`):
   * grid (cdiv(N, BLOCK_N), SPLIT_K): program (n, s) computes out[:, n*BLOCK_N : (n+1)*BLOCK_N]
@@ -11,24 +12,29 @@ The kernel (`_gemv_kernel`):
   * per iteration a [BLOCK_N, BLOCK_K] weight tile is read along K (W is row-major, so a thread
     reads 16 contiguous bytes) and the loop is software-pipelined (`tl.range(num_stages=...)`:
     cp.async into shared memory), so several tiles per program are in flight;
-  * the product is accumulated in fp32: for M <= FMA_MAX_M by broadcast-multiply on CUDA cores
-    (M padded to a power of two; with M = 1 the sum over K is deferred to the end of the loop),
-    for larger M by `tl.dot` on tensor cores with M padded to 16 (the padding is free: the
-    kernel is bound by the weight bytes, not by math);
+  * the product is accumulated in fp32: for few rows by broadcast-multiply on CUDA cores ("fma";
+    with M = 1 the sum over K is deferred to the end of the loop), for more by `tl.dot` on tensor
+    cores ("dot", M padded to 16..64: the padding is free, the kernel is bound by the weight bytes);
   * split-K without a second launch: when N / BLOCK_N programs cannot fill the GPU, K is split.
     Each program stores its fp32 partial into a workspace and increments a per-tile counter
     (release/acquire atomics); the program that sees it was the last one sums the partials in
     split order (so the result is deterministic), adds the bias, writes the output, and resets
     the counter to 0. The counters live in a small persistent int32 buffer per device, zeroed
-    once, which is therefore zero again after every call and every CUDA-graph replay.
+    once, which is therefore zero again after every call and every CUDA-graph replay;
+  * a prologue transforms x as it is loaded, so the op before the product needs no launch of its
+    own: residual add + RMSNorm (norm_linear; every program first takes the rows' norms over all of
+    K) or SiLU-and-mul of [gate | up] (silu_mul_linear);
+  * an epilogue may replace the plain store: for the qkv projection with BLOCK_N = head_dim each
+    output tile is one head, which is normalised (Qwen3), rotated and written into q or the paged
+    KV cache (norm_qkv_rope; rotary_kv.qkv_tile_epilogue);
+  * with programmatic dependent launch (see _triton.py) each program loads its first weight tile
+    before gdc_wait, so the weights stream while the previous kernel finishes.
 
-`linear` is a drop-in for F.linear that takes this path only where the kernel is expected to win
-(few rows, weight size in a tuned range; see the module constants, tuned with
-benchmarks/gemv.py) and falls back to F.linear everywhere else, including without Triton.
 Everything is CUDA-graph capturable: no host syncs, fixed-size allocations only.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -36,15 +42,17 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels import fused
-from nanoserve.kernels._triton import HAS_TRITON, cdiv, jit, next_power_of_2, num_sms, prev_power_of_2, tl
+from nanoserve.kernels._triton import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, jit, next_power_of_2,
+                                       num_sms, pdl_args, prev_power_of_2, tl)
+from nanoserve.kernels.rotary_kv import QKVRope, qkv_tile_epilogue
+from nanoserve.kernels.switches import SWITCHES
 
-MAX_M = 16  # rows handled by the kernel; more rows are a GEMM, left to cuBLAS
-FMA_MAX_M = 4  # rows up to this use CUDA-core multiply-add; more rows use tl.dot
-MIN_WEIGHT_BYTES = 0  # `linear` uses the kernel for weights of MIN..MAX bytes (benchmarks/gemv.py)
-MAX_WEIGHT_BYTES = 160 * 2**20  # larger weights: cuBLAS already streams them at copy bandwidth
+MAX_M = 64  # rows handled by the kernel; more rows are a GEMM, left to cuBLAS
+FMA_MAX_ROWS = 16  # the fma path unrolls over rows; beyond this only tl.dot
 MAX_SPLIT_K = 16
 COUNTER_SLOTS = 8192  # output tiles that can be split-K'd in one call (one int32 counter each)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+NORM_CHUNK = 4096  # elements of the [BLOCK_M, chunk] tile the RMSNorm prologue sums per step
 
 
 @dataclass(frozen=True)
@@ -70,21 +78,85 @@ class GemvConfig:
             raise ValueError(f"num_stages and split_k must be >= 1, got {self.num_stages}, {self.split_k}")
 
     def short(self) -> str:
-        """A compact name for tables: path, tile, warps, stages and the split rule."""
+        """A compact name for tables: path, tile, warps, stages and the split rule (parse() reads it back)."""
         split = f"s{self.split_k}" if self.split_k is not None else f"p{self.programs_per_sm:g}"
         kind = "dot" if self.use_dot else "fma"
         return f"{kind} {self.block_n}x{self.block_k} w{self.num_warps} st{self.num_stages} {split}"
 
+    @classmethod
+    def parse(cls, short: str) -> "GemvConfig":
+        """The config named by short(), e.g. 'fma 8x512 w4 st3 p0' or 'dot 32x256 w4 st3 s4'."""
+        try:
+            kind, tile, warps, stages, split = short.split()
+            block_n, block_k = (int(v) for v in tile.split("x"))
+            if kind not in ("fma", "dot") or warps[0] != "w" or stages[:2] != "st" or split[0] not in "ps":
+                raise ValueError(short)
+            rule = {"split_k": int(split[1:])} if split[0] == "s" else {"programs_per_sm": float(split[1:])}
+            return cls(block_n, block_k, int(warps[1:]), int(stages[2:]), kind == "dot", **rule)
+        except ValueError:
+            raise ValueError(f"bad GEMV config {short!r}: expected e.g. 'fma 8x512 w4 st3 p0'") from None
 
-# Variants and where they win, from benchmarks/results/gemv_h200.json (H200, graph-timed, cold weights):
-# one row: the kernel beats cuBLAS on every decode matrix up to ~160 MB (Qwen3-0.6B o_proj 3.5 vs 12.8 µs,
-# down 4.1 vs 7.4; Llama-3.1-8B o_proj 10.7 vs 13.4, down 28.7 vs 31.3, qkv 14.8 vs 15.7) and ties above;
-# two rows: only small matrices (< 8 MB) win; from four rows on cuBLAS is as fast, so it keeps them.
-FMA_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3, programs_per_sm=0)
-FMA_SMALL_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=3, programs_per_sm=0)
-DOT_CONFIG = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, use_dot=True, programs_per_sm=1)
-SMALL_WEIGHT_BYTES = 8 * 2**20
-MAX_AUTO_M = 2  # rows for which `linear` picks the kernel on its own (force_triton/config reach MAX_M)
+
+# -- the dispatch rule ---------------------------------------------------------------------------------
+TRITON, CUBLAS = "triton", "cublas"
+# rows bucket (the smallest key >= M) → ((weight MiB up to, None = any; the best Triton variant there; the
+# faster of triton / cublas for the plain product), ...). The Triton variant also runs the fused prologue and
+# epilogue paths, which cuBLAS cannot. Values: `python benchmarks/gemv.py --table` on the H200 prints this dict.
+# These are from benchmarks/results/gemv_h200.json (M = 1, 2 measured; the others until the next sweep): one
+# row beats cuBLAS on every decode matrix up to ~160 MB, two rows only below 8 MB, four and more never.
+GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
+    1: ((8, "fma 4x1024 w4 st3 p0", TRITON), (160, "fma 8x512 w4 st3 p0", TRITON),
+        (None, "fma 8x512 w4 st3 p0", CUBLAS)),
+    2: ((8, "fma 4x1024 w4 st3 p0", TRITON), (None, "fma 8x512 w4 st3 p0", CUBLAS)),
+    4: ((None, "fma 8x512 w4 st3 p0", CUBLAS),),
+    8: ((None, "dot 32x256 w4 st3 p1", CUBLAS),),
+    16: ((None, "dot 32x256 w4 st3 p1", CUBLAS),),
+    32: ((None, "dot 32x256 w4 st3 p1", CUBLAS),),
+    64: ((None, "dot 32x256 w4 st3 p1", CUBLAS),),
+}
+# Rows up to which the fused paths (norm / SiLU prologue, rope epilogue) run when their switch is on.
+FUSE_MAX_M = 64
+# The qkv + rope variants (block_n becomes head_dim: one head per tile), by rows bucket.
+ROPE_TABLE: dict[int, str] = {4: "fma 128x64 w4 st3 p2", 64: "dot 128x64 w4 st3 p1"}
+
+
+def _parsed_table(table: dict) -> dict[int, tuple[tuple[float, GemvConfig, bool], ...]]:
+    """Configs parsed and the rule checked once: sizes ascend, the last entry takes any size."""
+    out = {}
+    for rows, entries in sorted(table.items()):
+        limits = [math.inf if mib is None else mib * 2**20 for mib, _, _ in entries]
+        if not entries or limits[-1] != math.inf or limits != sorted(set(limits)):
+            raise ValueError(f"GEMV_TABLE[{rows}]: sizes must ascend and end with None (any size)")
+        if any(winner not in (TRITON, CUBLAS) for *_, winner in entries):
+            raise ValueError(f"GEMV_TABLE[{rows}]: winners are {TRITON!r} or {CUBLAS!r}")
+        out[rows] = tuple((limit, GemvConfig.parse(cfg), winner == TRITON)
+                          for limit, (_, cfg, winner) in zip(limits, entries))
+    return out
+
+
+_TABLE = _parsed_table(GEMV_TABLE)
+_ROPE = {rows: GemvConfig.parse(cfg) for rows, cfg in sorted(ROPE_TABLE.items())}
+
+
+def _bucket(m: int, keys) -> int:
+    fits = [b for b in keys if b >= m]
+    if not fits:
+        raise ValueError(f"the gemv kernel handles 1..{MAX_M} rows, got {m}")
+    return min(fits)
+
+
+def choose(m: int, n: int, k: int, element_size: int) -> tuple[GemvConfig, bool]:
+    """(the Triton variant for a product of m rows with an [n, k] weight, whether it beats cuBLAS there)."""
+    weight_bytes = n * k * element_size
+    for limit, cfg, triton_wins in _TABLE[_bucket(m, _TABLE)]:
+        if weight_bytes <= limit:
+            return cfg, triton_wins
+    raise AssertionError("unreachable: the last entry takes any size")
+
+
+def rope_config(m: int, head_dim: int) -> GemvConfig:
+    """The qkv + rope variant for m rows: one head per tile."""
+    return dataclasses.replace(_ROPE[_bucket(m, _ROPE)], block_n=head_dim)
 
 
 @dataclass(frozen=True)
@@ -107,26 +179,12 @@ class LaunchPlan:
         return (self.n_tiles, self.split_k)
 
 
-def default_config(m: int, n: int, k: int) -> GemvConfig:
-    """The variant for a shape: multiply-add on CUDA cores for few rows (narrow tiles for small matrices),
-    tensor cores beyond."""
-    if m > FMA_MAX_M:
-        return DOT_CONFIG
-    return FMA_SMALL_CONFIG if n * k * 2 <= SMALL_WEIGHT_BYTES else FMA_CONFIG
-
-
-def auto_applies(m: int, n: int, k: int, element_size: int) -> bool:
-    """Where the measurements say the kernel beats cuBLAS (see the variants above)."""
-    weight_bytes = n * k * element_size
-    if m == 1:
-        return MIN_WEIGHT_BYTES <= weight_bytes <= MAX_WEIGHT_BYTES
-    return m <= MAX_AUTO_M and weight_bytes <= SMALL_WEIGHT_BYTES
-
-
 def plan(config: GemvConfig, m: int, n: int, k: int, sms: int) -> LaunchPlan:
     """Resolve block sizes and the K split for one shape (pure; unit-tested)."""
     if not 1 <= m <= MAX_M:
         raise ValueError(f"the gemv kernel handles 1..{MAX_M} rows, got {m}")
+    if not config.use_dot and m > FMA_MAX_ROWS:
+        raise ValueError(f"the fma path handles 1..{FMA_MAX_ROWS} rows, got {m}: use a dot config")
     block_m = max(16, next_power_of_2(m)) if config.use_dot else next_power_of_2(m)
     floor_k = 16 if config.use_dot else 1
     block_k = max(floor_k, min(config.block_k, next_power_of_2(k)))
@@ -167,7 +225,7 @@ def _counters_for(device: torch.device) -> torch.Tensor | None:
 
 # -- entry points ------------------------------------------------------------------------------------
 def kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `linear` takes the Triton path for these arguments (see the module constants)."""
+    """Whether the Triton kernel can take these arguments at all (where it is worth it is choose()'s call)."""
     if not HAS_TRITON or not x.is_cuda or x.dim() != 2 or weight.dim() != 2:
         return False
     m, k = x.shape
@@ -182,50 +240,92 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                     (bias is not None and bias.requires_grad)):
         return False  # the kernel has no backward
-    return auto_applies(m, n, k, weight.element_size())
+    return True
+
+
+def _fuses(switch: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return switch and x.shape[0] <= FUSE_MAX_M and x.stride(-1) == 1 and kernel_applies(x, weight, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            force_triton: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); the one-launch Triton kernel where it wins (or with force_triton,
-    on any device — CPU runs go through TRITON_INTERPRET=1). config overrides the default variant."""
-    if not (force_triton or kernel_applies(x, weight, bias)):
-        return F.linear(x, weight, bias)
-    return _launch(x, weight, bias, x.shape[1], config)
+    """F.linear(x, weight, bias); the Triton kernel where GEMV_TABLE says it wins (or with force_triton,
+    on any device — CPU runs go through TRITON_INTERPRET=1). config overrides the table's variant."""
+    if force_triton or kernel_applies(x, weight, bias):
+        cfg, triton_wins = choose(x.shape[0], weight.shape[0], x.shape[1], weight.element_size())
+        if force_triton or triton_wins:
+            return _launch(x, weight, bias, x.shape[1], config or cfg)
+    return F.linear(x, weight, bias)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, bias: torch.Tensor | None = None, *, force_triton: bool = False):
+                weight: torch.Tensor, bias: torch.Tensor | None = None, *, force_triton: bool = False,
+                config: GemvConfig | None = None):
     """(rms_norm(x + residual) · norm_weight) @ weight.T + bias, and the new residual x + residual.
 
-    For one row (batch-1 decode) the norm runs inside the GEMV's prologue: one kernel instead of two.
+    With SWITCHES.fuse_norm the norm runs inside the GEMV's prologue: one kernel instead of two.
     Without a residual (the first layer) the new residual is x itself."""
-    if not (force_triton or (kernel_applies(x, weight, bias) and x.shape[0] == 1)):
+    if not (force_triton or _fuses(SWITCHES.fuse_norm, x, weight, bias)):
         if residual is None:
             return linear(fused.rms_norm(x, norm_weight, eps), weight, bias), x
         normed, residual = fused.rms_norm(x, norm_weight, eps, residual)
         return linear(normed, weight, bias), residual
-    new_residual = torch.empty_like(x) if residual is not None else x
-    out = _launch(x, weight, bias, x.shape[1], None, prologue=_NORM, residual=residual,
-                  residual_out=new_residual, norm_weight=norm_weight, eps=eps)
+    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
+    cfg = config or choose(x.shape[0], weight.shape[0], x.shape[1], weight.element_size())[0]
+    out = _launch(x, weight, bias, x.shape[1], cfg, _NORM, norm=(residual, new_residual, norm_weight, eps))
     return out, new_residual
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                    force_triton: bool = False) -> torch.Tensor:
-    """(silu(gate) · up) @ weight.T + bias for gate_up = [gate | up]; one kernel for one row."""
+                    force_triton: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
+    """(silu(gate) · up) @ weight.T + bias for gate_up = [gate | up]; with SWITCHES.fuse_silu one kernel."""
     k = gate_up.shape[1] // 2
-    one_row = gate_up.shape[0] == 1 and gate_up.stride(1) == 1
-    if not (force_triton or (one_row and kernel_applies(gate_up[:, :k], weight, bias))):
+    if not (force_triton or _fuses(SWITCHES.fuse_silu, gate_up[:, :k], weight, bias)):
         return linear(fused.silu_and_mul(gate_up), weight, bias)
-    return _launch(gate_up, weight, bias, k, None, prologue=_SILU_MUL)
+    cfg = config or choose(gate_up.shape[0], weight.shape[0], k, weight.element_size())[0]
+    return _launch(gate_up, weight, bias, k, cfg, _SILU_MUL)
 
 
-_PLAIN, _NORM, _SILU_MUL = 0, 1, 2  # what the kernel does to x as it loads it
+def _rope_fuses(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rope: QKVRope) -> bool:
+    d = rope.head_dim
+    return (_fuses(SWITCHES.fuse_rope, x, weight, bias) and 16 <= d <= 128 and not d & (d - 1)
+            and weight.shape[0] == rope.width and rope.k_cache.is_contiguous() and rope.v_cache.is_contiguous()
+            and rope.k_cache.dtype == x.dtype == rope.v_cache.dtype)
 
 
-def _launch(x, weight, bias, k, config, prologue=_PLAIN, residual=None, residual_out=None, norm_weight=None,
-            eps=0.0) -> torch.Tensor:
+def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, bias: torch.Tensor | None, rope: QKVRope, *, force_triton: bool = False,
+                  config: GemvConfig | None = None):
+    """The attention input of a decoder layer: (q, k, v, new residual) after rms_norm(x + residual) → qkv
+    projection → q/k RMSNorm (Qwen3) + RoPE, with k and v stored in the paged cache.
+
+    With SWITCHES.fuse_rope the rope + store run in the qkv GEMV's epilogue (with fuse_norm, the norm in its
+    prologue too); k and v then live only in the cache and come back as None. config (block_n = head_dim)
+    overrides ROPE_TABLE's variant."""
+    if not (force_triton or _rope_fuses(x, weight, bias, rope)):
+        qkv, residual = norm_linear(x, residual, norm_weight, eps, weight, bias)
+        q, k, v = rope.split(qkv)
+        q, k = rope.apply(q, k, v)
+        return q, k, v, residual
+    cfg = config or rope_config(x.shape[0], rope.head_dim)
+    if SWITCHES.fuse_norm:
+        new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
+        q = _launch(x, weight, bias, x.shape[1], cfg, _NORM, norm=(residual, new_residual, norm_weight, eps),
+                    rope=rope)
+        return q, None, None, new_residual
+    if residual is None:
+        normed, residual = fused.rms_norm(x, norm_weight, eps), x
+    else:
+        normed, residual = fused.rms_norm(x, norm_weight, eps, residual)
+    return _launch(normed, weight, bias, x.shape[1], cfg, rope=rope), None, None, residual
+
+
+_PLAIN, _NORM, _SILU_MUL = 0, 1, 2  # prologue: what the kernel does to x as it loads it
+
+
+def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, rope: QKVRope | None = None) -> torch.Tensor:
+    """One kernel launch. norm = (residual | None, residual_out, norm_weight, eps) for the RMSNorm prologue;
+    with rope the output is q [M, H, D] (k and v go into the cache)."""
     if not HAS_TRITON:
         raise RuntimeError("the Triton GEMV was requested but triton is not installed")
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
@@ -233,64 +333,161 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, residual=None, residual
     m, n = x.shape[0], weight.shape[0]
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
-    if prologue != _PLAIN and m != 1:
-        raise ValueError(f"the fused norm / SiLU prologue handles one row, got {m}")
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
-    cfg = config or default_config(m, n, k)
-    if prologue != _PLAIN:  # each program must see the whole row for the norm: never split K
-        cfg = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.use_dot, split_k=1)
-    p = plan(cfg, m, n, k, num_sms(x.device))
+    p = plan(config, m, n, k, num_sms(x.device))
     counters = _counters_for(x.device) if p.split_k > 1 else None
     if p.split_k > 1 and counters is None:  # first use inside a capture: take the unsplit variant
-        p = plan(GemvConfig(p.block_n, p.block_k, p.num_warps, p.num_stages, p.use_dot, split_k=1), m, n, k, 1)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        p = plan(dataclasses.replace(config, split_k=1), m, n, k, 1)
+    if rope is not None:
+        if p.block_n != rope.head_dim or n != rope.width:
+            raise ValueError(f"the rope epilogue needs one head per tile: block_n {p.block_n}, head_dim "
+                             f"{rope.head_dim}, N {n} vs {rope.width}")
+        out = torch.empty(m, rope.num_heads, rope.head_dim, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if p.split_k > 1:
         partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device)
     else:  # never touched; placeholders of the same dtypes let both kinds of launch share one compiled kernel
         partials = torch.empty(1, dtype=torch.float32, device=x.device)
         counters = torch.empty(1, dtype=torch.int32, device=x.device)
+    residual, residual_out, norm_weight, eps = norm if norm is not None else (None, x, x, 0.0)
+    r = _rope_args(rope, x)
     _gemv_kernel[p.grid](
         x, weight, bias if bias is not None else out, out, partials, counters,
-        residual if residual is not None else x, residual_out if residual_out is not None else x,
-        norm_weight if norm_weight is not None else x, eps,
-        m, n, k, x.stride(0), out.stride(0), p.k_per_split,
-        BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, USE_DOT=p.use_dot,
+        residual if residual is not None else x, residual_out, norm_weight, eps, *r,
+        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, residual_out.stride(0),
+        out.stride(0), p.k_per_split,
+        BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
+        NORM_K=max(1, min(p.block_k, prev_power_of_2(NORM_CHUNK // p.block_m))), USE_DOT=p.use_dot,
         EVEN_K=k % p.block_k == 0, HAS_BIAS=bias is not None, REDUCE_CHUNK=p.reduce_chunk,
         LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=not x.is_cuda,  # the interpreter (CPU tensors) multiplies bf16 bit patterns as integers
-        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
-        num_warps=p.num_warps, num_stages=p.num_stages)
+        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, ROPE=rope is not None,
+        HAS_QK_NORM=rope is not None and rope.q_norm_weight is not None,
+        num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x.device))
     return out
 
 
-@jit
-def _write_output(acc, bias_ptr, out_ptr, offs_n, offs_m, N, stride_om, mask, HAS_BIAS: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] fp32 (+ bias in fp32) → out[m, n], rounded once."""
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
-             mask=mask)
+def _rope_args(rope: QKVRope | None, placeholder: torch.Tensor) -> tuple:
+    """(k_cache, v_cache, slots, positions, cos_sin, q_norm_w, k_norm_w, eps, num_heads, num_kv_heads)."""
+    if rope is None:
+        return (placeholder,) * 7 + (0.0, 1, 1)
+    qw = rope.q_norm_weight if rope.q_norm_weight is not None else rope.cos_sin_cache
+    kw = rope.k_norm_weight if rope.k_norm_weight is not None else rope.cos_sin_cache
+    return (rope.k_cache, rope.v_cache, rope.slot_mapping, rope.positions, rope.cos_sin_cache, qw, kw, rope.eps,
+            rope.num_heads, rope.num_kv_heads)
 
 
 @jit
-def _residual_sum(x_ptr, res_ptr, cols, K, HAS_RESIDUAL: tl.constexpr):
-    """x + residual for one row, rounded to the model dtype like HF's add, as fp32."""
-    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-    if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(res_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)).to(x.dtype)
+def _load_weight(w_rows, cols, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(w_rows + cols)
+    return tl.load(w_rows + cols, mask=cols < K, other=0.0)
+
+
+@jit
+def _inv_rms(x_ptr, res_ptr, offs_m, M, K, stride_xm, stride_rm, eps,
+             BLOCK_M: tl.constexpr, NORM_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """1 / rms of rows x + residual over all of K (the sum rounded to the model dtype, like HF's add): [BLOCK_M]."""
+    rows = offs_m[:, None]
+    cols = tl.arange(0, NORM_K)[None, :]
+    sum_sq = tl.zeros((BLOCK_M, NORM_K), dtype=tl.float32)
+    for k in range(0, K, NORM_K):
+        mask = (rows < M) & (k + cols < K)
+        h = tl.load(x_ptr + rows * stride_xm + k + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rows * stride_rm + k + cols, mask=mask, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+        h = h.to(tl.float32)
+        sum_sq += h * h
+    return tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)
+
+
+@jit
+def _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, rows, row_ok, cols, K, stride_xm, stride_rm, stride_rom,
+              inv_rms, write_residual, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The x the product sees at (rows, cols), as fp32 holding model-dtype values: x itself, or
+    norm_w · round(h · inv_rms) with h = x + residual (written to res_out where write_residual), or
+    silu(gate) · up for the [gate | up] row — each rounded like the separate kernel it replaces."""
+    mask = row_ok & (cols < K)
+    x = tl.load(x_ptr + rows * stride_xm + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    if PROLOGUE == 1:
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rows * stride_rm + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+            if write_residual:
+                tl.store(res_out_ptr + rows * stride_rom + cols, x, mask=mask)
+        nw = tl.load(norm_w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        return (nw * (x.to(tl.float32) * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    if PROLOGUE == 2:
+        gate = x.to(tl.float32)
+        up = tl.load(x_ptr + rows * stride_xm + K + cols, mask=mask, other=0.0).to(tl.float32)
+        return (gate / (1.0 + tl.exp(-gate)) * up).to(dtype).to(tl.float32)
     return x.to(tl.float32)
 
 
-@jit(do_not_specialize=["M"])
+@jit
+def _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, res_ptr, res_out_ptr, norm_w_ptr,
+                stride_xm, stride_rm, stride_rom, inv_rms, write_residual,
+                BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Fold the weight tile w [BLOCK_N, BLOCK_K] at column k into the accumulators."""
+    cols = k + offs_k[None, :]
+    if USE_DOT:
+        x = _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_m[:, None], offs_m[:, None] < M, cols, K,
+                      stride_xm, stride_rm, stride_rom, inv_rms[:, None], write_residual, PROLOGUE, HAS_RESIDUAL)
+        if DOT_IN_FP32:  # same products: bf16 x bf16 is exact in fp32
+            acc = tl.dot(w.to(tl.float32), tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc, input_precision=DOT_PRECISION)
+    elif BLOCK_M == 1:
+        x = _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_m[:, None], offs_m[:, None] < M, cols, K,
+                      stride_xm, stride_rm, stride_rom, inv_rms[:, None], write_residual, PROLOGUE, HAS_RESIDUAL)
+        acc_wide += w.to(tl.float32) * x
+    else:  # one row of x at a time keeps the live registers at one [BLOCK_N, BLOCK_K] product
+        wf = w.to(tl.float32)
+        for i in tl.static_range(BLOCK_M):
+            row = tl.full((1, 1), i, dtype=tl.int32)
+            inv_i = tl.sum(tl.where(offs_m == i, inv_rms, 0.0), axis=0)
+            xi = _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, row, row < M, cols, K, stride_xm, stride_rm,
+                           stride_rom, inv_i, write_residual, PROLOGUE, HAS_RESIDUAL)
+            product = tl.sum(wf * xi, axis=1)
+            acc += tl.where(offs_m[None, :] == i, product[:, None], 0.0)
+    return acc, acc_wide
+
+
+@jit
+def _store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, tile,
+                k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps,
+                num_heads, num_kv_heads, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+                ROPE: tl.constexpr, HAS_QK_NORM: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] fp32 (+ bias in fp32) → out[m, n] rounded once, or through the rope epilogue."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+    if ROPE:
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        qkv_tile_epilogue(y, tile, offs_m, M, out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr,
+                          qw_ptr, kw_ptr, qk_eps, num_heads, num_kv_heads, BLOCK_N, BLOCK_M, HAS_QK_NORM)
+    else:
+        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@jit(do_not_specialize=["M", "num_heads", "num_kv_heads"])  # one compiled kernel for every batch and head count
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
                  res_ptr, res_out_ptr, norm_w_ptr, eps,
-                 M, N, K, stride_xm, stride_om, k_per_split,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps,
+                 num_heads, num_kv_heads,
+                 M, N, K, stride_xm, stride_rm, stride_rom, stride_om, k_per_split,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
                  USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  REDUCE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                 DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 ROPE: tl.constexpr, HAS_QK_NORM: tl.constexpr, USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -299,62 +496,41 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     # Rows past N wrap around so weight loads need no mask (those outputs are never stored).
     w_rows = w_ptr + (offs_n % N).to(tl.int64)[:, None] * K
-    x_rows = x_ptr + offs_m[:, None] * stride_xm  # the [BLOCK_M, BLOCK_K] x tile of the dot path
-    m_mask = offs_m[:, None] < M
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
+    k_loop = k_start
+    if USE_PDL:  # the first weight tile streams in while the previous kernel finishes; x only after the wait
+        w_first = _load_weight(w_rows, k_start + offs_k[None, :], K, EVEN_K)
+        gdc_wait()
+        gdc_launch_dependents()
+        k_loop = k_start + BLOCK_K
 
-    inv_rms = 0.0
-    if PROLOGUE == 1:  # RMSNorm prologue (one row, K unsplit): every program first takes the row's norm
-        sum_sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            h = _residual_sum(x_ptr, res_ptr, k + offs_k, K, HAS_RESIDUAL)
-            sum_sq += h * h
-        inv_rms = tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
+    inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == 1:
+        inv_rms = _inv_rms(x_ptr, res_ptr, offs_m, M, K, stride_xm, stride_rm, eps, BLOCK_M, NORM_K, HAS_RESIDUAL)
+    write_residual = pid_n == 0  # the programs of the first column tile write the new residual stream
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_wide = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # M = 1: reduce over K once, at the end
-    for k in tl.range(k_start, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
-        cols = k + offs_k[None, :]
-        if EVEN_K:
-            w = tl.load(w_rows + cols)
-        else:
-            w = tl.load(w_rows + cols, mask=cols < K, other=0.0)
-        if USE_DOT:
-            x = tl.load(x_rows + cols, mask=m_mask & (cols < K), other=0.0)
-            if DOT_IN_FP32:  # same products: bf16 x bf16 is exact in fp32
-                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
-        elif BLOCK_M == 1:
-            if PROLOGUE == 1:  # x = norm_w · round(h · inv_rms), rounded like the separate RMSNorm kernel
-                h = _residual_sum(x_ptr, res_ptr, cols, K, HAS_RESIDUAL)
-                if HAS_RESIDUAL:
-                    if pid_n == 0:  # one program writes the new residual stream
-                        tl.store(res_out_ptr + cols, h.to(res_out_ptr.dtype.element_ty), mask=cols < K)
-                dtype = out_ptr.dtype.element_ty
-                nw = tl.load(norm_w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-                xf = (nw * (h * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            elif PROLOGUE == 2:  # x = silu(gate) · up from the [gate | up] row, rounded once
-                gate = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-                up = tl.load(x_ptr + K + cols, mask=cols < K, other=0.0).to(tl.float32)
-                xf = (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty).to(tl.float32)
-            else:
-                xf = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-            acc_wide += w.to(tl.float32) * xf
-        else:  # one row of x at a time keeps the live registers at one [BLOCK_N, BLOCK_K] product
-            wf = w.to(tl.float32)
-            for i in tl.static_range(BLOCK_M):  # rows past M repeat row M - 1 and are never stored
-                xi = tl.load(x_ptr + tl.minimum(i, M - 1) * stride_xm + cols, mask=cols < K, other=0.0)
-                row = tl.sum(wf * xi.to(tl.float32), axis=1)
-                acc += tl.where(offs_m[None, :] == i, row[:, None], 0.0)
+    if USE_PDL:
+        acc, acc_wide = _accumulate(acc, acc_wide, w_first, k_start, offs_m, offs_k, M, K, x_ptr, res_ptr,
+                                    res_out_ptr, norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms,
+                                    write_residual, BLOCK_M, USE_DOT, DOT_PRECISION, DOT_IN_FP32, PROLOGUE,
+                                    HAS_RESIDUAL)
+    for k in tl.range(k_loop, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
+        w = _load_weight(w_rows, k + offs_k[None, :], K, EVEN_K)
+        acc, acc_wide = _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, res_ptr, res_out_ptr,
+                                    norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms, write_residual,
+                                    BLOCK_M, USE_DOT, DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL)
     if not USE_DOT and BLOCK_M == 1:
         acc = tl.sum(acc_wide, axis=1)[:, None]
 
-    out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     if num_splits == 1:
-        _write_output(acc, bias_ptr, out_ptr, offs_n, offs_m, N, stride_om, out_mask, HAS_BIAS)
+        _store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, pid_n, k_cache_ptr, v_cache_ptr,
+                    slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps, num_heads, num_kv_heads,
+                    BLOCK_N, BLOCK_M, HAS_BIAS, ROPE, HAS_QK_NORM)
     else:
+        out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
         tile = offs_m[None, :] * N + offs_n[:, None]  # partials are [split, M, N] fp32
         tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=out_mask)
         tl.debug_barrier()  # all threads' partials are written before the (thread-0) release below
@@ -368,5 +544,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
                                 mask=(s < num_splits)[:, None, None] & out_mask[None, :, :], other=0.0,
                                 cache_modifier=".cg")  # from L2: other SMs wrote them
                 total += tl.sum(parts, axis=0)
-            _write_output(total, bias_ptr, out_ptr, offs_n, offs_m, N, stride_om, out_mask, HAS_BIAS)
+            _store_tile(total, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, pid_n, k_cache_ptr, v_cache_ptr,
+                        slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps, num_heads, num_kv_heads,
+                        BLOCK_N, BLOCK_M, HAS_BIAS, ROPE, HAS_QK_NORM)
             tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call / graph replay

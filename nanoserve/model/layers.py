@@ -167,9 +167,10 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.backend = "torch"  # "torch" | "triton", see nanoserve.kernels.attention.select_backend
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, meta: AttentionMetadata,
                 kv_stored: bool = False) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] → [T, H, D]; stores k/v at meta.slot_mapping unless kv_stored."""
+        """q [T, H, D], k/v [T, Hkv, D] → [T, H, D]; stores k/v at meta.slot_mapping unless kv_stored (k and v
+        may then be None: they are in the cache)."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention layer has no KV cache: the model runner must set k_cache/v_cache first")
         return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.backend, kv_stored)

@@ -32,3 +32,9 @@ def test_rms_norm_with_and_without_residual(dtype, n):
 def test_silu_and_mul(dtype):
     x = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     torch.testing.assert_close(fused.silu_and_mul(x, force_triton=True), fused.silu_and_mul_ref(x), **tol(dtype))
+
+
+@pytest.mark.usefixtures("pdl_in_interpreter")
+def test_pdl_path_in_the_interpreter():
+    test_rms_norm_with_and_without_residual(torch.float32, 100)
+    test_silu_and_mul(torch.float32)

@@ -58,3 +58,9 @@ def test_qk_norm_rope_stores_k_and_v_in_the_paged_cache(dtype):
     untouched = torch.ones(blocks * block_size, dtype=torch.bool)
     untouched[slots.cpu()] = False
     assert not k_cache[untouched.to(DEVICE)].any() and not v_cache[untouched.to(DEVICE)].any()
+
+
+@pytest.mark.usefixtures("pdl_in_interpreter")
+def test_pdl_path_in_the_interpreter():
+    test_qk_norm_rope_on_strided_views(True, torch.float32)
+    test_qk_norm_rope_stores_k_and_v_in_the_paged_cache(torch.float32)

@@ -101,18 +101,23 @@ class GemvConfig:
 TRITON, CUBLAS = "triton", "cublas"
 # rows bucket (the smallest key >= M) → ((weight MiB up to, None = any; the best Triton variant there; the
 # faster of triton / cublas for the plain product), ...). The Triton variant also runs the fused prologue and
-# epilogue paths, which cuBLAS cannot. Values: `python benchmarks/gemv.py --table` on the H200 prints this dict.
-# These are from benchmarks/results/gemv_h200.json (M = 1, 2 measured; the others until the next sweep): one
-# row beats cuBLAS on every decode matrix up to ~160 MB, two rows only below 8 MB, four and more never.
+# epilogue paths, which cuBLAS cannot. `python benchmarks/gemv.py` on the H200 prints this dict to paste.
+# Until that sweep: M <= 16 from benchmarks/results/gemv_h200.json (the kernel before PDL and the 64-row path:
+# it beats cuBLAS at one row up to ~160 MB, at 2-16 rows by 2-40 % except on Llama's 224 MB gate_up at 2-4
+# rows; lm_heads were not measured); 32 and 64 rows were not measured, so cuBLAS keeps their plain products.
 GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
     1: ((8, "fma 4x1024 w4 st3 p0", TRITON), (160, "fma 8x512 w4 st3 p0", TRITON),
         (None, "fma 8x512 w4 st3 p0", CUBLAS)),
-    2: ((8, "fma 4x1024 w4 st3 p0", TRITON), (None, "fma 8x512 w4 st3 p0", CUBLAS)),
-    4: ((None, "fma 8x512 w4 st3 p0", CUBLAS),),
-    8: ((None, "dot 32x256 w4 st3 p1", CUBLAS),),
-    16: ((None, "dot 32x256 w4 st3 p1", CUBLAS),),
-    32: ((None, "dot 32x256 w4 st3 p1", CUBLAS),),
-    64: ((None, "dot 32x256 w4 st3 p1", CUBLAS),),
+    2: ((6, "fma 4x1024 w4 st3 p0", TRITON), (16, "dot 64x128 w4 st4 p0", TRITON),
+        (160, "dot 64x128 w4 st4 p1", TRITON), (None, "dot 64x128 w4 st4 p0", CUBLAS)),
+    4: ((5, "fma 4x1024 w4 st3 p0", TRITON), (16, "dot 64x128 w4 st4 p0", TRITON),
+        (160, "dot 64x128 w4 st4 p1", TRITON), (None, "dot 64x128 w4 st4 p0", CUBLAS)),
+    8: ((16, "dot 64x128 w4 st4 p0", TRITON), (230, "dot 64x128 w4 st4 p1", TRITON),
+        (None, "dot 64x128 w4 st4 p1", CUBLAS)),
+    16: ((16, "dot 64x128 w4 st4 p0", TRITON), (230, "dot 64x128 w4 st4 p1", TRITON),
+         (None, "dot 64x128 w4 st4 p1", CUBLAS)),
+    32: ((None, "dot 64x128 w4 st4 p1", CUBLAS),),
+    64: ((None, "dot 64x128 w4 st4 p1", CUBLAS),),
 }
 # Rows up to which the fused paths (norm / SiLU prologue, rope epilogue) run when their switch is on.
 FUSE_MAX_M = 64

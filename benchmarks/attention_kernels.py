@@ -1,4 +1,4 @@
-"""GPU check and benchmark of the Triton paged-attention kernels (nanoserve/attention/triton_kernels.py).
+"""GPU check and benchmark of the Triton paged-attention kernels (nanoserve/kernels/attention.py).
 
     python benchmarks/attention_kernels.py benchmarks/results/attention_kernels.json [--no-sweep]
 
@@ -31,9 +31,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from nanoserve.attention import torch_ref  # noqa: E402
-from nanoserve.attention import triton_kernels as tk  # noqa: E402
-from nanoserve.attention.metadata import AttentionMetadata  # noqa: E402
+from nanoserve.kernels import attention as tk  # noqa: E402
+from nanoserve.kernels import reference as torch_ref  # noqa: E402
+from nanoserve.kernels._triton import num_sms  # noqa: E402
+from nanoserve.kernels.metadata import AttentionMetadata  # noqa: E402
 
 PEAK_TBPS = 4.2  # achievable HBM3e bandwidth of an H200 (4.8 TB/s on paper)
 MODELS = {"qwen3-0.6b": (16, 8), "llama-3.1-8b": (32, 8)}  # (q heads, kv heads), head_dim 128
@@ -181,7 +182,7 @@ def check_correctness(results: list) -> None:
             q = torch.randn(batch, num_heads, HEAD_DIM, device=DEV, dtype=dtype)
             out = tk.decode_attention(q, k_cache, v_cache, tables, lens, scale)
             ref = torch_ref.decode_attention(q, k_cache, v_cache, tables, lens, scale)
-            r["num_splits"] = tk.decode_num_splits(batch, num_kv_heads, blocks * block_size, tk._num_sms(DEV))
+            r["num_splits"] = tk.decode_num_splits(batch, num_kv_heads, blocks * block_size, num_sms(DEV))
             r.update(errors(out, ref, 2e-2 if dtype == torch.bfloat16 else 5e-3))
             del k_cache, v_cache
 
@@ -212,7 +213,7 @@ def check_correctness(results: list) -> None:
 
 def bench_decode(results: list, k_cache: torch.Tensor, v_cache: torch.Tensor, compare_one_split: bool) -> None:
     scale = HEAD_DIM ** -0.5
-    sms = tk._num_sms(DEV)
+    sms = num_sms(DEV)
     for model, (num_heads, num_kv_heads) in MODELS.items():
         for batch in BATCHES:
             for ctx in CONTEXTS:
@@ -275,7 +276,7 @@ def sweep_decode(results: list, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
         q = torch.randn(batch, num_heads, HEAD_DIM, device=DEV, dtype=k_cache.dtype)
         kv_bytes = 2 * batch * ctx * num_kv_heads * HEAD_DIM * k_cache.element_size()
-        base = tk.decode_num_splits(batch, num_kv_heads, ctx, tk._num_sms(DEV))
+        base = tk.decode_num_splits(batch, num_kv_heads, ctx, num_sms(DEV))
         variants = [dict(s) for s in settings] + [{"num_splits": n} for n in sorted({1, max(1, base // 2), base * 2})]
         for variant in variants:
             splits = variant.get("num_splits")

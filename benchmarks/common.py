@@ -86,7 +86,36 @@ LLAMA_3_1_8B: dict = {
     "torch_dtype": "bfloat16",
 }
 
-MODEL_CONFIGS: dict[str, dict] = {"qwen3-0.6b": QWEN3_0_6B, "llama-3.1-8b": LLAMA_3_1_8B}
+# The shape of SmolLM2-135M(-Instruct): a tiny model whose step is all launch overhead (floor ~0.06 ms).
+SMOLLM2_135M: dict = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+    "rope_theta": 100000.0,
+    "rope_scaling": None,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "mlp_bias": False,
+    "pretraining_tp": 1,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": 0.041666666666666664,
+    "use_cache": True,
+    "torch_dtype": "bfloat16",
+}
+
+MODEL_CONFIGS: dict[str, dict] = {"qwen3-0.6b": QWEN3_0_6B, "llama-3.1-8b": LLAMA_3_1_8B,
+                                  "smollm2-135m": SMOLLM2_135M}
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -12,7 +12,7 @@ For each model (random bf16 weights from a real config.json, load_format="dummy"
 
 Writes <out>/decode_latency.json (environment, settings, every number) and <out>/decode_latency.png.
 
-    python benchmarks/decode_latency.py                      # both models, b = 1 … 256, context 512
+    python benchmarks/decode_latency.py                      # the three shapes, b = 1 … 256, context 512
     python benchmarks/decode_latency.py --models qwen3-0.6b --batch-sizes 1 8 64
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ from benchmarks.common import (  # noqa: E402
     write_model_dir,
 )
 
-DEFAULT_MODELS = ["qwen3-0.6b", "llama-3.1-8b"]
+DEFAULT_MODELS = ["qwen3-0.6b", "llama-3.1-8b", "smollm2-135m"]
 DEFAULT_BATCH_SIZES = power_of_two_sizes(256)
 DEFAULT_E2E_BATCH_SIZES = [1, 8, 64, 256]
 E2E_WARMUP_STEPS = 3

@@ -1,35 +1,39 @@
-"""GPU benchmark of the one-launch skinny matmul (nanoserve/model/gemv.py) against cuBLAS (F.linear).
+"""GPU sweep of the few-row GEMV (nanoserve/kernels/gemv.py) against cuBLAS; prints the GEMV_TABLE to paste.
 
-    python benchmarks/gemv.py benchmarks/results/gemv_h200.json [--budget-s 165] [--m 1,2,4,8,16]
+    python benchmarks/gemv.py OUT.json [--budget-s 170] [--m 1,2,4,8,16,32,64] [--models ...]
 
-For the decode linear layers of Qwen3-0.6B and Llama-3.1-8B (bf16) and M = 1, 2, 4, 8, 16 rows:
-correctness (max error relative to the largest output, against an fp32 reference, for cuBLAS and
-every Triton variant), then the time per call of cuBLAS, of the module's default variant, and of
-every swept variant (gemv.configs_for), the achieved TB/s, and the best variant per (shape, M).
-It ends with a few extra checks (bias, odd N, split-K under CUDA-graph replay) and suggests the
-module constants (default variants, FMA_MAX_M, MAX_M, MAX_WEIGHT_BYTES) from the measurements.
+For the decode matrices (qkv, o_proj, gate_up, down, lm_head; bf16) of Qwen3-0.6B, Llama-3.1-8B and the
+SmolLM2-135M shape, and M = 1, 2, 4, 8, 16, 32, 64 rows: correctness (max error relative to the largest
+output, against an fp32 reference) of cuBLAS and every Triton variant, then the time per call of cuBLAS,
+of the variant GEMV_TABLE picks now (with programmatic dependent launch on and off), and of every swept
+variant (configs_for), the achieved TB/s and the best variant per (shape, M). From those it derives the
+dispatch table (rows bucket → weight-size ranges → best shared variant, Triton or cuBLAS) and prints it as
+Python for nanoserve/kernels/gemv.py. A few extra checks close the run (bias, odd N, fp16, split-K under
+CUDA-graph replay).
 
 Timing: for each variant, a CUDA graph of back-to-back calls is captured; the calls rotate through
 copies of the weight that together hold >= 3x the L2 cache, so every call streams its weight
 from HBM as in a real decode step. The graph is replayed (3 replays per sample, 7 samples) and
 the time per call is the median sample / calls. It includes the launch gap between kernels in a
-graph — what a decode step pays — and cuBLAS's separate split-K reduce kernel where it uses one.
+graph — what a decode step pays — and, with PDL, the overlap of consecutive Triton launches.
 
-Every variant is isolated: a failure is recorded in the JSON and the run goes on. The JSON is
-rewritten after every shape. All variants are compiled first; the sweep then shares what is left
-of --budget-s among the shapes and skips the variants it has no time for (cuBLAS and the default
-are always timed), so the run stays under 3 minutes. Compiled kernels are cached (~/.triton), so a
-second run has more time for the sweep.
+Budget: all variants are compiled first, in parallel worker processes (Triton's on-disk cache then serves
+them); the sweep shares what is left of --budget-s among the shapes and skips the variants it has no time
+for (cuBLAS and the table's variant are always timed). Every variant is isolated: a failure is recorded
+in the JSON and the run goes on; the JSON is rewritten after every shape.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+from multiprocessing import get_context
 from pathlib import Path
 
 import torch
@@ -38,14 +42,52 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: nanoserve, benchmarks.common
 
 from benchmarks.common import MODEL_CONFIGS, env_info, head_dim, write_json  # noqa: E402
-from nanoserve.model import gemv  # noqa: E402
-from nanoserve.model.gemv import GemvConfig  # noqa: E402
+from nanoserve.kernels import gemv  # noqa: E402
+from nanoserve.kernels._triton import HAS_TRITON  # noqa: E402
+from nanoserve.kernels.gemv import CUBLAS, TRITON, GemvConfig  # noqa: E402
+from nanoserve.kernels.switches import switched  # noqa: E402
 
 DTYPE = torch.bfloat16
-COPY_TBPS = 4.2  # measured device-to-device copy bandwidth of the H200, the practical ceiling
 ERR_OK = 1e-2  # max |out - ref| / max |ref|: bf16 rounding is ~4e-3
-SAMPLES, REPLAYS_PER_SAMPLE, MIN_CALLS, MAX_COPIES = 7, 3, 20, 64
-RESERVE_S = 20.0  # of --budget-s, kept for the last shape's cuBLAS/default timings, the extra checks, the summary
+SAMPLES, REPLAYS_PER_SAMPLE, MIN_CALLS, MAX_COPIES = 7, 3, 20, 320
+RESERVE_S = 15.0  # of --budget-s, kept for the last shape's fixed timings, the extra checks, the summary
+WIN_MARGIN = 0.02  # Triton must beat cuBLAS by this fraction to take a plain product
+SHARE_SLACK = 1.05  # shapes share a table entry when one variant is within this factor of each one's best
+LAYERS = ("qkv", "o_proj", "gate_up", "down", "lm_head")
+
+# -- the sweep: (block_n, block_k, num_warps, num_stages) per path, and split rules --------------------------
+SWEEP_FMA_TILES = ((4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 2), (16, 512, 4, 3), (16, 256, 4, 4),
+                   (32, 256, 8, 3))
+SWEEP_DOT_TILES = ((16, 512, 4, 3), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 8, 3),
+                   (128, 128, 8, 3))
+SWEEP_PROGRAMS_PER_SM = (0, 1, 2, 4)
+SWEEP_FMA_MAX_M = 4  # the FMA path is swept up to this many rows, the dot path from 2 rows
+H200_SMS = 132  # SM count assumed when no GPU says otherwise (tests of the sweep logic)
+
+
+def sweep_configs(m: int) -> list[GemvConfig]:
+    """Every swept variant for m rows, before removing those that resolve to the same launch."""
+    paths = [(False, t) for t in SWEEP_FMA_TILES] if m <= SWEEP_FMA_MAX_M else []
+    paths += [(True, t) for t in SWEEP_DOT_TILES] if m >= 2 else []
+    return [GemvConfig(bn, bk, warps, stages, use_dot, per_sm)
+            for use_dot, (bn, bk, warps, stages) in paths for per_sm in SWEEP_PROGRAMS_PER_SM]
+
+
+def launch_key(config: GemvConfig, m: int, n: int, k: int, sms: int) -> tuple:
+    """Two configs with the same key run the same launch on this shape."""
+    p = gemv.plan(config, m, n, k, sms)
+    return (p.use_dot, p.block_n, p.block_k, p.num_warps, p.num_stages, p.split_k)
+
+
+def configs_for(m: int, n: int, k: int, sms: int = H200_SMS) -> list[GemvConfig]:
+    """The swept variants worth timing for one shape: one per distinct launch."""
+    out, seen = [], set()
+    for cfg in sweep_configs(m):
+        key = launch_key(cfg, m, n, k, sms)
+        if key not in seen:
+            seen.add(key)
+            out.append(cfg)
+    return out
 
 
 @dataclass(frozen=True)
@@ -64,16 +106,68 @@ class Shape:
         return self.n * self.k * DTYPE.itemsize
 
 
-def decode_shapes() -> list[Shape]:
-    """qkv, o_proj, gate_up and down of each model in benchmarks/common.py (fused as nanoserve runs them)."""
+def decode_shapes(models: list[str]) -> list[Shape]:
+    """qkv, o_proj, gate_up, down (fused as nanoserve runs them) and lm_head of each model in benchmarks/common.py."""
     shapes = []
-    for model in ("qwen3-0.6b", "llama-3.1-8b"):
+    for model in models:
         cfg = MODEL_CONFIGS[model]
         h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], head_dim(cfg)
         q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
         shapes += [Shape(model, "qkv", q + 2 * kv, h), Shape(model, "o_proj", h, q),
-                   Shape(model, "gate_up", 2 * inter, h), Shape(model, "down", h, inter)]
+                   Shape(model, "gate_up", 2 * inter, h), Shape(model, "down", h, inter),
+                   Shape(model, "lm_head", cfg["vocab_size"], h)]
     return shapes
+
+
+# --------------------------------------------------------------------------------------------- compiling
+
+
+def compile_jobs(shapes: list[Shape], ms: list[int], sms: int) -> list[tuple[int, int, str]]:
+    """(m, k, config) launches that together compile every kernel the sweep runs: a kernel is specialised on its
+    constexprs (tiles, EVEN_K, ...) and on K, not on N (every decode N is a multiple of 16, like the N used here)."""
+    jobs, seen = [], set()
+    for shape in shapes:
+        for m in ms:
+            cfgs = configs_for(m, shape.n, shape.k, sms) + [gemv.choose(m, shape.n, shape.k, 2)[0]]
+            for cfg in cfgs:
+                p = gemv.plan(cfg, m, shape.n, shape.k, sms)
+                key = (p.block_m, p.block_n, p.block_k, p.use_dot, p.num_warps, p.num_stages, p.reduce_chunk,
+                       shape.k % p.block_k == 0)
+                if key not in seen:
+                    seen.add(key)
+                    jobs.append((m, shape.k, cfg.short()))
+    return jobs
+
+
+def _compile_worker(jobs: list[tuple[int, int, str]]) -> list[str]:
+    """In a worker process: run each launch once (PDL on and off) so that Triton's on-disk cache holds it."""
+    errors = []
+    for m, k, name in jobs:
+        try:
+            x = torch.randn(m, k, dtype=DTYPE, device="cuda")
+            w = torch.randn(64, k, dtype=DTYPE, device="cuda")
+            for pdl in (True, False):
+                with switched(pdl=pdl):
+                    gemv.linear(x, w, force_triton=True, config=GemvConfig.parse(name))
+            torch.cuda.synchronize()
+        except Exception as exc:
+            errors.append(f"M={m} K={k} {name}: {type(exc).__name__}: {exc}"[:300])
+    return errors
+
+
+def precompile(shapes: list[Shape], ms: list[int], sms: int, workers: int) -> dict:
+    start = time.perf_counter()
+    jobs = compile_jobs(shapes, ms, sms)
+    chunks = [jobs[i::workers] for i in range(workers)]
+    errors: list[str] = []
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+        for result in pool.map(_compile_worker, [c for c in chunks if c]):
+            errors += result
+    record = {"seconds": round(time.perf_counter() - start, 1), "kernels": len(jobs), "workers": workers,
+              "errors": errors}
+    print(f"compiled {len(jobs)} kernel variants in {record['seconds']} s with {workers} workers "
+          f"({len(errors)} failed)", flush=True)
+    return record
 
 
 # --------------------------------------------------------------------------------------------- measuring
@@ -130,8 +224,33 @@ def measure(call, copies: int, ref: torch.Tensor, moved_bytes: int) -> dict:
 
 def config_record(cfg: GemvConfig, m: int, shape: Shape, sms: int) -> dict:
     p = gemv.plan(cfg, m, shape.n, shape.k, sms)
-    return {"name": cfg.short(), "config": asdict(cfg), "split_k": p.split_k, "grid": list(p.grid),
-            "launch_key": list(gemv.launch_key(cfg, m, shape.n, shape.k, sms))}
+    return {"name": cfg.short(), "split_k": p.split_k, "grid": list(p.grid),
+            "launch_key": list(launch_key(cfg, m, shape.n, shape.k, sms))}
+
+
+def bench_case(shape: Shape, m: int, weights: list[torch.Tensor], sms: int, deadline: float) -> dict:
+    copies = len(weights)
+    x = torch.randn(m, shape.k, dtype=DTYPE, device="cuda")
+    ref = x.float() @ weights[0].float().T
+    moved = shape.weight_bytes + (m * shape.k + m * shape.n) * DTYPE.itemsize
+    case = {"model": shape.model, "layer": shape.layer, "n": shape.n, "k": shape.k, "m": m,
+            "weight_bytes": shape.weight_bytes, "weight_copies": copies}
+    case["cublas"] = measure(lambda i: F.linear(x, weights[i]), copies, ref, moved)
+    table_cfg, triton_wins = gemv.choose(m, shape.n, shape.k, DTYPE.itemsize)
+    run = lambda cfg: lambda i: gemv.linear(x, weights[i], force_triton=True, config=cfg)  # noqa: E731
+    case["table"] = {**config_record(table_cfg, m, shape, sms), "table_says": TRITON if triton_wins else CUBLAS,
+                     **measure(run(table_cfg), copies, ref, moved)}
+    with switched(pdl=False):
+        case["table_no_pdl"] = measure(run(table_cfg), copies, ref, moved)
+    case["configs"], case["skipped_configs"] = [], 0
+    for cfg in configs_for(m, shape.n, shape.k, sms):
+        if time.perf_counter() > deadline:
+            case["skipped_configs"] += 1
+            continue
+        case["configs"].append({**config_record(cfg, m, shape, sms), **measure(run(cfg), copies, ref, moved)})
+    timed = [c for c in case["configs"] + [case["table"]] if c.get("ok") and "us" in c]
+    case["best"] = min(timed, key=lambda c: c["us"]) if timed else None
+    return case
 
 
 def bench_shape(shape: Shape, ms: list[int], sms: int, l2_bytes: int, deadline: float) -> list[dict]:
@@ -139,49 +258,14 @@ def bench_shape(shape: Shape, ms: list[int], sms: int, l2_bytes: int, deadline: 
     weights = [torch.empty(shape.n, shape.k, dtype=DTYPE, device="cuda").normal_(0, shape.k ** -0.5)
                for _ in range(copies)]
     cases = []
-    for m in ms:
-        x = torch.randn(m, shape.k, dtype=DTYPE, device="cuda")
-        ref = x.float() @ weights[0].float().T
-        moved = shape.weight_bytes + (m * shape.k + m * shape.n) * DTYPE.itemsize
-        case = {"model": shape.model, "layer": shape.layer, "n": shape.n, "k": shape.k, "m": m,
-                "weight_bytes": shape.weight_bytes, "weight_copies": copies}
-        case["cublas"] = measure(lambda i: F.linear(x, weights[i]), copies, ref, moved)
-        default = gemv.default_config(m, shape.n, shape.k)
-        case["default"] = {**config_record(default, m, shape, sms),
-                           **measure(lambda i: gemv.linear(x, weights[i], force_triton=True), copies, ref, moved)}
-        case["auto_uses_kernel"] = gemv.kernel_applies(x, weights[0], None)
-        case["configs"], case["skipped_configs"] = [], 0
-        for cfg in gemv.configs_for(m, shape.n, shape.k, sms):
-            if time.perf_counter() > deadline:
-                case["skipped_configs"] += 1
-                continue
-            case["configs"].append({**config_record(cfg, m, shape, sms), **measure(
-                lambda i, cfg=cfg: gemv.linear(x, weights[i], force_triton=True, config=cfg), copies, ref, moved)})
-        timed = [c for c in case["configs"] + [case["default"]] if c.get("ok") and "us" in c]
-        case["best"] = min(timed, key=lambda c: c["us"]) if timed else None
-        cases.append(case)
-        print_case(case)
+    start = time.perf_counter()
+    for i, m in enumerate(ms):  # each row count gets its share of the shape's time
+        case_deadline = start + (deadline - start) * (i + 1) / len(ms)
+        cases.append(bench_case(shape, m, weights, sms, case_deadline))
+        print_case(cases[-1])
     del weights
     torch.cuda.empty_cache()
     return cases
-
-
-def precompile(ms: list[int], sms: int) -> dict:
-    """Compile every swept kernel variant once (a 4096x4096 weight has the same integer specialisations as
-    the benchmark shapes), so the budgeted sweep times runs, not compiles."""
-    start, errors = time.perf_counter(), []
-    w = torch.empty(4096, 4096, dtype=DTYPE, device="cuda").normal_(0, 4096 ** -0.5)
-    for m in ms:
-        x = torch.randn(m, 4096, dtype=DTYPE, device="cuda")
-        for cfg in gemv.configs_for(m, 4096, 4096, sms):
-            try:
-                gemv.linear(x, w, force_triton=True, config=cfg)
-                torch.cuda.synchronize()
-            except Exception as exc:
-                errors.append(f"M={m} {cfg.short()}: {type(exc).__name__}: {exc}"[:300])
-    record = {"seconds": round(time.perf_counter() - start, 1), "errors": errors}
-    print(f"precompiled the variants in {record['seconds']} s ({len(errors)} failed)", flush=True)
-    return record
 
 
 def extra_checks() -> list[dict]:
@@ -190,15 +274,15 @@ def extra_checks() -> list[dict]:
 
     def run(name, m, n, k, dtype=DTYPE, bias=False, config=None, graph=False):
         record = {"name": name, "m": m, "n": n, "k": k, "dtype": str(dtype)[6:], "bias": bias,
-                  "config": config.short() if config else "default"}
+                  "config": config.short() if config else "table"}
         try:
             x = torch.randn(m, k, dtype=dtype, device="cuda")
             w = torch.empty(n, k, dtype=dtype, device="cuda").normal_(0, k ** -0.5)
             b = torch.randn(n, dtype=dtype, device="cuda") if bias else None
             call = lambda: gemv.linear(x, w, b, force_triton=True, config=config)  # noqa: E731
+            want = lambda: F.linear(x.float(), w.float(), b.float() if bias else None)  # noqa: E731
             if not graph:
-                out = call()
-                record["rel_err"] = rel_err(out, F.linear(x.float(), w.float(), b.float() if bias else None))
+                record["rel_err"] = rel_err(call(), want())
             else:
                 call()  # warm-up: compile, counters
                 g = torch.cuda.CUDAGraph()
@@ -208,7 +292,7 @@ def extra_checks() -> list[dict]:
                 for _ in range(3):
                     x.copy_(torch.randn_like(x))
                     g.replay()
-                    errs.append(rel_err(out, F.linear(x.float(), w.float(), b.float() if bias else None)))
+                    errs.append(rel_err(out, want()))
                 record["rel_err"] = max(errs)
                 record["counters_zero_after"] = int(gemv._counters[x.device].count_nonzero()) == 0
             torch.cuda.synchronize()
@@ -223,26 +307,94 @@ def extra_checks() -> list[dict]:
     run("qkv bias, split-K", 1, 4096, 1024, bias=True, config=GemvConfig(8, 256, split_k=4))
     run("odd N", 5, 1001, 1024, bias=True)
     run("odd N, K not a multiple of block_k", 2, 999, 1040, config=GemvConfig(16, 512, split_k=2))
-    run("fp16", 4, 2048, 2048, dtype=torch.float16)
+    run("fp16, 64 rows", 64, 2048, 2048, dtype=torch.float16)
     run("graph replay, split-K fma", 1, 1024, 2048, bias=True, config=GemvConfig(8, 256, split_k=4), graph=True)
-    run("graph replay, split-K dot", 8, 1024, 3072, config=GemvConfig(32, 256, use_dot=True, split_k=6), graph=True)
+    run("graph replay, split-K dot, 48 rows", 48, 1024, 3072, config=GemvConfig(32, 256, use_dot=True, split_k=6),
+        graph=True)
     return checks
+
+
+# --------------------------------------------------------------------------------------------- the table
+
+
+def timing_lookup(case: dict) -> dict:
+    """launch key → µs for every correct timed variant of a case."""
+    return {tuple(c["launch_key"]): c["us"] for c in case["configs"] + [case["table"]] if c.get("ok") and "us" in c}
+
+
+def best_shared(cases: list[dict], sms: int) -> tuple[str | None, float]:
+    """The variant timed on every case whose worst ratio to each case's best Triton time is smallest."""
+    m = cases[0]["m"]
+    candidates = {c.short(): c for c in sweep_configs(m)}
+    for case in cases:
+        candidates.setdefault(case["table"]["name"], GemvConfig.parse(case["table"]["name"]))
+    best_name, best_worst = None, math.inf
+    lookups = [timing_lookup(case) for case in cases]
+    for name, cfg in sorted(candidates.items()):
+        ratios = []
+        for case, lookup in zip(cases, lookups):
+            us = lookup.get(launch_key(cfg, m, case["n"], case["k"], sms))
+            if us is None:
+                break
+            ratios.append(us / case["best"]["us"])
+        else:
+            if max(ratios) < best_worst:
+                best_name, best_worst = name, max(ratios)
+    return best_name, best_worst
+
+
+def derive_table(cases: list[dict], sms: int) -> dict[int, list[tuple[float | None, str, str]]]:
+    """Per rows bucket: consecutive shapes (by weight size) with the same winner share an entry while one
+    variant stays within SHARE_SLACK of each one's best; entry bounds sit at the geometric middle between groups."""
+    table = {}
+    for m in sorted({c["m"] for c in cases}):
+        rows = sorted((c for c in cases if c["m"] == m and c.get("best") and "us" in c["cublas"]),
+                      key=lambda c: c["weight_bytes"])
+        groups: list[dict] = []
+        for case in rows:
+            winner = TRITON if case["best"]["us"] < case["cublas"]["us"] * (1 - WIN_MARGIN) else CUBLAS
+            if groups and groups[-1]["winner"] == winner:
+                name, worst = best_shared(groups[-1]["cases"] + [case], sms)
+                if name is not None and worst <= SHARE_SLACK:
+                    groups[-1]["cases"].append(case)
+                    groups[-1]["config"] = name
+                    continue
+            groups.append({"winner": winner, "cases": [case], "config": case["best"]["name"]})
+        entries = []
+        for group, nxt in zip(groups, groups[1:] + [None]):
+            if nxt is None:
+                limit = None
+            else:
+                middle = math.sqrt(group["cases"][-1]["weight_bytes"] * nxt["cases"][0]["weight_bytes"])
+                limit = round(middle / 2**20, 1)
+            entries.append((limit, group["config"], group["winner"]))
+        if entries:
+            table[m] = entries
+    return table
+
+
+def table_source(table: dict) -> str:
+    """The table as Python for nanoserve/kernels/gemv.py (GEMV_TABLE)."""
+    lines = ["GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {"]
+    for m, entries in table.items():
+        items = [f"({limit!r}, {cfg!r}, {'TRITON' if w == TRITON else 'CUBLAS'})" for limit, cfg, w in entries]
+        lines.append(f"    {m}: ({', '.join(items)}{',' if len(items) == 1 else ''}),")
+    lines.append("}")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------- reporting
 
 
 def print_case(case: dict) -> None:
-    cb, df, best = case["cublas"], case["default"], case["best"]
+    cb, tb, best = case["cublas"], case["table"], case["best"]
 
     def cell(r):
-        if "us" not in r:
-            return f"{'ERROR':>20s}"
-        return f"{r['us']:7.2f}us {r['tb_per_s']:4.2f}TB/s{'' if r['ok'] else '!'}"
+        return f"{r['us']:7.2f}us {r['tb_per_s']:4.2f}TB/s{'' if r['ok'] else '!'}" if "us" in r else f"{'ERROR':>18s}"
 
     speed = (lambda r: f"x{cb['us'] / r['us']:4.2f}" if r and "us" in r and "us" in cb else "  -  ")
-    line = (f"{case['model']:>12s} {case['layer']:<7s} {case['n']:>5d}x{case['k']:<5d} M={case['m']:<2d} "
-            f"cuBLAS {cell(cb)} | default {cell(df)} {speed(df)} | best ")
+    line = (f"{case['model']:>12s} {case['layer']:<7s} {case['n']:>6d}x{case['k']:<5d} M={case['m']:<2d} "
+            f"cuBLAS {cell(cb)} | table {cell(tb)} {speed(tb)} | best ")
     line += f"{cell(best)} {speed(best)} {best['name']} s{best['split_k']}" if best else "none"
     errors = sum("error" in c for c in case["configs"])
     if errors or case["skipped_configs"]:
@@ -250,107 +402,29 @@ def print_case(case: dict) -> None:
     print(line, flush=True)
 
 
-def timing_lookup(case: dict) -> dict:
-    """launch key → µs for every correct timed variant of a case."""
-    return {tuple(c["launch_key"]): c["us"] for c in case["configs"] + [case["default"]]
-            if c.get("ok") and "us" in c}
-
-
-def score_policies(cases: list[dict], use_dot: bool, sms: int) -> list[tuple[float, GemvConfig]]:
-    """Geometric mean over cases of (policy time / best Triton time); only policies timed in every case."""
-    scored = []
-    for cfg in {c for m in sorted({case["m"] for case in cases}) for c in gemv.sweep_configs(m) if c.use_dot == use_dot}:
-        ratios = []
-        for case in cases:
-            us = timing_lookup(case).get(gemv.launch_key(cfg, case["m"], case["n"], case["k"], sms))
-            if us is None or not case["best"]:
-                break
-            ratios.append(us / case["best"]["us"])
-        else:
-            if ratios:
-                scored.append((math.exp(sum(map(math.log, ratios)) / len(ratios)), cfg))
-    return sorted(scored, key=lambda s: (s[0], s[1].short()))
-
-
-def policy_us(case: dict, cfg: GemvConfig, sms: int) -> float | None:
-    return timing_lookup(case).get(gemv.launch_key(cfg, case["m"], case["n"], case["k"], sms))
-
-
-def suggest(cases: list[dict], sms: int) -> dict:
-    """Default variants, FMA_MAX_M, and the (MAX_M, MAX_WEIGHT_BYTES) rule that saves the most time."""
-    fma_cases = [c for c in cases if c["m"] <= gemv.SWEEP_FMA_MAX_M]
-    dot_cases = [c for c in cases if c["m"] >= 2]
-    fma_scores, dot_scores = score_policies(fma_cases, False, sms), score_policies(dot_cases, True, sms)
-    if not fma_scores or not dot_scores:
-        return {"error": "too few complete measurements to suggest settings"}
-    fma, dot = fma_scores[0][1], dot_scores[0][1]
-    # FMA_MAX_M: the largest row count up to which the FMA default beats the dot default (geomean over shapes).
-    fma_max_m = 1
-    for m in sorted({c["m"] for c in cases if 2 <= c["m"] <= gemv.SWEEP_FMA_MAX_M}):
-        pairs = [(policy_us(c, fma, sms), policy_us(c, dot, sms)) for c in cases if c["m"] == m]
-        pairs = [(a, b) for a, b in pairs if a and b]
-        if not pairs or sum(math.log(a / b) for a, b in pairs) > 0:
-            break
-        fma_max_m = m
-
-    def chosen_us(case):
-        return policy_us(case, fma if case["m"] <= fma_max_m else dot, sms)
-
-    # The rule: kernel iff M <= MAX_M and weight bytes <= MAX_WEIGHT_BYTES. Pick the one that saves the most µs.
-    sizes = sorted({c["weight_bytes"] for c in cases})
-    best_rule, best_saved = (0, 0), 0.0
-    for max_m in sorted({c["m"] for c in cases}):
-        for limit in sizes:
-            saved = 0.0
-            for c in cases:
-                us = chosen_us(c)
-                if c["m"] <= max_m and c["weight_bytes"] <= limit and us and "us" in c["cublas"]:
-                    saved += c["cublas"]["us"] - us
-            if saved > best_saved:
-                best_rule, best_saved = (max_m, limit), saved
-    max_m, limit = best_rule
-    if best_saved <= 0:
-        return {"error": "the kernel never beat cuBLAS: keep it off (MAX_M = 0)", "max_m": 0}
-    above = [s for s in sizes if s > limit]
-    # A MiB value between the largest shape kept and the smallest shape left to cuBLAS (none measured
-    # above: just above the largest measured shape, the kernel was not measured on larger ones).
-    limit_mib = (limit + above[0]) // 2 // 2**20 if above else limit // 2**20 + 1
-    speedups = {f"{c['model']}/{c['layer']}": {} for c in cases}
+def summarize(cases: list[dict], checks: list[dict]) -> dict:
+    bad = []  # timed but wrong
     for c in cases:
-        us = chosen_us(c)
-        speedups[f"{c['model']}/{c['layer']}"][c["m"]] = (c["cublas"]["us"] / us) if us and "us" in c["cublas"] else None
-    cfg_src = lambda c: ", ".join(f"{k}={v!r}" for k, v in asdict(c).items() if k != "split_k")  # noqa: E731
-    constants = (f"MAX_M = {max_m}\nFMA_MAX_M = {fma_max_m}\n"
-                 f"MAX_WEIGHT_BYTES = {limit_mib} * 2**20\n"
-                 f"FMA_CONFIG = GemvConfig({cfg_src(fma)})\nDOT_CONFIG = GemvConfig({cfg_src(dot)})")
-    return {"fma_config": asdict(fma), "fma_score": fma_scores[0][0], "fma_runners_up": [
-                (round(s, 3), c.short()) for s, c in fma_scores[1:4]],
-            "dot_config": asdict(dot), "dot_score": dot_scores[0][0], "dot_runners_up": [
-                (round(s, 3), c.short()) for s, c in dot_scores[1:4]],
-            "fma_max_m": fma_max_m, "max_m": max_m, "max_weight_bytes": limit_mib * 2**20,
-            "saved_us_over_cases": best_saved, "speedup_vs_cublas": speedups, "constants": constants,
-            "note": "score = geomean(time / best Triton time) over shapes and M; 1.0 = best everywhere"}
+        for label, r in [("cublas", c["cublas"]), ("table", c["table"])] + [(r["name"], r) for r in c["configs"]]:
+            if "rel_err" in r and not r["ok"]:
+                bad.append(f"{c['model']}/{c['layer']} M={c['m']} {label} rel_err={r['rel_err']:.3g}")
+    pdl_gain = [c["table_no_pdl"]["us"] / c["table"]["us"] for c in cases
+                if "us" in c["table"] and "us" in c.get("table_no_pdl", {})]
+    return {
+        "correct": not bad and all(ch["ok"] for ch in checks),
+        "wrong_results": bad,
+        "variant_errors": sum("error" in r for c in cases for r in c["configs"] + [c["table"]]),
+        "table_geomean_speedup_vs_cublas": _geomean([c["cublas"]["us"] / c["table"]["us"] for c in cases
+                                                     if "us" in c["cublas"] and "us" in c["table"]]),
+        "best_geomean_speedup_vs_cublas": _geomean([c["cublas"]["us"] / c["best"]["us"] for c in cases
+                                                    if c["best"] and "us" in c["cublas"]]),
+        "pdl_geomean_speedup_of_table_variant": _geomean(pdl_gain),
+    }
 
 
-def print_summary(cases: list[dict], suggestion: dict) -> None:
-    print("\nbest variant per (shape, M):", flush=True)
-    for c in cases:
-        b = c["best"]
-        if b:
-            print(f"  {c['model']}/{c['layer']:<8s} M={c['m']:<2d} {b['name']:<28s} split {b['split_k']:<2d} "
-                  f"{b['us']:6.2f}us vs cuBLAS {c['cublas'].get('us', float('nan')):6.2f}us", flush=True)
-    if "error" in suggestion:
-        print(f"\nno suggestion: {suggestion['error']}", flush=True)
-        return
-    print(f"\nsuggested defaults: FMA {GemvConfig(**suggestion['fma_config']).short()} "
-          f"(score {suggestion['fma_score']:.3f}), DOT {GemvConfig(**suggestion['dot_config']).short()} "
-          f"(score {suggestion['dot_score']:.3f}); speedup vs cuBLAS with them:", flush=True)
-    ms = sorted({c["m"] for c in cases})
-    print("  " + " " * 22 + "".join(f"M={m:<6d}" for m in ms), flush=True)
-    for name, row in suggestion["speedup_vs_cublas"].items():
-        print(f"  {name:<22s}" + "".join(f"{row[m]:<8.2f}" if row.get(m) else f"{'-':<8s}" for m in ms), flush=True)
-    print(f"\nsuggested module constants for nanoserve/model/gemv.py "
-          f"(saves {suggestion['saved_us_over_cases']:.1f} us over these cases):\n{suggestion['constants']}", flush=True)
+def _geomean(values: list[float]) -> float | None:
+    values = [v for v in values if v and v > 0]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -359,40 +433,37 @@ def print_summary(cases: list[dict], suggestion: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output", type=Path, help="where to write the JSON report")
-    parser.add_argument("--budget-s", type=float, default=165.0,
+    parser.add_argument("--budget-s", type=float, default=170.0,
                         help="wall-clock budget of the whole run; the variant sweep stops in time for the rest")
-    parser.add_argument("--m", default="1,2,4,8,16", help="comma-separated row counts")
+    parser.add_argument("--m", default="1,2,4,8,16,32,64", help="comma-separated row counts")
+    parser.add_argument("--models", nargs="+", default=sorted(MODEL_CONFIGS), choices=sorted(MODEL_CONFIGS))
+    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="compile processes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gemv.py needs a CUDA GPU")
-    if gemv.triton is None:
+    if not HAS_TRITON:
         sys.exit("benchmarks/gemv.py needs triton")
-    ms = [int(v) for v in args.m.split(",")]
+    ms = sorted({int(v) for v in args.m.split(",")})
     if any(not 1 <= m <= gemv.MAX_M for m in ms):
         sys.exit(f"--m values must be in 1..{gemv.MAX_M}")
     start = time.perf_counter()
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
     l2_bytes = getattr(props, "L2_cache_size", 60 * 2**20) or 60 * 2**20
-    import triton
-
-    report = {"environment": {**env_info(), "triton": triton.__version__, "sm_count": sms, "l2_bytes": l2_bytes},
+    report = {"environment": {**env_info(), "sm_count": sms, "l2_bytes": l2_bytes},
               "method": "CUDA graph of back-to-back calls rotating through weight copies >= 3x L2; "
                         f"median of {SAMPLES} samples of {REPLAYS_PER_SAMPLE} replays, per call",
-              "module_settings": {k: getattr(gemv, k) for k in ("MAX_M", "FMA_MAX_M", "MIN_WEIGHT_BYTES",
-                                                                "MAX_WEIGHT_BYTES", "MAX_SPLIT_K")},
-              "module_defaults": {"fma": asdict(gemv.FMA_CONFIG), "dot": asdict(gemv.DOT_CONFIG)},
-              "copy_tb_per_s_assumed": COPY_TBPS, "cases": [], "extra_checks": [], "precompile": None}
+              "table_before": {str(m): list(v) for m, v in gemv.GEMV_TABLE.items()},
+              "win_margin": WIN_MARGIN, "share_slack": SHARE_SLACK, "cases": [], "extra_checks": []}
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{report['environment']['gpu']}  torch {torch.__version__}  triton {triton.__version__}  "
+    print(f"{report['environment']['gpu']}  torch {torch.__version__}  triton {report['environment']['triton']}  "
           f"{sms} SMs  L2 {l2_bytes / 2**20:.0f} MiB", flush=True)
     torch.manual_seed(0)
-    report["precompile"] = precompile(ms, sms)
-    shapes = decode_shapes()
+    shapes = sorted(decode_shapes(args.models), key=lambda s: s.weight_bytes)
+    report["precompile"] = precompile(shapes, ms, sms, max(1, args.workers))
     sweep_end = start + args.budget_s - RESERVE_S
     for i, shape in enumerate(shapes):
-        # Share what is left of the budget among the remaining shapes.
-        now = time.perf_counter()
+        now = time.perf_counter()  # share what is left of the budget among the remaining shapes
         deadline = now + max(0.0, sweep_end - now) / (len(shapes) - i)
         try:
             report["cases"] += bench_shape(shape, ms, sms, l2_bytes, deadline)
@@ -405,34 +476,19 @@ def main() -> None:
     print("\nextra checks", flush=True)
     report["extra_checks"] = extra_checks()
     complete = [c for c in report["cases"] if "cublas" in c]
-    report["suggestion"] = suggest(complete, sms)
-    bad = []  # timed but wrong
-    for c in complete:
-        for label, r in [("cublas", c["cublas"]), ("default", c["default"])] + [(r["name"], r) for r in c["configs"]]:
-            if "rel_err" in r and not r["ok"]:
-                bad.append(f"{c['model']}/{c['layer']} M={c['m']} {label} rel_err={r['rel_err']:.3g}")
-    report["summary"] = {
-        "correct": not bad and all(ch["ok"] for ch in report["extra_checks"]),
-        "wrong_results": bad,
-        "variant_errors": sum("error" in r for c in complete for r in c["configs"] + [c["default"]]),
-        "default_geomean_speedup": _geomean([c["cublas"]["us"] / c["default"]["us"] for c in complete
-                                             if "us" in c["cublas"] and "us" in c["default"]]),
-        "best_geomean_speedup": _geomean([c["cublas"]["us"] / c["best"]["us"] for c in complete
-                                          if c["best"] and "us" in c["cublas"]]),
-    }
-    print_summary(complete, report["suggestion"])
+    table = derive_table(complete, sms)
+    report["table"] = {str(m): v for m, v in table.items()}
+    report["table_source"] = table_source(table)
+    report["summary"] = summarize(complete, report["extra_checks"])
     report["elapsed_s"] = round(time.perf_counter() - start, 1)
     write_json(args.output, report)
     s = report["summary"]
+    print(f"\nsuggested dispatch table for nanoserve/kernels/gemv.py:\n{report['table_source']}", flush=True)
     print(f"\ncorrect: {s['correct']} {s['wrong_results'][:5]}  variant errors: {s['variant_errors']}  "
-          f"geomean speedup vs cuBLAS: default x{s['default_geomean_speedup'] or float('nan'):.2f}, "
-          f"best x{s['best_geomean_speedup'] or float('nan'):.2f}", flush=True)
+          f"geomean speedup vs cuBLAS: table x{s['table_geomean_speedup_vs_cublas'] or float('nan'):.2f}, "
+          f"best x{s['best_geomean_speedup_vs_cublas'] or float('nan'):.2f}; PDL on the table variant "
+          f"x{s['pdl_geomean_speedup_of_table_variant'] or float('nan'):.2f}", flush=True)
     print(f"wrote {args.output} in {report['elapsed_s']} s", flush=True)
-
-
-def _geomean(values: list[float]) -> float | None:
-    values = [v for v in values if v and v > 0]
-    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
 
 if __name__ == "__main__":

@@ -109,6 +109,16 @@ def test_param_counts_llama_3_1_8b_by_hand():
     assert p.total == 8_030_261_248  # the published "8.03B"
 
 
+def test_smollm2_shape_is_the_published_135m():
+    cfg = common.model_config("smollm2-135m")
+    p = common.param_counts(cfg)
+    assert p.total == 134_515_008  # SmolLM2-135M's parameter count
+    assert p.lm_head == 0 and p.embedding == 49152 * 576  # tied
+    assert common.decode_bytes(cfg, 1, 0).weights == 134_515_008 * 2
+    args = dl.parse_args(["--models", "smollm2-135m", "--batch-sizes", "1", "32"])
+    assert args.models == ["smollm2-135m"] and args.batch_sizes == [1, 32]
+
+
 def test_decode_bytes_qwen3_tied_counts_the_table_once():
     cfg = common.model_config("qwen3-0.6b")
     d = common.decode_bytes(cfg, batch_size=1, context=512)
@@ -133,7 +143,7 @@ def test_decode_bytes_llama_untied_reads_lm_head_whole_and_b_embedding_rows():
         common.hbm_floor_ms(cfg, 1, 0, 0.0)
 
 
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.1-8b", "qwen2-small", "llama-bias-small"])
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.1-8b", "smollm2-135m", "qwen2-small", "llama-bias-small"])
 def test_param_counts_match_transformers(name):
     """Our counting vs the reference implementation's parameters (built on the meta device: no memory)."""
     import transformers
@@ -159,12 +169,13 @@ def test_param_counts_match_transformers(name):
 def test_written_config_loads_with_the_engine_loader(tmp_path):
     from nanoserve.model.loader import load_hf_config, model_max_len
 
-    for name, max_len in (("qwen3-0.6b", 40960), ("llama-3.1-8b", 131072)):
+    for name, max_len, kv_heads, head_dim in (("qwen3-0.6b", 40960, 8, 128), ("llama-3.1-8b", 131072, 8, 128),
+                                              ("smollm2-135m", 8192, 3, 64)):
         path = common.write_model_dir(name, tmp_path / name)
         assert json.loads((path / "config.json").read_text()) == common.model_config(name)
         hf = load_hf_config(str(path))
         assert model_max_len(hf) == max_len
-        assert hf.num_key_value_heads == 8 and hf.head_dim == 128
+        assert hf.num_key_value_heads == kv_heads and hf.head_dim == head_dim
     with pytest.raises(KeyError, match="known"):
         common.model_config("gpt-5")
 
@@ -223,7 +234,8 @@ def test_decode_latency_args_are_normalised():
     assert args.batch_sizes == [1, 4, 8]
     assert args.e2e_batch_sizes == [1, 4]  # 16 > the largest measured batch
     assert dl.parse_args([]).batch_sizes == [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    assert dl.parse_args([]).models == ["qwen3-0.6b", "llama-3.1-8b"] and dl.parse_args([]).context == 512
+    assert dl.parse_args([]).models == ["qwen3-0.6b", "llama-3.1-8b", "smollm2-135m"]
+    assert dl.parse_args([]).context == 512
     with pytest.raises(SystemExit):
         dl.parse_args(["--batch-sizes", "0"])
 

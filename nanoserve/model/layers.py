@@ -9,9 +9,9 @@ import math
 import torch
 from torch import nn
 
-from nanoserve.attention import paged_attention
-from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.model import fused_ops, gemv
+from nanoserve.kernels import fused, gemv
+from nanoserve.kernels.attention import paged_attention
+from nanoserve.kernels.metadata import AttentionMetadata
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return fused_ops.rms_norm(x, self.weight, self.eps, residual)
+        return fused.rms_norm(x, self.weight, self.eps, residual)
 
     def then(self, linear: "Linear", x: torch.Tensor, residual: torch.Tensor | None):
         """(linear(norm(x + residual)), x + residual); for one decode row the norm runs in the GEMV's prologue."""
@@ -120,7 +120,7 @@ class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate-half, as in HF Llama/Qwen) from a cos/sin table precomputed for every position.
 
     The table is built on the CPU even when the model is constructed on the meta device, and follows the
-    model with .to(device). Row p holds [cos, cos, -sin, sin]: fused_ops.qk_norm_rope applies it.
+    model with .to(device). Row p holds [cos, cos, -sin, sin]: kernels.rotary_kv.qk_norm_rope applies it.
     """
 
     def __init__(self, head_dim: int, max_position: int, params: dict, dtype: torch.dtype) -> None:
@@ -135,7 +135,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose few-row (decode) products go to the Triton GEMV where it beats cuBLAS (model/gemv.py)."""
+    """nn.Linear whose few-row (decode) products go to the Triton GEMV where it beats cuBLAS (kernels/gemv.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gemv.linear(x, self.weight, self.bias)
@@ -165,11 +165,12 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
-        self.backend = "torch"  # "torch" | "triton", see nanoserve.attention.select_backend
+        self.backend = "torch"  # "torch" | "triton", see nanoserve.kernels.attention.select_backend
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, meta: AttentionMetadata,
                 kv_stored: bool = False) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] → [T, H, D]; stores k/v at meta.slot_mapping unless kv_stored."""
+        """q [T, H, D], k/v [T, Hkv, D] → [T, H, D]; stores k/v at meta.slot_mapping unless kv_stored (k and v
+        may then be None: they are in the cache)."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention layer has no KV cache: the model runner must set k_cache/v_cache first")
         return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.backend, kv_stored)

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.model import fused_ops, gemv
+from nanoserve.kernels import gemv
+from nanoserve.kernels.metadata import AttentionMetadata
+from nanoserve.kernels.rotary_kv import QKVRope
 from nanoserve.model.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding, rope_inv_freq, rope_parameters
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -106,7 +107,7 @@ def _check_no_sliding_window(hf_config, arch: str) -> None:
 
 
 class LlamaAttentionBlock(nn.Module):
-    """qkv projection → (per-head q/k norm) → RoPE → paged attention → output projection."""
+    """qkv projection → (per-head q/k norm) → RoPE + KV store → paged attention → output projection."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
         super().__init__()
@@ -125,17 +126,15 @@ class LlamaAttentionBlock(nn.Module):
                 cos_sin_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The pre-norm attention of a decoder layer: returns (its output, the residual stream)."""
         num_tokens = x.shape[0]
-        qkv, residual = norm.then(self.qkv_proj, x, residual)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None)
         attn = self.attn
         if attn.k_cache is None:
             raise RuntimeError("attention layer has no KV cache: the model runner must set k_cache/v_cache first")
-        q, k = fused_ops.qk_norm_rope(q, k, cos_sin_cache, positions, *norms,
-                                      kv_store=(v, attn.k_cache, attn.v_cache, meta.slot_mapping))
+        rope = QKVRope(self.num_heads, self.num_kv_heads, self.head_dim, cos_sin_cache, positions, attn.k_cache,
+                       attn.v_cache, meta.slot_mapping)
+        if self.q_norm is not None:
+            rope.q_norm_weight, rope.k_norm_weight, rope.eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        q, k, v, residual = gemv.norm_qkv_rope(x, residual, norm.weight, norm.eps, self.qkv_proj.weight,
+                                               self.qkv_proj.bias, rope)
         out = attn(q, k, v, meta, kv_stored=True)
         return self.o_proj(out.reshape(num_tokens, self.q_size)), residual
 

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from nanoserve.attention import select_backend
+from nanoserve.kernels.attention import select_backend
 from nanoserve.model.layers import RMSNorm
 from nanoserve.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, ModelSpec
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.kernels.metadata import AttentionMetadata
 from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch
 from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker, sampling_arrays, updates_arrays
 from nanoserve.runner.sampler import SamplingTensors

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.kernels.metadata import AttentionMetadata
 from nanoserve.model.layers import RMSNorm, RotaryEmbedding, rope_inv_freq, rope_parameters
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.model.loader import ModelLoadError, load_hf_config, load_model
@@ -142,6 +142,44 @@ def test_prefill_then_decode_matches_hf(arch, tiny_model_dirs, hf_models):
         logits = model.compute_logits(model(ids, pos, meta))
         for i, p in enumerate(positions):
             torch.testing.assert_close(logits[i], refs[i][p], **TOL)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@torch.inference_mode()
+def test_fused_kernel_paths_match_hf_in_the_interpreter(arch, tiny_model_dirs, hf_models, monkeypatch):
+    """Every fusion on (RMSNorm and SiLU-mul in the GEMV prologue, q/k norm + RoPE + KV store in the qkv GEMV's
+    epilogue), run by the CPU interpreter: prefill and decode logits still equal HF's."""
+    pytest.importorskip("triton")
+    from nanoserve.kernels import gemv
+
+    def cpu_applies(x, weight, bias):  # the kernel's own checks, minus "CUDA and half precision"
+        return x.dim() == 2 and 1 <= x.shape[0] <= gemv.MAX_M and x.shape[1] % 16 == 0 == weight.shape[1] % 16
+    monkeypatch.setattr(gemv, "kernel_applies", cpu_applies)
+    wide = {False: gemv.GemvConfig(64, 64, programs_per_sm=0), True: gemv.GemvConfig(64, 64, use_dot=True)}
+    monkeypatch.setattr(gemv, "choose", lambda m, n, k, size: (wide[m > 4], False))  # few programs: quick on CPU
+    calls = []
+    launch = gemv._launch
+    monkeypatch.setattr(gemv, "_launch", lambda *a, **k: calls.append((a[5] if len(a) > 5 else k.get("prologue", 0),
+                                                                       k.get("rope") is not None)) or launch(*a, **k))
+    model = ours(tiny_model_dirs[arch])
+    kv = PagedKV(model, num_blocks=16, block_size=4)
+    prompt_lens, num_decode = [2, 5], 1
+    full = random_seqs([n + num_decode for n in prompt_lens], model.vocab_size, seed=4)
+    refs = [hf_logits(hf_models[arch], s) for s in full]
+    tables: list[list[int]] = [[] for _ in full]
+    ids, pos, meta = prefill_batch(kv, tables, [s[:n] for s, n in zip(full, prompt_lens)], [0, 0])
+    for i, rows in enumerate(model.compute_logits(model(ids, pos, meta)).split(prompt_lens)):
+        torch.testing.assert_close(rows, refs[i][: prompt_lens[i]], **TOL)
+    for step in range(num_decode):
+        positions = [n + step for n in prompt_lens]
+        ids, pos, meta = decode_batch(kv, tables, [s[p] for s, p in zip(full, positions)], positions)
+        logits = model.compute_logits(model(ids, pos, meta))
+        for i, p in enumerate(positions):
+            torch.testing.assert_close(logits[i], refs[i][p], **TOL)
+    layers = model.num_layers * (1 + num_decode)
+    assert calls.count((1, True)) == layers  # norm prologue + rope epilogue: the qkv projection
+    assert calls.count((1, False)) == layers  # norm prologue: gate_up
+    assert calls.count((2, False)) == layers  # SiLU-mul prologue: down
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -336,6 +374,34 @@ def test_decode_forward_replays_in_cuda_graph(tiny_model_dirs):
     graph.replay()
     eager = model.compute_logits(model(new_ids.to(device), new_pos.to(device), _to(new_meta, device)))
     torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@torch.inference_mode()
+def test_gpu_fused_and_pdl_paths_equal_the_unfused_model(arch, tiny_model_dirs):
+    """bf16 on the GPU: decode with PDL and every fusion on == with all of them off (to bf16 rounding)."""
+    from nanoserve.kernels.switches import switched
+
+    device = torch.device("cuda")
+    d = tiny_model_dirs[arch]
+    model = load_model(d, load_hf_config(d), torch.bfloat16, device)
+    seqs = random_seqs([9, 3, 17, 5], model.vocab_size, seed=6)
+    results = []
+    for on in (True, False):
+        with switched(pdl=on, fuse_norm=on, fuse_silu=on, fuse_rope=on):
+            kv = PagedKV(model, 32, 4, device=device)
+            for attn in model.attention_layers():
+                attn.k_cache, attn.v_cache = attn.k_cache.bfloat16(), attn.v_cache.bfloat16()
+            tables: list[list[int]] = [[] for _ in seqs]
+            ids, pos, meta = prefill_batch(kv, tables, [s[:-1] for s in seqs], [0] * len(seqs))
+            model(ids.to(device), pos.to(device), _to(meta, device))
+            positions = [len(s) - 1 for s in seqs]
+            ids, pos, meta = decode_batch(kv, tables, [s[-1] for s in seqs], positions)
+            results.append(model.compute_logits(model(ids.to(device), pos.to(device), _to(meta, device))).float())
+    fused_logits, plain = results
+    torch.testing.assert_close(fused_logits, plain, rtol=5e-2, atol=5e-2 * plain.abs().max().item())
 
 
 def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:

@@ -259,7 +259,7 @@ def test_model_max_len(tiny_model_dirs):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_load_to_gpu(tiny_model_dirs):
-    from nanoserve.attention import select_backend
+    from nanoserve.kernels.attention import select_backend
 
     d = tiny_model_dirs["qwen3"]
     model = load_model(d, load_hf_config(d), torch.bfloat16, torch.device("cuda"))

@@ -1,36 +1,16 @@
-"""Fused Triton ops == their PyTorch references (CPU via TRITON_INTERPRET=1, set in conftest; CUDA when present)."""
+"""q/k RMSNorm + RoPE (+ KV-cache store) kernel == its PyTorch reference (CPU via TRITON_INTERPRET=1, set in conftest)."""
 import pytest
 import torch
 
-from nanoserve.model import fused_ops
+from nanoserve.kernels import rotary_kv
+from nanoserve.kernels._triton import HAS_TRITON
 
-pytestmark = pytest.mark.skipif(fused_ops.triton is None, reason="triton is not installed")
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def tol(dtype):
     return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [64, 100, 1024])
-def test_rms_norm_with_and_without_residual(dtype, n):
-    g = torch.Generator().manual_seed(n)
-    x = torch.randn(5, n, generator=g).to(DEVICE, dtype)
-    r = torch.randn(5, n, generator=g).to(DEVICE, dtype)
-    w = torch.randn(n, generator=g).to(DEVICE, dtype)
-    torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-6, force_triton=True),
-                               fused_ops.rms_norm_ref(x, w, 1e-6), **tol(dtype))
-    out, res = fused_ops.rms_norm(x, w, 1e-6, residual=r, force_triton=True)
-    ref_out, ref_res = fused_ops.rms_norm_ref(x, w, 1e-6, residual=r)
-    torch.testing.assert_close(out, ref_out, **tol(dtype))
-    torch.testing.assert_close(res, ref_res, **tol(dtype))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_and_mul(dtype):
-    x = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
-    torch.testing.assert_close(fused_ops.silu_and_mul(x, force_triton=True), fused_ops.silu_and_mul_ref(x), **tol(dtype))
 
 
 @pytest.mark.parametrize("with_norm", [False, True])
@@ -46,8 +26,8 @@ def test_qk_norm_rope_on_strided_views(with_norm, dtype):
     positions = torch.tensor([0, 5, 63, 17], device=DEVICE)
     qw = torch.randn(d, generator=g).to(DEVICE, dtype) if with_norm else None
     kw = torch.randn(d, generator=g).to(DEVICE, dtype) if with_norm else None
-    got = fused_ops.qk_norm_rope(q, k, cache, positions, qw, kw, 1e-6, force_triton=True)
-    want = fused_ops.qk_norm_rope_ref(q, k, cache, positions, qw, kw, 1e-6)
+    got = rotary_kv.qk_norm_rope(q, k, cache, positions, qw, kw, 1e-6, force_triton=True)
+    want = rotary_kv.qk_norm_rope_ref(q, k, cache, positions, qw, kw, 1e-6)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol(dtype))
 
@@ -67,7 +47,7 @@ def test_qk_norm_rope_stores_k_and_v_in_the_paged_cache(dtype):
     for force in (True, False):
         k_cache = torch.zeros(blocks, block_size, kv_heads, d, dtype=dtype, device=DEVICE)
         v_cache = torch.zeros_like(k_cache)
-        q_out, k_out = fused_ops.qk_norm_rope(q, k, cache, positions, kv_store=(v, k_cache, v_cache, slots),
+        q_out, k_out = rotary_kv.qk_norm_rope(q, k, cache, positions, kv_store=(v, k_cache, v_cache, slots),
                                               force_triton=force)
         caches.append((q_out, k_out, k_cache, v_cache))
     for a, b in zip(*caches):
@@ -78,3 +58,9 @@ def test_qk_norm_rope_stores_k_and_v_in_the_paged_cache(dtype):
     untouched = torch.ones(blocks * block_size, dtype=torch.bool)
     untouched[slots.cpu()] = False
     assert not k_cache[untouched.to(DEVICE)].any() and not v_cache[untouched.to(DEVICE)].any()
+
+
+@pytest.mark.usefixtures("pdl_in_interpreter")
+def test_pdl_path_in_the_interpreter():
+    test_qk_norm_rope_on_strided_views(True, torch.float32)
+    test_qk_norm_rope_stores_k_and_v_in_the_paged_cache(torch.float32)

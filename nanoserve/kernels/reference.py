@@ -1,4 +1,4 @@
-"""Plain-PyTorch paged attention: the CPU path and the oracle the Triton kernels are tested against.
+"""Plain-PyTorch paged attention: the CPU path and the oracle the Triton kernels (attention.py) are tested against.
 
 Caches are laid out [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
 block_id * block_size + offset.
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.kernels.metadata import AttentionMetadata
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

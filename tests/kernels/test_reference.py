@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from nanoserve.attention import torch_ref
-from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.kernels import reference as torch_ref
+from nanoserve.kernels.metadata import AttentionMetadata
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float) -> torch.Tensor:

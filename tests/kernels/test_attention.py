@@ -1,4 +1,4 @@
-"""Triton paged attention vs the torch_ref oracle.
+"""Triton paged attention vs the plain-PyTorch oracle (kernels/reference.py).
 
 Without CUDA the kernels run in the Triton interpreter on CPU (small shapes: it is slow). With CUDA the
 same small cases compile for the GPU, and the `gpu` tests add realistic sizes and CUDA-graph capture.
@@ -8,19 +8,21 @@ import os
 import pytest
 import torch
 
-# The interpreter is chosen when a kernel is decorated, i.e. when triton_kernels is first imported, so
+# The interpreter is chosen when a kernel is decorated, i.e. when kernels.attention is first imported, so
 # this must come before that import. Only without CUDA: on a GPU machine it would make every later
 # test module in the process run interpreted kernels too.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from nanoserve.attention import torch_ref  # noqa: E402
-from nanoserve.attention import triton_kernels as tk  # noqa: E402
-from nanoserve.attention.metadata import AttentionMetadata  # noqa: E402
+from nanoserve.kernels import attention as tk  # noqa: E402
+from nanoserve.kernels import reference as torch_ref  # noqa: E402
+from nanoserve.kernels._triton import num_sms  # noqa: E402
+from nanoserve.kernels.metadata import AttentionMetadata  # noqa: E402
+from nanoserve.kernels.switches import switched  # noqa: E402
 
 if not torch.cuda.is_available() and type(tk._decode_kernel).__name__ != "InterpretedFunction":
-    pytest.skip("triton_kernels was imported before TRITON_INTERPRET=1 was set; its kernels cannot run on CPU",
+    pytest.skip("kernels.attention was imported before TRITON_INTERPRET=1 was set; its kernels cannot run on CPU",
                 allow_module_level=True)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -227,6 +229,14 @@ def test_prefill_with_cached_prefix(block_size, head_dim, dtype, group):
     assert_close(out, ref, dtype)
 
 
+@pytest.mark.usefixtures("pdl_in_interpreter")
+def test_pdl_path_in_the_interpreter():
+    test_store_kv_matches_reference(torch.float32, torch.float32, torch.int64)
+    test_decode_gqa_groups(2, 2)
+    test_decode_empty_context_gives_zeros()
+    test_prefill_with_cached_prefix(16, 64, torch.float32, 2)
+
+
 # --------------------------------------------------------------------------------------------- GPU, realistic sizes
 
 
@@ -251,7 +261,8 @@ def test_gpu_decode_dtypes(dtype):
 
 @gpu
 @pytest.mark.gpu
-def test_gpu_decode_in_cuda_graph():
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_decode_in_cuda_graph(pdl):
     """Capture store_kv + decode once, then replay after changing block tables and context lengths in place."""
     num_seqs, num_heads, num_kv_heads, head_dim, block_size = 8, 32, 8, 128, 16
     batch = PagedBatch([1, 17, 3000, 5, 64, 65, 999, 1200], block_size, num_kv_heads, head_dim, torch.bfloat16)
@@ -265,20 +276,21 @@ def test_gpu_decode_in_cuda_graph():
     v_new = torch.randn_like(k_new)
     scale = head_dim ** -0.5
     max_context = tables.shape[1] * block_size
-    assert tk.decode_num_splits(num_seqs, num_kv_heads, max_context, tk._num_sms(DEVICE)) > 1  # reduce is captured
+    assert tk.decode_num_splits(num_seqs, num_kv_heads, max_context, num_sms(DEVICE)) > 1  # reduce is captured
 
     def step():
         tk.store_kv(k_new, v_new, k_cache, v_cache, slots)
         return tk.decode_attention(q, k_cache, v_cache, tables, lens, scale)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    with switched(pdl=pdl):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # compile outside capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
     # New contents in place; each sequence's last token is this step's k/v.
     k_cache.copy_(batch.k_cache)
     v_cache.copy_(batch.v_cache)

@@ -1,7 +1,9 @@
-"""Triton paged attention for CUDA: KV store, split-K decode, paged causal prefill.
+"""Paged attention: the backend selection point, and the Triton kernels (KV store, split-K decode, paged prefill).
 
-Same contract as torch_ref.py (the oracle these kernels are tested against). Caches are
-[num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is block_id * block_size + offset.
+Two backends with one contract: "torch" (reference.py; the CPU path and the oracle these kernels are
+tested against) and "triton" (this file; CUDA). The backend is chosen once per model (select_backend),
+never per call; paged_attention dispatches on it. Caches are [num_blocks, block_size, num_kv_heads,
+head_dim]; a token's slot is block_id * block_size + offset.
 
 Decode is flash-decoding: grid (seq, kv_head, split). One program handles every query head of
 its kv head (rows of a tl.dot, padded to 16) so K/V are read once per kv head, and walks one
@@ -12,15 +14,37 @@ second kernel merges the partial (max, sum, acc) of the splits that ran.
 """
 from __future__ import annotations
 
-import functools
 import inspect
-import math
 
 import torch
-import triton
-import triton.language as tl
 
-from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.kernels import reference
+from nanoserve.kernels._triton import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, jit, next_power_of_2,
+                                       num_sms, pdl_args, tl)
+from nanoserve.kernels.metadata import AttentionMetadata
+
+
+def select_backend(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" and HAS_TRITON else "torch"
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, backend: str,
+                    kv_stored: bool = False) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] for the T new tokens → attention output [T, H, D].
+
+    kv_stored: the caller already wrote k/v into the cache (fused into its rotary kernel); k and v may then be
+    None (the fused qkv + rope GEMV keeps them only in the cache)."""
+    if backend == "triton":
+        store, prefill, decode = store_kv, prefill_attention, decode_attention
+    else:
+        store, prefill, decode = reference.store_kv, reference.prefill_attention, reference.decode_attention
+    if not kv_stored:
+        store(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.is_prefill:
+        return prefill(q, k, v, k_cache, v_cache, meta, scale)
+    return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+
 
 _LOG2E = 1.4426950408889634
 
@@ -35,7 +59,7 @@ KV_TILE_BYTES = 16384
 MAX_BLOCK_N = 64
 
 
-@triton.jit
+@jit
 def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """tl.dot with fp32 accumulation. UPCAST (CPU interpreter only) multiplies in fp32, because the
     interpreter multiplies bf16 tiles as their raw uint16 bits; callers round to the tile dtype first."""
@@ -48,12 +72,15 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 # --------------------------------------------------------------------------------------------- store
 
 
-@triton.jit
+@jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
@@ -85,20 +112,20 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     _require_unit_last_stride(store_kv=(k, v, k_cache, v_cache))
     _require_slot_layout(k_cache, v_cache)
-    block_d = _pow2(head_dim)
-    block_h = min(_pow2(num_kv_heads), max(1, 4096 // block_d))
-    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    block_d = next_power_of_2(head_dim)
+    block_h = min(next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
+    grid = (num_tokens, cdiv(num_kv_heads, block_h))
     _store_kv_kernel[grid](k, v, k_cache, v_cache, slot_mapping,
                            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
                            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
-                           num_warps=4)
+                           num_warps=4, **pdl_args(k.device))
 
 
 # --------------------------------------------------------------------------------------------- decode
 
 
-@triton.jit
+@jit
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, end, last_key, kv_head, dims, dim_ok,
                  qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -125,14 +152,14 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, end, 
     return m_new, l_i, acc
 
 
-@triton.jit
+@jit
 def _partition_size(context_len, num_splits, BLOCK_N: tl.constexpr):
     """Tokens per split for this sequence: its own context spread over all splits, in whole tiles. Sized on the
     device from context_len, so a short context in an engine built for long ones still uses every split."""
     return tl.maximum(tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N), 1) * BLOCK_N
 
 
-@triton.jit
+@jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                    part_acc_ptr, part_ml_ptr, qk_scale, num_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh,
@@ -140,7 +167,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   DOT_UPCAST: tl.constexpr):
+                   DOT_UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # q, the cache and the decode inputs all come from earlier kernels
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -182,10 +212,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
             tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@jit
 def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, num_splits,
                           stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
@@ -212,8 +246,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
     """Splits per sequence, from static shapes only (graph-safe): enough programs to fill the GPU,
     none shorter than DECODE_MIN_PARTITION tokens."""
     programs = max(1, num_seqs * num_kv_heads)
-    wanted = triton.cdiv(DECODE_WAVES * num_sms, programs)
-    return max(1, min(wanted, triton.cdiv(max_context, DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
+    wanted = cdiv(DECODE_WAVES * num_sms, programs)
+    return max(1, min(wanted, cdiv(max_context, DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -238,11 +272,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _require_unit_last_stride(decode_attention=(q, k_cache, v_cache, block_tables))
     group = num_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
-    block_d = max(16, _pow2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     block_n = _kv_tile_tokens(block_d, k_cache.element_size())
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context, _num_sms(q.device))
-    num_splits = max(1, min(num_splits, triton.cdiv(max_context, block_n)))  # a split is at least one tile
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context, num_sms(q.device))
+    num_splits = max(1, min(num_splits, cdiv(max_context, block_n)))  # a split is at least one tile
     if num_splits > 1:
         parts = torch.empty(num_seqs * num_heads * num_splits * (head_dim + 2), dtype=torch.float32, device=q.device)
         part_acc = parts[:num_seqs * num_heads * num_splits * head_dim]
@@ -255,27 +289,31 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
-        BLOCK_G=max(16, _pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        **_dot_args(q.device, k_cache.dtype), num_warps=DECODE_NUM_WARPS)
+        BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        **_dot_args(q.device, k_cache.dtype), num_warps=DECODE_NUM_WARPS, **pdl_args(q.device))
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, context_lens, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=_pow2(num_splits), BLOCK_D=_pow2(head_dim), BLOCK_N=block_n,
-            num_warps=4)
+            HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(num_splits), BLOCK_D=next_power_of_2(head_dim), BLOCK_N=block_n,
+            num_warps=4, **pdl_args(q.device))
     return out
 
 
 # --------------------------------------------------------------------------------------------- prefill
 
 
-@triton.jit
+@jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
                     out_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     Q_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -332,27 +370,27 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     _require_unit_last_stride(prefill_attention=(q, k_cache, v_cache, meta.block_tables))
     group = num_heads // num_kv_heads
-    block_m, block_n, num_warps = _prefill_tiles(max(16, _pow2(head_dim)), k_cache.element_size(), group)
+    block_m, block_n, num_warps = _prefill_tiles(max(16, next_power_of_2(head_dim)), k_cache.element_size(), group)
     q_per_tile = block_m // group  # rows are (token, head) pairs; a non-power-of-two group leaves a few idle
-    grid = (meta.num_seqs, triton.cdiv(meta.max_seqlen_q, q_per_tile), num_kv_heads)
+    grid = (meta.num_seqs, cdiv(meta.max_seqlen_q, q_per_tile), num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q, out, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, Q_PER_TILE=q_per_tile, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, _pow2(head_dim)), **_dot_args(q.device, k_cache.dtype),
-        num_warps=num_warps)
+        BLOCK_D=max(16, next_power_of_2(head_dim)), **_dot_args(q.device, k_cache.dtype),
+        num_warps=num_warps, **pdl_args(q.device))
     return out
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal varlen prefill → [num_new_tokens, num_heads, head_dim].
 
     Without a cached prefix every sequence's keys are exactly its new k/v (q_len == k_len), which is
     what torch's flash varlen_attn computes (CUDA, fp16/bf16). Everything else (prefix-cache hits,
-    fp32, older torch) takes the paged Triton kernel over the cache.
+    fp32, older torch, k/v only in the cache) takes the paged Triton kernel over the cache.
     """
     if _can_use_varlen(q, k, v, meta):
         return _varlen_attn(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q, meta.max_seqlen_q,
@@ -386,14 +424,10 @@ _varlen_attn, _VARLEN_KWARGS = _varlen_kwargs()
 
 def _can_use_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> bool:
     head_dim = q.shape[-1]
-    return (_varlen_attn is not None and not meta.has_cached_prefix and q.is_cuda
+    return (_varlen_attn is not None and not meta.has_cached_prefix and q.is_cuda and k is not None and v is not None
             and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
             and head_dim % 8 == 0 and head_dim <= 256
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(n)))
 
 
 def _kv_tile_tokens(block_d: int, element_size: int) -> int:
@@ -404,7 +438,7 @@ def _prefill_tiles(block_d: int, element_size: int, group: int) -> tuple[int, in
     """(BLOCK_M, BLOCK_N, num_warps) that compile without register spills on sm_90 (checked with ptxas)."""
     block_m = 32 if element_size >= 4 and block_d >= 256 else 64
     num_warps = 4 if element_size <= 2 and block_d <= 128 else 8
-    return max(block_m, _pow2(group)), _kv_tile_tokens(block_d, element_size), num_warps
+    return max(block_m, next_power_of_2(group)), _kv_tile_tokens(block_d, element_size), num_warps
 
 
 def _dot_args(device: torch.device, dtype: torch.dtype) -> dict:
@@ -412,18 +446,6 @@ def _dot_args(device: torch.device, dtype: torch.dtype) -> dict:
     off CUDA the kernels run in the Triton interpreter, which needs the fp32 upcast of _dot."""
     upcast = device.type != "cuda"
     return {"DOT_PRECISION": "ieee" if upcast or dtype == torch.float32 else "tf32", "DOT_UPCAST": upcast}
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of the device; the interpreter (CPU) counts as a small GPU."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _require_unit_last_stride(**groups: tuple[torch.Tensor, ...]) -> None:

@@ -1,0 +1,95 @@
+"""Fused elementwise kernels: residual add + RMSNorm, SiLU-and-mul (Triton on CUDA, plain PyTorch elsewhere).
+
+A decode step is a few hundred small kernels, so every launch counts even inside a CUDA graph
+(each costs a couple of microseconds of GPU time). These fuse what eager PyTorch runs as several
+kernels. Each function has the same contract on both paths; the `_ref` functions are the plain-PyTorch
+references the tests check the Triton kernels against (on CPU through TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels._triton import HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, jit, next_power_of_2, pdl_args, tl
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return HAS_TRITON and x.is_cuda
+
+
+# -- residual add + RMSNorm --------------------------------------------------------------------
+def rms_norm_ref(x, weight, eps, residual=None):
+    """HF semantics: normalise in float32, round to the input dtype, then scale by the weight."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * normed, residual) if residual is not None else weight * normed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             force_triton: bool = False):
+    """rms_norm(x) or, given a residual, (rms_norm(x + residual), x + residual). x is [T, N]."""
+    if not (force_triton or use_triton(x)):
+        return rms_norm_ref(x, weight, eps, residual)
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    new_residual = torch.empty_like(x) if residual is not None else out
+    _rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, new_residual,
+                              x.stride(0), (residual if residual is not None else x).stride(0), n, eps,
+                              HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(n), **pdl_args(x.device))
+    return (out, new_residual) if residual is not None else out
+
+
+# -- SiLU and mul --------------------------------------------------------------------------------
+def silu_and_mul_ref(x):
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor, force_triton: bool = False) -> torch.Tensor:
+    """[T, 2I] holding [gate, up] → silu(gate) * up, [T, I]."""
+    if not (force_triton or use_triton(x)):
+        return silu_and_mul_ref(x)
+    rows, width = x.shape
+    half = width // 2
+    out = torch.empty(rows, half, dtype=x.dtype, device=x.device)
+    block = min(next_power_of_2(half), 1024)
+    _silu_and_mul_kernel[(rows, cdiv(half, block))](x, out, x.stride(0), half, BLOCK=block, **pdl_args(x.device))
+    return out
+
+
+@jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, n, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    dtype = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: safe before the wait
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    xf = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:  # the sum is rounded to the model dtype, like HF's add
+        xf = (xf + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(res_out_ptr + row * n + cols, xf, mask=mask)
+        xf = xf.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
+    normed = (xf * inv_rms).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * n + cols, (w * normed).to(dtype), mask=mask)
+
+
+@jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, half, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < half
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + half + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = gate / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + row * half + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,555 @@
+"""Few-row products for decode: out = x @ W.T (+ bias) for M = 1..64 rows, as ONE Triton kernel, and the
+one place that decides which kernel a linear layer runs (GEMV_TABLE).
+
+At decode every linear layer multiplies M = batch-size rows by a weight W [N, K] that is read once
+from HBM, so its time is bytes(W) / bandwidth plus a fixed latency. cuBLAS's tiles are made for large
+M: on mid-size matrices at M = 1 it reaches a third of HBM bandwidth, and where it splits K it
+launches a second reduce kernel, which inside a CUDA graph costs another launch gap.
+
+The kernel (`_gemv_kernel`):
+  * grid (cdiv(N, BLOCK_N), SPLIT_K): program (n, s) computes out[:, n*BLOCK_N : (n+1)*BLOCK_N]
+    over the s-th slice of K, for all M rows at once, so W is read exactly once;
+  * per iteration a [BLOCK_N, BLOCK_K] weight tile is read along K (W is row-major, so a thread
+    reads 16 contiguous bytes) and the loop is software-pipelined (`tl.range(num_stages=...)`:
+    cp.async into shared memory), so several tiles per program are in flight;
+  * the product is accumulated in fp32: for few rows by broadcast-multiply on CUDA cores ("fma";
+    with M = 1 the sum over K is deferred to the end of the loop), for more by `tl.dot` on tensor
+    cores ("dot", M padded to 16..64: the padding is free, the kernel is bound by the weight bytes);
+  * split-K without a second launch: when N / BLOCK_N programs cannot fill the GPU, K is split.
+    Each program stores its fp32 partial into a workspace and increments a per-tile counter
+    (release/acquire atomics); the program that sees it was the last one sums the partials in
+    split order (so the result is deterministic), adds the bias, writes the output, and resets
+    the counter to 0. The counters live in a small persistent int32 buffer per device, zeroed
+    once, which is therefore zero again after every call and every CUDA-graph replay;
+  * a prologue transforms x as it is loaded, so the op before the product needs no launch of its
+    own: residual add + RMSNorm (norm_linear; every program first takes the rows' norms over all of
+    K) or SiLU-and-mul of [gate | up] (silu_mul_linear);
+  * an epilogue may replace the plain store: for the qkv projection with BLOCK_N = head_dim each
+    output tile is one head, which is normalised (Qwen3), rotated and written into q or the paged
+    KV cache (norm_qkv_rope; rotary_kv.qkv_tile_epilogue);
+  * with programmatic dependent launch (see _triton.py) each program loads its first weight tile
+    before gdc_wait, so the weights stream while the previous kernel finishes.
+
+Everything is CUDA-graph capturable: no host syncs, fixed-size allocations only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels import fused
+from nanoserve.kernels._triton import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, jit, next_power_of_2,
+                                       num_sms, pdl_args, prev_power_of_2, tl)
+from nanoserve.kernels.rotary_kv import QKVRope, qkv_tile_epilogue
+from nanoserve.kernels.switches import SWITCHES
+
+MAX_M = 64  # rows handled by the kernel; more rows are a GEMM, left to cuBLAS
+FMA_MAX_ROWS = 16  # the fma path unrolls over rows; beyond this only tl.dot
+MAX_SPLIT_K = 16
+COUNTER_SLOTS = 8192  # output tiles that can be split-K'd in one call (one int32 counter each)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+NORM_CHUNK = 4096  # elements of the [BLOCK_M, chunk] tile the RMSNorm prologue sums per step
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One kernel variant. split_k is derived from programs_per_sm unless given explicitly."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool = False
+    programs_per_sm: float = 2.0  # split K until the grid has about this many programs per SM; 0: never
+    split_k: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
+        if self.use_dot and (self.block_n < 16 or self.block_k < 16):
+            raise ValueError(f"tl.dot needs block_n and block_k >= 16, got {self.block_n}, {self.block_k}")
+        if self.num_stages < 1 or (self.split_k is not None and self.split_k < 1):
+            raise ValueError(f"num_stages and split_k must be >= 1, got {self.num_stages}, {self.split_k}")
+
+    def short(self) -> str:
+        """A compact name for tables: path, tile, warps, stages and the split rule (parse() reads it back)."""
+        split = f"s{self.split_k}" if self.split_k is not None else f"p{self.programs_per_sm:g}"
+        kind = "dot" if self.use_dot else "fma"
+        return f"{kind} {self.block_n}x{self.block_k} w{self.num_warps} st{self.num_stages} {split}"
+
+    @classmethod
+    def parse(cls, short: str) -> "GemvConfig":
+        """The config named by short(), e.g. 'fma 8x512 w4 st3 p0' or 'dot 32x256 w4 st3 s4'."""
+        try:
+            kind, tile, warps, stages, split = short.split()
+            block_n, block_k = (int(v) for v in tile.split("x"))
+            if kind not in ("fma", "dot") or warps[0] != "w" or stages[:2] != "st" or split[0] not in "ps":
+                raise ValueError(short)
+            rule = {"split_k": int(split[1:])} if split[0] == "s" else {"programs_per_sm": float(split[1:])}
+            return cls(block_n, block_k, int(warps[1:]), int(stages[2:]), kind == "dot", **rule)
+        except ValueError:
+            raise ValueError(f"bad GEMV config {short!r}: expected e.g. 'fma 8x512 w4 st3 p0'") from None
+
+
+# -- the dispatch rule ---------------------------------------------------------------------------------
+TRITON, CUBLAS = "triton", "cublas"
+# rows bucket (the smallest key >= M) → ((weight MiB up to, None = any; the best Triton variant there; the
+# faster of triton / cublas for the plain product), ...). The Triton variant also runs the fused prologue and
+# epilogue paths, which cuBLAS cannot. `python benchmarks/gemv.py` on the H200 prints this dict to paste.
+# Until that sweep: M <= 16 from benchmarks/results/gemv_h200.json (the kernel before PDL and the 64-row path:
+# it beats cuBLAS at one row up to ~160 MB, at 2-16 rows by 2-40 % except on Llama's 224 MB gate_up at 2-4
+# rows; lm_heads were not measured); 32 and 64 rows were not measured, so cuBLAS keeps their plain products.
+GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
+    1: ((8, "fma 4x1024 w4 st3 p0", TRITON), (160, "fma 8x512 w4 st3 p0", TRITON),
+        (None, "fma 8x512 w4 st3 p0", CUBLAS)),
+    2: ((6, "fma 4x1024 w4 st3 p0", TRITON), (16, "dot 64x128 w4 st4 p0", TRITON),
+        (160, "dot 64x128 w4 st4 p1", TRITON), (None, "dot 64x128 w4 st4 p0", CUBLAS)),
+    4: ((5, "fma 4x1024 w4 st3 p0", TRITON), (16, "dot 64x128 w4 st4 p0", TRITON),
+        (160, "dot 64x128 w4 st4 p1", TRITON), (None, "dot 64x128 w4 st4 p0", CUBLAS)),
+    8: ((16, "dot 64x128 w4 st4 p0", TRITON), (230, "dot 64x128 w4 st4 p1", TRITON),
+        (None, "dot 64x128 w4 st4 p1", CUBLAS)),
+    16: ((16, "dot 64x128 w4 st4 p0", TRITON), (230, "dot 64x128 w4 st4 p1", TRITON),
+         (None, "dot 64x128 w4 st4 p1", CUBLAS)),
+    32: ((None, "dot 64x128 w4 st4 p1", CUBLAS),),
+    64: ((None, "dot 64x128 w4 st4 p1", CUBLAS),),
+}
+# Rows up to which the fused paths (norm / SiLU prologue, rope epilogue) run when their switch is on.
+FUSE_MAX_M = 64
+# The qkv + rope variants (block_n becomes head_dim: one head per tile), by rows bucket.
+ROPE_TABLE: dict[int, str] = {4: "fma 128x64 w4 st3 p2", 64: "dot 128x64 w4 st3 p1"}
+
+
+def _parsed_table(table: dict) -> dict[int, tuple[tuple[float, GemvConfig, bool], ...]]:
+    """Configs parsed and the rule checked once: sizes ascend, the last entry takes any size."""
+    out = {}
+    for rows, entries in sorted(table.items()):
+        limits = [math.inf if mib is None else mib * 2**20 for mib, _, _ in entries]
+        if not entries or limits[-1] != math.inf or limits != sorted(set(limits)):
+            raise ValueError(f"GEMV_TABLE[{rows}]: sizes must ascend and end with None (any size)")
+        if any(winner not in (TRITON, CUBLAS) for *_, winner in entries):
+            raise ValueError(f"GEMV_TABLE[{rows}]: winners are {TRITON!r} or {CUBLAS!r}")
+        out[rows] = tuple((limit, GemvConfig.parse(cfg), winner == TRITON)
+                          for limit, (_, cfg, winner) in zip(limits, entries))
+    return out
+
+
+_TABLE = _parsed_table(GEMV_TABLE)
+_ROPE = {rows: GemvConfig.parse(cfg) for rows, cfg in sorted(ROPE_TABLE.items())}
+
+
+def _bucket(m: int, keys) -> int:
+    fits = [b for b in keys if b >= m]
+    if not fits:
+        raise ValueError(f"the gemv kernel handles 1..{MAX_M} rows, got {m}")
+    return min(fits)
+
+
+def choose(m: int, n: int, k: int, element_size: int) -> tuple[GemvConfig, bool]:
+    """(the Triton variant for a product of m rows with an [n, k] weight, whether it beats cuBLAS there)."""
+    weight_bytes = n * k * element_size
+    for limit, cfg, triton_wins in _TABLE[_bucket(m, _TABLE)]:
+        if weight_bytes <= limit:
+            return cfg, triton_wins
+    raise AssertionError("unreachable: the last entry takes any size")
+
+
+def rope_config(m: int, head_dim: int) -> GemvConfig:
+    """The qkv + rope variant for m rows: one head per tile."""
+    return dataclasses.replace(_ROPE[_bucket(m, _ROPE)], block_n=head_dim)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """A config resolved for one (M, N, K): the exact launch."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    n_tiles: int  # cdiv(N, block_n)
+    split_k: int
+    k_per_split: int  # a multiple of block_k
+    num_warps: int
+    num_stages: int
+    use_dot: bool
+    reduce_chunk: int  # partials the last program loads at once
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (self.n_tiles, self.split_k)
+
+
+def plan(config: GemvConfig, m: int, n: int, k: int, sms: int) -> LaunchPlan:
+    """Resolve block sizes and the K split for one shape (pure; unit-tested)."""
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"the gemv kernel handles 1..{MAX_M} rows, got {m}")
+    if not config.use_dot and m > FMA_MAX_ROWS:
+        raise ValueError(f"the fma path handles 1..{FMA_MAX_ROWS} rows, got {m}: use a dot config")
+    block_m = max(16, next_power_of_2(m)) if config.use_dot else next_power_of_2(m)
+    floor_k = 16 if config.use_dot else 1
+    block_k = max(floor_k, min(config.block_k, next_power_of_2(k)))
+    k_blocks = cdiv(k, block_k)
+    tiles = cdiv(n, config.block_n)
+    if config.split_k is not None:
+        split = config.split_k
+    elif config.programs_per_sm > 0:
+        split = cdiv(math.ceil(config.programs_per_sm * sms), tiles)
+    else:
+        split = 1
+    split = max(1, min(split, k_blocks, MAX_SPLIT_K))
+    if tiles > COUNTER_SLOTS:
+        split = 1
+    k_per_split = cdiv(k_blocks, split) * block_k
+    split = cdiv(k, k_per_split)  # no empty slices
+    # The last program of a tile sums [reduce_chunk, block_n, block_m] partials per load round.
+    reduce_chunk = max(1, min(8, prev_power_of_2(2048 // (config.block_n * block_m))))
+    return LaunchPlan(block_m=block_m, block_n=config.block_n, block_k=block_k, n_tiles=tiles, split_k=split,
+                      k_per_split=k_per_split, num_warps=config.num_warps, num_stages=config.num_stages,
+                      use_dot=config.use_dot, reduce_chunk=reduce_chunk)
+
+
+# -- persistent split-K counters -------------------------------------------------------------------
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters_for(device: torch.device) -> torch.Tensor | None:
+    """The device's zeroed counter buffer; None while a CUDA graph is being captured and the buffer
+    does not exist yet (it must not come from the graph's private pool, which dies with the graph)."""
+    buf = _counters.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _counters[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return buf
+
+
+# -- entry points ------------------------------------------------------------------------------------
+def kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the Triton kernel can take these arguments at all (where it is worth it is choose()'s call)."""
+    if not HAS_TRITON or not x.is_cuda or x.dim() != 2 or weight.dim() != 2:
+        return False
+    m, k = x.shape
+    n = weight.shape[0]
+    if not (1 <= m <= MAX_M) or x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype:
+        return False
+    if weight.shape[1] != k or k % 16 or not weight.is_contiguous() or weight.device != x.device:
+        return False
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.device != x.device
+                             or not bias.is_contiguous()):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                    (bias is not None and bias.requires_grad)):
+        return False  # the kernel has no backward
+    return True
+
+
+def _fuses(switch: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return switch and x.shape[0] <= FUSE_MAX_M and x.stride(-1) == 1 and kernel_applies(x, weight, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           force_triton: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); the Triton kernel where GEMV_TABLE says it wins (or with force_triton,
+    on any device — CPU runs go through TRITON_INTERPRET=1). config overrides the table's variant."""
+    if force_triton or kernel_applies(x, weight, bias):
+        cfg, triton_wins = choose(x.shape[0], weight.shape[0], x.shape[1], weight.element_size())
+        if force_triton or triton_wins:
+            return _launch(x, weight, bias, x.shape[1], config or cfg)
+    return F.linear(x, weight, bias)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None, *, force_triton: bool = False,
+                config: GemvConfig | None = None):
+    """(rms_norm(x + residual) · norm_weight) @ weight.T + bias, and the new residual x + residual.
+
+    With SWITCHES.fuse_norm the norm runs inside the GEMV's prologue: one kernel instead of two.
+    Without a residual (the first layer) the new residual is x itself."""
+    if not (force_triton or _fuses(SWITCHES.fuse_norm, x, weight, bias)):
+        if residual is None:
+            return linear(fused.rms_norm(x, norm_weight, eps), weight, bias), x
+        normed, residual = fused.rms_norm(x, norm_weight, eps, residual)
+        return linear(normed, weight, bias), residual
+    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
+    cfg = config or choose(x.shape[0], weight.shape[0], x.shape[1], weight.element_size())[0]
+    out = _launch(x, weight, bias, x.shape[1], cfg, _NORM, norm=(residual, new_residual, norm_weight, eps))
+    return out, new_residual
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    force_triton: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
+    """(silu(gate) · up) @ weight.T + bias for gate_up = [gate | up]; with SWITCHES.fuse_silu one kernel."""
+    k = gate_up.shape[1] // 2
+    if not (force_triton or _fuses(SWITCHES.fuse_silu, gate_up[:, :k], weight, bias)):
+        return linear(fused.silu_and_mul(gate_up), weight, bias)
+    cfg = config or choose(gate_up.shape[0], weight.shape[0], k, weight.element_size())[0]
+    return _launch(gate_up, weight, bias, k, cfg, _SILU_MUL)
+
+
+def _rope_fuses(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rope: QKVRope) -> bool:
+    d = rope.head_dim
+    return (_fuses(SWITCHES.fuse_rope, x, weight, bias) and 16 <= d <= 128 and not d & (d - 1)
+            and weight.shape[0] == rope.width and rope.k_cache.is_contiguous() and rope.v_cache.is_contiguous()
+            and rope.k_cache.dtype == x.dtype == rope.v_cache.dtype)
+
+
+def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, bias: torch.Tensor | None, rope: QKVRope, *, force_triton: bool = False,
+                  config: GemvConfig | None = None):
+    """The attention input of a decoder layer: (q, k, v, new residual) after rms_norm(x + residual) → qkv
+    projection → q/k RMSNorm (Qwen3) + RoPE, with k and v stored in the paged cache.
+
+    With SWITCHES.fuse_rope the rope + store run in the qkv GEMV's epilogue (with fuse_norm, the norm in its
+    prologue too); k and v then live only in the cache and come back as None. config (block_n = head_dim)
+    overrides ROPE_TABLE's variant."""
+    if not (force_triton or _rope_fuses(x, weight, bias, rope)):
+        qkv, residual = norm_linear(x, residual, norm_weight, eps, weight, bias)
+        q, k, v = rope.split(qkv)
+        q, k = rope.apply(q, k, v)
+        return q, k, v, residual
+    cfg = config or rope_config(x.shape[0], rope.head_dim)
+    if SWITCHES.fuse_norm:
+        new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
+        q = _launch(x, weight, bias, x.shape[1], cfg, _NORM, norm=(residual, new_residual, norm_weight, eps),
+                    rope=rope)
+        return q, None, None, new_residual
+    if residual is None:
+        normed, residual = fused.rms_norm(x, norm_weight, eps), x
+    else:
+        normed, residual = fused.rms_norm(x, norm_weight, eps, residual)
+    return _launch(normed, weight, bias, x.shape[1], cfg, rope=rope), None, None, residual
+
+
+_PLAIN, _NORM, _SILU_MUL = 0, 1, 2  # prologue: what the kernel does to x as it loads it
+
+
+def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, rope: QKVRope | None = None) -> torch.Tensor:
+    """One kernel launch. norm = (residual | None, residual_out, norm_weight, eps) for the RMSNorm prologue;
+    with rope the output is q [M, H, D] (k and v go into the cache)."""
+    if not HAS_TRITON:
+        raise RuntimeError("the Triton GEMV was requested but triton is not installed")
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    m, n = x.shape[0], weight.shape[0]
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    p = plan(config, m, n, k, num_sms(x.device))
+    counters = _counters_for(x.device) if p.split_k > 1 else None
+    if p.split_k > 1 and counters is None:  # first use inside a capture: take the unsplit variant
+        p = plan(dataclasses.replace(config, split_k=1), m, n, k, 1)
+    if rope is not None:
+        if p.block_n != rope.head_dim or n != rope.width:
+            raise ValueError(f"the rope epilogue needs one head per tile: block_n {p.block_n}, head_dim "
+                             f"{rope.head_dim}, N {n} vs {rope.width}")
+        out = torch.empty(m, rope.num_heads, rope.head_dim, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if p.split_k > 1:
+        partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device)
+    else:  # never touched; placeholders of the same dtypes let both kinds of launch share one compiled kernel
+        partials = torch.empty(1, dtype=torch.float32, device=x.device)
+        counters = torch.empty(1, dtype=torch.int32, device=x.device)
+    residual, residual_out, norm_weight, eps = norm if norm is not None else (None, x, x, 0.0)
+    r = _rope_args(rope, x)
+    _gemv_kernel[p.grid](
+        x, weight, bias if bias is not None else out, out, partials, counters,
+        residual if residual is not None else x, residual_out, norm_weight, eps, *r,
+        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, residual_out.stride(0),
+        out.stride(0), p.k_per_split,
+        BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
+        NORM_K=max(1, min(p.block_k, prev_power_of_2(NORM_CHUNK // p.block_m))), USE_DOT=p.use_dot,
+        EVEN_K=k % p.block_k == 0, HAS_BIAS=bias is not None, REDUCE_CHUNK=p.reduce_chunk,
+        LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_IN_FP32=not x.is_cuda,  # the interpreter (CPU tensors) multiplies bf16 bit patterns as integers
+        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, ROPE=rope is not None,
+        HAS_QK_NORM=rope is not None and rope.q_norm_weight is not None,
+        num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x.device))
+    return out
+
+
+def _rope_args(rope: QKVRope | None, placeholder: torch.Tensor) -> tuple:
+    """(k_cache, v_cache, slots, positions, cos_sin, q_norm_w, k_norm_w, eps, num_heads, num_kv_heads)."""
+    if rope is None:
+        return (placeholder,) * 7 + (0.0, 1, 1)
+    qw = rope.q_norm_weight if rope.q_norm_weight is not None else rope.cos_sin_cache
+    kw = rope.k_norm_weight if rope.k_norm_weight is not None else rope.cos_sin_cache
+    return (rope.k_cache, rope.v_cache, rope.slot_mapping, rope.positions, rope.cos_sin_cache, qw, kw, rope.eps,
+            rope.num_heads, rope.num_kv_heads)
+
+
+@jit
+def _load_weight(w_rows, cols, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(w_rows + cols)
+    return tl.load(w_rows + cols, mask=cols < K, other=0.0)
+
+
+@jit
+def _inv_rms(x_ptr, res_ptr, offs_m, M, K, stride_xm, stride_rm, eps,
+             BLOCK_M: tl.constexpr, NORM_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """1 / rms of rows x + residual over all of K (the sum rounded to the model dtype, like HF's add): [BLOCK_M]."""
+    rows = offs_m[:, None]
+    cols = tl.arange(0, NORM_K)[None, :]
+    sum_sq = tl.zeros((BLOCK_M, NORM_K), dtype=tl.float32)
+    for k in range(0, K, NORM_K):
+        mask = (rows < M) & (k + cols < K)
+        h = tl.load(x_ptr + rows * stride_xm + k + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rows * stride_rm + k + cols, mask=mask, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+        h = h.to(tl.float32)
+        sum_sq += h * h
+    return tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)
+
+
+@jit
+def _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, rows, row_ok, cols, K, stride_xm, stride_rm, stride_rom,
+              inv_rms, write_residual, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The x the product sees at (rows, cols), as fp32 holding model-dtype values: x itself, or
+    norm_w · round(h · inv_rms) with h = x + residual (written to res_out where write_residual), or
+    silu(gate) · up for the [gate | up] row — each rounded like the separate kernel it replaces."""
+    mask = row_ok & (cols < K)
+    x = tl.load(x_ptr + rows * stride_xm + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    if PROLOGUE == 1:
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rows * stride_rm + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+            if write_residual:
+                tl.store(res_out_ptr + rows * stride_rom + cols, x, mask=mask)
+        nw = tl.load(norm_w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        return (nw * (x.to(tl.float32) * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    if PROLOGUE == 2:
+        gate = x.to(tl.float32)
+        up = tl.load(x_ptr + rows * stride_xm + K + cols, mask=mask, other=0.0).to(tl.float32)
+        return (gate / (1.0 + tl.exp(-gate)) * up).to(dtype).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@jit
+def _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, res_ptr, res_out_ptr, norm_w_ptr,
+                stride_xm, stride_rm, stride_rom, inv_rms, write_residual,
+                BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Fold the weight tile w [BLOCK_N, BLOCK_K] at column k into the accumulators."""
+    cols = k + offs_k[None, :]
+    if USE_DOT:
+        x = _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_m[:, None], offs_m[:, None] < M, cols, K,
+                      stride_xm, stride_rm, stride_rom, inv_rms[:, None], write_residual, PROLOGUE, HAS_RESIDUAL)
+        if DOT_IN_FP32:  # same products: bf16 x bf16 is exact in fp32
+            acc = tl.dot(w.to(tl.float32), tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc, input_precision=DOT_PRECISION)
+    elif BLOCK_M == 1:
+        x = _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_m[:, None], offs_m[:, None] < M, cols, K,
+                      stride_xm, stride_rm, stride_rom, inv_rms[:, None], write_residual, PROLOGUE, HAS_RESIDUAL)
+        acc_wide += w.to(tl.float32) * x
+    else:  # one row of x at a time keeps the live registers at one [BLOCK_N, BLOCK_K] product
+        wf = w.to(tl.float32)
+        for i in tl.static_range(BLOCK_M):
+            row = tl.full((1, 1), i, dtype=tl.int32)
+            inv_i = tl.sum(tl.where(offs_m == i, inv_rms, 0.0), axis=0)
+            xi = _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, row, row < M, cols, K, stride_xm, stride_rm,
+                           stride_rom, inv_i, write_residual, PROLOGUE, HAS_RESIDUAL)
+            product = tl.sum(wf * xi, axis=1)
+            acc += tl.where(offs_m[None, :] == i, product[:, None], 0.0)
+    return acc, acc_wide
+
+
+@jit
+def _store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, tile,
+                k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps,
+                num_heads, num_kv_heads, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+                ROPE: tl.constexpr, HAS_QK_NORM: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] fp32 (+ bias in fp32) → out[m, n] rounded once, or through the rope epilogue."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+    if ROPE:
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        qkv_tile_epilogue(y, tile, offs_m, M, out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr,
+                          qw_ptr, kw_ptr, qk_eps, num_heads, num_kv_heads, BLOCK_N, BLOCK_M, HAS_QK_NORM)
+    else:
+        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@jit(do_not_specialize=["M", "num_heads", "num_kv_heads"])  # one compiled kernel for every batch and head count
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+                 res_ptr, res_out_ptr, norm_w_ptr, eps,
+                 k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps,
+                 num_heads, num_kv_heads,
+                 M, N, K, stride_xm, stride_rm, stride_rom, stride_om, k_per_split,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
+                 USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 REDUCE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 ROPE: tl.constexpr, HAS_QK_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows past N wrap around so weight loads need no mask (those outputs are never stored).
+    w_rows = w_ptr + (offs_n % N).to(tl.int64)[:, None] * K
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
+    k_loop = k_start
+    if USE_PDL:  # the first weight tile streams in while the previous kernel finishes; x only after the wait
+        w_first = _load_weight(w_rows, k_start + offs_k[None, :], K, EVEN_K)
+        gdc_wait()
+        gdc_launch_dependents()
+        k_loop = k_start + BLOCK_K
+
+    inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == 1:
+        inv_rms = _inv_rms(x_ptr, res_ptr, offs_m, M, K, stride_xm, stride_rm, eps, BLOCK_M, NORM_K, HAS_RESIDUAL)
+    write_residual = pid_n == 0  # the programs of the first column tile write the new residual stream
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_wide = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # M = 1: reduce over K once, at the end
+    if USE_PDL:
+        acc, acc_wide = _accumulate(acc, acc_wide, w_first, k_start, offs_m, offs_k, M, K, x_ptr, res_ptr,
+                                    res_out_ptr, norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms,
+                                    write_residual, BLOCK_M, USE_DOT, DOT_PRECISION, DOT_IN_FP32, PROLOGUE,
+                                    HAS_RESIDUAL)
+    for k in tl.range(k_loop, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
+        w = _load_weight(w_rows, k + offs_k[None, :], K, EVEN_K)
+        acc, acc_wide = _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, res_ptr, res_out_ptr,
+                                    norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms, write_residual,
+                                    BLOCK_M, USE_DOT, DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL)
+    if not USE_DOT and BLOCK_M == 1:
+        acc = tl.sum(acc_wide, axis=1)[:, None]
+
+    if num_splits == 1:
+        _store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, pid_n, k_cache_ptr, v_cache_ptr,
+                    slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps, num_heads, num_kv_heads,
+                    BLOCK_N, BLOCK_M, HAS_BIAS, ROPE, HAS_QK_NORM)
+    else:
+        out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+        tile = offs_m[None, :] * N + offs_n[:, None]  # partials are [split, M, N] fp32
+        tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=out_mask)
+        tl.debug_barrier()  # all threads' partials are written before the (thread-0) release below
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:  # last program of this tile: reduce in split order
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            offs_s = tl.arange(0, REDUCE_CHUNK)
+            for s0 in range(0, num_splits, REDUCE_CHUNK):
+                s = s0 + offs_s
+                parts = tl.load(partial_ptr + s[:, None, None] * (M * N) + tile[None, :, :],
+                                mask=(s < num_splits)[:, None, None] & out_mask[None, :, :], other=0.0,
+                                cache_modifier=".cg")  # from L2: other SMs wrote them
+                total += tl.sum(parts, axis=0)
+            _store_tile(total, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, pid_n, k_cache_ptr, v_cache_ptr,
+                        slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps, num_heads, num_kv_heads,
+                        BLOCK_N, BLOCK_M, HAS_BIAS, ROPE, HAS_QK_NORM)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call / graph replay

@@ -1,0 +1,179 @@
+"""Per-head q/k RMSNorm + rotary embedding + KV-cache store: one kernel for all heads of a step, or the
+epilogue of the qkv GEMV (gemv.norm_qkv_rope), which then writes q and the cache directly.
+
+qk_norm_rope_ref is the plain-PyTorch reference (HF semantics) both are tested against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels import reference
+from nanoserve.kernels._triton import gdc_launch_dependents, gdc_wait, jit, pdl_args, tl
+from nanoserve.kernels.fused import rms_norm_ref, use_triton
+
+
+@dataclass
+class QKVRope:
+    """What the rotary + KV-store step of one attention layer needs besides the qkv values."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    cos_sin_cache: torch.Tensor  # [max_position, 2 * head_dim]: rows [cos, cos, -sin, sin]
+    positions: torch.Tensor  # [T]
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [T]
+    q_norm_weight: torch.Tensor | None = None  # per-head RMSNorm of q and k (Qwen3)
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+    @property
+    def width(self) -> int:
+        """Columns of the qkv product: q heads, then k heads, then v heads."""
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k / v [T, Hkv, D]: views of the qkv product [T, width]."""
+        d, q_size, kv_size = self.head_dim, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        t = qkv.shape[0]
+        return q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, force_triton: bool = False):
+        """The separate kernel: (q, k) normalised and rotated; k and v stored in the cache."""
+        return qk_norm_rope(q, k, self.cos_sin_cache, self.positions, self.q_norm_weight, self.k_norm_weight,
+                            self.eps, kv_store=(v, self.k_cache, self.v_cache, self.slot_mapping),
+                            force_triton=force_triton)
+
+
+def qk_norm_rope_ref(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, eps=1e-6, kv_store=None):
+    """q [T, H, D], k [T, Hkv, D] → rotated (and first per-head normalised, Qwen3) q, k.
+
+    cos_sin_cache rows are [cos, cos, -sin, sin] (each D/2), neox rotate-half as in HF Llama/Qwen.
+    kv_store = (v, k_cache, v_cache, slot_mapping): also write the rotated k and v into the paged cache.
+    """
+    d = q.shape[-1]
+    cs = F.embedding(positions, cos_sin_cache).unsqueeze(1)
+    cos, sin = cs[..., :d], cs[..., d:]
+    out = []
+    for x, w in ((q, q_norm_w), (k, k_norm_w)):
+        if w is not None:
+            x = rms_norm_ref(x, w, eps)
+        x1, x2 = x.chunk(2, dim=-1)
+        out.append(torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin))
+    if kv_store is not None:
+        v, k_cache, v_cache, slot_mapping = kv_store
+        reference.store_kv(out[1], v, k_cache, v_cache, slot_mapping)
+    return out[0], out[1]
+
+
+def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, eps=1e-6, kv_store=None,
+                 force_triton=False):
+    """One kernel for all q and k heads (and the KV-cache store); q/k/v may be strided views of the qkv output."""
+    if not (force_triton or use_triton(q)) or q.shape[-1] & (q.shape[-1] - 1):  # kernel needs a power-of-2 head_dim
+        return qk_norm_rope_ref(q, k, cos_sin_cache, positions, q_norm_w, k_norm_w, eps, kv_store)
+    tokens, num_heads, d = q.shape
+    num_kv_heads = k.shape[1]
+    q_out = torch.empty(tokens, num_heads, d, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(tokens, num_kv_heads, d, dtype=k.dtype, device=k.device)
+    has_norm = q_norm_w is not None
+    v, k_cache, v_cache, slots = kv_store if kv_store is not None else (k, k_out, k_out, positions)
+    if kv_store is not None and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
+    _qk_norm_rope_kernel[(tokens, num_heads + num_kv_heads)](
+        q, k, v, q_out, k_out, k_cache, v_cache, slots, cos_sin_cache, positions,
+        q_norm_w if has_norm else cos_sin_cache, k_norm_w if has_norm else cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), num_heads, eps,
+        HEAD_DIM=d, HAS_NORM=has_norm, STORE_KV=kv_store is not None, **pdl_args(q.device))
+    return q_out, k_out
+
+
+@jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                         cos_sin_ptr, pos_ptr, qw_ptr, kw_ptr,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_heads, eps,
+                         HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    if USE_PDL:  # everything below reads the previous kernels' outputs
+        gdc_wait()
+        gdc_launch_dependents()
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    is_q = head < num_heads
+    kv_head = head - num_heads
+    half: tl.constexpr = HEAD_DIM // 2
+    dims = tl.arange(0, HEAD_DIM)
+    partner = (dims + half) % HEAD_DIM
+    if is_q:
+        src = q_ptr + token * stride_qt + head * stride_qh
+        dst = q_out_ptr + (token * num_heads + head) * HEAD_DIM
+        w_ptr = qw_ptr
+    else:
+        src = k_ptr + token * stride_kt + kv_head * stride_kh
+        dst = k_out_ptr + (token * (tl.num_programs(1) - num_heads) + kv_head) * HEAD_DIM
+        w_ptr = kw_ptr
+    dtype = q_out_ptr.dtype.element_ty
+    x = tl.load(src + dims).to(tl.float32)
+    x_partner = tl.load(src + partner).to(tl.float32)
+    if HAS_NORM:  # HF: normalise in float32, round, then scale by the (model-dtype) weight and round
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+        x = (tl.load(w_ptr + dims).to(tl.float32) * (x * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+        x_partner = tl.load(w_ptr + partner).to(tl.float32) * (x_partner * inv_rms).to(dtype).to(tl.float32)
+        x, x_partner = x.to(tl.float32), x_partner.to(dtype).to(tl.float32)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * 2 * HEAD_DIM + dims).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * 2 * HEAD_DIM + HEAD_DIM + dims).to(tl.float32)
+    out = (x * cos + x_partner * sin).to(dtype)
+    tl.store(dst + dims, out)
+    if STORE_KV:
+        if kv_head >= 0:  # write this token's rotated k and its v into the paged cache
+            num_kv_heads = tl.num_programs(1) - num_heads
+            slot = tl.load(slot_ptr + token).to(tl.int64)
+            cache_at = (slot * num_kv_heads + kv_head) * HEAD_DIM + dims
+            tl.store(k_cache_ptr + cache_at, out)
+            v = tl.load(v_ptr + token * stride_vt + kv_head * stride_vh + dims)
+            tl.store(v_cache_ptr + cache_at, v)
+
+
+@jit
+def qkv_tile_epilogue(y, tile, offs_m, M, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr,
+                      qw_ptr, kw_ptr, eps, num_heads, num_kv_heads,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_NORM: tl.constexpr):
+    """One head of the qkv product for every row m < M (y [HEAD_DIM, BLOCK_M], fp32 holding model-dtype values;
+    tile = the head's index among q, k, v heads): q heads are normalised and rotated into q_out [M, H, D], k heads
+    normalised, rotated and stored in the paged cache, v heads stored. Same rounding as _qk_norm_rope_kernel."""
+    dtype = q_out_ptr.dtype.element_ty
+    half: tl.constexpr = HEAD_DIM // 2
+    row_ok = (offs_m < M)[None, :]
+    slot = tl.load(slot_ptr + offs_m, mask=offs_m < M, other=0).to(tl.int64)[None, :]
+    if tile >= num_heads + num_kv_heads:  # a v head: into the cache as it is
+        dims = tl.arange(0, HEAD_DIM)[:, None]
+        v_at = (slot * num_kv_heads + (tile - num_heads - num_kv_heads)) * HEAD_DIM + dims
+        tl.store(v_cache_ptr + v_at, y.to(dtype), mask=row_ok)
+    else:
+        # The two halves of the head: rotate-half pairs element d with d + HEAD_DIM / 2.
+        x1, x2 = tl.split(tl.permute(tl.reshape(y, (2, half, BLOCK_M)), (1, 2, 0)))
+        hd = tl.arange(0, half)[:, None]
+        if HAS_NORM:
+            if tile < num_heads:
+                w_ptr = qw_ptr
+            else:
+                w_ptr = kw_ptr
+            inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)[None, :]
+            x1 = (tl.load(w_ptr + hd).to(tl.float32) * (x1 * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+            x2 = (tl.load(w_ptr + half + hd).to(tl.float32) * (x2 * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+            x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+        pos = tl.load(pos_ptr + offs_m, mask=offs_m < M, other=0).to(tl.int64)[None, :]
+        row = cos_sin_ptr + pos * 2 * HEAD_DIM + hd  # [cos, cos, -sin, sin]
+        out1 = (x1 * tl.load(row).to(tl.float32) + x2 * tl.load(row + HEAD_DIM).to(tl.float32)).to(dtype)
+        out2 = (x2 * tl.load(row + half).to(tl.float32) + x1 * tl.load(row + HEAD_DIM + half).to(tl.float32)).to(dtype)
+        if tile < num_heads:
+            dst = q_out_ptr + (offs_m[None, :] * num_heads + tile) * HEAD_DIM + hd
+        else:
+            dst = k_cache_ptr + (slot * num_kv_heads + (tile - num_heads)) * HEAD_DIM + hd
+        tl.store(dst, out1, mask=row_ok)
+        tl.store(dst + half, out2, mask=row_ok)

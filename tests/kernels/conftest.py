@@ -1,0 +1,28 @@
+"""Fixtures of the kernel tests."""
+import pytest
+import torch
+
+from nanoserve.kernels import _triton, attention, fused, gemv, rotary_kv
+
+PDL_MODULES = (attention, fused, gemv, rotary_kv)
+
+tl = _triton.tl  # the interpreter wants triton.language among a jit function's globals
+
+if _triton.HAS_TRITON:
+
+    @_triton.triton.jit
+    def _no_gdc():
+        pass
+
+
+@pytest.fixture
+def pdl_in_interpreter(monkeypatch):
+    """The kernels' USE_PDL path, run in the CPU interpreter: it has no grid-dependency control, so gdc_wait and
+    gdc_launch_dependents become no-ops there; what is tested is everything else that path does (the first
+    weight tile loaded before the wait, the loop that starts one tile later)."""
+    if torch.cuda.is_available() or not _triton.HAS_TRITON:
+        pytest.skip("the USE_PDL path runs in the interpreter here; on a GPU the gpu tests run it for real")
+    for module in PDL_MODULES:
+        monkeypatch.setattr(module, "gdc_wait", _no_gdc)
+        monkeypatch.setattr(module, "gdc_launch_dependents", _no_gdc)
+        monkeypatch.setattr(module, "pdl_args", lambda device: {"USE_PDL": True})

@@ -1,0 +1,58 @@
+"""The pure parts of benchmarks/profile_decode.py: kernel kinds and the time attributed to them."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks/
+
+from benchmarks import profile_decode as pd  # noqa: E402
+
+
+def test_kernel_kinds():
+    assert pd.kernel_kind("_gemv_kernel") == "gemv"
+    assert pd.kernel_kind("nvjet_sm90_tst_384x8_64x4_2x1_v_bz_TNT") == "gemv"  # cuBLAS
+    assert pd.kernel_kind("_decode_reduce_kernel") == "attention merge"
+    assert pd.kernel_kind("_qk_norm_rope_kernel") == "rotary" and pd.kernel_kind("_rms_norm_kernel") == "norm"
+    assert pd.kernel_kind("void at::native::indexSelectSmallIndex<c10::BFloat16>") == "other"
+
+
+def test_kind_table_attributes_overlapping_kernels_once():
+    kernels = [("_gemv_kernel", 0.0, 5.0), ("_qk_norm_rope_kernel", 4.0, 7.0),  # PDL: starts before the gemv ends
+               ("_decode_kernel", 8.0, 12.0), ("_gemv_kernel", 12.5, 15.0), ("nvjet_x", 15.0, 30.0)]
+    t = pd.kind_table(kernels)
+    assert t["kernels"] == 5 and t["span_us"] == 30.0
+    assert t["kinds"]["lm_head"] == {"count": 1, "sum_us": 15.0, "busy_us": 15.0}  # the last product
+    assert t["kinds"]["gemv"]["count"] == 2 and t["kinds"]["gemv"]["sum_us"] == pytest.approx(7.5)
+    assert t["kinds"]["rotary"]["busy_us"] == pytest.approx(2.0)  # only 5..7: 4..5 belongs to the gemv
+    assert t["busy_us"] == pytest.approx(5 + 2 + 4 + 2.5 + 15)
+    assert t["top"][0][0] == "nvjet_x"
+
+
+def test_summary_rows():
+    bucket = {"replay_ms": 1.0, "kernels": 200, "argmax_agree": 1.0}
+    report = {"models": {"m": {"sets": {
+        "all": {"buckets": {"1": bucket}, "edges": {"1": {"programmatic_edges": 190,
+                                                          "pdl_kernels_without_programmatic_edge": 0}}},
+        "none": {"buckets": {"1": {**bucket, "replay_ms": 1.5, "kernels": 260}}}}}}}
+    (row,) = pd.summary_rows(report)
+    assert row["replay_ms"] == {"all": 1.0, "none": 1.5} and row["kernels"] == {"all": 200, "none": 260}
+    assert row["pdl_edges_ok"] is True and row["replay_equals_eager"] is True
+    pd.print_summary([row], ["all", "none"])
+
+
+def test_h200_script_summary(tmp_path, capsys):
+    import json
+
+    from benchmarks import kernels_h200
+
+    row = {"model": "qwen3-0.6b", "b": 1, "replay_ms": {"all": 0.55, "no_pdl": 0.7, "none": 1.0, "no_fuse_norm": 0.6},
+           "kernels": {"all": 150, "none": 201}, "pdl_edges_ok": True, "replay_equals_eager": True}
+    (tmp_path / "profile_qwen3-0.6b.json").write_text(json.dumps({"summary": [row]}))
+    (tmp_path / "gemv_sweep.json").write_text(json.dumps({"summary": {"correct": True}, "table_source": "T = {}"}))
+    summary = kernels_h200.summarize(tmp_path, [{"stage": "gpu tests", "exit": 0, "seconds": 1.0}])
+    (replay,) = summary["replay"]
+    assert replay["target_ms"] == 0.60 and replay["before_ms"] == 1.00
+    kernels_h200.print_table(summary)
+    out = capsys.readouterr().out
+    assert "qwen3-0.6b" in out and "yes" in out and "no_fuse_norm 0.600" in out and "T = {}" in out

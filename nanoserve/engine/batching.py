@@ -13,18 +13,24 @@ def build_batch(step: ScheduledStep, block_size: int, eos_token_ids: list[int]) 
     """Call right after scheduling: the sequences' block tables, slots and pending counts are this step's."""
     sampled = [s for s, samples in zip(step.seqs, step.samples) if samples]
     sampling = sampling_batch(sampled, eos_token_ids) if sampled else None
-    updates = block_updates(step.seqs)
     if step.is_decode:
-        return _decode_batch(step, block_size, updates, sampling)
-    return _prefill_batch(step, block_size, updates, sampling)
+        return _decode_batch(step, block_size, sampling)
+    return _prefill_batch(step, block_size, block_updates(step.seqs), sampling)
 
 
-def _decode_batch(step: ScheduledStep, bs: int, updates: BlockUpdates, sampling) -> DecodeBatch:
+def _decode_batch(step: ScheduledStep, bs: int, sampling) -> DecodeBatch:
+    n = len(step.seqs)
     positions = np.array(step.starts, dtype=np.int32)
     slot_mapping = np.fromiter((s.block_table[p // bs] * bs + p % bs for s, p in zip(step.seqs, step.starts)),
-                               dtype=np.int32, count=len(step.seqs))
-    slots = np.fromiter((s.slot for s in step.seqs), dtype=np.int32, count=len(step.seqs))
-    return DecodeBatch(slots, positions, slot_mapping, positions + 1, updates, sampling)
+                               dtype=np.int32, count=n)
+    slots = np.fromiter((s.slot for s in step.seqs), dtype=np.int32, count=n)
+    cols, ids = np.full(n, -1, np.int32), np.zeros(n, np.int32)
+    for i, seq in enumerate(step.seqs):
+        if seq.num_synced_blocks < len(seq.block_table):  # a decode step adds at most one block
+            assert seq.num_synced_blocks == len(seq.block_table) - 1, "a decoding sequence's table is in sync"
+            cols[i], ids[i] = seq.num_synced_blocks, seq.block_table[-1]
+            seq.num_synced_blocks += 1
+    return DecodeBatch(slots, positions, slot_mapping, positions + 1, cols, ids, sampling)
 
 
 def _prefill_batch(step: ScheduledStep, bs: int, updates: BlockUpdates, sampling) -> PrefillBatch:

@@ -3,8 +3,8 @@
 Sequences live in fixed slots (rows of the persistent device state: block table, last sampled token).
 A decode batch is one token per slot whose input id is the slot's last sampled token, read on the
 device; a prefill batch carries prompt chunks (host token ids) and may carry decode rows too (token id
--1: read on the device). Block-table changes travel as (slot, column, block id) updates, so the device
-table is patched, never rebuilt.
+-1: read on the device). Block-table changes travel as updates (a decode row's one new block; a prefill
+batch's (slot, column, block id) triples), so the device table is patched, never rebuilt.
 """
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ class DecodeBatch:
     positions: np.ndarray  # [b] int32: position of the input token
     slot_mapping: np.ndarray  # [b] int32: KV-cache slot (block * block_size + offset) of the input token
     context_lens: np.ndarray  # [b] int32: tokens in the cache after this step (positions + 1)
-    block_updates: BlockUpdates
+    new_block_cols: np.ndarray  # [b] int32: the column of the row's one new block in its slot's table, or -1
+    new_block_ids: np.ndarray  # [b] int32
     sampling: SamplingBatch | None  # None: forward only (benchmarks)
 
     @property

@@ -7,7 +7,8 @@ import numpy as np
 import torch
 
 from nanoserve.kernels.metadata import AttentionMetadata
-from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch
+from nanoserve.kernels.step_inputs import prepare_decode
+from nanoserve.runner.batch import DecodeBatch, PrefillBatch
 from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker, sampling_arrays, updates_arrays
 from nanoserve.runner.sampler import SamplingTensors
 
@@ -21,18 +22,17 @@ class DecodeForward:
     def __call__(self, rows: int, width: int | None = None) -> torch.Tensor:
         """width: block-table columns to gather (eager callers pass the batch's widest table; graphs all)."""
         v = self.inputs.views(rows)
-        self.state.apply(v.update_slots, v.update_cols, v.update_blocks)
-        slots = v.slots.long()
-        tables = self.state.block_tables[:, :width] if width is not None else self.state.block_tables
+        input_ids, tables = prepare_decode(v.slots, v.new_block_cols, v.new_block_ids, self.state.last_tokens,
+                                           self.state.block_tables, width)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=v.slot_mapping, context_lens=v.context_lens,
-                                 block_tables=tables[slots])
-        hidden = self.model(self.state.last_tokens[slots], v.positions, meta)
+                                 block_tables=tables)
+        hidden = self.model(input_ids, v.positions, meta)
         return self.model.compute_logits(hidden)
 
     def prepare_padding(self, rows: int) -> None:
         """Load an all-padding batch of `rows` rows (warm-up and capture)."""
         empty = np.zeros(0, np.int32)
-        self.inputs.load(DecodeBatch(empty, empty, empty, empty, BlockUpdates(), None), rows)
+        self.inputs.load(DecodeBatch(empty, empty, empty, empty, empty, empty, None), rows)
 
 
 class PrefillForward:

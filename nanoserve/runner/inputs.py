@@ -5,10 +5,10 @@ both on the device; steps patch them, never rebuild them. Row max_num_seqs is th
 rows use: its block table points every entry at the reserved dummy block.
 
 DecodeInputs: the static buffer CUDA graphs read. For a bucket of B rows its regions are contiguous
-slices of a prefix: [slots | positions | slot_mapping | context_lens | update slot | update col |
-update block | temperature | top_p | top_k | min_p], B words each (floats stored as their bits). A step
-fills a pinned host mirror (two, alternating, so the host never waits for the previous copy) and moves
-it with ONE copy; padded rows get the dummy slot, the dummy KV slot and a harmless block update.
+slices of a prefix: [slots | positions | slot_mapping | context_lens | new block col | new block id |
+temperature | top_p | top_k | min_p], B words each (floats stored as their bits). A step fills a pinned
+host mirror (two, alternating, so the host never waits for the previous copy) and moves it with ONE
+copy; padded rows get the dummy slot, the dummy KV slot and no new block.
 
 StepPacker: the same one-copy scheme for eager (prefill / mixed) steps, whose arrays vary in length.
 """
@@ -22,7 +22,7 @@ import torch
 from nanoserve.runner.batch import BlockUpdates, DecodeBatch, SamplingBatch
 from nanoserve.runner.sampler import SamplingTensors
 
-DECODE_INT_REGIONS = 7  # slots, positions, slot_mapping, context_lens, update slot / col / block
+DECODE_INT_REGIONS = 6  # slots, positions, slot_mapping, context_lens, new block col, new block id
 SAMPLING_REGIONS = 4  # temperature, top_p, top_k, min_p
 
 
@@ -49,9 +49,8 @@ class DecodeViews:
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     context_lens: torch.Tensor
-    update_slots: torch.Tensor
-    update_cols: torch.Tensor
-    update_blocks: torch.Tensor
+    new_block_cols: torch.Tensor
+    new_block_ids: torch.Tensor
     sampling: SamplingTensors
 
 
@@ -103,10 +102,7 @@ class DecodeInputs:
 
     def load(self, batch: DecodeBatch, rows: int) -> None:
         """Write batch into the region of `rows` ≥ batch.size rows (the rest is padding), one copy to the device."""
-        b, r = batch.size, rows
-        updates = batch.block_updates
-        if len(updates) > r:
-            raise ValueError(f"{len(updates)} block-table updates do not fit a decode step of {r} rows")
+        r = rows
         host, event = self._ring.next()
         h = host.numpy()
         f = h.view(np.float32)
@@ -114,9 +110,8 @@ class DecodeInputs:
         _fill(h, r, r, batch.positions, 0)
         _fill(h, 2 * r, r, batch.slot_mapping, self.dummy_kv_slot)
         _fill(h, 3 * r, r, batch.context_lens, 1)
-        _fill(h, 4 * r, r, updates.slots, self.state.dummy_slot)
-        _fill(h, 5 * r, r, updates.cols, 0)
-        _fill(h, 6 * r, r, updates.block_ids, self.state.dummy_block)
+        _fill(h, 4 * r, r, batch.new_block_cols, -1)
+        _fill(h, 5 * r, r, batch.new_block_ids, 0)
         sb = batch.sampling
         base = DECODE_INT_REGIONS * r
         if sb is not None:

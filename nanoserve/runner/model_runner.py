@@ -17,7 +17,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.model.loader import load_model
 from nanoserve.runner import graph_setup
-from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch
+from nanoserve.runner.batch import DecodeBatch, PrefillBatch
 from nanoserve.runner.bucket_plan import BatchDistribution
 from nanoserve.runner.cuda_graph import GraphRunner
 from nanoserve.runner.forward import DecodeForward, PrefillForward
@@ -166,4 +166,4 @@ class ModelRunner:
         bs = self.config.block_size
         slot_mapping = (tables[:, position // bs] * bs + position % bs).astype(np.int32)
         full = lambda v: np.full(batch_size, v, dtype=np.int32)  # noqa: E731
-        return DecodeBatch(slots, full(position), slot_mapping, full(context_len), BlockUpdates(), None)
+        return DecodeBatch(slots, full(position), slot_mapping, full(context_len), full(-1), full(0), None)

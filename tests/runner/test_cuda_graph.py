@@ -9,7 +9,8 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig, default_capture_sizes
-from nanoserve.runner.batch import BlockUpdates, DecodeBatch, SamplingBatch
+from nanoserve.kernels.step_inputs import prepare_decode
+from nanoserve.runner.batch import DecodeBatch, SamplingBatch
 from nanoserve.runner.cuda_graph import GraphRunner
 from nanoserve.runner.inputs import DecodeInputs, PersistentState
 
@@ -48,20 +49,20 @@ def test_static_inputs_pad_rows_to_the_dummy_slot_and_block():
     i32 = lambda *v: np.array(v, np.int32)  # noqa: E731
     f32 = lambda *v: np.array(v, np.float32)  # noqa: E731
     sampling = SamplingBatch(i32(2, 5, 0), f32(0.0, 0.7, 1.0), f32(1.0, 0.9, 1.0), i32(0, 5, 0), f32(0, 0, 0.1))
-    batch = DecodeBatch(i32(2, 5, 0), i32(10, 20, 30), i32(17, 33, 50), i32(11, 21, 31),
-                        BlockUpdates(i32(5), i32(1), i32(7)), sampling)
+    batch = DecodeBatch(i32(2, 5, 0), i32(10, 20, 30), i32(17, 33, 50), i32(11, 21, 31), i32(-1, 1, -1),
+                        i32(0, 7, 0), sampling)
     addresses = inputs.device_buf.data_ptr()
     inputs.load(batch, rows=4)
     v = inputs.views(4)
     assert v.slots.tolist() == [2, 5, 0, 8] and v.positions.tolist() == [10, 20, 30, 0]  # slot 8: the dummy slot
     assert v.slot_mapping.tolist() == [17, 33, 50, 99 * 16]  # the padded row writes only to the dummy block
     assert v.context_lens.tolist() == [11, 21, 31, 1]
-    assert (v.update_slots.tolist(), v.update_cols.tolist(), v.update_blocks.tolist()) == ([5, 8, 8, 8], [1, 0, 0, 0],
-                                                                                            [7, 99, 99, 99])
+    assert v.new_block_cols.tolist() == [-1, 1, -1, -1] and v.new_block_ids.tolist() == [0, 7, 0, 0]
     assert v.sampling.temperature.tolist() == pytest.approx([0.0, 0.7, 1.0, 0.0])
     assert v.sampling.top_k.tolist() == [0, 5, 0, 0]
-    state.apply(v.update_slots, v.update_cols, v.update_blocks)
+    ids, tables = prepare_decode(v.slots, v.new_block_cols, v.new_block_ids, state.last_tokens, state.block_tables)
     assert state.block_tables[5].tolist() == [99, 7, 99, 99] and state.block_tables[8].tolist() == [99] * 4
+    assert tables.tolist() == [[99] * 4, [99, 7, 99, 99], [99] * 4, [99] * 4] and ids.tolist() == [0] * 4
     assert inputs.device_buf.data_ptr() == addresses  # views of one buffer, never reallocated
     assert inputs.views(2).slots.data_ptr() == addresses and inputs.views(4) is v
 

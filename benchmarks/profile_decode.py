@@ -42,7 +42,8 @@ SWITCH_SETS: dict[str, dict[str, bool]] = {
     "no_fuse_norm": {"fuse_norm": False},
     "no_fuse_silu": {"fuse_silu": False},
     "no_fuse_rope": {"fuse_rope": False},
-    "none": {"pdl": False, "fuse_norm": False, "fuse_silu": False, "fuse_rope": False},
+    "no_fuse_merge": {"fuse_merge": False},
+    "none": {"pdl": False, "fuse_norm": False, "fuse_silu": False, "fuse_rope": False, "fuse_merge": False},
 }
 KINDS = ("gemv", "attention", "attention merge", "norm", "rotary", "lm_head", "other")
 _NAMED_KINDS = {"_gemv_kernel": "gemv", "_decode_kernel": "attention", "_prefill_kernel": "attention",

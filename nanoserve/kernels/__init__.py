@@ -1,8 +1,8 @@
 """Every Triton kernel of nanoserve, each beside its plain-PyTorch reference.
 
     _triton.py    the triton import guard and shared launch helpers (cdiv, powers of two, SM count, PDL)
-    gemv.py       few-row products x @ W.T (+ fused RMSNorm / SiLU-mul prologues); the one place that
-                  decides which kernel a linear layer runs
+    gemv.py       few-row products x @ W.T (+ fused RMSNorm / SiLU-mul / attention-merge prologues, the
+                  rope epilogue); the one place that decides which kernel a linear layer runs
     fused.py      residual add + RMSNorm, SiLU-and-mul
     rotary_kv.py  per-head q/k RMSNorm + RoPE + KV-cache store (a kernel, or the qkv GEMV's epilogue)
     attention.py  paged attention: backend selection, KV store, split-K decode, paged prefill

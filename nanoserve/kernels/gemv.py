@@ -55,6 +55,7 @@ MAX_SPLIT_K = 16
 COUNTER_SLOTS = 8192  # output tiles that can be split-K'd in one call (one int32 counter each)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 NORM_CHUNK = 4096  # elements of the [BLOCK_M, chunk] tile the RMSNorm prologue sums per step
+PIPELINE_SMEM_BYTES = 128 * 2**10  # shared memory the pipelined tiles may take (an H100/H200 SM has 227 KiB)
 
 
 @dataclass(frozen=True)
@@ -196,8 +197,9 @@ class LaunchPlan:
         return (self.n_tiles, self.split_k)
 
 
-def plan(config: GemvConfig, m: int, n: int, k: int, sms: int) -> LaunchPlan:
-    """Resolve block sizes and the K split for one shape (pure; unit-tested)."""
+def plan(config: GemvConfig, m: int, n: int, k: int, sms: int, element_size: int = 2) -> LaunchPlan:
+    """Resolve block sizes, the K split and the pipeline depth for one shape (pure; unit-tested). The depth is
+    cut to what fits PIPELINE_SMEM_BYTES: each stage holds a weight tile (and for tl.dot an x tile)."""
     if not 1 <= m <= MAX_M:
         raise ValueError(f"the gemv kernel handles 1..{MAX_M} rows, got {m}")
     if not config.use_dot and m > FMA_MAX_ROWS:
@@ -220,8 +222,10 @@ def plan(config: GemvConfig, m: int, n: int, k: int, sms: int) -> LaunchPlan:
     split = cdiv(k, k_per_split)  # no empty slices
     # The last program of a tile sums [reduce_chunk, block_n, block_m] partials per load round.
     reduce_chunk = max(1, min(8, prev_power_of_2(2048 // (config.block_n * block_m))))
+    stage_bytes = (config.block_n + (block_m if config.use_dot else 0)) * block_k * element_size
+    stages = max(1, min(config.num_stages, PIPELINE_SMEM_BYTES // stage_bytes))
     return LaunchPlan(block_m=block_m, block_n=config.block_n, block_k=block_k, n_tiles=tiles, split_k=split,
-                      k_per_split=k_per_split, num_warps=config.num_warps, num_stages=config.num_stages,
+                      k_per_split=k_per_split, num_warps=config.num_warps, num_stages=stages,
                       use_dot=config.use_dot, reduce_chunk=reduce_chunk)
 
 
@@ -381,10 +385,10 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, rope: QKVRop
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
-    p = plan(config, m, n, k, num_sms(x.device))
+    p = plan(config, m, n, k, num_sms(x.device), weight.element_size())
     counters = _counters_for(x.device) if p.split_k > 1 else None
     if p.split_k > 1 and counters is None:  # first use inside a capture: take the unsplit variant
-        p = plan(dataclasses.replace(config, split_k=1), m, n, k, 1)
+        p = plan(dataclasses.replace(config, split_k=1), m, n, k, 1, weight.element_size())
     if rope is not None:
         if p.block_n != rope.head_dim or n != rope.width:
             raise ValueError(f"the rope epilogue needs one head per tile: block_n {p.block_n}, head_dim "

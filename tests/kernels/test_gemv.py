@@ -129,6 +129,13 @@ def test_plan_splits_k_to_fill_the_gpu_without_empty_slices():
     assert gemv.plan(GemvConfig(16, 256, use_dot=True), 33, 100, 256, 132).block_m == 64
 
 
+def test_plan_cuts_the_pipeline_to_the_shared_memory():
+    cfg = GemvConfig(64, 128, num_stages=4, use_dot=True)
+    assert gemv.plan(cfg, 64, 4096, 4096, 132).num_stages == 4  # (64 + 64) x 128 bf16: 32 KiB a stage
+    assert gemv.plan(cfg, 64, 4096, 4096, 132, element_size=4).num_stages == 2  # fp32: 64 KiB a stage
+    assert gemv.plan(GemvConfig(64, 256, num_stages=3, use_dot=True), 64, 4096, 4096, 132).num_stages == 2
+
+
 def test_plan_without_counter_slots_does_not_split():
     cfg = GemvConfig(block_n=1, block_k=16, split_k=4)
     assert gemv.plan(cfg, 1, gemv.COUNTER_SLOTS + 1, 1024, 132).split_k == 1

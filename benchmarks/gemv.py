@@ -32,7 +32,7 @@ import sys
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -469,7 +469,8 @@ def main() -> None:
             report["cases"] += bench_shape(shape, ms, sms, l2_bytes, deadline)
         except Exception as exc:  # e.g. out of memory for the weight copies
             print(f"  FAILED {shape.name}: {type(exc).__name__}: {exc}", flush=True)
-            report["cases"].append({"model": shape.model, "layer": shape.layer, "error": f"{type(exc).__name__}: {exc}"})
+            report["cases"].append({"model": shape.model, "layer": shape.layer,
+                                    "error": f"{type(exc).__name__}: {exc}"})
             torch.cuda.empty_cache()
         report["elapsed_s"] = round(time.perf_counter() - start, 1)
         write_json(args.output, report)

@@ -111,5 +111,6 @@ def inspect_graph(raw_graph: int) -> GraphEdges:
             programmatic_into.add(b)
             out.programmatic_pairs[f"{_short(names.get(a) or '?')} -> {_short(names.get(b) or '?')}"] += 1
     out.pdl_kernels_without_programmatic_edge = sum(
-        1 for node, name in names.items() if name in PDL_KERNELS and node in kernel_pred and node not in programmatic_into)
+        1 for node, name in names.items()
+        if name in PDL_KERNELS and node in kernel_pred and node not in programmatic_into)
     return out

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import env_info, model_config, release_cuda_memory, time_ms, write_json, write_model_dir  # noqa: E402
+from benchmarks.common import (env_info, model_config, release_cuda_memory, time_ms, write_json,  # noqa: E402
+                               write_model_dir)
 from nanoserve.kernels.switches import SWITCHES, switched  # noqa: E402
 
 SWITCH_SETS: dict[str, dict[str, bool]] = {
@@ -41,7 +42,8 @@ SWITCH_SETS: dict[str, dict[str, bool]] = {
     "no_fuse_norm": {"fuse_norm": False},
     "no_fuse_silu": {"fuse_silu": False},
     "no_fuse_rope": {"fuse_rope": False},
-    "none": {"pdl": False, "fuse_norm": False, "fuse_silu": False, "fuse_rope": False},
+    "no_fuse_merge": {"fuse_merge": False},
+    "none": {"pdl": False, "fuse_norm": False, "fuse_silu": False, "fuse_rope": False, "fuse_merge": False},
 }
 KINDS = ("gemv", "attention", "attention merge", "norm", "rotary", "lm_head", "other")
 _NAMED_KINDS = {"_gemv_kernel": "gemv", "_decode_kernel": "attention", "_prefill_kernel": "attention",
@@ -218,7 +220,8 @@ def summary_rows(report: dict) -> list[dict]:
 
 def print_summary(rows: list[dict], sets: list[str]) -> None:
     print("\nreplay ms per decode step (context 512) by switch set; kernels per step; checks")
-    print(f"{'model':<14}{'b':>4} " + "".join(f"{s:>13}" for s in sets) + f"{'kernels':>12} {'PDL edges':>10} {'==eager':>8}")
+    print(f"{'model':<14}{'b':>4} " + "".join(f"{s:>13}" for s in sets)
+          + f"{'kernels':>12} {'PDL edges':>10} {'==eager':>8}")
     for r in rows:
         cells = "".join(f"{r['replay_ms'][s]:13.3f}" if s in r["replay_ms"] else f"{'-':>13}" for s in sets)
         kernels = f"{r['kernels'].get('all', '-')}/{r['kernels'].get('none', '-')}"

@@ -1,13 +1,14 @@
 """Every Triton kernel of nanoserve, each beside its plain-PyTorch reference.
 
-    _triton.py    the triton import guard and shared launch helpers (cdiv, powers of two, SM count)
-    gemv.py       few-row products x @ W.T (+ fused RMSNorm / SiLU-mul prologues); the one place that
-                  decides which kernel a linear layer runs
+    _triton.py    the triton import guard and shared launch helpers (cdiv, powers of two, SM count, PDL)
+    gemv.py       few-row products x @ W.T (+ fused RMSNorm / SiLU-mul / attention-merge prologues, the
+                  rope epilogue); the one place that decides which kernel a linear layer runs
     fused.py      residual add + RMSNorm, SiLU-and-mul
-    rotary_kv.py  per-head q/k RMSNorm + RoPE + KV-cache store
+    rotary_kv.py  per-head q/k RMSNorm + RoPE + KV-cache store (a kernel, or the qkv GEMV's epilogue)
     attention.py  paged attention: backend selection, KV store, split-K decode, paged prefill
     reference.py  plain-PyTorch paged attention (the CPU path and the oracle)
     metadata.py   AttentionMetadata, what attention needs besides q/k/v
+    switches.py   PDL and each fusion on/off (read once from the environment; benchmarks flip them)
 
 Nothing here imports from model/, runner/ or engine/: the model calls down into these, never back.
 """

@@ -14,7 +14,9 @@ second kernel merges the partial (max, sum, acc) of the splits that ran.
 """
 from __future__ import annotations
 
+import functools
 import inspect
+from dataclasses import dataclass
 
 import torch
 
@@ -30,13 +32,15 @@ def select_backend(device: torch.device) -> str:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, backend: str,
-                    kv_stored: bool = False) -> torch.Tensor:
+                    kv_stored: bool = False, defer_merge: bool = False) -> torch.Tensor | DecodePartials:
     """q [T, H, D], k/v [T, Hkv, D] for the T new tokens → attention output [T, H, D].
 
     kv_stored: the caller already wrote k/v into the cache (fused into its rotary kernel); k and v may then be
-    None (the fused qkv + rope GEMV keeps them only in the cache)."""
+    None (the fused qkv + rope GEMV keeps them only in the cache). defer_merge: a split-K Triton decode returns
+    its DecodePartials for the consumer to merge (gemv.attention_out_linear)."""
     if backend == "triton":
-        store, prefill, decode = store_kv, prefill_attention, decode_attention
+        store, prefill = store_kv, prefill_attention
+        decode = functools.partial(decode_attention, defer_merge=defer_merge)
     else:
         store, prefill, decode = reference.store_kv, reference.prefill_attention, reference.decode_attention
     if not kv_stored:
@@ -250,13 +254,32 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
     return max(1, min(wanted, cdiv(max_context, DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
 
 
+@dataclass
+class DecodePartials:
+    """The split-K decode attention before its merge: per (sequence, head, split) the fp32 partial output and its
+    (max, sum). merge_partials turns it into the attention output; the o_proj GEMV can merge it in its prologue
+    instead (gemv.attention_out_linear)."""
+
+    acc: torch.Tensor  # [num_seqs * num_heads * num_splits * head_dim] fp32
+    ml: torch.Tensor  # [num_seqs * num_heads * num_splits * 2] fp32
+    context_lens: torch.Tensor  # [num_seqs]: which splits saw tokens (_partition_size)
+    num_seqs: int
+    num_heads: int
+    head_dim: int
+    num_splits: int
+    block_n: int  # the decode kernel's key tile, which sizes the partitions
+    dtype: torch.dtype  # of the attention output
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+                     context_lens: torch.Tensor, scale: float, *, num_splits: int | None = None,
+                     defer_merge: bool = False) -> torch.Tensor | DecodePartials:
     """One query token per sequence over its paged context → [num_seqs, num_heads, head_dim].
 
     q [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] int32; context_lens
     [num_seqs] int32 (0 gives a zero output row). num_splits overrides the shape heuristic
-    (tests, benchmarks). No host sync: safe inside CUDA-graph capture.
+    (tests, benchmarks). With defer_merge a split-K launch returns its DecodePartials, unmerged.
+    No host sync: safe inside CUDA-graph capture.
     """
     num_seqs, num_heads, head_dim = q.shape
     _num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -279,8 +302,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_splits = max(1, min(num_splits, cdiv(max_context, block_n)))  # a split is at least one tile
     if num_splits > 1:
         parts = torch.empty(num_seqs * num_heads * num_splits * (head_dim + 2), dtype=torch.float32, device=q.device)
-        part_acc = parts[:num_seqs * num_heads * num_splits * head_dim]
-        part_ml = parts[num_seqs * num_heads * num_splits * head_dim:]
+        partials = DecodePartials(parts[:num_seqs * num_heads * num_splits * head_dim],
+                                  parts[num_seqs * num_heads * num_splits * head_dim:], context_lens, num_seqs,
+                                  num_heads, head_dim, num_splits, block_n, q.dtype)
+        part_acc, part_ml = partials.acc, partials.ml
     else:
         part_acc = part_ml = out  # unused by the single-split kernel
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -291,12 +316,43 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         **_dot_args(q.device, k_cache.dtype), num_warps=DECODE_NUM_WARPS, **pdl_args(q.device))
-    if num_splits > 1:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_acc, part_ml, context_lens, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(num_splits), BLOCK_D=next_power_of_2(head_dim), BLOCK_N=block_n,
-            num_warps=4, **pdl_args(q.device))
+    if num_splits == 1:
+        return out
+    return partials if defer_merge else merge_partials(partials, out)
+
+
+def merge_partials(p: DecodePartials, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention output [num_seqs, num_heads, head_dim] from its split-K partials (one reduce launch)."""
+    if out is None:
+        out = torch.empty((p.num_seqs, p.num_heads, p.head_dim), dtype=p.dtype, device=p.acc.device)
+    _decode_reduce_kernel[(p.num_seqs, p.num_heads)](
+        p.acc, p.ml, p.context_lens, out, p.num_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=p.head_dim, BLOCK_S=next_power_of_2(p.num_splits), BLOCK_D=next_power_of_2(p.head_dim),
+        BLOCK_N=p.block_n, num_warps=4, **pdl_args(p.acc.device))
     return out
+
+
+@jit
+def merged_head(acc_ptr, ml_ptr, ctx_ptr, rows, row_ok, head, dims, num_heads, num_splits,
+                HEAD_DIM: tl.constexpr, ATTN_BLOCK_N: tl.constexpr):
+    """One head's attention output for rows [R, 1] at dims [1, HEAD_DIM], merged from DecodePartials like
+    _decode_reduce_kernel (splits past a sequence's context are ignored): for a consumer's prologue."""
+    context_len = tl.load(ctx_ptr + rows, mask=row_ok, other=0)
+    num_valid = tl.cdiv(context_len, _partition_size(context_len, num_splits, ATTN_BLOCK_N))
+    first = (rows * num_heads + head).to(tl.int64) * num_splits  # [R, 1]: the row's split 0
+    m_max = tl.full(first.shape, float("-inf"), tl.float32)
+    for s in range(0, num_splits):
+        m_max = tl.maximum(m_max, tl.load(ml_ptr + (first + s) * 2, mask=row_ok & (s < num_valid),
+                                          other=float("-inf")))
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    total = tl.zeros(first.shape, tl.float32)
+    acc = tl.zeros((first.shape[0], HEAD_DIM), tl.float32)
+    for s in range(0, num_splits):
+        ok = row_ok & (s < num_valid)
+        weight = tl.where(ok, tl.exp2(tl.load(ml_ptr + (first + s) * 2, mask=ok, other=0.0) - m_max), 0.0)
+        total += weight * tl.load(ml_ptr + (first + s) * 2 + 1, mask=ok, other=0.0)
+        acc += weight * tl.load(acc_ptr + (first + s) * HEAD_DIM + dims, mask=ok, other=0.0)
+    return acc / tl.where(total > 0, total, 1.0)
 
 
 # --------------------------------------------------------------------------------------------- prefill

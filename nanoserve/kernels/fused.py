@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels._triton import HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, jit, next_power_of_2, pdl_args, tl
+from nanoserve.kernels._triton import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, jit, next_power_of_2,
+                                       pdl_args, tl)
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -23,7 +23,8 @@ The kernel (`_gemv_kernel`):
     once, which is therefore zero again after every call and every CUDA-graph replay;
   * a prologue transforms x as it is loaded, so the op before the product needs no launch of its
     own: residual add + RMSNorm (norm_linear; every program first takes the rows' norms over all of
-    K) or SiLU-and-mul of [gate | up] (silu_mul_linear);
+    K), SiLU-and-mul of [gate | up] (silu_mul_linear), or the merge of split-K decode attention's
+    partials, one head per K tile (attention_out_linear);
   * an epilogue may replace the plain store: for the qkv projection with BLOCK_N = head_dim each
     output tile is one head, which is normalised (Qwen3), rotated and written into q or the paged
     KV cache (norm_qkv_rope; rotary_kv.qkv_tile_epilogue);
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels import fused
+from nanoserve.kernels.attention import DecodePartials, merge_partials, merged_head
 from nanoserve.kernels._triton import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, jit, next_power_of_2,
                                        num_sms, pdl_args, prev_power_of_2, tl)
 from nanoserve.kernels.rotary_kv import QKVRope, qkv_tile_epilogue
@@ -53,6 +55,7 @@ MAX_SPLIT_K = 16
 COUNTER_SLOTS = 8192  # output tiles that can be split-K'd in one call (one int32 counter each)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 NORM_CHUNK = 4096  # elements of the [BLOCK_M, chunk] tile the RMSNorm prologue sums per step
+PIPELINE_SMEM_BYTES = 128 * 2**10  # shared memory the pipelined tiles may take (an H100/H200 SM has 227 KiB)
 
 
 @dataclass(frozen=True)
@@ -119,10 +122,15 @@ GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
     32: ((None, "dot 64x128 w4 st4 p1", CUBLAS),),
     64: ((None, "dot 64x128 w4 st4 p1", CUBLAS),),
 }
-# Rows up to which the fused paths (norm / SiLU prologue, rope epilogue) run when their switch is on.
+# Rows up to which the fused paths (norm / SiLU / merge prologues, rope epilogue) run when their switch is on.
 FUSE_MAX_M = 64
 # The qkv + rope variants (block_n becomes head_dim: one head per tile), by rows bucket.
 ROPE_TABLE: dict[int, str] = {4: "fma 128x64 w4 st3 p2", 64: "dot 128x64 w4 st3 p1"}
+# The o_proj + attention-merge variant (block_k becomes head_dim: one head per K tile), and the most fp32
+# partials its programs may re-read in all (n_tiles x rows x heads x splits x head_dim x 4 bytes, an upper
+# bound: splits past a sequence's context are not read); above it the reduce kernel merges them once.
+MERGE_CONFIG = "dot 64x128 w4 st2 p2"
+MERGE_MAX_PARTIAL_BYTES = 16 * 2**20
 
 
 def _parsed_table(table: dict) -> dict[int, tuple[tuple[float, GemvConfig, bool], ...]]:
@@ -164,6 +172,11 @@ def rope_config(m: int, head_dim: int) -> GemvConfig:
     return dataclasses.replace(_ROPE[_bucket(m, _ROPE)], block_n=head_dim)
 
 
+def merge_config(head_dim: int) -> GemvConfig:
+    """The o_proj + attention-merge variant: one head per K tile."""
+    return dataclasses.replace(GemvConfig.parse(MERGE_CONFIG), block_k=head_dim)
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """A config resolved for one (M, N, K): the exact launch."""
@@ -184,8 +197,9 @@ class LaunchPlan:
         return (self.n_tiles, self.split_k)
 
 
-def plan(config: GemvConfig, m: int, n: int, k: int, sms: int) -> LaunchPlan:
-    """Resolve block sizes and the K split for one shape (pure; unit-tested)."""
+def plan(config: GemvConfig, m: int, n: int, k: int, sms: int, element_size: int = 2) -> LaunchPlan:
+    """Resolve block sizes, the K split and the pipeline depth for one shape (pure; unit-tested). The depth is
+    cut to what fits PIPELINE_SMEM_BYTES: each stage holds a weight tile (and for tl.dot an x tile)."""
     if not 1 <= m <= MAX_M:
         raise ValueError(f"the gemv kernel handles 1..{MAX_M} rows, got {m}")
     if not config.use_dot and m > FMA_MAX_ROWS:
@@ -208,8 +222,10 @@ def plan(config: GemvConfig, m: int, n: int, k: int, sms: int) -> LaunchPlan:
     split = cdiv(k, k_per_split)  # no empty slices
     # The last program of a tile sums [reduce_chunk, block_n, block_m] partials per load round.
     reduce_chunk = max(1, min(8, prev_power_of_2(2048 // (config.block_n * block_m))))
+    stage_bytes = (config.block_n + (block_m if config.use_dot else 0)) * block_k * element_size
+    stages = max(1, min(config.num_stages, PIPELINE_SMEM_BYTES // stage_bytes))
     return LaunchPlan(block_m=block_m, block_n=config.block_n, block_k=block_k, n_tiles=tiles, split_k=split,
-                      k_per_split=k_per_split, num_warps=config.num_warps, num_stages=config.num_stages,
+                      k_per_split=k_per_split, num_warps=config.num_warps, num_stages=stages,
                       use_dot=config.use_dot, reduce_chunk=reduce_chunk)
 
 
@@ -270,7 +286,8 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 
     With SWITCHES.fuse_norm the norm runs inside the GEMV's prologue: one kernel instead of two.
     Without a residual (the first layer) the new residual is x itself."""
-    if not (force_triton or _fuses(SWITCHES.fuse_norm, x, weight, bias)):
+    if not (force_triton or _fuses(SWITCHES.fuse_norm, x, weight, bias)
+            and (residual is None or residual.stride(-1) == 1)):
         if residual is None:
             return linear(fused.rms_norm(x, norm_weight, eps), weight, bias), x
         normed, residual = fused.rms_norm(x, norm_weight, eps, residual)
@@ -291,9 +308,11 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return _launch(gate_up, weight, bias, k, cfg, _SILU_MUL)
 
 
-def _rope_fuses(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rope: QKVRope) -> bool:
+def _rope_fuses(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+                rope: QKVRope) -> bool:
     d = rope.head_dim
     return (_fuses(SWITCHES.fuse_rope, x, weight, bias) and 16 <= d <= 128 and not d & (d - 1)
+            and (residual is None or residual.stride(-1) == 1)
             and weight.shape[0] == rope.width and rope.k_cache.is_contiguous() and rope.v_cache.is_contiguous()
             and rope.k_cache.dtype == x.dtype == rope.v_cache.dtype)
 
@@ -307,7 +326,7 @@ def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     With SWITCHES.fuse_rope the rope + store run in the qkv GEMV's epilogue (with fuse_norm, the norm in its
     prologue too); k and v then live only in the cache and come back as None. config (block_n = head_dim)
     overrides ROPE_TABLE's variant."""
-    if not (force_triton or _rope_fuses(x, weight, bias, rope)):
+    if not (force_triton or _rope_fuses(x, residual, weight, bias, rope)):
         qkv, residual = norm_linear(x, residual, norm_weight, eps, weight, bias)
         q, k, v = rope.split(qkv)
         q, k = rope.apply(q, k, v)
@@ -325,12 +344,37 @@ def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     return _launch(normed, weight, bias, x.shape[1], cfg, rope=rope), None, None, residual
 
 
-_PLAIN, _NORM, _SILU_MUL = 0, 1, 2  # prologue: what the kernel does to x as it loads it
+def _merge_fuses(attn: DecodePartials, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    d, cfg = attn.head_dim, merge_config(attn.head_dim)
+    rereads = cdiv(weight.shape[0], cfg.block_n) * attn.num_seqs * attn.num_heads * attn.num_splits * d * 4
+    return (SWITCHES.fuse_merge and HAS_TRITON and weight.is_cuda and weight.dtype in KERNEL_DTYPES
+            and attn.dtype == weight.dtype and attn.num_seqs <= FUSE_MAX_M and 16 <= d <= 128 and not d & (d - 1)
+            and weight.dim() == 2 and weight.shape[1] == attn.num_heads * d and weight.is_contiguous()
+            and (bias is None or bias.dtype == weight.dtype) and rereads <= MERGE_MAX_PARTIAL_BYTES
+            and not (torch.is_grad_enabled() and weight.requires_grad))
 
 
-def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, rope: QKVRope | None = None) -> torch.Tensor:
+def attention_out_linear(attn: torch.Tensor | DecodePartials, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         *, force_triton: bool = False) -> torch.Tensor:
+    """The attention block's output projection of attn [T, H, D], or of split-K decode partials: with
+    SWITCHES.fuse_merge the GEMV merges them in its prologue (no reduce launch); otherwise the reduce kernel
+    merges them and the projection follows."""
+    if isinstance(attn, DecodePartials):
+        if force_triton or _merge_fuses(attn, weight, bias):
+            x = attn.acc.view(attn.num_seqs, -1)
+            return _launch(x, weight, bias, attn.num_heads * attn.head_dim, merge_config(attn.head_dim), _MERGE,
+                           merge=attn)
+        attn = merge_partials(attn)
+    return linear(attn.reshape(attn.shape[0], -1), weight, bias, force_triton=force_triton)
+
+
+_PLAIN, _NORM, _SILU_MUL, _MERGE = 0, 1, 2, 3  # prologue: what the kernel does to x as it loads it
+
+
+def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, rope: QKVRope | None = None,
+            merge: DecodePartials | None = None) -> torch.Tensor:
     """One kernel launch. norm = (residual | None, residual_out, norm_weight, eps) for the RMSNorm prologue;
-    with rope the output is q [M, H, D] (k and v go into the cache)."""
+    with rope the output is q [M, H, D] (k and v go into the cache); with merge, x is merge.acc viewed [M, -1]."""
     if not HAS_TRITON:
         raise RuntimeError("the Triton GEMV was requested but triton is not installed")
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
@@ -341,48 +385,53 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, rope: QKVRop
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
-    p = plan(config, m, n, k, num_sms(x.device))
+    p = plan(config, m, n, k, num_sms(x.device), weight.element_size())
     counters = _counters_for(x.device) if p.split_k > 1 else None
     if p.split_k > 1 and counters is None:  # first use inside a capture: take the unsplit variant
-        p = plan(dataclasses.replace(config, split_k=1), m, n, k, 1)
+        p = plan(dataclasses.replace(config, split_k=1), m, n, k, 1, weight.element_size())
     if rope is not None:
         if p.block_n != rope.head_dim or n != rope.width:
             raise ValueError(f"the rope epilogue needs one head per tile: block_n {p.block_n}, head_dim "
                              f"{rope.head_dim}, N {n} vs {rope.width}")
-        out = torch.empty(m, rope.num_heads, rope.head_dim, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, rope.num_heads, rope.head_dim, dtype=weight.dtype, device=x.device)
     else:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, n, dtype=weight.dtype, device=x.device)
+    if merge is not None and (p.block_k != merge.head_dim or not p.use_dot):
+        raise ValueError(f"the merge prologue needs a dot variant with one head per K tile, got {config.short()}")
     if p.split_k > 1:
         partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device)
     else:  # never touched; placeholders of the same dtypes let both kinds of launch share one compiled kernel
         partials = torch.empty(1, dtype=torch.float32, device=x.device)
         counters = torch.empty(1, dtype=torch.int32, device=x.device)
     residual, residual_out, norm_weight, eps = norm if norm is not None else (None, x, x, 0.0)
-    r = _rope_args(rope, x)
+    heads = (rope.num_heads, rope.num_kv_heads) if rope is not None else (
+        (merge.num_heads, 1) if merge is not None else (1, 1))
+    ml, ctx, attn_splits = (merge.ml, merge.context_lens, merge.num_splits) if merge is not None else (x, x, 1)
     _gemv_kernel[p.grid](
         x, weight, bias if bias is not None else out, out, partials, counters,
-        residual if residual is not None else x, residual_out, norm_weight, eps, *r,
+        residual if residual is not None else x, residual_out, norm_weight, eps, *_rope_args(rope, x), *heads,
+        ml, ctx, attn_splits,
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, residual_out.stride(0),
         out.stride(0), p.k_per_split,
         BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
         NORM_K=max(1, min(p.block_k, prev_power_of_2(NORM_CHUNK // p.block_m))), USE_DOT=p.use_dot,
         EVEN_K=k % p.block_k == 0, HAS_BIAS=bias is not None, REDUCE_CHUNK=p.reduce_chunk,
-        LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=not x.is_cuda,  # the interpreter (CPU tensors) multiplies bf16 bit patterns as integers
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, ROPE=rope is not None,
         HAS_QK_NORM=rope is not None and rope.q_norm_weight is not None,
+        ATTN_BLOCK_N=merge.block_n if merge is not None else 16,
         num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x.device))
     return out
 
 
 def _rope_args(rope: QKVRope | None, placeholder: torch.Tensor) -> tuple:
-    """(k_cache, v_cache, slots, positions, cos_sin, q_norm_w, k_norm_w, eps, num_heads, num_kv_heads)."""
+    """(k_cache, v_cache, slots, positions, cos_sin, q_norm_w, k_norm_w, eps) for the rope epilogue."""
     if rope is None:
-        return (placeholder,) * 7 + (0.0, 1, 1)
+        return (placeholder,) * 7 + (0.0,)
     qw = rope.q_norm_weight if rope.q_norm_weight is not None else rope.cos_sin_cache
     kw = rope.k_norm_weight if rope.k_norm_weight is not None else rope.cos_sin_cache
-    return (rope.k_cache, rope.v_cache, rope.slot_mapping, rope.positions, rope.cos_sin_cache, qw, kw, rope.eps,
-            rope.num_heads, rope.num_kv_heads)
+    return (rope.k_cache, rope.v_cache, rope.slot_mapping, rope.positions, rope.cos_sin_cache, qw, kw, rope.eps)
 
 
 @jit
@@ -436,14 +485,20 @@ def _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, rows, row_ok, cols, K, st
 
 @jit
 def _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, res_ptr, res_out_ptr, norm_w_ptr,
-                stride_xm, stride_rm, stride_rom, inv_rms, write_residual,
-                BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                stride_xm, stride_rm, stride_rom, inv_rms, write_residual, ml_ptr, ctx_ptr, num_heads, attn_splits,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                ATTN_BLOCK_N: tl.constexpr):
     """Fold the weight tile w [BLOCK_N, BLOCK_K] at column k into the accumulators."""
     cols = k + offs_k[None, :]
     if USE_DOT:
-        x = _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_m[:, None], offs_m[:, None] < M, cols, K,
-                      stride_xm, stride_rm, stride_rom, inv_rms[:, None], write_residual, PROLOGUE, HAS_RESIDUAL)
+        if PROLOGUE == 3:  # this K tile is one head: its attention output, merged from the split-K partials
+            x = merged_head(x_ptr, ml_ptr, ctx_ptr, offs_m[:, None], offs_m[:, None] < M, k // BLOCK_K,
+                            offs_k[None, :], num_heads, attn_splits, BLOCK_K, ATTN_BLOCK_N)
+            x = x.to(w.dtype).to(tl.float32)  # rounded like the reduce kernel's output
+        else:
+            x = _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_m[:, None], offs_m[:, None] < M, cols, K,
+                          stride_xm, stride_rm, stride_rom, inv_rms[:, None], write_residual, PROLOGUE, HAS_RESIDUAL)
         if DOT_IN_FP32:  # same products: bf16 x bf16 is exact in fp32
             acc = tl.dot(w.to(tl.float32), tl.trans(x), acc, input_precision="ieee")
         else:
@@ -482,17 +537,17 @@ def _store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, tile,
                  mask=mask)
 
 
-@jit(do_not_specialize=["M", "num_heads", "num_kv_heads"])  # one compiled kernel for every batch and head count
+@jit(do_not_specialize=["M", "num_heads", "num_kv_heads", "attn_splits"])  # one compiled kernel for every batch and head count
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
                  res_ptr, res_out_ptr, norm_w_ptr, eps,
                  k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps,
-                 num_heads, num_kv_heads,
+                 num_heads, num_kv_heads, ml_ptr, ctx_ptr, attn_splits,
                  M, N, K, stride_xm, stride_rm, stride_rom, stride_om, k_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
                  USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  REDUCE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 ROPE: tl.constexpr, HAS_QK_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+                 ROPE: tl.constexpr, HAS_QK_NORM: tl.constexpr, ATTN_BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -520,13 +575,14 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
     if USE_PDL:
         acc, acc_wide = _accumulate(acc, acc_wide, w_first, k_start, offs_m, offs_k, M, K, x_ptr, res_ptr,
                                     res_out_ptr, norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms,
-                                    write_residual, BLOCK_M, USE_DOT, DOT_PRECISION, DOT_IN_FP32, PROLOGUE,
-                                    HAS_RESIDUAL)
+                                    write_residual, ml_ptr, ctx_ptr, num_heads, attn_splits, BLOCK_M, BLOCK_K,
+                                    USE_DOT, DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL, ATTN_BLOCK_N)
     for k in tl.range(k_loop, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
         w = _load_weight(w_rows, k + offs_k[None, :], K, EVEN_K)
         acc, acc_wide = _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, res_ptr, res_out_ptr,
                                     norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms, write_residual,
-                                    BLOCK_M, USE_DOT, DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL)
+                                    ml_ptr, ctx_ptr, num_heads, attn_splits, BLOCK_M, BLOCK_K, USE_DOT,
+                                    DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL, ATTN_BLOCK_N)
     if not USE_DOT and BLOCK_M == 1:
         acc = tl.sum(acc_wide, axis=1)[:, None]
 

@@ -1,7 +1,7 @@
 """On/off switches of the decode kernels: programmatic dependent launch and each fusion.
 
 Read once from the environment at import (NANOSERVE_PDL=0 turns PDL off; NANOSERVE_FUSE_NORM,
-NANOSERVE_FUSE_SILU, NANOSERVE_FUSE_ROPE = 0 turn a fusion off), so a benchmark can measure each
+NANOSERVE_FUSE_SILU, NANOSERVE_FUSE_ROPE, NANOSERVE_FUSE_MERGE = 0 turn a fusion off), so a benchmark can measure each
 one's worth: kernels read SWITCHES when they launch, so `switched(pdl=False)` followed by a fresh
 capture gives graphs without it, in the same process. Every switch only chooses between two paths
 that compute the same result (the tests check each fused path against the unfused one).
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 _ENV = {"pdl": "NANOSERVE_PDL", "fuse_norm": "NANOSERVE_FUSE_NORM", "fuse_silu": "NANOSERVE_FUSE_SILU",
-        "fuse_rope": "NANOSERVE_FUSE_ROPE"}
+        "fuse_rope": "NANOSERVE_FUSE_ROPE", "fuse_merge": "NANOSERVE_FUSE_MERGE"}
 
 
 @dataclass
@@ -24,6 +24,7 @@ class Switches:
     fuse_norm: bool = True  # residual add + RMSNorm in the prologue of the GEMV that follows
     fuse_silu: bool = True  # SiLU-and-mul in the prologue of the down projection
     fuse_rope: bool = True  # q/k RMSNorm + RoPE + KV-cache store in the epilogue of the qkv GEMV
+    fuse_merge: bool = True  # the split-K decode attention's merge in the prologue of the o_proj GEMV
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "Switches":

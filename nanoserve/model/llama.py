@@ -125,7 +125,6 @@ class LlamaAttentionBlock(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The pre-norm attention of a decoder layer: returns (its output, the residual stream)."""
-        num_tokens = x.shape[0]
         attn = self.attn
         if attn.k_cache is None:
             raise RuntimeError("attention layer has no KV cache: the model runner must set k_cache/v_cache first")
@@ -135,8 +134,8 @@ class LlamaAttentionBlock(nn.Module):
             rope.q_norm_weight, rope.k_norm_weight, rope.eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
         q, k, v, residual = gemv.norm_qkv_rope(x, residual, norm.weight, norm.eps, self.qkv_proj.weight,
                                                self.qkv_proj.bias, rope)
-        out = attn(q, k, v, meta, kv_stored=True)
-        return self.o_proj(out.reshape(num_tokens, self.q_size)), residual
+        out = attn(q, k, v, meta, kv_stored=True, defer_merge=True)
+        return gemv.attention_out_linear(out, self.o_proj.weight, self.o_proj.bias), residual
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,4 +1,6 @@
 """Fixtures of the kernel tests."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -26,3 +28,14 @@ def pdl_in_interpreter(monkeypatch):
         monkeypatch.setattr(module, "gdc_wait", _no_gdc)
         monkeypatch.setattr(module, "gdc_launch_dependents", _no_gdc)
         monkeypatch.setattr(module, "pdl_args", lambda device: {"USE_PDL": True})
+
+
+def pytest_collection_modifyitems(config, items):
+    """With CUDA every kernel test is a GPU test: the cases the CPU runs in the interpreter then compile for the
+    GPU, so `pytest -m gpu tests/kernels` checks each kernel against its reference there too."""
+    if not torch.cuda.is_available():
+        return
+    here = Path(__file__).parent
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(here):
+            item.add_marker(pytest.mark.gpu)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels import fused, gemv
+from nanoserve.kernels import attention, fused, gemv
 from nanoserve.kernels._triton import HAS_TRITON
 from nanoserve.kernels.gemv import GemvConfig
 from nanoserve.kernels.rotary_kv import QKVRope, qk_norm_rope_ref
@@ -127,6 +127,13 @@ def test_plan_splits_k_to_fill_the_gpu_without_empty_slices():
     p = gemv.plan(GemvConfig(16, 256, use_dot=True), 5, 100, 40, 132)
     assert (p.block_m, p.block_k, p.split_k) == (16, 64, 1)  # M padded to 16, K block shrunk to K
     assert gemv.plan(GemvConfig(16, 256, use_dot=True), 33, 100, 256, 132).block_m == 64
+
+
+def test_plan_cuts_the_pipeline_to_the_shared_memory():
+    cfg = GemvConfig(64, 128, num_stages=4, use_dot=True)
+    assert gemv.plan(cfg, 64, 4096, 4096, 132).num_stages == 4  # (64 + 64) x 128 bf16: 32 KiB a stage
+    assert gemv.plan(cfg, 64, 4096, 4096, 132, element_size=4).num_stages == 2  # fp32: 64 KiB a stage
+    assert gemv.plan(GemvConfig(64, 256, num_stages=3, use_dot=True), 64, 4096, 4096, 132).num_stages == 2
 
 
 def test_plan_without_counter_slots_does_not_split():
@@ -256,8 +263,8 @@ def rope_reference(x, residual, norm_w, w, b, rope: QKVRope):
     return q, new_residual
 
 
-def check_rope_epilogue(m, dtype, qk_norm, bias, config=None):
-    x, residual, norm_w, w, b, make_rope = rope_case(m, dtype, qk_norm, bias)
+def check_rope_epilogue(m, dtype, qk_norm, bias, config=None, **shape):
+    x, residual, norm_w, w, b, make_rope = rope_case(m, dtype, qk_norm, bias, **shape)
     ref_rope = make_rope()
     ref_rope.q_norm_weight, ref_rope.k_norm_weight = (None, None) if not qk_norm else (
         ref_rope.q_norm_weight, ref_rope.k_norm_weight)
@@ -288,9 +295,55 @@ def test_rope_epilogue_after_split_k(config):
 
 
 @needs_triton
+def test_rope_epilogue_with_smollm2_like_head_counts():
+    check_rope_epilogue(2, torch.float32, False, False, heads=9, kv_heads=3, d=16)  # 15 head tiles, group 3
+
+
+@needs_triton
 def test_rope_epilogue_without_the_norm_prologue():
     with switched(fuse_norm=False):
         check_rope_epilogue(3, torch.float32, True, False)
+
+
+# -- the attention merge prologue --------------------------------------------------------------------------
+def merge_case(m, dtype, heads=4, kv_heads=2, d=32, block_size=8, seed=5):
+    """Split-K decode partials of m sequences (one of them empty, as a padded graph row), and an o_proj weight."""
+    g = torch.Generator().manual_seed(seed)
+    lens = ([0, 3, 150, 97] * m)[:m]
+    k_cache = torch.randn(48, block_size, kv_heads, d, generator=g).to(DEVICE, dtype)
+    v_cache = torch.randn(48, block_size, kv_heads, d, generator=g).to(DEVICE, dtype)
+    tables = torch.randint(0, 48, (m, 20), generator=g, dtype=torch.int32).to(DEVICE)
+    q = torch.randn(m, heads, d, generator=g).to(DEVICE, dtype)
+    partials = attention.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32,
+                                          device=DEVICE), d ** -0.5, num_splits=3, defer_merge=True)
+    assert isinstance(partials, attention.DecodePartials) and partials.num_splits == 3
+    w = (torch.randn(40, heads * d, generator=g) / (heads * d) ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(40, generator=g).to(DEVICE, dtype)
+    return partials, w, b
+
+
+def check_merge(m, dtype):
+    partials, w, b = merge_case(m, dtype)
+    want = F.linear(attention.merge_partials(partials).reshape(m, -1), w, b)
+    torch.testing.assert_close(gemv.attention_out_linear(partials, w, b, force_triton=True), want, **tol(dtype))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_merge_prologue_equals_reduce_then_linear(m, dtype):
+    check_merge(m, dtype)
+
+
+@needs_triton
+def test_merge_prologue_with_several_heads_per_program(monkeypatch):
+    monkeypatch.setattr(gemv, "MERGE_CONFIG", "dot 16x128 w4 st2 s2")  # 4 heads over 2 splits: 2 per program
+    check_merge(3, torch.float32)
+
+
+def test_attention_out_linear_without_partials_is_the_plain_product():
+    attn, w = torch.randn(3, 4, 16), torch.randn(8, 64)
+    torch.testing.assert_close(gemv.attention_out_linear(attn, w), F.linear(attn.reshape(3, 64), w))
 
 
 # -- the USE_PDL path ------------------------------------------------------------------------------------
@@ -307,6 +360,7 @@ def test_pdl_path_in_the_interpreter():
     check_norm_linear(3, torch.float32, True, FMA_SPLIT)
     check_norm_linear(20, torch.float32, True, DOT_SPLIT)
     check_rope_epilogue(3, torch.float32, True, True, GemvConfig(32, 16, split_k=3))
+    check_merge(3, torch.float32)
 
 
 # -- GPU: real shapes, PDL, CUDA graphs ------------------------------------------------------------------
@@ -344,6 +398,24 @@ def test_gpu_fused_paths_real_shapes(m, pdl):
         check(gemv.silu_mul_linear(gate_up, w_down, force_triton=True), fused.silu_and_mul_ref(gate_up), w_down, None)
         check_rope_epilogue(m, torch.bfloat16, True, False)
         check_rope_epilogue(m, torch.bfloat16, False, True)
+        check_merge(m, torch.bfloat16)
+        check_merge_real(m)
+
+
+def check_merge_real(m):
+    """Qwen3-0.6B's attention and o_proj (16 heads of 128) with the heuristic's own split count."""
+    g = torch.Generator().manual_seed(m)
+    k_cache = torch.randn(m * 40, 16, 8, 128, generator=g).to(DEVICE, torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(m * 40, generator=g).to(DEVICE, torch.int32).view(m, 40)
+    lens = torch.randint(1, 640, (m,), generator=g, dtype=torch.int32).to(DEVICE)
+    q = torch.randn(m, 16, 128, generator=g).to(DEVICE, torch.bfloat16)
+    partials = attention.decode_attention(q, k_cache, v_cache, tables, lens, 128 ** -0.5, defer_merge=True)
+    if not isinstance(partials, attention.DecodePartials):
+        return  # the heuristic took one split for this batch: nothing to merge
+    w = torch.randn(1024, 2048, device=DEVICE, dtype=torch.bfloat16) / 2048 ** 0.5
+    merged = attention.merge_partials(partials).reshape(m, -1)
+    check(gemv.attention_out_linear(partials, w, force_triton=True), merged, w, None)
 
 
 @pytest.mark.gpu

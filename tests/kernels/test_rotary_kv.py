@@ -1,4 +1,4 @@
-"""q/k RMSNorm + RoPE (+ KV-cache store) kernel == its PyTorch reference (CPU via TRITON_INTERPRET=1, set in conftest)."""
+"""q/k RMSNorm + RoPE (+ KV-cache store) kernel == its PyTorch reference (CPU: TRITON_INTERPRET=1, see conftest)."""
 import pytest
 import torch
 

@@ -148,21 +148,26 @@ def test_prefill_then_decode_matches_hf(arch, tiny_model_dirs, hf_models):
 @torch.inference_mode()
 def test_fused_kernel_paths_match_hf_in_the_interpreter(arch, tiny_model_dirs, hf_models, monkeypatch):
     """Every fusion on (RMSNorm and SiLU-mul in the GEMV prologue, q/k norm + RoPE + KV store in the qkv GEMV's
-    epilogue), run by the CPU interpreter: prefill and decode logits still equal HF's."""
+    epilogue, the split-K attention merge in the o_proj GEMV's prologue), with the Triton attention kernels, run
+    by the CPU interpreter: prefill and decode logits still equal HF's."""
     pytest.importorskip("triton")
-    from nanoserve.kernels import gemv
+    from nanoserve.kernels import attention, gemv
 
     def cpu_applies(x, weight, bias):  # the kernel's own checks, minus "CUDA and half precision"
         return x.dim() == 2 and 1 <= x.shape[0] <= gemv.MAX_M and x.shape[1] % 16 == 0 == weight.shape[1] % 16
     monkeypatch.setattr(gemv, "kernel_applies", cpu_applies)
     wide = {False: gemv.GemvConfig(64, 64, programs_per_sm=0), True: gemv.GemvConfig(64, 64, use_dot=True)}
     monkeypatch.setattr(gemv, "choose", lambda m, n, k, size: (wide[m > 4], False))  # few programs: quick on CPU
+    monkeypatch.setattr(gemv, "_merge_fuses", lambda attn, weight, bias: True)
+    monkeypatch.setattr(attention, "decode_num_splits", lambda *shape: 2)  # partials to merge
     calls = []
     launch = gemv._launch
     monkeypatch.setattr(gemv, "_launch", lambda *a, **k: calls.append((a[5] if len(a) > 5 else k.get("prologue", 0),
                                                                        k.get("rope") is not None)) or launch(*a, **k))
     model = ours(tiny_model_dirs[arch])
-    kv = PagedKV(model, num_blocks=16, block_size=4)
+    for layer in model.attention_layers():
+        layer.backend = "triton"
+    kv = PagedKV(model, num_blocks=40, block_size=4)
     prompt_lens, num_decode = [2, 5], 1
     full = random_seqs([n + num_decode for n in prompt_lens], model.vocab_size, seed=4)
     refs = [hf_logits(hf_models[arch], s) for s in full]
@@ -173,9 +178,12 @@ def test_fused_kernel_paths_match_hf_in_the_interpreter(arch, tiny_model_dirs, h
     for step in range(num_decode):
         positions = [n + step for n in prompt_lens]
         ids, pos, meta = decode_batch(kv, tables, [s[p] for s, p in zip(full, positions)], positions)
+        pad = torch.full((len(tables), 36 - meta.block_tables.shape[1]), kv.dummy_block, dtype=torch.int32)
+        meta.block_tables = torch.cat([meta.block_tables, pad], dim=1)  # room for 2 splits of 64 keys
         logits = model.compute_logits(model(ids, pos, meta))
         for i, p in enumerate(positions):
             torch.testing.assert_close(logits[i], refs[i][p], **TOL)
+    assert calls.count((3, False)) == model.num_layers * num_decode  # merge prologue: o_proj
     layers = model.num_layers * (1 + num_decode)
     assert calls.count((1, True)) == layers  # norm prologue + rope epilogue: the qkv projection
     assert calls.count((1, False)) == layers  # norm prologue: gate_up

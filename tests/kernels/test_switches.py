@@ -1,0 +1,31 @@
+"""The kernel switches: read once from the environment, flipped in-process by benchmarks and tests."""
+import pytest
+import torch
+
+from nanoserve.kernels import _triton
+from nanoserve.kernels.switches import SWITCHES, Switches, switched
+
+
+def test_from_env():
+    assert Switches.from_env({}) == Switches()  # everything on by default
+    s = Switches.from_env({"NANOSERVE_PDL": "0", "NANOSERVE_FUSE_ROPE": "0", "NANOSERVE_FUSE_NORM": "1"})
+    assert (s.pdl, s.fuse_rope, s.fuse_norm, s.fuse_silu, s.fuse_merge) == (False, False, True, True, True)
+    assert not Switches.from_env({"NANOSERVE_FUSE_MERGE": "0"}).fuse_merge
+    with pytest.raises(ValueError, match="NANOSERVE_PDL must be 0 or 1"):
+        Switches.from_env({"NANOSERVE_PDL": "off"})
+
+
+def test_switched_restores_and_rejects_unknown_names():
+    before = dict(SWITCHES.__dict__)
+    with switched(pdl=False, fuse_silu=False) as s:
+        assert s is SWITCHES and not SWITCHES.pdl and not SWITCHES.fuse_silu
+    assert SWITCHES.__dict__ == before
+    with pytest.raises(ValueError, match="unknown switches"):
+        with switched(pdl_everywhere=True):
+            pass
+
+
+def test_pdl_only_on_cuda_when_switched_on():
+    assert _triton.pdl_args(torch.device("cpu")) == {"USE_PDL": False}
+    with switched(pdl=False):
+        assert not _triton.pdl_enabled(torch.device("cuda"))

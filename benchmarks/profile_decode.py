@@ -152,7 +152,10 @@ def measure_switch_set(runner, name: str, sizes: list[int], context: int) -> dic
     try:
         with switched(**SWITCH_SETS[name]), kept_graphs() as kept:
             rec["switches"] = dict(SWITCHES.__dict__)
-            runner.graph_runner.capture(show_progress=False)
+            gr = runner.graph_runner  # recapture the same sizes under this switch set
+            captured = gr.capture_sizes
+            gr.drop(captured)
+            gr.capture(captured)
             rec["capture_s"] = runner.graph_runner.capture_seconds
             rec["edges"] = graph_edges(runner.graph_runner, sizes) if kept else {"error": "torch has no keep_graph"}
             for b in sizes:

@@ -105,22 +105,86 @@ TRITON, CUBLAS = "triton", "cublas"
 # rows bucket (the smallest key >= M) → ((weight MiB up to, None = any; the best Triton variant there; the
 # faster of triton / cublas for the plain product), ...). The Triton variant also runs the fused prologue and
 # epilogue paths, which cuBLAS cannot. `python benchmarks/gemv.py` on the H200 prints this dict to paste.
-# Until that sweep: M <= 16 from benchmarks/results/gemv_h200.json (the kernel before PDL and the 64-row path:
-# it beats cuBLAS at one row up to ~160 MB, at 2-16 rows by 2-40 % except on Llama's 224 MB gate_up at 2-4
-# rows; lm_heads were not measured); 32 and 64 rows were not measured, so cuBLAS keeps their plain products.
+# From the H200 sweep of 2026-12-01 with PDL (benchmarks/results/gemv_sweep_h200.json: Qwen3-0.6B, Llama-3.1-8B
+# and SmolLM2-135M decode matrices, M = 1..64; the table's variants are x1.02 of cuBLAS in geomean, x1.05 with PDL).
 GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
-    1: ((8, "fma 4x1024 w4 st3 p0", TRITON), (160, "fma 8x512 w4 st3 p0", TRITON),
-        (None, "fma 8x512 w4 st3 p0", CUBLAS)),
-    2: ((6, "fma 4x1024 w4 st3 p0", TRITON), (16, "dot 64x128 w4 st4 p0", TRITON),
-        (160, "dot 64x128 w4 st4 p1", TRITON), (None, "dot 64x128 w4 st4 p0", CUBLAS)),
-    4: ((5, "fma 4x1024 w4 st3 p0", TRITON), (16, "dot 64x128 w4 st4 p0", TRITON),
-        (160, "dot 64x128 w4 st4 p1", TRITON), (None, "dot 64x128 w4 st4 p0", CUBLAS)),
-    8: ((16, "dot 64x128 w4 st4 p0", TRITON), (230, "dot 64x128 w4 st4 p1", TRITON),
-        (None, "dot 64x128 w4 st4 p1", CUBLAS)),
-    16: ((16, "dot 64x128 w4 st4 p0", TRITON), (230, "dot 64x128 w4 st4 p1", TRITON),
-         (None, "dot 64x128 w4 st4 p1", CUBLAS)),
-    32: ((None, "dot 64x128 w4 st4 p1", CUBLAS),),
-    64: ((None, "dot 64x128 w4 st4 p1", CUBLAS),),
+    1: (
+        (2.4, 'fma 4x1024 w4 st3 p0', TRITON),
+        (4.9, 'fma 8x1024 w4 st2 p0', TRITON),
+        (6.9, 'fma 4x1024 w4 st3 p0', TRITON),
+        (9.8, 'fma 8x1024 w4 st2 p0', TRITON),
+        (19.6, 'fma 8x512 w4 st3 p0', TRITON),
+        (39.2, 'fma 8x1024 w4 st2 p0', TRITON),
+        (50.9, 'fma 4x1024 w4 st3 p0', TRITON),
+        (77.8, 'fma 16x256 w4 st4 p0', CUBLAS),
+        (257.8, 'fma 8x1024 w4 st2 p0', TRITON),
+        (None, 'fma 16x256 w4 st4 p0', TRITON),
+    ),
+    2: (
+        (2.4, 'fma 4x1024 w4 st3 p0', TRITON),
+        (3.7, 'dot 64x128 w4 st4 p0', TRITON),
+        (6.9, 'fma 4x1024 w4 st3 p0', TRITON),
+        (50.9, 'dot 64x128 w4 st4 p0', TRITON),
+        (77.8, 'dot 64x128 w4 st4 p1', CUBLAS),
+        (257.8, 'dot 32x256 w4 st3 p1', CUBLAS),
+        (None, 'dot 64x128 w4 st4 p0', TRITON),
+    ),
+    4: (
+        (1.3, 'fma 8x1024 w4 st2 p0', TRITON),
+        (2.4, 'dot 32x256 w4 st3 p1', TRITON),
+        (3.7, 'dot 64x128 w4 st4 p0', TRITON),
+        (4.9, 'dot 32x256 w4 st3 p1', TRITON),
+        (6.9, 'dot 64x256 w4 st3 p1', TRITON),
+        (50.9, 'dot 64x128 w4 st4 p0', TRITON),
+        (77.8, 'dot 64x128 w4 st4 p1', CUBLAS),
+        (545.3, 'dot 32x256 w4 st3 p1', CUBLAS),
+        (None, 'dot 64x128 w4 st4 p0', TRITON),
+    ),
+    8: (
+        (1.3, 'dot 64x128 w4 st4 p0', TRITON),
+        (2.4, 'dot 32x256 w4 st3 p1', TRITON),
+        (3.7, 'dot 64x128 w4 st4 p0', TRITON),
+        (4.9, 'dot 32x256 w4 st3 p1', TRITON),
+        (6.9, 'dot 64x256 w4 st3 p1', TRITON),
+        (50.9, 'dot 64x128 w4 st4 p0', TRITON),
+        (77.8, 'dot 64x128 w4 st4 p0', CUBLAS),
+        (158.4, 'dot 32x256 w4 st3 p1', CUBLAS),
+        (545.3, 'dot 64x128 w4 st4 p0', CUBLAS),
+        (None, 'dot 64x128 w4 st4 p0', TRITON),
+    ),
+    16: (
+        (1.3, 'dot 64x128 w4 st4 p0', TRITON),
+        (2.4, 'dot 32x256 w4 st3 p1', TRITON),
+        (3.7, 'dot 64x128 w4 st4 p0', TRITON),
+        (6.9, 'dot 32x256 w4 st3 p1', TRITON),
+        (50.9, 'dot 64x128 w4 st4 p0', TRITON),
+        (77.8, 'dot 64x128 w4 st4 p1', CUBLAS),
+        (158.4, 'dot 32x256 w4 st3 p1', CUBLAS),
+        (257.8, 'dot 64x128 w4 st4 p1', TRITON),
+        (None, 'dot 64x128 w4 st4 p0', CUBLAS),
+    ),
+    32: (
+        (1.3, 'dot 64x128 w4 st4 p0', TRITON),
+        (2.4, 'dot 32x256 w4 st3 p1', TRITON),
+        (3.7, 'dot 64x128 w4 st4 p0', TRITON),
+        (6.9, 'dot 32x256 w4 st3 p1', TRITON),
+        (39.2, 'dot 64x128 w4 st4 p0', TRITON),
+        (50.9, 'dot 64x128 w4 st4 p0', CUBLAS),
+        (77.8, 'dot 128x128 w8 st3 p0', CUBLAS),
+        (158.4, 'dot 32x256 w4 st3 p2', CUBLAS),
+        (None, 'dot 128x128 w8 st3 p0', CUBLAS),
+    ),
+    64: (
+        (1.3, 'dot 64x128 w4 st4 p0', CUBLAS),
+        (2.4, 'dot 16x512 w4 st3 p1', TRITON),
+        (3.7, 'dot 64x128 w4 st4 p0', TRITON),
+        (4.9, 'dot 16x512 w4 st3 p2', CUBLAS),
+        (6.9, 'dot 64x256 w4 st3 p1', CUBLAS),
+        (19.6, 'dot 64x128 w4 st4 p0', TRITON),
+        (50.9, 'dot 64x128 w4 st4 p0', CUBLAS),
+        (77.8, 'dot 128x128 w8 st3 p0', CUBLAS),
+        (None, 'dot 64x128 w4 st4 p1', CUBLAS),
+    ),
 }
 # Rows up to which the fused paths (norm / SiLU / merge prologues, rope epilogue) run when their switch is on.
 FUSE_MAX_M = 64

@@ -86,16 +86,24 @@ def _probe(model, config: EngineConfig, kv: KVCacheSpec) -> tuple[int, int]:
 
 
 def _probe_prefill(model, state, num_seqs, seq_len, per_seq, device, block_size) -> None:
+    """A full token budget of prefill in two chunks: the first fresh (flash varlen), the second over the cached
+    first half (the paged kernel that chunked prefill, prefix hits and mixed steps use): both peak, both compiled."""
+    forward = PrefillForward(model, state, StepPacker(device))
     slots = np.arange(num_seqs, dtype=np.int32)
     tables = np.arange(num_seqs * per_seq, dtype=np.int32).reshape(num_seqs, per_seq)
-    positions = np.tile(np.arange(seq_len), num_seqs)
-    slot_mapping = (tables[np.repeat(slots, seq_len), positions // block_size] * block_size
-                    + positions % block_size).astype(np.int32)
-    cols = np.tile(np.arange(per_seq, dtype=np.int32), num_seqs)
-    updates = BlockUpdates(np.repeat(slots, per_seq), cols, tables.reshape(-1))
-    batch = PrefillBatch(slots, np.zeros(num_seqs, np.int32), np.full(num_seqs, seq_len, np.int32),
-                         np.ones(num_seqs * seq_len, np.int32), slot_mapping, updates, slots.copy(), None, per_seq)
-    PrefillForward(model, state, StepPacker(device))(batch)
+    half = max(seq_len // 2, 1)
+    for start, end in ((0, half), (half, seq_len)):
+        if end <= start:
+            continue
+        positions = np.tile(np.arange(start, end), num_seqs)
+        slot_mapping = (tables[np.repeat(slots, end - start), positions // block_size] * block_size
+                        + positions % block_size).astype(np.int32)
+        cols = np.tile(np.arange(per_seq, dtype=np.int32), num_seqs)
+        updates = BlockUpdates(np.repeat(slots, per_seq), cols, tables.reshape(-1))
+        batch = PrefillBatch(slots, np.full(num_seqs, start, np.int32), np.full(num_seqs, end - start, np.int32),
+                             np.ones(num_seqs * (end - start), np.int32), slot_mapping, updates, slots.copy(), None,
+                             per_seq)
+        forward(batch)
 
 
 def _probe_sampler(rows: int, vocab: int, dtype: torch.dtype, device: torch.device, state: PersistentState) -> None:

@@ -49,6 +49,7 @@ class ModelRunner:
                 f"the KV cache holds {self.num_kv_blocks * config.block_size} tokens ({self.num_kv_blocks} blocks), "
                 f"fewer than max_model_len={config.max_model_len}; lower max_model_len or give the cache more memory")
         self._allocate()
+        self._warm_up_logits()
         self.decode_steps_graph = self.decode_steps_eager = self.padding_rows = 0
         self.graph_runner: GraphRunner | None = None
         self.step_curve = None
@@ -70,6 +71,17 @@ class ModelRunner:
         self.prefill_forward = PrefillForward(self.model, self.state, StepPacker(dev))
         self.sampler = Sampler(cfg.max_num_seqs, dev)
 
+    @torch.inference_mode()
+    def _warm_up_logits(self) -> None:
+        """Compile the lm_head product for every row bucket a step may sample (prefill steps sample any count)."""
+        if self.device.type != "cuda":
+            return
+        rows = 1
+        while rows <= min(self.config.max_num_seqs, 64) * 2:
+            self.model.compute_logits(torch.zeros(rows, self.model.hidden_size, dtype=self.dtype, device=self.device))
+            rows *= 2
+        torch.cuda.synchronize()
+
     def _capture(self) -> None:
         """Plan (for "auto"), capture, self-check; one log line."""
         cfg = self.config
@@ -89,10 +101,10 @@ class ModelRunner:
         if not cfg.skip_graph_check:
             worst = graph_setup.self_check(gr, self._load_check_batch, self.decode_forward, self.dtype)
             check = f"every size equals eager (max relative logit error {worst:.1e})"
-        logger.info("CUDA graphs: %d sizes %s captured in %.2f s (%s); pool %.0f MiB; %d KV blocks; self-check: %s",
-                    len(gr.capture_sizes), gr.capture_sizes, gr.capture_seconds + probe_seconds,
-                    "planned from measured replays" if probe_seconds else "as configured", gr.pool_bytes / 2**20,
-                    self.num_kv_blocks, check)
+        logger.info("CUDA graphs: %d sizes %s (%s); capture %.2f s (%.2f s with probes and compilation); pool %.0f "
+                    "MiB; %d KV blocks; self-check: %s", len(gr.capture_sizes), gr.capture_sizes,
+                    "planned from measured replays" if probe_seconds else "as configured", gr.capture_seconds,
+                    gr.wall_seconds, gr.pool_bytes / 2**20, self.num_kv_blocks, check)
 
     def _load_probe_batch(self, rows: int, context: int | None = None) -> None:
         """A decode batch of `rows` real rows over disjoint blocks, with fresh random input tokens (start-up probes

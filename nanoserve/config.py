@@ -12,7 +12,10 @@ DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp1
 
 @dataclass
 class EngineConfig:
-    """Everything the engine needs to start. `model` is a local Hugging Face folder."""
+    """Everything the engine needs to start. `model` is a local Hugging Face folder or a .gguf file.
+
+    What each field means is said once, in FIELD_HELP below (the CLI's --help shows it with the default).
+    """
 
     model: str
     device: str = "auto"  # "auto" → cuda when available, else cpu
@@ -108,6 +111,34 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
 
+# Help text of every EngineConfig field: `nanoserve ... --help` shows it (with the default), tests require one each.
+FIELD_HELP = {
+    "model": "a local Hugging Face model folder (config.json + safetensors) or a .gguf file",
+    "device": "'cpu', 'cuda' or 'cuda:N'; 'auto' picks cuda when a GPU is visible, else cpu",
+    "dtype": "float32, bfloat16 or float16 (fp32/bf16/fp16); 'auto' is the checkpoint's half type on CUDA "
+             "(bfloat16 for float32 or quantized checkpoints) and float32 on CPU",
+    "max_num_seqs": "most sequences decoded together in one step (the largest batch)",
+    "max_num_batched_tokens": "most tokens one step may prefill; default: max(8192, max_model_len)",
+    "max_model_len": "longest prompt + output, in tokens; default: the model's max_position_embeddings, "
+                     "capped at 32768",
+    "block_size": "tokens per KV-cache block (the page size of the paged cache)",
+    "num_kv_blocks": "KV-cache blocks to allocate; default: sized from free GPU memory "
+                     "(--gpu-memory-utilization) or from --cpu-kv-cache-gb on CPU",
+    "gpu_memory_utilization": "fraction of the GPU's memory the engine may use in all (weights, KV cache, graphs)",
+    "cpu_kv_cache_gb": "GiB of KV cache on CPU (at most what max_num_seqs full-length sequences need)",
+    "enforce_eager": "decode without CUDA graphs (slower; for debugging and comparison)",
+    "cudagraph_capture_sizes": "batch sizes that get a CUDA graph; default: 1, 2, 4, ... up to max_num_seqs, "
+                               "plus max_num_seqs",
+    "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before",
+    "max_waiting_requests": "most requests queued at once; the server answers 503 beyond this",
+    "seed": "seed of the engine's random state (per-request seeds are in the sampling parameters)",
+    "tokenizer": "a tokenizer folder or .gguf file other than the model's; default: the model's own",
+    "skip_tokenizer_init": "load no tokenizer: prompts must be token ids and outputs carry no text",
+    "load_format": "'auto' reads the weights from the model; 'dummy' makes random weights of the model's shape "
+                   "(benchmarks without weight files)",
+    "show_progress": "show progress bars (CUDA-graph capture)",
+}
+
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     sizes, b = [], 1
     while b < max_num_seqs:
@@ -135,4 +166,4 @@ def _serving_dtype(model_dtype: torch.dtype | None) -> str:
     return "float16" if model_dtype == torch.float16 else "bfloat16"
 
 
-__all__ = ["EngineConfig", "default_capture_sizes", "DTYPES"]
+__all__ = ["EngineConfig", "FIELD_HELP", "default_capture_sizes", "DTYPES"]

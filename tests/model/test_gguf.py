@@ -97,6 +97,16 @@ def test_gguf_loads_to_the_serving_dtype(tiny_pairs):
     assert_same_weights(model, load(folder, torch.bfloat16))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gguf_loads_straight_to_the_gpu(tiny_pairs):
+    folder, file = tiny_pairs["qwen2"]
+    cuda = torch.device("cuda")
+    model = load_model(file, load_hf_config(file), torch.bfloat16, cuda)
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    assert_same_weights(model, load_model(folder, load_hf_config(folder), torch.bfloat16, cuda))
+
+
 # ---- broken files: one line naming the problem ----
 
 def assert_one_line_error(path, match: str):

@@ -8,30 +8,44 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import socket
 import sys
 import time
 
-from nanoserve.config import EngineConfig
+from nanoserve import __version__
+from nanoserve.config import FIELD_HELP, EngineConfig
 
 _ENGINE_FIELDS = [f for f in dataclasses.fields(EngineConfig) if f.name != "model"]
+_TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
+
+
+def parse_bool(text: str) -> bool:
+    """true/yes/1 or false/no/0, any case; anything else is an error (a typo must not flip an option)."""
+    value = text.strip().lower()
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise argparse.ArgumentTypeError(f"expected true/false, yes/no or 1/0, got {text!r}")
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options")
     for f in _ENGINE_FIELDS:
         flag = "--" + f.name.replace("_", "-")
-        if f.default is False:
-            group.add_argument(flag, action="store_true", default=None)
-        elif f.name == "cudagraph_capture_sizes":
-            group.add_argument(flag, type=int, nargs="+", default=None, metavar="N")
+        text = FIELD_HELP[f.name] + ("" if f.default is None else f" (default: {_shown(f.default)})")
+        if "bool" in str(f.type):  # `--flag` alone means true
+            group.add_argument(flag, type=parse_bool, nargs="?", const=True, default=None, metavar="BOOL", help=text)
+        elif f.name == "cudagraph_capture_sizes":  # auto | pow2 | N N ...: EngineConfig checks the words
+            group.add_argument(flag, nargs="+", default=None, metavar="auto|pow2|N", help=text)
         elif "int" in str(f.type):
-            group.add_argument(flag, type=int, default=None)
+            group.add_argument(flag, type=int, default=None, metavar="N", help=text)
         elif "float" in str(f.type):
-            group.add_argument(flag, type=float, default=None)
-        elif "bool" in str(f.type):
-            group.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=None, metavar="BOOL")
+            group.add_argument(flag, type=float, default=None, metavar="X", help=text)
         else:
-            group.add_argument(flag, type=str, default=None)
+            group.add_argument(flag, type=str, default=None, help=text)
+
+
+def _shown(default) -> str:
+    return str(default).lower() if isinstance(default, bool) else str(default)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -41,32 +55,35 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"nanoserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--model", required=True)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--model", required=True, help=FIELD_HELP["model"])
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name the API reports and accepts; default: the --model path as given")
     _add_engine_flags(serve)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
-    gen.add_argument("--model", required=True)
+    gen.add_argument("--model", required=True, help=FIELD_HELP["model"])
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0: all "
+                     "(default: %(default)s)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     _add_engine_flags(gen)
 
     bench = sub.add_parser("bench", help="offline throughput: random token prompts, fixed output length "
                            "(`bench graphs`: the CUDA-graph size report)")
-    bench.add_argument("--model", default=None, help="model folder (required)")
-    bench.add_argument("--num-prompts", type=int, default=64)
-    bench.add_argument("--input-len", type=int, default=128)
-    bench.add_argument("--output-len", type=int, default=128)
+    bench.add_argument("--model", default=None, help=FIELD_HELP["model"] + " (required)")
+    bench.add_argument("--num-prompts", type=int, default=64, help="(default: %(default)s)")
+    bench.add_argument("--input-len", type=int, default=128, help="prompt tokens each (default: %(default)s)")
+    bench.add_argument("--output-len", type=int, default=128, help="generated tokens each (default: %(default)s)")
     _add_engine_flags(bench)
     graphs = bench.add_subparsers(dest="bench_command", metavar="graphs").add_parser(
         "graphs", help="per CUDA-graph size: replay/eager ms and pool MiB; padding of powers of two vs the plan",
@@ -84,9 +101,9 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(graphs)
 
     tiny = sub.add_parser("make-tiny-model", help="write a small random model folder (no download needed)")
-    tiny.add_argument("dir")
-    tiny.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="qwen3")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("dir", help="folder to write (created if missing)")
+    tiny.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="qwen3", help="(default: %(default)s)")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
     return parser
 
 
@@ -163,9 +180,26 @@ def _cmd_bench_graphs(args) -> int:
 def _cmd_serve(args) -> int:
     from nanoserve.server.app import serve
 
+    check_port_free(args.host, args.port)  # before the model load: a busy port should not cost a minute
     serve(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name)
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ValueError naming host:port unless a listening socket can be bound there now (as uvicorn will bind it)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot serve on {host}:{port}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # what uvicorn sets: TIME_WAIT is no conflict
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot serve on {host}:{port}: {e.strerror or e}"
+                             " (is another server running there? choose one with --host/--port)") from None
 
 
 def _cmd_make_tiny_model(args) -> int:

@@ -21,7 +21,10 @@ CAPTURE_SIZE_MODES = ("auto", "pow2")
 
 @dataclass
 class EngineConfig:
-    """Everything the engine needs to start. `model` is a local Hugging Face folder."""
+    """Everything the engine needs to start. `model` is a local Hugging Face folder or a .gguf file.
+
+    What each field means is said once, in FIELD_HELP below (the CLI's --help shows it with the default).
+    """
 
     model: str
     device: str = "auto"  # "auto" → cuda when available, else cpu
@@ -128,6 +131,45 @@ class EngineConfig:
             raise RuntimeError("this EngineConfig is not resolved yet: call resolve() with the model's limits")
 
 
+# Help text of every EngineConfig field: `nanoserve ... --help` shows it (with the default), tests require one each.
+FIELD_HELP = {
+    "model": "a local Hugging Face model folder (config.json + safetensors) or a .gguf file",
+    "device": "'cpu', 'cuda' or 'cuda:N'; 'auto' picks cuda when a GPU is visible, else cpu",
+    "dtype": "float32, bfloat16 or float16 (fp32/bf16/fp16); 'auto' is the checkpoint's half type on CUDA "
+             "(bfloat16 for float32 or quantized checkpoints) and float32 on CPU",
+    "max_num_seqs": "most sequences decoded together in one step (the largest batch)",
+    "max_num_batched_tokens": "tokens one step may run (decode rows + prefill chunks); a longer prompt is "
+                              "prefilled in chunks over several steps; default: 8192",
+    "max_model_len": "longest prompt + output, in tokens; default: the model's max_position_embeddings, "
+                     "capped at 32768",
+    "block_size": "tokens per KV-cache block (the page size of the paged cache)",
+    "num_kv_blocks": "KV-cache blocks to allocate; default: sized from free GPU memory "
+                     "(--gpu-memory-utilization) or from --cpu-kv-cache-gb on CPU",
+    "gpu_memory_utilization": "fraction of the GPU's memory the engine may use in all (weights, KV cache, graphs)",
+    "cpu_kv_cache_gb": "GiB of KV cache on CPU (at most what max_num_seqs full-length sequences need)",
+    "enforce_eager": "decode without CUDA graphs (slower; for debugging and comparison)",
+    "cudagraph_capture_sizes": "batch sizes that get a CUDA graph: 'auto' plans them at start-up from measured "
+                               "replays (under the two budgets below), 'pow2' is 1, 2, 4, ... plus max_num_seqs, "
+                               "or give sizes",
+    "cudagraph_plan": "a batch-size histogram file: 'auto' plans for it when it exists; the engine writes the "
+                      "sizes it saw there on shutdown",
+    "cudagraph_capture_budget_s": "seconds the planned graphs may take to capture ('auto')",
+    "cudagraph_pool_budget_mib": "MiB of graph memory pool the planned graphs may take ('auto')",
+    "skip_graph_check": "skip replaying every captured graph against the eager forward at start-up",
+    "async_scheduling": "schedule step N+1 while the device runs step N (false: one step at a time)",
+    "scheduling_policy": "'mixed': running decodes ride along prefill chunks in one step; 'alternate': prefill "
+                         "and decode steps take turns",
+    "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before",
+    "max_waiting_requests": "most requests queued at once; the server answers 503 beyond this",
+    "seed": "seed of the engine's random state (per-request seeds are in the sampling parameters)",
+    "tokenizer": "a tokenizer folder or .gguf file other than the model's; default: the model's own",
+    "skip_tokenizer_init": "load no tokenizer: prompts must be token ids and outputs carry no text",
+    "load_format": "'auto' reads the weights from the model; 'dummy' makes random weights of the model's shape "
+                   "(benchmarks without weight files)",
+    "show_progress": "show progress bars (CUDA-graph capture)",
+}
+
+
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     """The design notes' buckets: powers of two below max_num_seqs, plus max_num_seqs itself."""
     sizes, b = [], 1
@@ -182,4 +224,4 @@ def _serving_dtype(model_dtype: torch.dtype | None) -> str:
     return "float16" if model_dtype == torch.float16 else "bfloat16"
 
 
-__all__ = ["EngineConfig", "default_capture_sizes", "DTYPES"]
+__all__ = ["EngineConfig", "FIELD_HELP", "default_capture_sizes", "DTYPES"]

@@ -16,7 +16,7 @@ StreamDelta = CompletionOutput  # what one step added to one completion of a str
 
 
 class LLM:
-    """`LLM(model_dir, **engine_options)`; options are EngineConfig fields (unknown ones are errors)."""
+    """`LLM(model_dir_or_gguf_file, **engine_options)`; options are EngineConfig fields (unknown ones are errors)."""
 
     def __init__(self, model: str, **engine_options):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_options))

@@ -52,14 +52,24 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, **c
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer()
-    tokenizer.save_pretrained(str(out))
+    written = [Path(p) for p in tokenizer.save_pretrained(str(out))]
     config = _build_config(arch, len(tokenizer), tokenizer, config_overrides)
     config.save_pretrained(str(out))
     save_file(_random_weights(config, arch, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     eos_ids = [tokenizer.convert_tokens_to_ids(EOS), tokenizer.convert_tokens_to_ids(IM_END)]
     generation_config = {"bos_token_id": config.bos_token_id, "eos_token_id": eos_ids, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+    written += [out / "config.json", out / "model.safetensors", out / "generation_config.json"]
+    _make_readable(out, written)
     return out
+
+
+def _make_readable(folder: Path, files: list[Path]) -> None:
+    """0755 / 0644: safetensors writes through a private temp file (0600), but a model folder is for sharing."""
+    folder.chmod(0o755)
+    for path in files:
+        if path.is_file():
+            path.chmod(0o644)
 
 
 def _build_tokenizer():

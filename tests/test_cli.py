@@ -1,9 +1,16 @@
 """The README's try-it path: `nanoserve make-tiny-model` then `nanoserve generate`, as a newcomer runs them."""
+import dataclasses
 import json
+import socket
+import stat
 import subprocess
 import sys
 
 import pytest
+
+from nanoserve import __version__
+from nanoserve.cli import _build_parser, main
+from nanoserve.config import FIELD_HELP, EngineConfig
 
 
 def run_cli(*args, timeout=180):
@@ -13,6 +20,9 @@ def run_cli(*args, timeout=180):
 def test_make_tiny_model_then_generate(tmp_path):
     made = run_cli("make-tiny-model", str(tmp_path / "tiny"), "--arch", "qwen2")
     assert made.returncode == 0, made.stderr
+    assert stat.S_IMODE((tmp_path / "tiny").stat().st_mode) == 0o755
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "tiny").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes  # readable by others
     gen = run_cli("generate", "--model", str(tmp_path / "tiny"), "--prompt", "Hello", "--prompt", "Bye",
                   "--max-tokens", "5", "--device", "cpu", "--max-model-len", "64", "--enforce-eager")
     assert gen.returncode == 0, gen.stderr
@@ -30,3 +40,69 @@ def test_bad_input_is_one_clear_line(args, message):
     out = run_cli(*args)
     assert out.returncode == 2
     assert message in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_generate_on_the_real_gguf_knows_paris(smollm2_gguf):
+    gen = run_cli("generate", "--model", str(smollm2_gguf), "--prompt", "The capital of France is",
+                  "--max-tokens", "8", "--device", "cpu", "--max-model-len", "512", timeout=300)
+    assert gen.returncode == 0, gen.stderr
+    assert "Paris" in json.loads(gen.stdout)["text"]
+
+
+def test_a_broken_gguf_is_one_clear_line(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF\x03\x00")
+    out = run_cli("generate", "--model", str(bad), "--prompt", "x")
+    assert out.returncode == 2
+    assert "truncated or corrupt" in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_every_engine_field_has_help_and_shows_its_default():
+    assert set(FIELD_HELP) == {f.name for f in dataclasses.fields(EngineConfig)}
+    commands = _build_parser()._subparsers._group_actions[0].choices  # argparse keeps subparsers here
+    for command in ("serve", "generate", "bench"):
+        helps = {a.dest: a.help for a in commands[command]._actions}
+        for f in dataclasses.fields(EngineConfig):
+            assert helps[f.name].startswith(FIELD_HELP[f.name]), (command, f.name)
+            if f.default not in (None, dataclasses.MISSING):
+                shown = str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+                assert helps[f.name].endswith(f"(default: {shown})"), (command, f.name)
+    usage = commands["generate"].format_help()
+    assert "(default: 256)" in usage and "(default: true)" in usage
+
+
+def parse(*flags):
+    return _build_parser().parse_args(["generate", "--model", "m", "--prompt", "p", *flags])
+
+
+@pytest.mark.parametrize("word, value", [("true", True), ("YES", True), ("1", True), ("False", False),
+                                         ("no", False), ("0", False)])
+def test_bool_flags_take_the_usual_words(word, value):
+    assert parse("--enable-prefix-caching", word).enable_prefix_caching is value
+    assert parse("--enforce-eager", word).enforce_eager is value
+
+
+def test_bool_flag_alone_means_true_and_a_typo_is_an_error(capsys):
+    assert parse("--enforce-eager").enforce_eager is True
+    assert parse().enable_prefix_caching is None  # not given: the config's default applies
+    with pytest.raises(SystemExit) as exit_:
+        parse("--enable-prefix-caching", "flase")
+    assert exit_.value.code == 2
+    assert "expected true/false, yes/no or 1/0, got 'flase'" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"nanoserve {__version__}"
+
+
+def test_serve_refuses_a_busy_port_before_loading_the_model(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = main(["serve", "--model", "/no/such/model", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"cannot serve on 127.0.0.1:{port}" in err and "does not exist" not in err, err
+    assert err.count("\n") == 1

@@ -1,4 +1,5 @@
-"""A local Hugging Face folder → config, model with weights on the device, tokenizer, EOS ids.
+"""A local Hugging Face folder (or a GGUF file: model/gguf.py) → config, model with weights on the device,
+tokenizer, EOS ids.
 
 Weights come from safetensors only (never pickle). The model is built on the meta device and each
 tensor is read straight to the target device and dtype, so loading an 8B model costs one pass over
@@ -32,6 +33,8 @@ def load_hf_config(model_dir: str | Path):
     """The folder's config.json as a transformers PretrainedConfig, validated for this engine."""
     from transformers import AutoConfig
 
+    if _gguf().is_gguf(model_dir):
+        return _gguf().load_config(model_dir)
     path = Path(model_dir)
     if not path.exists():
         raise ModelLoadError(f"model folder {str(path)!r} does not exist")
@@ -84,6 +87,8 @@ def load_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: tor
         raise ModelLoadError(_one_line(e)) from None
     if load_format == "dummy":
         _init_dummy(model, dtype, device)
+    elif _gguf().is_gguf(model_dir):
+        _gguf().load_weights(model, model_dir, hf_config, dtype, device)
     else:
         _load_safetensors(model, Path(model_dir), dtype, device)
     model.to(device)  # the rotary cos/sin table; parameters are already there
@@ -217,6 +222,8 @@ def load_tokenizer(model_dir: str | Path):
     """The folder's tokenizer (AutoTokenizer, local files only)."""
     from transformers import AutoTokenizer
 
+    if _gguf().is_gguf(model_dir):
+        return _gguf().load_tokenizer(model_dir)
     path = Path(model_dir)
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not path.is_dir():
@@ -231,6 +238,8 @@ def load_tokenizer(model_dir: str | Path):
 
 def eos_token_ids(model_dir: str | Path, hf_config, tokenizer=None) -> list[int]:
     """Token ids that end a generation: generation_config.json, else config.json, else the tokenizer's EOS."""
+    if _gguf().is_gguf(model_dir):
+        return _gguf().eos_token_ids(model_dir, hf_config, tokenizer)
     gen_file = Path(model_dir) / "generation_config.json"
     if gen_file.is_file():
         try:
@@ -256,6 +265,13 @@ def _as_id_list(value) -> list[int]:
         if isinstance(v, int) and not isinstance(v, bool) and v not in out:
             out.append(v)
     return out
+
+
+def _gguf():
+    """nanoserve.model.gguf, imported on first use: it builds on this module, and only GGUF models need it."""
+    from nanoserve.model import gguf
+
+    return gguf
 
 
 def _one_line(e: BaseException) -> str:

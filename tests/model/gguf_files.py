@@ -1,0 +1,134 @@
+"""Write a tiny HF model folder as a GGUF file the way llama.cpp's converter does, with gguf.GGUFWriter.
+
+llama.cpp renames tensors (gguf's name table), permutes the q/k rows of llama-family models for its
+interleaved RoPE, keeps 1-D tensors (norms, biases) in F32 and stores matrices in the chosen type. The
+loader must undo all of that; writing the files here, from weights the test also has as safetensors,
+gives it something exact to be checked against.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+F32 = gguf.GGMLQuantizationType.F32
+
+
+def quantizable_types() -> list[gguf.GGMLQuantizationType]:
+    """Every tensor type gguf can both quantize and dequantize in numpy (so a test can write it)."""
+    probe = np.linspace(-1, 1, 256 * 2, dtype=np.float32).reshape(2, 256)
+    types = []
+    for qtype in gguf.GGMLQuantizationType:
+        try:
+            gguf.dequantize(gguf.quantize(probe, qtype), qtype)
+        except (NotImplementedError, ValueError, AssertionError):
+            continue
+        types.append(qtype)
+    return types
+
+
+def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType = F32, arch: str | None = None,
+               tensors: dict[str, np.ndarray | tuple] | None = None) -> Path:
+    """model_dir (a tiny folder) as one GGUF file, matrices stored as `qtype`.
+
+    arch overrides the file's architecture name; tensors (GGUF name → float array, or (raw bytes, type)) replace
+    the folder's weights.
+    """
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(out), arch or config["model_type"])
+    _write_config(writer, config)
+    _write_tokenizer(writer, model_dir)
+    weights = tensors if tensors is not None else _gguf_tensors(model_dir, config)
+    for name, array in weights.items():
+        if isinstance(array, tuple):  # bytes of a given type: the writer derives the shape from the byte shape
+            writer.add_tensor(name, array[0], raw_dtype=array[1])
+        elif array.ndim == 2 and qtype != F32:
+            quantized = gguf.quantize(array, qtype)
+            writer.add_tensor(name, quantized, raw_dtype=None if quantized.dtype == np.float16 else qtype)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def quantized_copy(model_dir: Path, out_dir: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+    """A copy of the folder whose matrices went through quantize → dequantize: what a GGUF of `qtype` holds.
+
+    Quantization works on blocks inside a row, so it commutes with llama.cpp's q/k row permutation.
+    """
+    import shutil
+
+    shutil.copytree(model_dir, out_dir)
+    tensors = load_file(str(out_dir / "model.safetensors"))
+    for name, t in tensors.items():
+        if t.ndim == 2:
+            tensors[name] = torch.from_numpy(gguf.dequantize(gguf.quantize(t.numpy(), qtype), qtype).copy())
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    return out_dir
+
+
+def _write_config(writer: gguf.GGUFWriter, config: dict) -> None:
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(config["vocab_size"])
+
+
+def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path) -> None:
+    """The byte-level BPE vocabulary, merges, special ids and chat template, as llama.cpp stores a gpt2 tokenizer."""
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    vocab = json.loads((Path(model_dir) / "tokenizer.json").read_text())["model"]
+    tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
+    special = set(tok.all_special_ids) | set(tok.added_tokens_decoder)  # added_tokens_decoder: id → AddedToken
+    generation = json.loads((Path(model_dir) / "generation_config.json").read_text())
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+                            for i in range(len(tokens))])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab["merges"]])
+    writer.add_bos_token_id(tok.bos_token_id)
+    writer.add_eos_token_id(generation["eos_token_id"][0])
+    writer.add_eot_token_id(generation["eos_token_id"][1])
+    writer.add_pad_token_id(tok.pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tok.chat_template)
+
+
+def _gguf_tensors(model_dir: Path, config: dict) -> dict[str, np.ndarray]:
+    """GGUF name → array, q/k rows permuted for llama as llama.cpp's convert_hf_to_gguf does."""
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == config["model_type"])
+    name_map = gguf.get_tensor_name_map(arch_id, config["num_hidden_layers"])
+    out = {}
+    for hf_name, tensor in load_file(str(Path(model_dir) / "model.safetensors")).items():
+        array = tensor.float().numpy()
+        if config["model_type"] == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            kv = hf_name.endswith("k_proj.weight")
+            array = _llama_cpp_permute(array, config["num_key_value_heads" if kv else "num_attention_heads"])
+        module, _, leaf = hf_name.rpartition(".")
+        out[f"{name_map.get_name(module)}.{leaf}"] = array
+    return out
+
+
+def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: each head's rows go from HF's half-split to interleaved pairs."""
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))

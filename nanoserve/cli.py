@@ -49,6 +49,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept `chat_template` in chat requests (rendered in a sandbox process, time-limited)")
     _add_engine_flags(serve)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
@@ -126,9 +128,8 @@ def _cmd_bench(args) -> int:
 def _cmd_serve(args) -> int:
     from nanoserve.server.app import serve
 
-    serve(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key,
-          served_model_name=args.served_model_name)
-    return 0
+    return serve(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key,
+                 served_model_name=args.served_model_name, trust_request_chat_template=args.trust_request_chat_template)
 
 
 def _cmd_make_tiny_model(args) -> int:

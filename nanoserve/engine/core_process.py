@@ -10,7 +10,8 @@ CoreReady (the resolved config and limits the API needs) or CoreFailed (one line
 non-zero. A step that raises is fatal, as in vLLM: the device state is unknown afterwards, so the
 process sends EngineDead with the reason and exits; the API fails every request and exits too.
 SIGINT is ignored (a terminal's Ctrl-C reaches the whole process group, and the API shuts the core
-down in order); the process also leaves when its parent is gone.
+down in order); the process also leaves when its parent is gone. On a CPU device the core leaves one CPU
+core to the API process (torch's intra-op threads would otherwise take them all and stall the event loop).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import signal
 import sys
 
 import msgspec
+import torch
 import zmq
 
 from nanoserve.config import EngineConfig
@@ -97,6 +99,15 @@ class CoreLoop:
         self._sent_stats: EngineStats | None = None
 
     def run(self) -> None:
+        """Serve until Shutdown. An exception is fatal: EngineDead (with the reason) goes out, then it propagates."""
+        try:
+            self._serve()
+        except Exception as e:
+            logger.exception("the engine core failed; it exits")
+            self.send(EngineDead(f"the engine core failed: {one_line(e)}"))
+            raise
+
+    def _serve(self) -> None:
         while True:
             if not self.core.has_unfinished_requests():
                 self._wait_for_input()
@@ -172,6 +183,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         from nanoserve.engine.core import EngineCore
 
         core = EngineCore(config)
+        if core.config.torch_device.type == "cpu":  # leave a core to the API process, which must stay responsive
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
     except Exception as e:
         if not isinstance(e, ValueError):  # not a bad model or option: the traceback helps
             logger.exception("the engine core failed to start")
@@ -179,12 +192,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         sys.exit(1)
     handshake.send_bytes(encoder.encode(CoreReady(core.config, core.vocab_size, core.eos_token_ids, core.stats)))
     handshake.close()
-    loop = CoreLoop(core, input_socket, output_socket, parent_pid)
     try:
-        loop.run()
-    except Exception as e:
-        logger.exception("engine core failed; it exits")
-        loop.send(EngineDead(f"the engine core failed: {one_line(e)}"))
+        CoreLoop(core, input_socket, output_socket, parent_pid).run()
+    except Exception:
         sys.exit(1)
     finally:
         context.destroy()

@@ -75,7 +75,7 @@ class EngineClient:
         self._unstarted: set[str] = set()  # core sequences sent that have not produced a token yet
         self._death_callbacks: list[Callable[[], None]] = []
         self._dead_reason: str | None = None
-        self._running = self._closing = False
+        self._running = self._closing = self._died = False
         self._reader: asyncio.Task | None = None
         self._encoder = msgspec.msgpack.Encoder()
         logger.info("engine core ready in %.1f s (pid %d)", time.monotonic() - started, self._process.pid)
@@ -103,7 +103,7 @@ class EngineClient:
     @property
     def is_dead(self) -> bool:
         """The core died or failed while serving (not: shut down in order)."""
-        return self._dead_reason is not None and not self._closing
+        return self._died
 
     @property
     def core_pid(self) -> int | None:
@@ -248,17 +248,18 @@ class EngineClient:
     def _on_process_exit(self) -> None:
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._process.sentinel)
-        if self._closing:
-            return
-        self._process.join(0)
-        reason = f"the engine core process died unexpectedly ({_exit_text(self._process)})"
-        loop.call_later(DEATH_GRACE_S, self._die, reason)
+        if not self._closing:
+            loop.call_later(DEATH_GRACE_S, self._core_exited)
+
+    def _core_exited(self) -> None:
+        self._process.join(1.0)  # its pipes close a moment before it can be reaped
+        self._die(f"the engine core process died unexpectedly ({_exit_text(self._process)})")
 
     def _die(self, reason: str) -> None:
         """Fail every request in flight; once, the first reason wins."""
         if self._dead_reason is not None:
             return
-        self._dead_reason = reason
+        self._dead_reason, self._died = reason, not self._closing
         error: Exception = EngineStoppedError(reason) if self._closing else EngineDeadError(reason)
         collectors = {id(c): c for c, _ in self._collectors.values()}
         if not self._closing:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import mmap
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -26,6 +27,9 @@ from nanoserve.server.metrics import ServerMetrics, Tracker
 from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
 from nanoserve.server.sse import SSEResponse
+
+
+LARGE_BODY_BYTES = 1 << 20
 
 
 class ClientGone(Exception):
@@ -53,6 +57,30 @@ def _engine_error(e: Exception) -> APIError:
     if isinstance(e, EngineStoppedError):
         return APIError(503, str(e), type="server_error", code="engine_stopped")
     return APIError(500, str(e), type="server_error", code="engine_dead")
+
+
+async def read_body(request: Request) -> bytes | mmap.mmap:
+    """The body, copied chunk by chunk into one buffer of its declared length. A large body goes into an
+    anonymous memory map, whose pages are touched as chunks arrive: neither a final join nor zeroing a big
+    buffer up front holds the event loop for one long stretch."""
+    length = request.headers.get("content-length", "")
+    if not length.isdigit() or int(length) < LARGE_BODY_BYTES:
+        return await request.body()
+    body = mmap.mmap(-1, int(length))
+    async for chunk in request.stream():
+        body.write(chunk)
+    if body.tell() != len(body):  # the client went away mid-body
+        raise ClientGone()
+    return body
+
+
+async def parse_request(request: Request, model):
+    raw = await read_body(request)
+    try:
+        return parse_body(raw, model)
+    finally:
+        if isinstance(raw, mmap.mmap):
+            raw.close()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -142,7 +170,7 @@ class OpenAIServer:
 
     # -- /v1/completions --------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        body = parse_body(await request.body(), CompletionRequest)
+        body = await parse_request(request, CompletionRequest)
         self.check_model(body.model)
         try:
             prompts = as_prompt_list(body.prompt)
@@ -186,7 +214,7 @@ class OpenAIServer:
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
-        body = parse_body(await request.body(), ChatCompletionRequest)
+        body = await parse_request(request, ChatCompletionRequest)
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")

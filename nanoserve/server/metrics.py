@@ -37,7 +37,8 @@ class _EngineCollector:
             ("nanoserve_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks", s.preemptions),
             ("nanoserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
              s.prefix_cache_hit_tokens),
-            ("nanoserve_mixed_steps", "Steps that prefilled a prompt chunk (decode rows may ride along)", s.mixed_steps),
+            ("nanoserve_mixed_steps", "Steps that prefilled a prompt chunk (decode rows may ride along)",
+             s.mixed_steps),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

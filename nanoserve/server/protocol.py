@@ -169,8 +169,8 @@ class ChatCompletionRequest(_SamplingRequest):
 # ---- parsing -------------------------------------------------------------------------------------------
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
-    """The request body as `model`, or an APIError(400) that says what is wrong in one line."""
+def parse_body(raw, model: type[BaseModel]) -> BaseModel:
+    """The request body (bytes or any buffer) as `model`, or an APIError(400) saying what is wrong in one line."""
     try:
         data = msgspec.json.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -182,7 +182,7 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         raise APIError(400, message, param=param) from None
 
 
-def _json_error(raw: bytes, e: Exception) -> str:
+def _json_error(raw, e: Exception) -> str:
     lone = _LONE_SURROGATE.search(raw)
     if lone is not None:
         escape = lone.group()[-6:].decode()

@@ -11,8 +11,11 @@ uvicorn = pytest.importorskip("uvicorn")
 
 import contextlib  # noqa: E402
 import os
+import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -136,9 +139,9 @@ def live(model_dir):
         stop_uvicorn(app, server, thread)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def serve_app():
-    """serve_app(app) → LiveServer for an app of the test's own (stopped when the test ends)."""
+    """serve_app(app) → LiveServer for an app of the module's own (stopped when the module ends)."""
     started = []
 
     def start(app) -> LiveServer:
@@ -155,3 +158,73 @@ def serve_app():
 def offline(model_dir) -> LLM:
     """The offline API on the same model folder: the reference for greedy outputs."""
     return LLM(model_dir, **ENGINE_OPTIONS)
+
+
+@dataclass
+class ServeProcess:
+    """`nanoserve serve` in a subprocess, as a user runs it (its log goes to a file)."""
+
+    proc: subprocess.Popen
+    base_url: str
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    @property
+    def core_pid(self) -> int:
+        found = re.search(r"engine core ready in [\d.]+ s \(pid (\d+)\)", self.log())
+        assert found, self.log()
+        return int(found.group(1))
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve_process(model_dir: str, log_path, *flags: str, timeout: float = 120) -> ServeProcess:
+    """Start `nanoserve serve --model model_dir *flags` on a free port and wait for /health."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanoserve", "serve", "--model", model_dir, "--port", str(port), *flags]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = ServeProcess(proc, f"http://127.0.0.1:{port}", str(log_path))
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, server.log()
+        try:
+            if httpx.get(server.base_url + "/health", timeout=1).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop(signal.SIGKILL)
+            raise AssertionError(f"nanoserve serve did not come up:\n{server.log()}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def serve_process(tmp_path_factory):
+    """serve_process(model_dir, *flags) → a running ServeProcess (killed at the end of the module if still up)."""
+    started: list[ServeProcess] = []
+
+    def start(model_dir: str, *flags: str) -> ServeProcess:
+        server = start_serve_process(model_dir, tmp_path_factory.mktemp("serve") / "serve.log", *flags)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop(signal.SIGKILL)

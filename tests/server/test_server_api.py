@@ -196,7 +196,7 @@ def test_chat_logprobs(live):
         assert len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy
-        if "\ufffd" not in entry.token:  # a whole character (part of one: its real bytes, tests/server/test_logprobs.py)
+        if "\ufffd" not in entry.token:  # a whole character (a part of one has its real bytes: test_logprobs.py)
             assert entry.bytes == list(entry.token.encode("utf-8"))
         assert entry.bytes != list("\ufffd".encode("utf-8"))
     streamed = []
@@ -265,3 +265,26 @@ def test_nanoserve_serve_cli(model_dir):
             proc.kill()
             out, _ = proc.communicate()
     assert proc.returncode == 0, out
+
+
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>"
+    "{% if m.content is not none %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}[call {{ c.id }} {{ c.function.name }} {{ c.function.arguments | tojson }}]"
+    "{% endfor %}{% if m.tool_call_id %}[answers {{ m.tool_call_id }}]{% endif %}|{% endfor %}<assistant>")
+
+
+def test_tool_call_messages_reach_the_chat_template(live, monkeypatch):
+    """Messages as real clients send them after a tool call: the assistant's tool_calls with content null, the
+    tool's answer with its tool_call_id; both reach the template (arguments as an object, as vLLM passes them)."""
+    monkeypatch.setattr(live.prompt_tokenizer, "chat_template", TOOL_TEMPLATE)
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+    ]
+    r = live.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    expected = ('<user>Weather in Paris?|<assistant>[call call_1 weather {"city": "Paris"}]|'
+                "<tool>21 C[answers call_1]|<assistant>")
+    assert r.usage.prompt_tokens == len(live.prompt_tokenizer.encode(expected, add_special_tokens=False))

@@ -46,7 +46,8 @@ sys.path.insert(0, str(REPO_ROOT))  # nanoserve, benchmarks.common
 DEFAULT_MODELS = ["qwen3-0.6b", "llama-3.1-8b"]
 DEFAULT_CONCURRENCY = [1, 16, 64, 256]
 DROP_CHECK_PROMPTS = 1000  # at the highest concurrency of the first model: 0 failed or dropped out of these
-STREAMS_PER_CLIENT = 32  # client processes = ceil(concurrency / this), at most --clients
+PROMPTS_PER_LEVEL = 4  # default prompts per level: this × concurrency (at least 8) ...
+PROMPTS_PER_LEVEL_BY_MODEL = {"llama-3.1-8b": 2}  # ... fewer where 1024-token prefills dominate the run time
 SERVED_NAME = "bench"
 TINY_CONFIG = {  # --smoke: a small Qwen3 (real code path, seconds on a CPU)
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
@@ -63,10 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", "--random-output-len", type=int, default=None, help="generated tokens (128)")
     p.add_argument("--max-concurrency", type=int, nargs="+", default=None, help="levels (1 16 64 256)")
     p.add_argument("--num-prompts", type=int, nargs="+", default=None,
-                   help="prompts per level, one number per level (default max(8, 4 x concurrency))")
+                   help="prompts per level, one number per level (default max(8, 4 x concurrency); 2 x for "
+                        "llama-3.1-8b)")
     p.add_argument("--drop-check-prompts", type=int, default=DROP_CHECK_PROMPTS,
                    help="prompts at the highest level of the first model (0: as --num-prompts)")
-    p.add_argument("--clients", type=int, default=8, help="at most this many client processes")
+    p.add_argument("--clients", type=int, default=8, help="client processes (at most one per stream)")
     p.add_argument("--device", default=None, help="cuda (default) or cpu")
     p.add_argument("--server-arg", action="append", default=[], help="an extra `nanoserve serve` flag (repeat)")
     p.add_argument("--seed", type=int, default=0)
@@ -81,9 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.device = args.device or ("cpu" if smoke else "cuda")
     if smoke:
         args.clients, args.drop_check_prompts = min(args.clients, 2), 0
-    if args.num_prompts is None:
-        args.num_prompts = [max(8, 4 * c) for c in args.max_concurrency]
-    if len(args.num_prompts) != len(args.max_concurrency):
+    if args.num_prompts is not None and len(args.num_prompts) != len(args.max_concurrency):
         p.error("--num-prompts needs one number per --max-concurrency level")
     return args
 
@@ -256,7 +256,7 @@ def _client_process(base_url, prompts, streams, output_len, barrier, results) ->
 def run_load(base_url: str, prompts: list[list[int]], concurrency: int, output_len: int,
              max_clients: int) -> tuple[list[RequestRecord], float, float, int]:
     """(records, start time, client CPU seconds, client processes): `concurrency` streams at a time in all."""
-    num_clients = max(1, min(max_clients, math.ceil(concurrency / STREAMS_PER_CLIENT), concurrency))
+    num_clients = max(1, min(max_clients, concurrency))  # spread wide: the chunk rate, not the streams, costs
     spawn = multiprocessing.get_context("spawn")
     barrier, results = spawn.Barrier(num_clients + 1), spawn.Queue()
     shares = [concurrency // num_clients + (i < concurrency % num_clients) for i in range(num_clients)]
@@ -415,8 +415,10 @@ def bench_model(name: str, args, drop_check: bool, work: Path) -> dict:
     vocab = config["vocab_size"]
     max_model_len = args.input_len + args.output_len + 16
     rng = random.Random(args.seed)
+    per_level = PROMPTS_PER_LEVEL_BY_MODEL.get(name, PROMPTS_PER_LEVEL)
+    counts = args.num_prompts or [max(8, per_level * c) for c in args.max_concurrency]
     levels = []
-    for i, (concurrency, count) in enumerate(zip(args.max_concurrency, args.num_prompts)):
+    for i, (concurrency, count) in enumerate(zip(args.max_concurrency, counts)):
         if drop_check and i == len(args.max_concurrency) - 1:
             count = max(count, args.drop_check_prompts)
         levels.append((concurrency, random_prompts(rng, count, args.input_len, vocab)))

@@ -39,6 +39,7 @@ from nanoserve.server.collector import EngineDeadError, EngineStoppedError, Requ
 logger = logging.getLogger("nanoserve.server")
 
 DEATH_GRACE_S = 0.1  # after the process exits, a moment for its last message (EngineDead: the reason) to arrive
+MAX_DRAIN_S = 0.02  # the longest the output reader runs without letting the HTTP handlers write
 
 
 class EngineStartError(ValueError):
@@ -209,12 +210,20 @@ class EngineClient:
 
     # -- the reader task ----------------------------------------------------------------------------
     async def _read_outputs(self) -> None:
+        """A message already queued is returned without yielding: a reader that fell behind drains the queue
+        (merging it into the collectors) before the handlers write again; after MAX_DRAIN_S of that it lets
+        them write what has merged so far."""
         decoder = msgspec.msgpack.Decoder(CoreOutput)
         try:
+            drain_start = time.monotonic()
             while True:
-                # a message that is already there is returned without yielding: a reader that fell behind
-                # drains everything queued (merging it into the collectors) before the handlers run again
+                if time.monotonic() - drain_start > MAX_DRAIN_S:
+                    await asyncio.sleep(0)
+                    drain_start = time.monotonic()
+                waits = not self._output.get(zmq.EVENTS) & zmq.POLLIN
                 frame = await self._output.recv(copy=False)
+                if waits:  # the event loop ran the handlers meanwhile
+                    drain_start = time.monotonic()
                 message = decoder.decode(frame.buffer)
                 if isinstance(message, EngineDead):
                     self._die(message.reason)

@@ -54,6 +54,9 @@ class Preprocessor:
     async def completion_prompts(self, prompts: list[Prompt]) -> list[tuple[str | None, list[int]]]:
         """(text or None, token ids) per prompt, in order; APIError(400) for the first that cannot run."""
         texts = [p for p in prompts if isinstance(p, str)]
+        if texts and self.tokenizer is None:
+            raise APIError(400, "This server runs without a tokenizer (skip_tokenizer_init): give prompts as token "
+                                "ids.", param="prompt")
         for text in texts:
             self.check_text_length(text, "prompt")
         encoded = iter(await self._run(self._tokenize_all, texts) if texts else ())

@@ -72,7 +72,7 @@ class EngineClient:
         self.stats: EngineStats = ready.stats  # as of the core's latest message
         self.max_waiting_requests = self.config.max_waiting_requests
         self.output_processor = OutputProcessor(tokenizer)
-        self._collectors: dict[str, tuple[RequestCollector, int]] = {}  # output-processor request id → (, prompt)
+        self._collectors: dict[str, tuple[RequestCollector, int]] = {}  # processor request id → (collector, prompt)
         self._unstarted: set[str] = set()  # core sequences sent that have not produced a token yet
         self._death_callbacks: list[Callable[[], None]] = []
         self._dead_reason: str | None = None
@@ -109,11 +109,6 @@ class EngineClient:
     @property
     def core_pid(self) -> int | None:
         return self._process.pid
-
-    @property
-    def num_unstarted(self) -> int:
-        """Core sequences submitted that have not produced their first token (the waiting queue, as seen here)."""
-        return len(self._unstarted)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._collectors)

@@ -7,13 +7,14 @@ import threading
 
 import msgspec
 import pytest
-import zmq
 
-from nanoserve import LLM, EngineConfig, SamplingParams
-from nanoserve.engine.core import EngineCore
-from nanoserve.engine.core_process import (AbortRequests, AddRequests, CoreLoop, CoreOutput, EngineDead, Shutdown,
-                                           StepOutputs)
-from nanoserve.engine.messages import EngineRequest
+zmq = pytest.importorskip("zmq")  # the server's dependency (the GPU image may lack it)
+
+from nanoserve import LLM, EngineConfig, SamplingParams  # noqa: E402
+from nanoserve.engine.core import EngineCore  # noqa: E402
+from nanoserve.engine.core_process import (AbortRequests, AddRequests, CoreLoop, CoreOutput, EngineDead,  # noqa: E402
+                                           Shutdown, StepOutputs)
+from nanoserve.engine.messages import EngineRequest  # noqa: E402
 
 OPTIONS = dict(device="cpu", max_num_seqs=4, max_model_len=64, num_kv_blocks=64, show_progress=False)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -8,16 +8,23 @@ are cached per id (the vocabulary is finite).
 """
 from __future__ import annotations
 
+import logging
 import re
 
+logger = logging.getLogger("nanoserve.server")
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _byte_decoder() -> dict[str, int]:
+def _byte_decoder() -> dict[str, int] | None:
+    """The byte-level alphabet backwards (character → byte), from transformers, which has moved it over time."""
     try:
         from transformers.convert_slow_tokenizer import bytes_to_unicode
-    except ImportError:  # older transformers kept it with GPT-2
-        from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    except ImportError:
+        try:
+            from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+        except ImportError:
+            logger.warning("transformers has no bytes_to_unicode: logprob bytes come from each token's decoded text")
+            return None
     return {c: b for b, c in bytes_to_unicode().items()}
 
 

@@ -243,3 +243,11 @@ def test_oversized_body_is_refused_before_it_is_read(live):
     assert text.startswith("HTTP/1.1 413"), text
     assert "larger than" in text
     test_still_serving_after_bad_requests(live)
+
+
+def test_surrogate_bytes_in_the_url_are_not_a_500(live):
+    """A model name in the path as UTF-8 of a lone surrogate (%ED%A0%80) decodes to replacement characters: 404."""
+    with live.http() as http:
+        r = http.get("/v1/models/%ED%A0%80")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        assert http.get("/v1/models").status_code == 200  # the same client keeps serving

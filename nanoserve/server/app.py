@@ -162,7 +162,11 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
     app.state.engine_client, app.state.metrics, app.state.server, app.state.sandbox = client, metrics, server, sandbox
     app.add_middleware(_V1Middleware, api_key=api_key, metrics=metrics)
     _add_error_handlers(app)
+    _add_routes(app, server, client, metrics)
+    return app
 
+
+def _add_routes(app: FastAPI, server: OpenAIServer, client: EngineClient, metrics: ServerMetrics) -> None:
     @app.get("/health")
     async def health():
         if not client.is_running:
@@ -189,8 +193,6 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await server.chat(request)
-
-    return app
 
 
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,

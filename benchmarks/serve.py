@@ -466,6 +466,14 @@ def targets(result: dict, drop_check: bool) -> list[dict]:
     return out
 
 
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def _serving_stack() -> dict:
     stack = {}
     for name in ("fastapi", "uvicorn", "httpx", "zmq", "msgspec", "uvloop", "httptools"):
@@ -480,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.common import env_info, write_json
 
     args = parse_args(argv)
-    report = {"benchmark": "serve", **env_info(), "serving_stack": _serving_stack(), "cpu_count": os.cpu_count(),
+    report = {"benchmark": "serve", **env_info(), "serving_stack": _serving_stack(),
+              "machine": {"host": socket.gethostname(), "cpu": _cpu_model(), "cpu_count": os.cpu_count()},
               "settings": {k: v for k, v in vars(args).items() if k != "out"}, "models": []}
     with tempfile.TemporaryDirectory(prefix="nanoserve-serve-bench-") as tmp:
         for i, name in enumerate(args.model):

@@ -176,6 +176,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     output_socket = context.socket(zmq.PUSH)
     output_socket.setsockopt(zmq.LINGER, 2000)  # a last EngineDead still reaches the API
     output_socket.setsockopt(zmq.SNDTIMEO, PARENT_CHECK_MS)
+    input_socket.setsockopt(zmq.RCVHWM, 0)  # unbounded both ways: neither side ever waits for the other
+    output_socket.setsockopt(zmq.SNDHWM, 0)
     input_socket.bind(input_address)
     output_socket.bind(output_address)
     encoder = msgspec.msgpack.Encoder()

@@ -182,7 +182,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     output_socket.bind(output_address)
     encoder = msgspec.msgpack.Encoder()
     try:
-        from nanoserve.engine.core import EngineCore
+        from nanoserve.engine.core import EngineCore  # here: the API process imports this module for its messages
 
         core = EngineCore(config)
         if core.config.torch_device.type == "cpu":  # leave a core to the API process, which must stay responsive

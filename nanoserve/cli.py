@@ -65,6 +65,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name the API reports and accepts; default: the --model path as given")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept `chat_template` in chat requests (rendered in a sandbox process, time-limited)")
     _add_engine_flags(serve)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
@@ -181,9 +183,8 @@ def _cmd_serve(args) -> int:
     from nanoserve.server.app import serve
 
     check_port_free(args.host, args.port)  # before the model load: a busy port should not cost a minute
-    serve(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key,
-          served_model_name=args.served_model_name)
-    return 0
+    return serve(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key,
+                 served_model_name=args.served_model_name, trust_request_chat_template=args.trust_request_chat_template)
 
 
 def check_port_free(host: str, port: int) -> None:

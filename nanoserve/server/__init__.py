@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP server: `build_app()` for an ASGI app, `serve()` for `nanoserve serve`."""
+"""The OpenAI-compatible server: `build_app()` for an ASGI app, `serve()` for `nanoserve serve`; the engine
+core runs in its own process behind an `EngineClient`."""
 from nanoserve.server.app import build_app, serve
-from nanoserve.server.async_engine import AsyncEngine
+from nanoserve.server.client import EngineClient, EngineStartError
 
-__all__ = ["build_app", "serve", "AsyncEngine"]
+__all__ = ["build_app", "serve", "EngineClient", "EngineStartError"]

@@ -1,5 +1,6 @@
-"""Prometheus metrics of the server: request counts, token counters, TTFT / inter-token latency histograms,
-and the engine's live state (running / waiting, KV-cache use, decode steps by graph vs eager) read at scrape time."""
+"""Prometheus metrics of the server: request counts, token counters, TTFT / inter-token latency histograms
+(observed on the per-step deltas as the engine client receives them), and the engine's live state (running /
+waiting, KV-cache use, decode steps by graph vs eager) from the core's latest stats, read at scrape time."""
 from __future__ import annotations
 
 import time
@@ -7,8 +8,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from nanoserve.engine.engine import RequestOutput
-from nanoserve.server.async_engine import AsyncEngine
+from nanoserve.engine.output import RequestOutput
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -16,13 +16,13 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 
 
 class _EngineCollector:
-    """Engine gauges and counters read from AsyncEngine.stats at scrape time."""
+    """Engine gauges and counters read at scrape time from the stats the core sent last (`source.stats`)."""
 
-    def __init__(self, async_engine: AsyncEngine):
-        self.async_engine = async_engine
+    def __init__(self, source):
+        self.source = source
 
     def collect(self):
-        s = self.async_engine.stats
+        s = self.source.stats
         yield GaugeMetricFamily("nanoserve_num_requests_running", "Requests in the running batch", value=s.num_running)
         yield GaugeMetricFamily("nanoserve_num_requests_waiting", "Requests waiting to be scheduled",
                                 value=s.num_waiting)
@@ -37,7 +37,8 @@ class _EngineCollector:
             ("nanoserve_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks", s.preemptions),
             ("nanoserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
              s.prefix_cache_hit_tokens),
-            ("nanoserve_engine_step_errors", "engine.step() calls that raised", self.async_engine.step_errors),
+            ("nanoserve_mixed_steps", "Steps that prefilled a prompt chunk (decode rows may ride along)",
+             s.mixed_steps),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
@@ -50,7 +51,7 @@ class _EngineCollector:
 class ServerMetrics:
     """Prometheus metrics in the app's own registry (never the global one: several apps may share a process)."""
 
-    def __init__(self, async_engine: AsyncEngine):
+    def __init__(self, stats_source):
         self.registry = CollectorRegistry()
         self.requests = Counter("nanoserve_http_requests", "HTTP requests to /v1 routes by status code", ["status"],
                                 registry=self.registry)
@@ -63,11 +64,11 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS, registry=self.registry)
         self.e2e = Histogram("nanoserve_request_latency_seconds", "Request arrival to its last token",
                              buckets=TTFT_BUCKETS, registry=self.registry)
-        self.registry.register(_EngineCollector(async_engine))
+        self.registry.register(_EngineCollector(stats_source))
 
 
 class Tracker:
-    """Follows one group of engine requests to observe TTFT / ITL / finish reasons."""
+    """Follows one API request (its prompts × n) through its deltas to observe TTFT / ITL / finish reasons."""
 
     def __init__(self, metrics: ServerMetrics, num_prompts: int, n: int):
         self.metrics, self.n = metrics, n
@@ -78,14 +79,16 @@ class Tracker:
         self.num_prompts = num_prompts
 
     def observe(self, i: int, out: RequestOutput) -> None:
+        """One delta of prompt i (what a step added to its completions)."""
         now = time.perf_counter()
-        progress = max((len(c.token_ids) for c in out.outputs), default=0)
-        if progress > self.tokens[i]:
+        new = max((len(c.token_ids) for c in out.outputs), default=0)
+        if new:
             if self.tokens[i] == 0:
                 self.metrics.ttft.observe(now - self.arrival)
             else:
-                self.metrics.itl.observe((now - self.last[i]) / (progress - self.tokens[i]))
-            self.tokens[i], self.last[i] = progress, now
+                self.metrics.itl.observe((now - self.last[i]) / new)
+            self.tokens[i] += new
+            self.last[i] = now
         for c in out.outputs:
             if c.finish_reason is not None and (i, c.index) not in self.done:
                 self.done.add((i, c.index))

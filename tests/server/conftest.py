@@ -1,5 +1,6 @@
-"""A real uvicorn server on 127.0.0.1 (free port, background thread) over a tiny random model, shared by
-the server tests, plus an offline LLM on the same folder as the reference for greedy outputs."""
+"""A real uvicorn server on 127.0.0.1 (free port, background thread) over a tiny random model, its engine
+core in a process of its own, shared by the server tests; plus an offline LLM on the same folder as the
+reference for greedy outputs, and helpers to freeze the core process (SIGSTOP) or read its CPU time."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,13 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-import socket  # noqa: E402
+import contextlib  # noqa: E402
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -49,12 +56,32 @@ class LiveServer:
     api_key: str = API_KEY
 
     @property
-    def async_engine(self):
-        return self.app.state.async_engine
+    def engine_client(self):
+        return self.app.state.engine_client
 
     @property
-    def engine(self):
-        return self.app.state.engine
+    def prompt_tokenizer(self):
+        """The tokenizer the server renders chat templates and tokenizes prompts with (its worker thread's)."""
+        return self.app.state.server.preprocessor.tokenizer
+
+    @property
+    def core_pid(self) -> int:
+        return self.engine_client.core_pid
+
+    @contextlib.contextmanager
+    def core_frozen(self):
+        """The engine core process stopped (SIGSTOP) for the block: it neither steps nor reads its input."""
+        os.kill(self.core_pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.core_pid, signal.SIGCONT)
+
+    def core_cpu_seconds(self) -> float:
+        """user + system CPU time of the engine core process so far (Linux /proc)."""
+        with open(f"/proc/{self.core_pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.api_key, max_retries=0, timeout=60, **kw)
@@ -73,16 +100,16 @@ class LiveServer:
                 for family in text_string_to_metric_families(text) for s in family.samples}
 
     def wait_idle(self, timeout: float = 10.0) -> None:
-        """Until the engine holds no request and no KV block (stats as of the engine thread's last step)."""
+        """Until the engine holds no request and no KV block (stats as of the core's last message)."""
         deadline = time.monotonic() + timeout
         while True:
-            s = self.async_engine.stats
-            if s.num_running == s.num_waiting == s.kv_blocks_used == 0 and not self.engine.has_unfinished_requests():
+            s = self.engine_client.stats
+            if s.num_running == s.num_waiting == s.kv_blocks_used == 0 and \
+                    not self.engine_client.has_unfinished_requests():
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(f"engine not idle after {timeout}s: {s}")
             time.sleep(0.02)
-
 
     @staticmethod
     def metric(snapshot: dict, name: str, **labels) -> float:
@@ -98,7 +125,8 @@ def model_dir(tiny_model_dirs) -> str:
 def stop_uvicorn(app, server: uvicorn.Server, thread: threading.Thread) -> None:
     server.should_exit = True
     thread.join(30)
-    assert not app.state.async_engine.is_running, "the engine thread must stop with the server"
+    client = app.state.engine_client
+    assert not client.is_running and not client._process.is_alive(), "the engine core must stop with the server"
 
 
 @pytest.fixture(scope="package")
@@ -111,9 +139,9 @@ def live(model_dir):
         stop_uvicorn(app, server, thread)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def serve_app():
-    """serve_app(app) → LiveServer for an app of the test's own (stopped when the test ends)."""
+    """serve_app(app) → LiveServer for an app of the module's own (stopped when the module ends)."""
     started = []
 
     def start(app) -> LiveServer:
@@ -130,3 +158,73 @@ def serve_app():
 def offline(model_dir) -> LLM:
     """The offline API on the same model folder: the reference for greedy outputs."""
     return LLM(model_dir, **ENGINE_OPTIONS)
+
+
+@dataclass
+class ServeProcess:
+    """`nanoserve serve` in a subprocess, as a user runs it (its log goes to a file)."""
+
+    proc: subprocess.Popen
+    base_url: str
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    @property
+    def core_pid(self) -> int:
+        found = re.search(r"engine core ready in [\d.]+ s \(pid (\d+)\)", self.log())
+        assert found, self.log()
+        return int(found.group(1))
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve_process(model_dir: str, log_path, *flags: str, timeout: float = 120) -> ServeProcess:
+    """Start `nanoserve serve --model model_dir *flags` on a free port and wait for /health."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanoserve", "serve", "--model", model_dir, "--port", str(port), *flags]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = ServeProcess(proc, f"http://127.0.0.1:{port}", str(log_path))
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, server.log()
+        try:
+            if httpx.get(server.base_url + "/health", timeout=1).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop(signal.SIGKILL)
+            raise AssertionError(f"nanoserve serve did not come up:\n{server.log()}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def serve_process(tmp_path_factory):
+    """serve_process(model_dir, *flags) → a running ServeProcess (killed at the end of the module if still up)."""
+    started: list[ServeProcess] = []
+
+    def start(model_dir: str, *flags: str) -> ServeProcess:
+        server = start_serve_process(model_dir, tmp_path_factory.mktemp("serve") / "serve.log", *flags)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop(signal.SIGKILL)

@@ -140,7 +140,7 @@ def test_max_tokens_and_extras(live):
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
     # no max_tokens on chat: generation may run to max_model_len (it is capped there, not an error)
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True})
-    assert r.usage.total_tokens == live.engine.config.max_model_len and r.choices[0].finish_reason == "length"
+    assert r.usage.total_tokens == live.engine_client.config.max_model_len and r.choices[0].finish_reason == "length"
 
 
 def test_n_and_seed_reproducible(live):
@@ -196,7 +196,9 @@ def test_chat_logprobs(live):
         assert len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy
-        assert entry.bytes == list(entry.token.encode("utf-8"))
+        if "\ufffd" not in entry.token:  # a whole character (a part of one has its real bytes: test_logprobs.py)
+            assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert entry.bytes != list("\ufffd".encode("utf-8"))
     streamed = []
     for c in client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
                                             logprobs=True, top_logprobs=2, stream=True,
@@ -209,17 +211,20 @@ def test_chat_logprobs(live):
     assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).choices[0].logprobs is None
 
 
-def test_chat_template_from_request_when_model_has_none(live, monkeypatch):
-    tokenizer = live.engine.tokenizer
-    monkeypatch.setattr(tokenizer, "chat_template", None)
+def test_chat_template_in_request_needs_the_trust_flag(live, monkeypatch):
+    """`live` runs without --trust-request-chat-template: a request's template is refused, whatever it holds
+    (tests/server/test_request_templates.py runs a server with the flag)."""
     client = live.client()
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                       extra_body={"chat_template": template})
+    assert "--trust-request-chat-template" in err.value.body["message"]
+    assert err.value.body["param"] == "chat_template"
+    monkeypatch.setattr(live.prompt_tokenizer, "chat_template", None)
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
-    assert "chat_template" in err.value.body["message"] and err.value.body["param"] == "chat_template"
-    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-                                       extra_body={"chat_template": template})
-    assert r.usage.prompt_tokens == len(tokenizer.encode("user: Hi\nassistant:", add_special_tokens=False))
+    assert "no chat template" in err.value.body["message"] and err.value.body["param"] == "chat_template"
 
 
 def _free_port() -> int:
@@ -260,3 +265,26 @@ def test_nanoserve_serve_cli(model_dir):
             proc.kill()
             out, _ = proc.communicate()
     assert proc.returncode == 0, out
+
+
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>"
+    "{% if m.content is not none %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}[call {{ c.id }} {{ c.function.name }} {{ c.function.arguments | tojson }}]"
+    "{% endfor %}{% if m.tool_call_id %}[answers {{ m.tool_call_id }}]{% endif %}|{% endfor %}<assistant>")
+
+
+def test_tool_call_messages_reach_the_chat_template(live, monkeypatch):
+    """Messages as real clients send them after a tool call: the assistant's tool_calls with content null, the
+    tool's answer with its tool_call_id; both reach the template (arguments as an object, as vLLM passes them)."""
+    monkeypatch.setattr(live.prompt_tokenizer, "chat_template", TOOL_TEMPLATE)
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+    ]
+    r = live.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    expected = ('<user>Weather in Paris?|<assistant>[call call_1 weather {"city": "Paris"}]|'
+                "<tool>21 C[answers call_1]|<assistant>")
+    assert r.usage.prompt_tokens == len(live.prompt_tokenizer.encode(expected, add_special_tokens=False))

@@ -1,11 +1,14 @@
-"""Malformed and hostile requests get the right 4xx in OpenAI's error format, engine failures a 500 or
-503, and the server keeps serving after each."""
+"""Malformed and hostile requests get the right 4xx in OpenAI's error format, and the server keeps serving
+after each: on the same keep-alive connection, with /metrics still parsing."""
 from __future__ import annotations
 
+import http.client
 import json
+from urllib.parse import urlsplit
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "tiny"  # served_model_name of the `live` server (tests/server/conftest.py)
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -83,9 +86,13 @@ CASES = [
     ("chat-logprobs-int", "POST", CHAT, chat(logprobs=5), None, 400, "logprobs"),
     ("chat-max-completion-tokens-negative", "POST", CHAT, chat(max_completion_tokens=-1), None, 400,
      "max_completion_tokens must be"),
-    ("chat-broken-template", "POST", CHAT, chat(chat_template="{% for %}"), None, 400, "chat template"),
-    ("chat-template-raises", "POST", CHAT, chat(chat_template="{{ raise_exception('roles must alternate') }}"),
-     None, 400, "roles must alternate"),
+    ("chat-template-untrusted", "POST", CHAT, chat(chat_template="{% for %}"), None, 400,
+     "--trust-request-chat-template"),
+    ("chat-null-content", "POST", CHAT, chat(messages=[{"role": "user", "content": None}]), None, 400, "content"),
+    ("chat-tool-without-call-id", "POST", CHAT, chat(messages=[{"role": "tool", "content": "42"}]), None, 400,
+     "tool_call_id"),
+    ("chat-tool-calls-on-user", "POST", CHAT, chat(messages=[{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), None, 400, "tool_calls"),
     ("chat-unknown-model", "POST", CHAT, chat(model="other"), None, 404, "other"),
     ("no-api-key", "POST", CMPL, cmpl(), {"Authorization": ""}, 401, "API key"),
     ("wrong-api-key", "POST", CMPL, cmpl(), {"Authorization": "Bearer nope"}, 401, "API key"),
@@ -93,6 +100,36 @@ CASES = [
     ("bad-key-beats-bad-body", "POST", CMPL, "{not json", {"Authorization": "Bearer nope"}, 401, "API key"),
     ("unknown-route", "POST", "/v1/engines", cmpl(), None, 404, "Not Found"),
     ("wrong-method", "GET", CMPL, None, None, 405, "Method Not Allowed"),
+]
+
+# Hostile requests (issue 7): each a 400 in OpenAI's format, then the same connection serves a normal request.
+HOSTILE = [
+    ("surrogate-in-prompt", CMPL, '{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}', "surrogate"),
+    ("surrogate-as-model", CMPL, '{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}', "surrogate"),
+    ("low-surrogate-in-chat", CHAT, '{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}',
+     "surrogate"),
+    ("surrogate-in-stop", CMPL, '{"model": "tiny", "prompt": "hi", "stop": ["\\ud83d"]}', "surrogate"),
+    ("surrogate-as-key", CMPL, '{"model": "tiny", "prompt": "hi", "\\udbff": 1}', "surrogate"),
+    ("surrogate-as-utf8-bytes", CMPL, b'{"model": "tiny", "prompt": "\xed\xa0\x80"}', "UTF-8"),
+    ("temperature-1e999", CMPL, '{"model": "tiny", "prompt": "hi", "temperature": 1e999}', "out of range"),
+    ("top-p-minus-1e999", CMPL, '{"model": "tiny", "prompt": "hi", "top_p": -1e999}', "out of range"),
+    ("temperature-nan", CMPL, '{"model": "tiny", "prompt": "hi", "temperature": NaN}', "not valid JSON"),
+    ("penalty-infinity", CHAT, '{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                               '"presence_penalty": Infinity}', "not valid JSON"),
+    ("stream-options-without-stream", CMPL, json.dumps(cmpl(stream_options={"include_usage": True})),
+     "Stream options can only be defined when `stream=True`"),
+    ("stream-options-stream-false", CHAT, json.dumps(chat(stream=False, stream_options={"include_usage": True})),
+     "stream_options"),
+    ("max-tokens-beyond-context", CMPL, json.dumps(cmpl(prompt=[5] * 200, max_tokens=100)),
+     "maximum context length is 256 tokens. However, you requested 300 tokens (200 in the prompt, 100 in the "
+     "completion)"),
+    ("chat-max-completion-tokens-beyond", CHAT, json.dumps(chat(max_completion_tokens=1000)),
+     "maximum context length is 256 tokens"),
+    ("never-fits-the-queue", CMPL, json.dumps(cmpl(prompt=["x"] * 100, n=50)), "max_waiting_requests=4096"),
+    ("stop-token-id-outside-vocab", CMPL, json.dumps(cmpl(stop_token_ids=[10**9])), "vocabulary"),
+    ("huge-int", CMPL, json.dumps(cmpl(max_tokens=10**30)), "maximum context length"),
+    ("chat-template-untrusted", CHAT, json.dumps(chat(chat_template="{{ 'x' * 10**9 }}")),
+     "--trust-request-chat-template"),
 ]
 
 
@@ -107,6 +144,43 @@ def test_bad_request(live, method, path, body, headers, status, words):
     assert set(err) == {"message", "type", "param", "code"}
     assert words in err["message"], err
     assert err["type"]
+
+
+def _metrics_parse(conn: http.client.HTTPConnection) -> None:
+    conn.request("GET", "/metrics")
+    r = conn.getresponse()
+    assert r.status == 200
+    assert list(text_string_to_metric_families(r.read().decode()))
+
+
+@pytest.mark.parametrize("path,body,words", [c[1:] for c in HOSTILE], ids=[c[0] for c in HOSTILE])
+def test_hostile_request_then_same_connection_serves(live, path, body, words):
+    url = urlsplit(live.base_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {live.api_key}"}
+    try:
+        conn.request("POST", path, body=body if isinstance(body, bytes) else body.encode(), headers=headers)
+        sock = conn.sock
+        r = conn.getresponse()
+        answer = json.loads(r.read())
+        assert r.status == 400, answer
+        assert set(answer["error"]) == {"message", "type", "param", "code"}
+        assert words in answer["error"]["message"], answer
+        assert not r.will_close, "an error response must keep the connection alive"
+        conn.request("POST", CMPL, body=json.dumps(cmpl(max_tokens=3, ignore_eos=True)).encode(), headers=headers)
+        assert conn.sock is sock, "the next request must go over the same connection"
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 3
+        _metrics_parse(conn)
+    finally:
+        conn.close()
+
+
+def test_huge_top_k_is_clamped_not_a_crash(live):
+    """top_k beyond the vocabulary keeps every token (as off); it must never reach the core as an int32 overflow."""
+    r = live.client().completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0.7,
+                                         extra_body={"top_k": 10**12, "ignore_eos": True})
+    assert r.usage.completion_tokens == 3
 
 
 def test_still_serving_after_bad_requests(live):
@@ -128,50 +202,22 @@ def test_health_and_metrics_need_no_key(live):
         assert http.get("/v1/models").status_code == 401
 
 
-def test_queue_full_is_503(live, monkeypatch):
-    monkeypatch.setattr(live.engine.config, "max_waiting_requests", 0)  # every add now finds the queue "full"
-    with pytest.raises(openai.InternalServerError) as err:
-        live.client().completions.create(model=MODEL, prompt="Hello", max_tokens=2)
-    assert err.value.status_code == 503 and err.value.body["code"] == "queue_full"
-    monkeypatch.undo()
-    assert live.client().completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices
-
-
-def _fail_next_step(monkeypatch, engine):
-    """The next engine.step() raises (once), as a CUDA error or a bug would."""
-    real_step = engine.step
-
-    def failing_step():
-        monkeypatch.setattr(engine, "step", real_step)
-        raise RuntimeError("injected step failure")
-
-    monkeypatch.setattr(engine, "step", failing_step)
-
-
-def test_step_failure_fails_requests_with_500_and_keeps_serving(live, monkeypatch):
+def test_queue_full_is_503_and_never_fitting_is_400(live, monkeypatch):
+    """A full waiting queue is 503 (retry later); a request that could never fit it is 400 (split it)."""
+    monkeypatch.setattr(live.engine_client, "max_waiting_requests", 2)
     client = live.client()
-    errors_before = live.metrics()
-    _fail_next_step(monkeypatch, live.engine)
-    with pytest.raises(openai.InternalServerError) as err:
-        client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
-    assert err.value.status_code == 500 and "injected step failure" in err.value.body["message"]
-    live.wait_idle()  # the failed request was aborted: its blocks are free
-
-    _fail_next_step(monkeypatch, live.engine)
-    with pytest.raises(openai.APIError) as err:  # streaming: the error arrives as an SSE event
-        for _ in client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, stream=True):
-            pass
-    assert "injected step failure" in str(err.value)
+    with live.core_frozen(), live.http() as http:  # the core reads nothing: two sequences stay waiting
+        with http.stream("POST", CMPL, json=cmpl(n=2, stream=True)) as r:
+            assert r.status_code == 200
+            with pytest.raises(openai.InternalServerError) as err:
+                client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+            assert err.value.status_code == 503 and err.value.body["code"] == "queue_full"
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, n=3)
+            assert "max_waiting_requests=2" in err.value.body["message"]
+    monkeypatch.undo()
     live.wait_idle()
-
-    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=3, extra_body={"ignore_eos": True})
-    assert r.usage.completion_tokens == 3
-    after = live.metrics()
-    assert live.metric(after, "nanoserve_engine_step_errors_total") - \
-        live.metric(errors_before, "nanoserve_engine_step_errors_total") == 2
-    assert live.metric(after, "nanoserve_completions_finished_total", reason="error") - \
-        live.metric(errors_before, "nanoserve_completions_finished_total", reason="error") == 2
-    assert httpx_health(live) == 200
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices
 
 
 def httpx_health(live) -> int:
@@ -197,3 +243,11 @@ def test_oversized_body_is_refused_before_it_is_read(live):
     assert text.startswith("HTTP/1.1 413"), text
     assert "larger than" in text
     test_still_serving_after_bad_requests(live)
+
+
+def test_surrogate_bytes_in_the_url_are_not_a_500(live):
+    """A model name in the path as UTF-8 of a lone surrogate (%ED%A0%80) decodes to replacement characters: 404."""
+    with live.http() as http:
+        r = http.get("/v1/models/%ED%A0%80")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        assert http.get("/v1/models").status_code == 200  # the same client keeps serving

@@ -1,0 +1,311 @@
+"""OpenAIServer: what /v1/completions and /v1/chat/completions do between the body and the response.
+
+parse and validate → SamplingParams → prompts tokenized off the loop (preprocess.py) → checked against
+the engine's limits → submitted through the EngineClient → a JSON answer once everything finished, or
+server-sent events as each completion grows. Each SSE write carries everything that arrived since the
+previous one (RequestCollector merges), so a slow client gets bigger chunks, never a backlog.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import mmap
+import time
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response
+
+from nanoserve.engine.prompts import QueueFullError, as_prompt_list, check_max_tokens
+from nanoserve.sampling import SamplingParams
+from nanoserve.server.client import EngineClient
+from nanoserve.server.collector import (Delta, EngineError, EngineStoppedError, RequestCollector,
+                                        RequestRejectedError)
+from nanoserve.server.logprobs import TokenTexts
+from nanoserve.server.metrics import ServerMetrics, Tracker
+from nanoserve.server.preprocess import Preprocessor
+from nanoserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
+from nanoserve.server.sse import SSEResponse
+
+
+LARGE_BODY_BYTES = 1 << 20
+
+
+class ClientGone(Exception):
+    """The client disconnected before its non-streaming answer was ready (its request was aborted)."""
+
+
+def json_response(obj, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+def _close(collector: RequestCollector, tracker: Tracker) -> None:
+    """Abort what is unfinished (the client left) and count it; a no-op once everything finished."""
+    if not collector.finished:
+        tracker.end("abort")
+    collector.close()
+
+
+def _engine_error(e: Exception) -> APIError:
+    if isinstance(e, RequestRejectedError):
+        return APIError(400, str(e), code="engine_rejected")
+    if isinstance(e, EngineStoppedError):
+        return APIError(503, str(e), type="server_error", code="engine_stopped")
+    return APIError(500, str(e), type="server_error", code="engine_dead")
+
+
+async def read_body(request: Request) -> bytes | mmap.mmap:
+    """The body, copied chunk by chunk into one buffer of its declared length. A large body goes into an
+    anonymous memory map, whose pages are touched as chunks arrive: neither a final join nor zeroing a big
+    buffer up front holds the event loop for one long stretch."""
+    length = request.headers.get("content-length", "")
+    if not length.isdigit() or int(length) < LARGE_BODY_BYTES:
+        return await request.body()
+    body = mmap.mmap(-1, int(length))
+    async for chunk in request.stream():
+        body.write(chunk)
+    if body.tell() != len(body):  # the client went away mid-body
+        raise ClientGone()
+    return body
+
+
+async def parse_request(request: Request, model):
+    raw = await read_body(request)
+    try:
+        return parse_body(raw, model)
+    finally:
+        if isinstance(raw, mmap.mmap):
+            raw.close()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServer:
+    def __init__(self, client: EngineClient, preprocessor: Preprocessor, token_texts: TokenTexts, model_name: str,
+                 metrics: ServerMetrics, trust_request_chat_template: bool = False):
+        self.client, self.preprocessor, self.token_texts = client, preprocessor, token_texts
+        self.model_name, self.metrics = model_name, metrics
+        self.trust_request_chat_template = trust_request_chat_template
+        self.created = int(time.time())
+
+    # -- checks -----------------------------------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def sampling_params(self, kwargs: dict, names: dict[str, str] | None = None) -> SamplingParams:
+        """SamplingParams(**kwargs) fitted to this model; a ValueError becomes a 400 naming the request's own
+        field (`names` maps SamplingParams names to request names where they differ)."""
+        try:
+            params = SamplingParams(**kwargs)
+        except ValueError as e:  # SamplingParams names the field first: "top_p must be ..."
+            field, _, rest = str(e).partition(" ")
+            if field not in kwargs:
+                raise APIError(400, str(e)) from None
+            field = (names or {}).get(field, field)
+            raise APIError(400, f"{field} {rest}", param=field) from None
+        vocab = self.client.vocab_size
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab}).",
+                           param="stop_token_ids")
+        if params.top_k >= vocab:  # keeps every token: the same as off (and the sampler's int32 stays in range)
+            params = dataclasses.replace(params, top_k=0)
+        return params
+
+    def check_capacity(self, num_seqs: int) -> None:
+        limit = self.client.max_waiting_requests
+        if num_seqs > limit:
+            raise APIError(400, f"The request needs {num_seqs} sequences (prompts × n), more than the waiting "
+                                f"queue can ever hold (max_waiting_requests={limit}); split it.", param="n")
+
+    def check_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
+        try:
+            check_max_tokens(num_prompt_tokens, max_tokens, self.client.config.max_model_len)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
+
+    def submit(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+               prefix: str) -> tuple[RequestCollector, Tracker]:
+        tracker = Tracker(self.metrics, len(prompts), params.n)
+        try:
+            collector = self.client.add(prompts, params, prefix, observer=tracker.observe)
+        except QueueFullError as e:
+            raise APIError(503, f"The server is overloaded, retry later ({e}).", type="server_error",
+                           code="queue_full") from None
+        except EngineStoppedError as e:
+            raise _engine_error(e) from None
+        return collector, tracker
+
+    def usage(self, collector: RequestCollector) -> dict:
+        prompt, completion = collector.num_prompt_tokens, collector.num_completion_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def result(self, request: Request, collector: RequestCollector, tracker: Tracker) -> list[Delta]:
+        """Everything, once finished; aborts the request if the client disconnects first."""
+        task = asyncio.ensure_future(collector.result())
+        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                raise ClientGone()
+            try:
+                return task.result()
+            except (EngineError, RequestRejectedError) as e:
+                tracker.end("error")
+                raise _engine_error(e) from None
+        finally:
+            watcher.cancel()
+            task.cancel()
+            _close(collector, tracker)
+
+    # -- /v1/completions --------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        body = await parse_request(request, CompletionRequest)
+        self.check_model(body.model)
+        try:
+            prompts = as_prompt_list(body.prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        if not prompts:
+            raise APIError(400, "prompt must not be empty.", param="prompt")
+        params = self.sampling_params({**body.sampling_kwargs(), "max_tokens": body.max_tokens,
+                                       "logprobs": body.logprobs})
+        self.check_capacity(len(prompts) * params.n)
+        tokenized = await self.preprocessor.completion_prompts(prompts)
+        for _, ids in tokenized:
+            self.check_max_tokens(len(ids), params.max_tokens, "max_tokens")
+        collector, tracker = self.submit(tokenized, params, "cmpl")
+        head = {"id": collector.request_ids[0].rsplit("-", 1)[0], "object": "text_completion",
+                "created": int(time.time()), "model": self.model_name}
+        choice = self._completion_choice(body.logprobs is not None)
+        if body.stream:
+            events = self._events(collector, tracker, head, body, body.logprobs is not None, choice)
+            return SSEResponse(events, on_close=lambda: _close(collector, tracker))
+        choices = []
+        for d in await self.result(request, collector, tracker):
+            item = choice(d.prompt_index * params.n + d.output.index, d.output)
+            if body.return_token_ids:
+                item.update(prompt_token_ids=collector.prompt_token_ids[d.prompt_index], token_ids=d.output.token_ids)
+            choices.append(item)
+        return json_response({**head, "choices": choices, "usage": self.usage(collector), "system_fingerprint": None})
+
+    def _completion_choice(self, want_logprobs: bool) -> Callable:
+        """Shapes a completion choice; keeps each choice's running text_offset for streamed logprobs."""
+        text_offset: dict[int, int] = {}
+
+        def choice(index: int, c) -> dict:
+            lp = None
+            if want_logprobs:
+                lp, text_offset[index] = self.token_texts.completion_logprobs(c.token_ids, c.logprobs or [],
+                                                                              text_offset.get(index, 0))
+            return {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason if c.finish_reason else None}
+        return choice
+
+    # -- /v1/chat/completions ---------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        body = await parse_request(request, ChatCompletionRequest)
+        self.check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
+        if body.chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(400, "`chat_template` in a request is refused: this server was not started with "
+                                "--trust-request-chat-template.", param="chat_template")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        names = {"logprobs": "top_logprobs"}
+        if body.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        params = self.sampling_params({**body.sampling_kwargs(), "max_tokens": max_tokens,
+                                       "logprobs": (body.top_logprobs or 0) if body.logprobs else None}, names)
+        self.check_capacity(params.n)
+        ids = await self.preprocessor.chat_prompt([m.for_template() for m in body.messages],
+                                                  body.add_generation_prompt, body.chat_template)
+        self.check_max_tokens(len(ids), params.max_tokens, names.get("max_tokens", "max_tokens"))
+        collector, tracker = self.submit([(None, ids)], params, "chatcmpl")
+        head = {"id": collector.request_ids[0].rsplit("-", 1)[0], "created": int(time.time()),
+                "model": self.model_name}
+        num_top = body.top_logprobs or 0
+        if body.stream:
+            role = tuple({"choices": [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                       "finish_reason": None}]} for j in range(params.n))  # the role first, as OpenAI
+            events = self._events(collector, tracker, {**head, "object": "chat.completion.chunk"}, body,
+                                  body.logprobs, self._chat_chunk_choice(body.logprobs, num_top), role)
+            return SSEResponse(events, on_close=lambda: _close(collector, tracker))
+        choices = []
+        for d in await self.result(request, collector, tracker):
+            c = d.output
+            item = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self.token_texts.chat_logprobs(c.token_ids, c.logprobs or [], num_top)
+                    if body.logprobs else None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if body.return_token_ids:
+                item["token_ids"] = c.token_ids
+            choices.append(item)
+        answer = {**head, "object": "chat.completion", "choices": choices, "usage": self.usage(collector),
+                  "system_fingerprint": None}
+        if body.return_token_ids:
+            answer["prompt_token_ids"] = ids
+        return json_response(answer)
+
+    def _chat_chunk_choice(self, want_logprobs: bool, num_top: int) -> Callable:
+        def choice(index: int, c) -> dict:
+            lp = self.token_texts.chat_logprobs(c.token_ids, c.logprobs or [], num_top) if want_logprobs else None
+            return {"index": index, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason if c.finish_reason else None}
+        return choice
+
+    # -- streaming --------------------------------------------------------------------------------
+    async def _events(self, collector: RequestCollector, tracker: Tracker, head: dict, body, want_logprobs: bool,
+                      choice_for: Callable, preamble: tuple[dict, ...] = ()) -> AsyncIterator[bytes]:
+        """Server-sent events of a streamed request: each completion's new text (token ids, logprobs) as it
+        grows, then usage if asked and [DONE]. An engine failure arrives as an error event."""
+        extra = {"usage": None} if body.include_usage else {}
+        with_ids, n = body.return_token_ids, collector.n
+        first_chunk = set(range(len(collector.request_ids) * n))
+        try:
+            if preamble:
+                yield b"".join(_sse({**head, **chunk, **extra}) for chunk in preamble)
+            while True:
+                events = []
+                for d in await collector.get():
+                    c = d.output
+                    if not (c.text or c.finish_reason or (c.token_ids and (want_logprobs or with_ids))):
+                        continue
+                    index = d.prompt_index * n + c.index
+                    choice = choice_for(index, c)
+                    if with_ids:
+                        choice["token_ids"] = c.token_ids
+                        if index in first_chunk:
+                            choice["prompt_token_ids"] = collector.prompt_token_ids[d.prompt_index]
+                    first_chunk.discard(index)
+                    events.append(_sse({**head, "choices": [choice], **extra}))
+                if events:
+                    yield b"".join(events)
+                if collector.finished:
+                    break
+            if body.include_usage:
+                yield _sse({**head, "choices": [], "usage": self.usage(collector)})
+        except (EngineError, RequestRejectedError) as e:
+            tracker.end("error")
+            error = _engine_error(e)
+            yield _sse(error_body(error.message, error.type, None, error.code))
+        finally:
+            _close(collector, tracker)
+        yield b"data: [DONE]\n\n"
+
+    # -- /v1/models -------------------------------------------------------------------------------
+    def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "nanoserve",
+                "max_model_len": self.client.config.max_model_len}

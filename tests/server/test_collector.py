@@ -1,0 +1,104 @@
+"""RequestCollector: deltas put faster than they are taken merge into one (text, ids, logprobs, finish);
+nothing is lost or duplicated; errors reach the taker; close() aborts only what is unfinished."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nanoserve.engine.output import CompletionOutput, RequestOutput
+from nanoserve.server.collector import EngineDeadError, RequestCollector, RequestRejectedError
+
+
+def delta(rid, index, text, ids, finish=None, logprobs=None, finished=False, error=None):
+    c = CompletionOutput(index, text, ids, finish, None, logprobs)
+    return RequestOutput(rid, None, [1, 2, 3], [c], finished, error=error)
+
+
+def make(num_prompts=1, n=1):
+    closed = []
+    rids = [f"r-{i}" for i in range(num_prompts)]
+    return RequestCollector(rids, [[1, 2, 3]] * num_prompts, n, closed.append), closed
+
+
+def test_a_slow_taker_gets_one_merged_delta():
+    async def run():
+        col, _ = make()
+        col.put(0, delta("r-0", 0, "He", [5], logprobs=[{5: -0.1}]))
+        col.put(0, delta("r-0", 0, "llo", [6, 7], logprobs=[{6: -0.2}, {7: -0.3}]))
+        col.put(0, delta("r-0", 0, "!", [8], finish="length", logprobs=[{8: -0.4}], finished=True))
+        (d,) = await col.get()
+        assert (d.prompt_index, d.output.text, d.output.token_ids) == (0, "Hello!", [5, 6, 7, 8])
+        assert d.output.logprobs == [{5: -0.1}, {6: -0.2}, {7: -0.3}, {8: -0.4}]
+        assert d.output.finish_reason == "length" and col.finished
+        assert col.num_completion_tokens == 4 and col.num_prompt_tokens == 3
+    asyncio.run(run())
+
+
+def test_interleaved_put_and_take_loses_nothing():
+    async def run():
+        col, _ = make(num_prompts=2, n=2)
+        pieces = {(i, j): [] for i in range(2) for j in range(2)}
+
+        async def producer():
+            for step in range(50):
+                for i in range(2):
+                    for j in range(2):
+                        last = step == 49
+                        col.put(i, RequestOutput(f"r-{i}", None, [1], [CompletionOutput(
+                            j, f"<{step}>", [step], "stop" if last else None, None, None)], last and j == 1))
+                if step % 7 == 0:
+                    await asyncio.sleep(0)
+
+        task = asyncio.create_task(producer())
+        while True:
+            for d in await col.get():
+                pieces[d.prompt_index, d.output.index].append((d.output.text, d.output.token_ids))
+            if col.finished:
+                break
+        await task
+        for key, got in pieces.items():
+            assert "".join(t for t, _ in got) == "".join(f"<{s}>" for s in range(50)), key
+            assert [t for _, ids in got for t in ids] == list(range(50)), key
+        assert len(sum(pieces.values(), [])) < 4 * 50, "a taker that is behind must get merged deltas"
+    asyncio.run(run())
+
+
+def test_result_waits_for_every_prompt():
+    async def run():
+        col, _ = make(num_prompts=2)
+        col.put(1, delta("r-1", 0, "b", [2], "stop", finished=True))
+        waiter = asyncio.create_task(col.result())
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        col.put(0, delta("r-0", 0, "a", [1], "length", finished=True))
+        got = await waiter
+        assert [(d.prompt_index, d.output.text) for d in got] == [(0, "a"), (1, "b")]
+    asyncio.run(run())
+
+
+def test_errors_reach_the_taker():
+    async def run():
+        col, _ = make()
+        col.put(0, delta("r-0", 0, "x", [1]))
+        col.fail(EngineDeadError("the engine core process died"))
+        with pytest.raises(EngineDeadError):
+            await col.get()
+        with pytest.raises(EngineDeadError):
+            await col.result()
+        refused, _ = make()
+        refused.put(0, delta("r-0", 0, "", [], "error", finished=True, error="prompt too long"))
+        with pytest.raises(RequestRejectedError, match="prompt too long"):
+            await refused.result()
+    asyncio.run(run())
+
+
+def test_close_reports_unfinished_once():
+    async def run():
+        col, closed = make(num_prompts=2)
+        col.put(0, delta("r-0", 0, "a", [1], "stop", finished=True))
+        assert col.unfinished_request_ids == ["r-1"]
+        col.close()
+        col.close()
+        assert closed == [col]
+    asyncio.run(run())

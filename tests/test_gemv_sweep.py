@@ -26,8 +26,11 @@ def test_shapes_and_compile_jobs():
                                                          ("lm_head", 151936, 1024)]
     assert (shapes[5].n, shapes[5].k) == (960, 576)  # smollm2 qkv: 9 + 2 * 3 heads of 64
     jobs = sweep.compile_jobs(shapes, [1, 2, 64], 132)
-    assert len(jobs) == len(set(jobs)) and all(gemv.GemvConfig.parse(name) for _, _, name in jobs)
-    assert {k for _, k, _ in jobs} <= {1024, 2048, 3072, 576, 1536}
+    assert len(jobs) == len(set(jobs)) and all(gemv.GemvConfig.parse(name) for _, _, name, _ in jobs)
+    assert {k for _, k, _, _ in jobs} <= {1024, 2048, 3072, 576, 1536} and {size for *_, size in jobs} == {2}
+    fp8_jobs = sweep.compile_jobs(sweep.decode_shapes(["qwen3-0.6b"], element_size=1), [1, 64], 132)
+    assert {size for *_, size in fp8_jobs} == {1} and any(gemv.GemvConfig.parse(name).block_k == 2048
+                                                         for _, _, name, _ in fp8_jobs)  # fp8 tiles: twice the K
 
 
 def case(m, mib, cublas_us, timings):

@@ -138,8 +138,9 @@ def print_table(summary: dict) -> None:
               f"{fmt(r['floor_ms']):>8}{fmt(r['target_ms']):>8}  {r['met']}  {r['error'] or ''}")
     p = summary["prefill"]
     if p:
-        print(f"\nprefill {PREFILL_SEQS}x{PREFILL_LEN} ({PREFILL_MODEL}): bf16 {p['bf16_ms']:.1f} ms, fp8 {p['fp8_ms']:.1f}"
-              f" ms: fp8/bf16 throughput {p['fp8_over_bf16_throughput']:.3f} (target >= {PREFILL_TARGET}) met {p['met']}")
+        print(f"\nprefill {PREFILL_SEQS}x{PREFILL_LEN} ({PREFILL_MODEL}): bf16 {p['bf16_ms']:.1f} ms, "
+              f"fp8 {p['fp8_ms']:.1f} ms: fp8/bf16 throughput {p['fp8_over_bf16_throughput']:.3f} "
+              f"(target >= {PREFILL_TARGET}) met {p['met']}")
     for name in ("gemv_table", "prefill_table"):
         if summary[name]:
             print(f"\n{name} to paste:\n{summary[name]}")

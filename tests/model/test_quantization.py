@@ -209,3 +209,35 @@ def test_gpu_fp8_logits_and_greedy_tokens_near_bf16(tiny_model_dirs):
     # the GPU prefill (these batches have > 64 rows) may run torch._scaled_mm, which quantizes the activations too
     # (W8A8, kernels/fp8.py): the CPU bounds with 1.5x margin on the error and 0.1 less agreement
     assert min(rates) >= MIN_AGREEMENT_PER_MODEL - 0.1 and sum(rates) / 3 >= MIN_AGREEMENT - 0.1, rates
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@torch.inference_mode()
+def test_fp8_fused_kernel_paths_in_the_interpreter(arch, tiny_model_dirs, monkeypatch):
+    """The fp8 model with every fusion on (norm / SiLU / merge prologues, rope epilogue, fp8 tiles) in the CPU
+    interpreter == the same fp8 model on the plain CPU path (dequantize + matmul): prefill and decode, fp32."""
+    pytest.importorskip("triton")
+    from nanoserve.kernels import attention, gemv
+
+    d = tiny_model_dirs[arch]
+    seqs = random_seqs([5, 3], load_hf_config(d).vocab_size, seed=8)
+    results = []
+    for interpreted in (False, True):
+        if interpreted:
+            monkeypatch.setattr(gemv, "kernel_applies", lambda x, weight, bias, weight_scale=None: (
+                x.dim() == 2 and 1 <= x.shape[0] <= gemv.MAX_M and x.shape[1] % 16 == 0 == weight.shape[1] % 16))
+            wide = {False: gemv.GemvConfig(64, 64, programs_per_sm=0), True: gemv.GemvConfig(64, 64, use_dot=True)}
+            monkeypatch.setattr(gemv, "choose", lambda m, n, k, size: (wide[m > 4], True))
+            monkeypatch.setattr(gemv, "_merge_fuses", lambda attn, weight, bias, weight_scale=None: True)
+            monkeypatch.setattr(attention, "decode_num_splits", lambda *shape: 2)
+        model = load(d, quantization="fp8")
+        for layer in model.attention_layers():
+            layer.backend = "triton" if interpreted else "torch"
+        kv = PagedKV(model, 40, 4)
+        tables: list[list[int]] = [[], []]
+        prefill = model.compute_logits(model(*prefill_batch(kv, tables, seqs, [0, 0])))
+        ids, pos, meta = decode_batch(kv, tables, [7, 9], [len(s) for s in seqs])
+        pad = torch.full((2, 36 - meta.block_tables.shape[1]), kv.dummy_block, dtype=torch.int32)
+        meta.block_tables = torch.cat([meta.block_tables, pad], dim=1)  # room for 2 splits of 64 keys
+        results.append(torch.cat([prefill, model.compute_logits(model(ids, pos, meta))]))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)

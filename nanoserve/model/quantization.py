@@ -4,9 +4,11 @@
 weight with one fp32 scale per output channel (W8A16: activations, the KV cache, embeddings and norms stay in
 the serving dtype). The lm_head stays too unless quantize_lm_head: it is the one matrix whose error reaches
 the logits unnormalised, and for tied models quantizing it means keeping an fp8 copy beside the embedding.
-Per-channel rather than per-block scales: on SmolLM2-135M and random weights both keep greedy tokens and
-logits equally close to bf16 (benchmarks/results/fp8_quality.json), and per-channel costs the GEMV one
-multiply per output instead of one per 128 weights.
+Per-channel rather than per-128x128-block scales: block scales are not clearly better
+(benchmarks/results/fp8_quality.json, real SmolLM2-135M, 16 prompts x 32 tokens, teacher-forced along bf16's
+greedy tokens: top-1 agreement 0.930 per channel vs 0.926 per block, mean |Δ logprob| 0.094 vs 0.092, max |Δ logit|
+6.9 vs 5.2; every decode matrix's product error 2.6 % both ways), and per-channel costs the GEMV one multiply per
+output instead of one per 128 weights.
 """
 from __future__ import annotations
 

@@ -213,18 +213,35 @@ class DecodeBytes:
         return self.weights + self.kv
 
 
-def decode_bytes(cfg: dict, batch_size: int, context: int, dtype_bytes: int = 2) -> DecodeBytes:
+def linear_params_per_layer(cfg: dict) -> int:
+    """Weights of one decoder layer's projections (q, k, v, o, gate, up, down), without biases."""
+    h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], head_dim(cfg)
+    q, kv = cfg["num_attention_heads"] * d, cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * d
+    return 2 * h * q + 2 * h * kv + 3 * h * inter
+
+
+def decode_bytes(cfg: dict, batch_size: int, context: int, dtype_bytes: int = 2, linear_bytes: int | None = None,
+                 lm_head_bytes: int | None = None) -> DecodeBytes:
     """Minimum HBM bytes of one decode step of batch_size rows, each attending to `context` tokens.
 
     The embedding gather reads only b rows, but the lm_head GEMM reads its whole matrix; for tied
     models that matrix IS the embedding, so it is counted once (the b gathered rows are part of it).
+    linear_bytes / lm_head_bytes: bytes per weight of the decoder projections / the lm_head when they differ
+    from dtype_bytes (fp8: 1; the per-channel scales are counted, 4 bytes a row).
     """
     p = param_counts(cfg)
-    weights = p.layers + p.final_norm + cfg["vocab_size"] * cfg["hidden_size"]
-    if p.lm_head:  # untied: the separate embedding table contributes only the gathered rows
-        weights += batch_size * cfg["hidden_size"]
+    linears = linear_params_per_layer(cfg) * cfg["num_hidden_layers"]
+    head = cfg["vocab_size"] * cfg["hidden_size"]
+    weights = (p.layers - linears + p.final_norm) * dtype_bytes
+    weights += linears * (linear_bytes or dtype_bytes) + head * (lm_head_bytes or dtype_bytes)
+    if linear_bytes is not None and linear_bytes != dtype_bytes:  # one fp32 scale per output row
+        h, d = cfg["hidden_size"], head_dim(cfg)
+        rows = (cfg["num_attention_heads"] + 2 * cfg.get("num_key_value_heads", cfg["num_attention_heads"])) * d
+        weights += 4 * (rows + h + 2 * cfg["intermediate_size"] + h) * cfg["num_hidden_layers"]
+    if p.lm_head or lm_head_bytes not in (None, dtype_bytes):  # the embedding table is read for b rows only
+        weights += batch_size * cfg["hidden_size"] * dtype_bytes
     return DecodeBytes(
-        weights=weights * dtype_bytes,
+        weights=weights,
         kv=batch_size * context * kv_bytes_per_token(cfg, dtype_bytes),
         batch_size=batch_size,
         context=context,

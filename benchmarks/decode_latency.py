@@ -10,10 +10,12 @@ For each model (random bf16 weights from a real config.json, load_format="dummy"
     prefill — adds scheduling, input building, sampling and output processing;
   * capture seconds and graph-pool MiB from model_runner.graph_runner.
 
-Writes <out>/decode_latency.json (environment, settings, every number) and <out>/decode_latency.png.
+Writes <out>/decode_latency.json (environment, settings, every number) and <out>/decode_latency.png
+(decode_latency_fp8.* with --quantization fp8).
 
     python benchmarks/decode_latency.py                      # the three shapes, b = 1 … 256, context 512
     python benchmarks/decode_latency.py --models qwen3-0.6b --batch-sizes 1 8 64
+    python benchmarks/decode_latency.py --quantization fp8        # fp8 weights (W8A16); the floor counts 1 byte each
 """
 from __future__ import annotations
 
@@ -70,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512, help="tokens in the KV cache per row (default 512)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"output folder (default {RESULTS_DIR})")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="weights/KV dtype")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="store the linear layers' weights in fp8 (EngineConfig.quantization)")
+    p.add_argument("--quantize-lm-head", action="store_true", help="with --quantization: the lm_head too")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls before each measurement")
     p.add_argument("--iters", type=int, default=30, help="timed calls per measurement (median reported)")
     p.add_argument("--e2e-batch-sizes", nargs="*", type=int, default=DEFAULT_E2E_BATCH_SIZES,
@@ -86,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--batch-sizes must be positive, got {args.batch_sizes}")
     args.batch_sizes = sorted(set(args.batch_sizes))
     args.e2e_batch_sizes = sorted({b for b in args.e2e_batch_sizes if 1 <= b <= args.batch_sizes[-1]})
+    if args.quantize_lm_head and not args.quantization:
+        p.error("--quantize-lm-head needs --quantization")
     return args
 
 
@@ -116,12 +123,31 @@ def build_llm(model_dir: Path, cfg: dict, batch_sizes: list[int], max_model_len:
         cudagraph_capture_sizes=list(batch_sizes),
         enable_prefix_caching=False,
         show_progress=False,
+        quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
     )
+
+
+def check_quantized(llm, args: argparse.Namespace) -> None:
+    """With --quantization the engine's model must hold fp8 weights (the runner passes the option to the loader)."""
+    if not args.quantization:
+        return
+    weight = llm.engine.model_runner.model.model.layers[0].mlp.down_proj.weight
+    if weight.dtype != torch.float8_e4m3fn:
+        raise RuntimeError(f"--quantization {args.quantization} was given but the engine's weights are {weight.dtype}: "
+                           "ModelRunner must pass config.quantization / quantize_lm_head to load_model")
+
+
+def floor_bytes(cfg: dict, b: int, args: argparse.Namespace):
+    """The step's minimum bytes: fp8 projections (and lm_head) read 1 byte a weight."""
+    fp8_bytes = 1 if args.quantization else None
+    return decode_bytes(cfg, b, args.context, DTYPE_BYTES[args.dtype], fp8_bytes,
+                        1 if args.quantize_lm_head else None)
 
 
 def measure_decode(runner, cfg: dict, b: int, args: argparse.Namespace, bandwidth: float) -> dict:
     """One (model, b) point; failures are recorded in the row, never raised."""
-    floor = decode_bytes(cfg, b, args.context, DTYPE_BYTES[args.dtype])
+    floor = floor_bytes(cfg, b, args)
     rec: dict = {
         "batch_size": b,
         "context": args.context,
@@ -246,6 +272,7 @@ def measure_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict
             model_dir = write_model_dir(cfg, tmp)
             t0 = time.perf_counter()
             llm = build_llm(model_dir, cfg, sizes, max_model_len, blocks, args)
+            check_quantized(llm, args)
             result["startup_seconds"] = time.perf_counter() - t0
             runner = llm.engine.model_runner
             gr = runner.graph_runner
@@ -346,7 +373,8 @@ def plot(report: dict, path: Path) -> Path | None:
         ax.set_yscale("log")
         ax.set_xlabel("decode batch size (rows)")
         ax.set_ylabel("ms per decode step")
-        ax.set_title(f"{m['model']} — random {report['settings']['dtype']} weights, context "
+        weights = report["settings"].get("quantization") or report["settings"]["dtype"]
+        ax.set_title(f"{m['model']} — random {weights} weights, context "
                      f"{report['settings']['context']}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
@@ -373,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         "env": env,
         "settings": {
             "models": args.models, "batch_sizes": args.batch_sizes, "context": args.context, "dtype": args.dtype,
+            "quantization": args.quantization, "quantize_lm_head": args.quantize_lm_head,
             "warmup": args.warmup, "iters": args.iters, "e2e_batch_sizes": args.e2e_batch_sizes,
             "e2e_steps": args.e2e_steps, "block_size": args.block_size,
             "timing": "CUDA events around one call after a synchronize; median of iters after warmup",
@@ -382,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         "copy_bandwidth_bytes_per_s": bandwidth,
         "models": [],
     }
-    out_json = args.out / "decode_latency.json"
+    stem = "decode_latency" + (f"_{args.quantization}" if args.quantization else "")
+    out_json = args.out / f"{stem}.json"
     for name in args.models:
         report["models"].append(measure_model(name, args, bandwidth))
         report["total_seconds"] = time.perf_counter() - start
@@ -390,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {out_json}")
     if not args.no_plot:
         try:
-            png = plot(report, args.out / "decode_latency.png")
+            png = plot(report, args.out / f"{stem}.png")
             print(f"wrote {png}" if png else "no successful measurement to plot")
         except Exception:
             traceback.print_exc()

@@ -17,6 +17,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 MAX_DEFAULT_MODEL_LEN = 32768
 SCHEDULING_POLICIES = ("mixed", "alternate")
 CAPTURE_SIZE_MODES = ("auto", "pow2")
+QUANTIZATIONS = ("fp8",)  # weight formats model/quantization.py can make at load
 
 
 @dataclass
@@ -50,6 +51,8 @@ class EngineConfig:
     tokenizer: str | None = None  # None → the model folder
     skip_tokenizer_init: bool = False  # token-id prompts only; outputs carry no text
     load_format: str = "auto"  # "auto": safetensors weights; "dummy": random weights from config.json (benchmarks)
+    quantization: str | None = None  # "fp8": linear weights stored as float8 e4m3 + per-channel scales (W8A16)
+    quantize_lm_head: bool = False  # with quantization: the lm_head too (it stays in dtype by default)
     show_progress: bool = True  # tqdm bars during capture
 
     @classmethod
@@ -81,6 +84,10 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.quantization not in (None,) + QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head needs quantization='fp8'")
         self.cudagraph_capture_sizes = _capture_sizes(self.cudagraph_capture_sizes, self.max_num_seqs)
         if not self.cudagraph_capture_budget_s > 0:
             raise ValueError(f"cudagraph_capture_budget_s must be > 0, got {self.cudagraph_capture_budget_s}")
@@ -167,6 +174,9 @@ FIELD_HELP = {
     "load_format": "'auto' reads the weights from the model; 'dummy' makes random weights of the model's shape "
                    "(benchmarks without weight files)",
     "show_progress": "show progress bars (CUDA-graph capture)",
+    "quantization": "'fp8': linear weights stored as float8 e4m3 with one scale per output channel, dequantized "
+                    "in the GEMV (W8A16); default: none",
+    "quantize_lm_head": "with quantization, the lm_head too (it stays in the serving dtype otherwise)",
 }
 
 

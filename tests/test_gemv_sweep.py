@@ -26,8 +26,11 @@ def test_shapes_and_compile_jobs():
                                                          ("lm_head", 151936, 1024)]
     assert (shapes[5].n, shapes[5].k) == (960, 576)  # smollm2 qkv: 9 + 2 * 3 heads of 64
     jobs = sweep.compile_jobs(shapes, [1, 2, 64], 132)
-    assert len(jobs) == len(set(jobs)) and all(gemv.GemvConfig.parse(name) for _, _, name in jobs)
-    assert {k for _, k, _ in jobs} <= {1024, 2048, 3072, 576, 1536}
+    assert len(jobs) == len(set(jobs)) and all(gemv.GemvConfig.parse(name) for _, _, name, _ in jobs)
+    assert {k for _, k, _, _ in jobs} <= {1024, 2048, 3072, 576, 1536} and {size for *_, size in jobs} == {2}
+    fp8_jobs = sweep.compile_jobs(sweep.decode_shapes(["qwen3-0.6b"], element_size=1), [1, 64], 132)
+    assert {size for *_, size in fp8_jobs} == {1} and any(gemv.GemvConfig.parse(name).block_k == 2048
+                                                         for _, _, name, _ in fp8_jobs)  # fp8 tiles: twice the K
 
 
 def case(m, mib, cublas_us, timings):
@@ -56,3 +59,20 @@ def test_derived_table_groups_shapes_and_parses():
     exec(source, namespace)  # noqa: S102 - our own generated source
     parsed = gemv._parsed_table(namespace["GEMV_TABLE"])
     assert parsed[1][0][1] == gemv.GemvConfig.parse(a) and parsed[1][2][2] is False
+
+
+def test_fp8_prefill_table_is_derived_by_size_and_parses():
+    from benchmarks import fp8_prefill
+    from nanoserve.kernels import fp8
+
+    def row(tokens, mib, faster):
+        return {"tokens": tokens, "weight_bytes": int(mib * 2**20), "faster": faster}
+    rows = [row(512, 1, fp8.DEQUANT), row(512, 8, fp8.DEQUANT), row(512, 64, fp8.SCALED_MM),
+            row(8192, 1, fp8.SCALED_MM), row(8192, 64, fp8.SCALED_MM)]
+    table = fp8_prefill.derive_table(rows)
+    assert [m for _, m in table[512]] == [fp8.DEQUANT, fp8.SCALED_MM] and 8 < table[512][0][0] < 64
+    assert table[8192] == [(None, fp8.SCALED_MM)]
+    namespace = {"SCALED_MM": fp8.SCALED_MM, "DEQUANT": fp8.DEQUANT}
+    exec(fp8_prefill.table_source(table), namespace)  # noqa: S102 - our own generated source
+    parsed = fp8._parsed_table(namespace["PREFILL_TABLE"])
+    assert parsed[512][0][1] == fp8.DEQUANT and parsed[8192][0][1] == fp8.SCALED_MM

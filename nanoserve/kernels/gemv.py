@@ -29,7 +29,12 @@ The kernel (`_gemv_kernel`):
     output tile is one head, which is normalised (Qwen3), rotated and written into q or the paged
     KV cache (norm_qkv_rope; rotary_kv.qkv_tile_epilogue);
   * with programmatic dependent launch (see _triton.py) each program loads its first weight tile
-    before gdc_wait, so the weights stream while the previous kernel finishes.
+    before gdc_wait, so the weights stream while the previous kernel finishes;
+  * FP8 weights (W8A16, kernels/fp8.py): the tile is read as float8_e4m3fn (half the bytes), converted to
+    the activation dtype in registers, accumulated in fp32 like the rest, and each output is multiplied
+    by its channel's fp32 scale once, before the bias (and before the split-K sum is stored). FP8 weights
+    have dispatch tables of their own (FP8_GEMV_TABLE, FP8_ROPE_TABLE): a tile of the same bytes spans
+    twice the K.
 
 Everything is CUDA-graph capturable: no host syncs, fixed-size allocations only.
 """
@@ -42,7 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels import fused
+from nanoserve.kernels import fp8, fused
 from nanoserve.kernels.attention import DecodePartials, merge_partials, merged_head
 from nanoserve.kernels._triton import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, jit, next_power_of_2,
                                        num_sms, pdl_args, prev_power_of_2, tl)
@@ -53,7 +58,7 @@ MAX_M = 64  # rows handled by the kernel; more rows are a GEMM, left to cuBLAS
 FMA_MAX_ROWS = 16  # the fma path unrolls over rows; beyond this only tl.dot
 MAX_SPLIT_K = 16
 COUNTER_SLOTS = 8192  # output tiles that can be split-K'd in one call (one int32 counter each)
-KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # activations; the weight is the same type, or fp8 with a scale
 NORM_CHUNK = 4096  # elements of the [BLOCK_M, chunk] tile the RMSNorm prologue sums per step
 PIPELINE_SMEM_BYTES = 128 * 2**10  # shared memory the pipelined tiles may take (an H100/H200 SM has 227 KiB)
 
@@ -186,10 +191,24 @@ GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
         (None, 'dot 64x128 w4 st4 p1', CUBLAS),
     ),
 }
+# FP8 weights (element size 1): the same rule, tiles of the same bytes (twice the K). Every entry is the kernel:
+# the alternative (kernels/fp8.py: dequantize + cuBLAS, or _scaled_mm with quantized activations) costs more than
+# the bytes at these row counts. Until the fp8 sweep (`python benchmarks/gemv.py OUT.json --fp8`) these are the
+# bf16 table's variants with block_k doubled.
+FP8_GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
+    1: ((4, "fma 4x2048 w8 st3 p0", TRITON), (None, "fma 8x1024 w8 st3 p0", TRITON)),
+    2: ((3, "fma 4x2048 w8 st3 p0", TRITON), (8, "dot 64x256 w4 st4 p0", TRITON),
+        (None, "dot 64x256 w4 st4 p1", TRITON)),
+    4: ((3, "fma 4x2048 w8 st3 p0", TRITON), (8, "dot 64x256 w4 st4 p0", TRITON),
+        (None, "dot 64x256 w4 st4 p1", TRITON)),
+    16: ((8, "dot 64x256 w4 st4 p0", TRITON), (None, "dot 64x256 w4 st4 p1", TRITON)),
+    64: ((None, "dot 64x256 w4 st3 p1", TRITON),),
+}
 # Rows up to which the fused paths (norm / SiLU / merge prologues, rope epilogue) run when their switch is on.
 FUSE_MAX_M = 64
 # The qkv + rope variants (block_n becomes head_dim: one head per tile), by rows bucket.
 ROPE_TABLE: dict[int, str] = {4: "fma 128x64 w4 st3 p2", 64: "dot 128x64 w4 st3 p1"}
+FP8_ROPE_TABLE: dict[int, str] = {4: "fma 128x128 w8 st3 p2", 64: "dot 128x128 w4 st3 p1"}
 # The o_proj + attention-merge variant (block_k becomes head_dim: one head per K tile), and the most fp32
 # partials its programs may re-read in all (n_tiles x rows x heads x splits x head_dim x 4 bytes, an upper
 # bound: splits past a sequence's context are not read); above it the reduce kernel merges them once.
@@ -197,22 +216,24 @@ MERGE_CONFIG = "dot 64x128 w4 st2 p2"
 MERGE_MAX_PARTIAL_BYTES = 16 * 2**20
 
 
-def _parsed_table(table: dict) -> dict[int, tuple[tuple[float, GemvConfig, bool], ...]]:
+def _parsed_table(table: dict, name: str = "GEMV_TABLE") -> dict[int, tuple[tuple[float, GemvConfig, bool], ...]]:
     """Configs parsed and the rule checked once: sizes ascend, the last entry takes any size."""
     out = {}
     for rows, entries in sorted(table.items()):
         limits = [math.inf if mib is None else mib * 2**20 for mib, _, _ in entries]
         if not entries or limits[-1] != math.inf or limits != sorted(set(limits)):
-            raise ValueError(f"GEMV_TABLE[{rows}]: sizes must ascend and end with None (any size)")
+            raise ValueError(f"{name}[{rows}]: sizes must ascend and end with None (any size)")
         if any(winner not in (TRITON, CUBLAS) for *_, winner in entries):
-            raise ValueError(f"GEMV_TABLE[{rows}]: winners are {TRITON!r} or {CUBLAS!r}")
+            raise ValueError(f"{name}[{rows}]: winners are {TRITON!r} or {CUBLAS!r}")
         out[rows] = tuple((limit, GemvConfig.parse(cfg), winner == TRITON)
                           for limit, (_, cfg, winner) in zip(limits, entries))
     return out
 
 
 _TABLE = _parsed_table(GEMV_TABLE)
+_FP8_TABLE = _parsed_table(FP8_GEMV_TABLE, "FP8_GEMV_TABLE")
 _ROPE = {rows: GemvConfig.parse(cfg) for rows, cfg in sorted(ROPE_TABLE.items())}
+_FP8_ROPE = {rows: GemvConfig.parse(cfg) for rows, cfg in sorted(FP8_ROPE_TABLE.items())}
 
 
 def _bucket(m: int, keys) -> int:
@@ -223,17 +244,20 @@ def _bucket(m: int, keys) -> int:
 
 
 def choose(m: int, n: int, k: int, element_size: int) -> tuple[GemvConfig, bool]:
-    """(the Triton variant for a product of m rows with an [n, k] weight, whether it beats cuBLAS there)."""
+    """(the Triton variant for a product of m rows with an [n, k] weight, whether it beats cuBLAS there);
+    element_size 1 (fp8 weights) reads FP8_GEMV_TABLE."""
     weight_bytes = n * k * element_size
-    for limit, cfg, triton_wins in _TABLE[_bucket(m, _TABLE)]:
+    table = _FP8_TABLE if element_size == 1 else _TABLE
+    for limit, cfg, triton_wins in table[_bucket(m, table)]:
         if weight_bytes <= limit:
             return cfg, triton_wins
     raise AssertionError("unreachable: the last entry takes any size")
 
 
-def rope_config(m: int, head_dim: int) -> GemvConfig:
+def rope_config(m: int, head_dim: int, element_size: int = 2) -> GemvConfig:
     """The qkv + rope variant for m rows: one head per tile."""
-    return dataclasses.replace(_ROPE[_bucket(m, _ROPE)], block_n=head_dim)
+    table = _FP8_ROPE if element_size == 1 else _ROPE
+    return dataclasses.replace(table[_bucket(m, table)], block_n=head_dim)
 
 
 def merge_config(head_dim: int) -> GemvConfig:
@@ -261,9 +285,11 @@ class LaunchPlan:
         return (self.n_tiles, self.split_k)
 
 
-def plan(config: GemvConfig, m: int, n: int, k: int, sms: int, element_size: int = 2) -> LaunchPlan:
+def plan(config: GemvConfig, m: int, n: int, k: int, sms: int, element_size: int = 2,
+         x_element_size: int | None = None) -> LaunchPlan:
     """Resolve block sizes, the K split and the pipeline depth for one shape (pure; unit-tested). The depth is
-    cut to what fits PIPELINE_SMEM_BYTES: each stage holds a weight tile (and for tl.dot an x tile)."""
+    cut to what fits PIPELINE_SMEM_BYTES: each stage holds a weight tile of element_size bytes a value (and for
+    tl.dot an x tile of x_element_size, by default the same)."""
     if not 1 <= m <= MAX_M:
         raise ValueError(f"the gemv kernel handles 1..{MAX_M} rows, got {m}")
     if not config.use_dot and m > FMA_MAX_ROWS:
@@ -286,7 +312,8 @@ def plan(config: GemvConfig, m: int, n: int, k: int, sms: int, element_size: int
     split = cdiv(k, k_per_split)  # no empty slices
     # The last program of a tile sums [reduce_chunk, block_n, block_m] partials per load round.
     reduce_chunk = max(1, min(8, prev_power_of_2(2048 // (config.block_n * block_m))))
-    stage_bytes = (config.block_n + (block_m if config.use_dot else 0)) * block_k * element_size
+    x_bytes = (x_element_size or element_size) * block_m if config.use_dot else 0
+    stage_bytes = (config.block_n * element_size + x_bytes) * block_k
     stages = max(1, min(config.num_stages, PIPELINE_SMEM_BYTES // stage_bytes))
     return LaunchPlan(block_m=block_m, block_n=config.block_n, block_k=block_k, n_tiles=tiles, split_k=split,
                       k_per_split=k_per_split, num_warps=config.num_warps, num_stages=stages,
@@ -309,13 +336,25 @@ def _counters_for(device: torch.device) -> torch.Tensor | None:
 
 
 # -- entry points ------------------------------------------------------------------------------------
-def kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+# Every entry point takes weight_scale: None for a weight in the activation dtype, or the fp32 per-channel
+# scales [N] of a float8_e4m3fn weight (kernels/fp8.py). Many rows then go to fp8.linear instead of F.linear.
+def _weight_ok(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
+    """The weight is x's dtype without a scale, or fp8 with one fp32 scale per output row on x's device."""
+    if weight_scale is None:
+        return weight.dtype == x.dtype
+    return (weight.dtype == fp8.FP8_DTYPE and weight_scale.dtype == torch.float32 and weight_scale.dim() == 1
+            and weight_scale.shape[0] == weight.shape[0] and weight_scale.is_contiguous()
+            and weight_scale.device == weight.device)
+
+
+def kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   weight_scale: torch.Tensor | None = None) -> bool:
     """Whether the Triton kernel can take these arguments at all (where it is worth it is choose()'s call)."""
     if not HAS_TRITON or not x.is_cuda or x.dim() != 2 or weight.dim() != 2:
         return False
     m, k = x.shape
     n = weight.shape[0]
-    if not (1 <= m <= MAX_M) or x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype:
+    if not (1 <= m <= MAX_M) or x.dtype not in KERNEL_DTYPES or not _weight_ok(x, weight, weight_scale):
         return False
     if weight.shape[1] != k or k % 16 or not weight.is_contiguous() or weight.device != x.device:
         return False
@@ -328,61 +367,74 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return True
 
 
-def _fuses(switch: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return switch and x.shape[0] <= FUSE_MAX_M and x.stride(-1) == 1 and kernel_applies(x, weight, bias)
+def _fuses(switch: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           weight_scale: torch.Tensor | None = None) -> bool:
+    return switch and x.shape[0] <= FUSE_MAX_M and x.stride(-1) == 1 and kernel_applies(x, weight, bias, weight_scale)
+
+
+def _library_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    weight_scale: torch.Tensor | None) -> torch.Tensor:
+    """The product without the kernel: cuBLAS (or the CPU's matmul), through kernels/fp8.py for fp8 weights."""
+    if weight_scale is None:
+        return F.linear(x, weight, bias)
+    return fp8.linear(x, weight, weight_scale, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           force_triton: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); the Triton kernel where GEMV_TABLE says it wins (or with force_triton,
-    on any device — CPU runs go through TRITON_INTERPRET=1). config overrides the table's variant."""
-    if force_triton or kernel_applies(x, weight, bias):
+           weight_scale: torch.Tensor | None = None, force_triton: bool = False,
+           config: GemvConfig | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) (weight · weight_scale for fp8); the Triton kernel where GEMV_TABLE says it wins
+    (or with force_triton, on any device — CPU runs go through TRITON_INTERPRET=1). config overrides the table."""
+    if force_triton or kernel_applies(x, weight, bias, weight_scale):
         cfg, triton_wins = choose(x.shape[0], weight.shape[0], x.shape[1], weight.element_size())
         if force_triton or triton_wins:
-            return _launch(x, weight, bias, x.shape[1], config or cfg)
-    return F.linear(x, weight, bias)
+            return _launch(x, weight, bias, x.shape[1], config or cfg, weight_scale=weight_scale)
+    return _library_linear(x, weight, bias, weight_scale)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, bias: torch.Tensor | None = None, *, force_triton: bool = False,
-                config: GemvConfig | None = None):
+                weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_scale: torch.Tensor | None = None,
+                force_triton: bool = False, config: GemvConfig | None = None):
     """(rms_norm(x + residual) · norm_weight) @ weight.T + bias, and the new residual x + residual.
 
     With SWITCHES.fuse_norm the norm runs inside the GEMV's prologue: one kernel instead of two.
     Without a residual (the first layer) the new residual is x itself."""
-    if not (force_triton or _fuses(SWITCHES.fuse_norm, x, weight, bias)
+    if not (force_triton or _fuses(SWITCHES.fuse_norm, x, weight, bias, weight_scale)
             and (residual is None or residual.stride(-1) == 1)):
         if residual is None:
-            return linear(fused.rms_norm(x, norm_weight, eps), weight, bias), x
+            return linear(fused.rms_norm(x, norm_weight, eps), weight, bias, weight_scale=weight_scale), x
         normed, residual = fused.rms_norm(x, norm_weight, eps, residual)
-        return linear(normed, weight, bias), residual
+        return linear(normed, weight, bias, weight_scale=weight_scale), residual
     new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
     cfg = config or choose(x.shape[0], weight.shape[0], x.shape[1], weight.element_size())[0]
-    out = _launch(x, weight, bias, x.shape[1], cfg, _NORM, norm=(residual, new_residual, norm_weight, eps))
+    out = _launch(x, weight, bias, x.shape[1], cfg, _NORM, norm=(residual, new_residual, norm_weight, eps),
+                  weight_scale=weight_scale)
     return out, new_residual
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                    force_triton: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
+                    weight_scale: torch.Tensor | None = None, force_triton: bool = False,
+                    config: GemvConfig | None = None) -> torch.Tensor:
     """(silu(gate) · up) @ weight.T + bias for gate_up = [gate | up]; with SWITCHES.fuse_silu one kernel."""
     k = gate_up.shape[1] // 2
-    if not (force_triton or _fuses(SWITCHES.fuse_silu, gate_up[:, :k], weight, bias)):
-        return linear(fused.silu_and_mul(gate_up), weight, bias)
+    if not (force_triton or _fuses(SWITCHES.fuse_silu, gate_up[:, :k], weight, bias, weight_scale)):
+        return linear(fused.silu_and_mul(gate_up), weight, bias, weight_scale=weight_scale)
     cfg = config or choose(gate_up.shape[0], weight.shape[0], k, weight.element_size())[0]
-    return _launch(gate_up, weight, bias, k, cfg, _SILU_MUL)
+    return _launch(gate_up, weight, bias, k, cfg, _SILU_MUL, weight_scale=weight_scale)
 
 
 def _rope_fuses(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                rope: QKVRope) -> bool:
+                weight_scale: torch.Tensor | None, rope: QKVRope) -> bool:
     d = rope.head_dim
-    return (_fuses(SWITCHES.fuse_rope, x, weight, bias) and 16 <= d <= 128 and not d & (d - 1)
+    return (_fuses(SWITCHES.fuse_rope, x, weight, bias, weight_scale) and 16 <= d <= 128 and not d & (d - 1)
             and (residual is None or residual.stride(-1) == 1)
             and weight.shape[0] == rope.width and rope.k_cache.is_contiguous() and rope.v_cache.is_contiguous()
             and rope.k_cache.dtype == x.dtype == rope.v_cache.dtype)
 
 
 def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                  weight: torch.Tensor, bias: torch.Tensor | None, rope: QKVRope, *, force_triton: bool = False,
+                  weight: torch.Tensor, bias: torch.Tensor | None, rope: QKVRope, *,
+                  weight_scale: torch.Tensor | None = None, force_triton: bool = False,
                   config: GemvConfig | None = None):
     """The attention input of a decoder layer: (q, k, v, new residual) after rms_norm(x + residual) → qkv
     projection → q/k RMSNorm (Qwen3) + RoPE, with k and v stored in the paged cache.
@@ -390,76 +442,97 @@ def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     With SWITCHES.fuse_rope the rope + store run in the qkv GEMV's epilogue (with fuse_norm, the norm in its
     prologue too); k and v then live only in the cache and come back as None. config (block_n = head_dim)
     overrides ROPE_TABLE's variant."""
-    if not (force_triton or _rope_fuses(x, residual, weight, bias, rope)):
-        qkv, residual = norm_linear(x, residual, norm_weight, eps, weight, bias)
+    if not (force_triton or _rope_fuses(x, residual, weight, bias, weight_scale, rope)):
+        qkv, residual = norm_linear(x, residual, norm_weight, eps, weight, bias, weight_scale=weight_scale)
         q, k, v = rope.split(qkv)
         q, k = rope.apply(q, k, v)
         return q, k, v, residual
-    cfg = config or rope_config(x.shape[0], rope.head_dim)
+    cfg = config or rope_config(x.shape[0], rope.head_dim, weight.element_size())
     if SWITCHES.fuse_norm:
         new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
         q = _launch(x, weight, bias, x.shape[1], cfg, _NORM, norm=(residual, new_residual, norm_weight, eps),
-                    rope=rope)
+                    rope=rope, weight_scale=weight_scale)
         return q, None, None, new_residual
     if residual is None:
         normed, residual = fused.rms_norm(x, norm_weight, eps), x
     else:
         normed, residual = fused.rms_norm(x, norm_weight, eps, residual)
-    return _launch(normed, weight, bias, x.shape[1], cfg, rope=rope), None, None, residual
+    return _launch(normed, weight, bias, x.shape[1], cfg, rope=rope, weight_scale=weight_scale), None, None, residual
 
 
-def _merge_fuses(attn: DecodePartials, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _merge_fuses(attn: DecodePartials, weight: torch.Tensor, bias: torch.Tensor | None,
+                 weight_scale: torch.Tensor | None) -> bool:
     d, cfg = attn.head_dim, merge_config(attn.head_dim)
     rereads = cdiv(weight.shape[0], cfg.block_n) * attn.num_seqs * attn.num_heads * attn.num_splits * d * 4
-    return (SWITCHES.fuse_merge and HAS_TRITON and weight.is_cuda and weight.dtype in KERNEL_DTYPES
-            and attn.dtype == weight.dtype and attn.num_seqs <= FUSE_MAX_M and 16 <= d <= 128 and not d & (d - 1)
+    weight_ok = weight.dtype == attn.dtype if weight_scale is None else (
+        weight.dtype == fp8.FP8_DTYPE and weight_scale.shape == (weight.shape[0],)
+        and weight_scale.dtype == torch.float32 and weight_scale.is_contiguous())
+    return (SWITCHES.fuse_merge and HAS_TRITON and weight.is_cuda and attn.dtype in KERNEL_DTYPES and weight_ok
+            and attn.num_seqs <= FUSE_MAX_M and 16 <= d <= 128 and not d & (d - 1)
             and weight.dim() == 2 and weight.shape[1] == attn.num_heads * d and weight.is_contiguous()
-            and (bias is None or bias.dtype == weight.dtype) and rereads <= MERGE_MAX_PARTIAL_BYTES
+            and (bias is None or bias.dtype == attn.dtype) and rereads <= MERGE_MAX_PARTIAL_BYTES
             and not (torch.is_grad_enabled() and weight.requires_grad))
 
 
 def attention_out_linear(attn: torch.Tensor | DecodePartials, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         *, force_triton: bool = False) -> torch.Tensor:
+                         *, weight_scale: torch.Tensor | None = None, force_triton: bool = False) -> torch.Tensor:
     """The attention block's output projection of attn [T, H, D], or of split-K decode partials: with
     SWITCHES.fuse_merge the GEMV merges them in its prologue (no reduce launch); otherwise the reduce kernel
     merges them and the projection follows."""
     if isinstance(attn, DecodePartials):
-        if force_triton or _merge_fuses(attn, weight, bias):
+        if force_triton or _merge_fuses(attn, weight, bias, weight_scale):
             x = attn.acc.view(attn.num_seqs, -1)
             return _launch(x, weight, bias, attn.num_heads * attn.head_dim, merge_config(attn.head_dim), _MERGE,
-                           merge=attn)
+                           merge=attn, weight_scale=weight_scale)
         attn = merge_partials(attn)
-    return linear(attn.reshape(attn.shape[0], -1), weight, bias, force_triton=force_triton)
+    return linear(attn.reshape(attn.shape[0], -1), weight, bias, weight_scale=weight_scale, force_triton=force_triton)
 
 
 _PLAIN, _NORM, _SILU_MUL, _MERGE = 0, 1, 2, 3  # prologue: what the kernel does to x as it loads it
 
 
+def _output_dtype(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+                  merge: DecodePartials | None) -> torch.dtype:
+    """The dtype the product is written in (and x is rounded to for tl.dot): the weight's, or for fp8 weights the
+    activations' (with merge, the attention output's: x is then its fp32 partials)."""
+    if weight_scale is None:
+        return weight.dtype
+    if weight.dtype != fp8.FP8_DTYPE or weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale goes with a {fp8.FP8_DTYPE} weight as fp32 [N] per-channel scales; got a "
+                         f"{weight.dtype} weight {tuple(weight.shape)} and {weight_scale.dtype} scales "
+                         f"{tuple(weight_scale.shape)}")
+    return merge.dtype if merge is not None else x.dtype
+
+
 def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, rope: QKVRope | None = None,
-            merge: DecodePartials | None = None) -> torch.Tensor:
+            merge: DecodePartials | None = None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One kernel launch. norm = (residual | None, residual_out, norm_weight, eps) for the RMSNorm prologue;
     with rope the output is q [M, H, D] (k and v go into the cache); with merge, x is merge.acc viewed [M, -1]."""
     if not HAS_TRITON:
         raise RuntimeError("the Triton GEMV was requested but triton is not installed")
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if weight.dtype == fp8.FP8_DTYPE and weight_scale is None:
+        raise ValueError("an fp8 weight needs its weight_scale")
     m, n = x.shape[0], weight.shape[0]
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    dtype = _output_dtype(x, weight, weight_scale, merge)
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
-    p = plan(config, m, n, k, num_sms(x.device), weight.element_size())
+    sizes = (weight.element_size(), dtype.itemsize)
+    p = plan(config, m, n, k, num_sms(x.device), *sizes)
     counters = _counters_for(x.device) if p.split_k > 1 else None
     if p.split_k > 1 and counters is None:  # first use inside a capture: take the unsplit variant
-        p = plan(dataclasses.replace(config, split_k=1), m, n, k, 1, weight.element_size())
+        p = plan(dataclasses.replace(config, split_k=1), m, n, k, 1, *sizes)
     if rope is not None:
         if p.block_n != rope.head_dim or n != rope.width:
             raise ValueError(f"the rope epilogue needs one head per tile: block_n {p.block_n}, head_dim "
                              f"{rope.head_dim}, N {n} vs {rope.width}")
-        out = torch.empty(m, rope.num_heads, rope.head_dim, dtype=weight.dtype, device=x.device)
+        out = torch.empty(m, rope.num_heads, rope.head_dim, dtype=dtype, device=x.device)
     else:
-        out = torch.empty(m, n, dtype=weight.dtype, device=x.device)
+        out = torch.empty(m, n, dtype=dtype, device=x.device)
     if merge is not None and (p.block_k != merge.head_dim or not p.use_dot):
         raise ValueError(f"the merge prologue needs a dot variant with one head per K tile, got {config.short()}")
     if p.split_k > 1:
@@ -472,15 +545,17 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, rope: QKVRop
         (merge.num_heads, 1) if merge is not None else (1, 1))
     ml, ctx, attn_splits = (merge.ml, merge.context_lens, merge.num_splits) if merge is not None else (x, x, 1)
     _gemv_kernel[p.grid](
-        x, weight, bias if bias is not None else out, out, partials, counters,
+        x, weight, weight_scale if weight_scale is not None else partials, bias if bias is not None else out, out,
+        partials, counters,
         residual if residual is not None else x, residual_out, norm_weight, eps, *_rope_args(rope, x), *heads,
         ml, ctx, attn_splits,
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, residual_out.stride(0),
         out.stride(0), p.k_per_split,
         BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
         NORM_K=max(1, min(p.block_k, prev_power_of_2(NORM_CHUNK // p.block_m))), USE_DOT=p.use_dot,
-        EVEN_K=k % p.block_k == 0, HAS_BIAS=bias is not None, REDUCE_CHUNK=p.reduce_chunk,
-        LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
+        EVEN_K=k % p.block_k == 0, HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None,
+        REDUCE_CHUNK=p.reduce_chunk,
+        LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_IN_FP32=not x.is_cuda,  # the interpreter (CPU tensors) multiplies bf16 bit patterns as integers
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, ROPE=rope is not None,
         HAS_QK_NORM=rope is not None and rope.q_norm_weight is not None,
@@ -548,25 +623,27 @@ def _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, rows, row_ok, cols, K, st
 
 
 @jit
-def _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, res_ptr, res_out_ptr, norm_w_ptr,
+def _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_ptr, res_out_ptr, norm_w_ptr,
                 stride_xm, stride_rm, stride_rom, inv_rms, write_residual, ml_ptr, ctx_ptr, num_heads, attn_splits,
                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                 ATTN_BLOCK_N: tl.constexpr):
-    """Fold the weight tile w [BLOCK_N, BLOCK_K] at column k into the accumulators."""
+    """Fold the weight tile w [BLOCK_N, BLOCK_K] at column k into the accumulators. An fp8 tile is converted to the
+    activation dtype (out's; exact: e4m3 values are bf16 / fp16 values) and multiplied like a bf16 one."""
     cols = k + offs_k[None, :]
+    dtype = out_ptr.dtype.element_ty
     if USE_DOT:
         if PROLOGUE == 3:  # this K tile is one head: its attention output, merged from the split-K partials
             x = merged_head(x_ptr, ml_ptr, ctx_ptr, offs_m[:, None], offs_m[:, None] < M, k // BLOCK_K,
                             offs_k[None, :], num_heads, attn_splits, BLOCK_K, ATTN_BLOCK_N)
-            x = x.to(w.dtype).to(tl.float32)  # rounded like the reduce kernel's output
+            x = x.to(dtype).to(tl.float32)  # rounded like the reduce kernel's output
         else:
             x = _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_m[:, None], offs_m[:, None] < M, cols, K,
                           stride_xm, stride_rm, stride_rom, inv_rms[:, None], write_residual, PROLOGUE, HAS_RESIDUAL)
         if DOT_IN_FP32:  # same products: bf16 x bf16 is exact in fp32
             acc = tl.dot(w.to(tl.float32), tl.trans(x), acc, input_precision="ieee")
         else:
-            acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(w.to(dtype), tl.trans(x.to(dtype)), acc, input_precision=DOT_PRECISION)
     elif BLOCK_M == 1:
         x = _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_m[:, None], offs_m[:, None] < M, cols, K,
                       stride_xm, stride_rm, stride_rom, inv_rms[:, None], write_residual, PROLOGUE, HAS_RESIDUAL)
@@ -584,11 +661,14 @@ def _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, res_ptr, res_o
 
 
 @jit
-def _store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, tile,
+def _store_tile(acc, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, tile,
                 k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps,
-                num_heads, num_kv_heads, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
-                ROPE: tl.constexpr, HAS_QK_NORM: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] fp32 (+ bias in fp32) → out[m, n] rounded once, or through the rope epilogue."""
+                num_heads, num_kv_heads, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_SCALE: tl.constexpr,
+                HAS_BIAS: tl.constexpr, ROPE: tl.constexpr, HAS_QK_NORM: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] fp32 (· the fp8 channel scales, + bias, in fp32) → out[m, n] rounded once, or
+    through the rope epilogue."""
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
     if ROPE:
@@ -602,13 +682,13 @@ def _store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, tile,
 
 
 @jit(do_not_specialize=["M", "num_heads", "num_kv_heads", "attn_splits"])  # one compiled kernel for every batch and head count
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
                  res_ptr, res_out_ptr, norm_w_ptr, eps,
                  k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps,
                  num_heads, num_kv_heads, ml_ptr, ctx_ptr, attn_splits,
                  M, N, K, stride_xm, stride_rm, stride_rom, stride_om, k_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
-                 USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                  REDUCE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  ROPE: tl.constexpr, HAS_QK_NORM: tl.constexpr, ATTN_BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
@@ -637,13 +717,13 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_wide = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # M = 1: reduce over K once, at the end
     if USE_PDL:
-        acc, acc_wide = _accumulate(acc, acc_wide, w_first, k_start, offs_m, offs_k, M, K, x_ptr, res_ptr,
+        acc, acc_wide = _accumulate(acc, acc_wide, w_first, k_start, offs_m, offs_k, M, K, x_ptr, out_ptr, res_ptr,
                                     res_out_ptr, norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms,
                                     write_residual, ml_ptr, ctx_ptr, num_heads, attn_splits, BLOCK_M, BLOCK_K,
                                     USE_DOT, DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL, ATTN_BLOCK_N)
     for k in tl.range(k_loop, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
         w = _load_weight(w_rows, k + offs_k[None, :], K, EVEN_K)
-        acc, acc_wide = _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, res_ptr, res_out_ptr,
+        acc, acc_wide = _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_ptr, res_out_ptr,
                                     norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms, write_residual,
                                     ml_ptr, ctx_ptr, num_heads, attn_splits, BLOCK_M, BLOCK_K, USE_DOT,
                                     DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL, ATTN_BLOCK_N)
@@ -651,9 +731,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
         acc = tl.sum(acc_wide, axis=1)[:, None]
 
     if num_splits == 1:
-        _store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, pid_n, k_cache_ptr, v_cache_ptr,
-                    slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps, num_heads, num_kv_heads,
-                    BLOCK_N, BLOCK_M, HAS_BIAS, ROPE, HAS_QK_NORM)
+        _store_tile(acc, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, pid_n, k_cache_ptr,
+                    v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps, num_heads, num_kv_heads,
+                    BLOCK_N, BLOCK_M, HAS_SCALE, HAS_BIAS, ROPE, HAS_QK_NORM)
     else:
         out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
         tile = offs_m[None, :] * N + offs_n[:, None]  # partials are [split, M, N] fp32
@@ -669,7 +749,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
                                 mask=(s < num_splits)[:, None, None] & out_mask[None, :, :], other=0.0,
                                 cache_modifier=".cg")  # from L2: other SMs wrote them
                 total += tl.sum(parts, axis=0)
-            _store_tile(total, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, pid_n, k_cache_ptr, v_cache_ptr,
-                        slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps, num_heads, num_kv_heads,
-                        BLOCK_N, BLOCK_M, HAS_BIAS, ROPE, HAS_QK_NORM)
+            _store_tile(total, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, pid_n, k_cache_ptr,
+                        v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps, num_heads,
+                        num_kv_heads, BLOCK_N, BLOCK_M, HAS_SCALE, HAS_BIAS, ROPE, HAS_QK_NORM)
             tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call / graph replay

@@ -29,7 +29,8 @@ class RMSNorm(nn.Module):
 
     def then(self, linear: "Linear", x: torch.Tensor, residual: torch.Tensor | None):
         """(linear(norm(x + residual)), x + residual); for one decode row the norm runs in the GEMV's prologue."""
-        return gemv.norm_linear(x, residual, self.weight, self.eps, linear.weight, linear.bias)
+        return gemv.norm_linear(x, residual, self.weight, self.eps, linear.weight, linear.bias,
+                                weight_scale=linear.weight_scale)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -135,10 +136,16 @@ class RotaryEmbedding(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose few-row (decode) products go to the Triton GEMV where it beats cuBLAS (kernels/gemv.py)."""
+    """nn.Linear whose few-row (decode) products go to the Triton GEMV where it beats cuBLAS (kernels/gemv.py).
+
+    weight_scale is None, or with an fp8 weight (model/quantization.py) its fp32 per-output-channel scales."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("weight_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemv.linear(x, self.weight, self.bias)
+        return gemv.linear(x, self.weight, self.bias, weight_scale=self.weight_scale)
 
 
 class MLP(nn.Module):
@@ -152,7 +159,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """The pre-norm MLP of a decoder layer: returns (its output, the residual stream)."""
         gate_up, residual = norm.then(self.gate_up_proj, x, residual)
-        return gemv.silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias), residual
+        down = self.down_proj
+        return gemv.silu_mul_linear(gate_up, down.weight, down.bias, weight_scale=down.weight_scale), residual
 
 
 class Attention(nn.Module):

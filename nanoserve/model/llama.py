@@ -132,10 +132,11 @@ class LlamaAttentionBlock(nn.Module):
                        attn.v_cache, meta.slot_mapping)
         if self.q_norm is not None:
             rope.q_norm_weight, rope.k_norm_weight, rope.eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-        q, k, v, residual = gemv.norm_qkv_rope(x, residual, norm.weight, norm.eps, self.qkv_proj.weight,
-                                               self.qkv_proj.bias, rope)
+        qkv, o = self.qkv_proj, self.o_proj
+        q, k, v, residual = gemv.norm_qkv_rope(x, residual, norm.weight, norm.eps, qkv.weight, qkv.bias, rope,
+                                               weight_scale=qkv.weight_scale)
         out = attn(q, k, v, meta, kv_stored=True, defer_merge=True)
-        return gemv.attention_out_linear(out, self.o_proj.weight, self.o_proj.bias), residual
+        return gemv.attention_out_linear(out, o.weight, o.bias, weight_scale=o.weight_scale), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -190,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         if self.spec.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False, dtype=dtype)
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -198,9 +199,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] → logits [N, vocab_size] in the model dtype."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return gemv.linear(hidden, weight)
+        """hidden [N, hidden_size] → logits [N, vocab_size] in the model dtype. (A tied model gets an lm_head of its
+        own only when quantization gives it an fp8 copy of the embedding.)"""
+        if self.lm_head is None:
+            return gemv.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

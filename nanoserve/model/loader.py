@@ -18,6 +18,7 @@ from torch import nn
 from nanoserve.kernels.attention import select_backend
 from nanoserve.model.layers import RMSNorm
 from nanoserve.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, ModelSpec
+from nanoserve.model.quantization import quantize_model
 
 _SafetensorError = getattr(safetensors, "SafetensorError", RuntimeError)
 # Tensors some checkpoints carry that hold nothing the model needs.
@@ -69,11 +70,13 @@ def model_max_len(hf_config) -> int:
 
 
 def load_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: torch.device | str,
-               load_format: str = "auto") -> LlamaForCausalLM:
+               load_format: str = "auto", quantization: str | None = None,
+               quantize_lm_head: bool = False) -> LlamaForCausalLM:
     """The model with weights on `device` in `dtype`, attention backends chosen for the device, in eval mode.
 
     load_format "auto" reads the folder's safetensors; "dummy" fills random weights (std 0.02, norms 1)
-    on the device, for benchmarks with real shapes and no files.
+    on the device, for benchmarks with real shapes and no files. quantization "fp8" then stores the linear
+    layers' weights in fp8 (model/quantization.py).
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -91,6 +94,10 @@ def load_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: tor
         _gguf().load_weights(model, model_dir, hf_config, dtype, device)
     else:
         _load_safetensors(model, Path(model_dir), dtype, device)
+    try:
+        quantize_model(model, quantization, quantize_lm_head)
+    except ValueError as e:
+        raise ModelLoadError(_one_line(e)) from None
     model.to(device)  # the rotary cos/sin table; parameters are already there
     backend = select_backend(device)
     for attn in model.attention_layers():

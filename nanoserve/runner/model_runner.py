@@ -38,7 +38,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
-        self.model = load_model(config.model, hf_config, self.dtype, self.device, config.load_format)
+        self.model = load_model(config.model, hf_config, self.dtype, self.device, config.load_format,
+                                quantization=config.quantization, quantize_lm_head=config.quantize_lm_head)
         self.vocab_size = self.model.vocab_size
         self.kv = KVCacheSpec.of(self.model, config.block_size, self.dtype)
         self.max_blocks_per_seq = self.kv.blocks_for(config.max_model_len)

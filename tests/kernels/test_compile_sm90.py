@@ -28,7 +28,7 @@ from nanoserve.kernels.metadata import AttentionMetadata
 from nanoserve.kernels.rotary_kv import QKVRope
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-          torch.int64: "i64"}
+          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 def compile_instead(self, *args, grid, warmup, **kwargs):
@@ -89,6 +89,17 @@ tables, lens = torch.zeros(3, 32, dtype=torch.int32), torch.full((3,), 500, dtyp
 attention.decode_attention(torch.randn(3, 16, 128, dtype=bf), kc, vc, tables, lens, 0.1)
 parts = attention.DecodePartials(torch.zeros(3 * 16 * 4 * 128), torch.zeros(3 * 16 * 4 * 2), lens, 3, 16, 128, 4, 64, bf)
 gemv.attention_out_linear(parts, torch.randn(1024, 2048, dtype=bf), force_triton=True)
+# fp8 weights (W8A16): the table's variants and every fused path
+from nanoserve.kernels import fp8
+q8, s8 = fp8.quantize(w)
+for x in (x1, x3, x64):
+    gemv.linear(x, q8, weight_scale=s8, force_triton=True)
+    gemv.norm_qkv_rope(x, x.clone(), norm_w, 1e-6, q8, None, rope, weight_scale=s8, force_triton=True)
+gemv.norm_linear(x3, x3.clone(), norm_w, 1e-6, q8, weight_scale=s8, force_triton=True)
+q8d, s8d = fp8.quantize(torch.randn(1024, 3072))
+gemv.silu_mul_linear(torch.randn(3, 6144, dtype=bf), q8d, weight_scale=s8d, force_triton=True)
+q8o, s8o = fp8.quantize(torch.randn(1024, 2048))
+gemv.attention_out_linear(parts, q8o, weight_scale=s8o, force_triton=True)
 cu = torch.arange(4, dtype=torch.int32)
 meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, context_lens=lens, block_tables=tables, cu_seqlens_q=cu,
                          cu_seqlens_k=cu, max_seqlen_q=1, max_seqlen_k=500, has_cached_prefix=True)
@@ -97,7 +108,7 @@ print("all compiled")
 '''
 
 
-@pytest.mark.skipif(not RUN, reason="compiles ~17 kernels for sm_90 offline (about a minute on 2 cores); "
+@pytest.mark.skipif(not RUN, reason="compiles ~26 kernels for sm_90 offline (about two minutes on 2 cores); "
                                     "NANOSERVE_COMPILE_SM90=1 runs it (machines without a GPU should)")
 def test_decode_kernels_compile_for_hopper_with_pdl():
     root = Path(__file__).resolve().parents[2]
@@ -105,4 +116,4 @@ def test_decode_kernels_compile_for_hopper_with_pdl():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0 and "all compiled" in proc.stdout, (proc.stdout[-3000:], proc.stderr[-3000:])
-    assert proc.stdout.count("compiled _gemv_kernel") == 9
+    assert proc.stdout.count("compiled _gemv_kernel") == 9 + 9  # bf16, then fp8 weights

@@ -153,12 +153,12 @@ def test_fused_kernel_paths_match_hf_in_the_interpreter(arch, tiny_model_dirs, h
     pytest.importorskip("triton")
     from nanoserve.kernels import attention, gemv
 
-    def cpu_applies(x, weight, bias):  # the kernel's own checks, minus "CUDA and half precision"
+    def cpu_applies(x, weight, bias, weight_scale=None):  # the kernel's own checks, minus "CUDA and half precision"
         return x.dim() == 2 and 1 <= x.shape[0] <= gemv.MAX_M and x.shape[1] % 16 == 0 == weight.shape[1] % 16
     monkeypatch.setattr(gemv, "kernel_applies", cpu_applies)
     wide = {False: gemv.GemvConfig(64, 64, programs_per_sm=0), True: gemv.GemvConfig(64, 64, use_dot=True)}
     monkeypatch.setattr(gemv, "choose", lambda m, n, k, size: (wide[m > 4], False))  # few programs: quick on CPU
-    monkeypatch.setattr(gemv, "_merge_fuses", lambda attn, weight, bias: True)
+    monkeypatch.setattr(gemv, "_merge_fuses", lambda attn, weight, bias, weight_scale=None: True)
     monkeypatch.setattr(attention, "decode_num_splits", lambda *shape: 2)  # partials to merge
     calls = []
     launch = gemv._launch

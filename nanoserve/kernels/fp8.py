@@ -1,0 +1,143 @@
+"""FP8 (e4m3) weights: the format, quantize / dequantize, and the product of many rows (prefill).
+
+A weight W [N, K] is stored as Q = round(W / s) in float8_e4m3fn with one fp32 scale s per output row (per
+channel; `block=(bn, bk)` gives one scale per [bn, bk] tile instead, for the quality comparison of
+benchmarks/fp8_quality.py): W ≈ Q · s. The scale maps the row's largest |w| to e4m3's largest finite value
+(448), so nothing saturates and the 3-bit mantissa gives every weight ~2^-4 relative precision.
+
+Few rows (decode) read Q and s in the Triton GEMV (kernels/gemv.py), which converts Q in registers and applies
+s once per output; many rows (prefill) go through `linear` here, which PREFILL_TABLE sends either to
+torch._scaled_mm (Hopper FP8 tensor cores: the activations quantized per token, scale_a per row, scale_b per
+weight row) or to dequantize + the model-dtype matmul; off CUDA always the latter, so fp8 runs everywhere.
+The quantization math lives here, under the kernels, because the run-time paths need it; model/quantization.py
+decides which layers of a model it applies to.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+MIN_SCALE = 1e-12  # an all-zero row keeps a positive scale (its codes are all 0)
+SCALED_MM, DEQUANT = "scaled_mm", "dequant"
+
+# Tokens bucket (the smallest key >= rows; the last takes any) → ((weight MiB up to, None = any; method), ...).
+# `python benchmarks/fp8_prefill.py` on the H200 measures both methods on the decode matrices of the three
+# shapes at 128..8192 tokens and prints this dict to paste. Until that run: _scaled_mm everywhere (it reads half
+# the weight bytes and runs the FP8 tensor cores at twice the bf16 rate; dequantizing first writes a bf16 copy).
+PREFILL_TABLE: dict[int, tuple[tuple[float | None, str], ...]] = {
+    8192: ((None, SCALED_MM),),
+}
+
+
+def quantize(weight: torch.Tensor, block: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q in float8_e4m3fn [N, K], fp32 scales) of weight [N, K]: scales [N] per output channel, or
+    [cdiv(N, bn), cdiv(K, bk)] per block. Computed in fp32 on weight's device."""
+    if weight.dim() != 2:
+        raise ValueError(f"fp8 quantization takes a 2-D weight, got shape {tuple(weight.shape)}")
+    w = weight.float()
+    if block is None:
+        scale = (w.abs().amax(dim=1) / FP8_MAX).clamp_min(MIN_SCALE)
+        return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    bn, bk = block
+    n, k = w.shape
+    padded = F.pad(w, (0, -k % bk, 0, -n % bn))
+    tiles = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(MIN_SCALE)
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[:n, :k]
+    return q.to(FP8_DTYPE).contiguous(), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
+               block: tuple[int, int] | None = None) -> torch.Tensor:
+    """Q · s in dtype, for either scale layout of quantize() (block as given to it)."""
+    w = q.float()
+    if block is None:
+        if scale.shape != (q.shape[0],):
+            raise ValueError(f"per-channel scales of a {tuple(q.shape)} weight are [{q.shape[0]}], "
+                             f"got {tuple(scale.shape)} (blocks need block=)")
+        return (w * scale[:, None]).to(dtype)
+    n, k = q.shape
+    full = scale.repeat_interleave(block[0], dim=0)[:n].repeat_interleave(block[1], dim=1)[:, :k]
+    return (w * full).to(dtype)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] → (fp8 [M, K], fp32 scales [M, 1]): one scale per token, for torch._scaled_mm."""
+    scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(MIN_SCALE)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def _parsed_table(table: dict) -> dict[int, tuple[tuple[float, str], ...]]:
+    out = {}
+    for rows, entries in sorted(table.items()):
+        limits = [math.inf if mib is None else mib * 2**20 for mib, _ in entries]
+        if not entries or limits[-1] != math.inf or limits != sorted(set(limits)):
+            raise ValueError(f"PREFILL_TABLE[{rows}]: sizes must ascend and end with None (any size)")
+        if any(method not in (SCALED_MM, DEQUANT) for _, method in entries):
+            raise ValueError(f"PREFILL_TABLE[{rows}]: methods are {SCALED_MM!r} or {DEQUANT!r}")
+        out[rows] = tuple(zip(limits, (method for _, method in entries)))
+    return out
+
+
+_TABLE = _parsed_table(PREFILL_TABLE)
+
+
+def prefill_method(m: int, n: int, k: int) -> str:
+    """The faster method for m rows times an fp8 [n, k] weight on the GPU, from PREFILL_TABLE."""
+    keys = sorted(_TABLE)
+    bucket = next((b for b in keys if b >= m), keys[-1])
+    for limit, method in _TABLE[bucket]:
+        if n * k <= limit:
+            return method
+    raise AssertionError("unreachable: the last entry takes any size")
+
+
+@functools.cache
+def _has_fp8_tensor_cores(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def scaled_mm_applies(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether torch._scaled_mm's row-wise path takes these: CUDA with FP8 tensor cores, bf16 activations (its
+    only output type with row-wise scales), per-channel scales, K and N multiples of 16."""
+    if not x.is_cuda or x.dtype != torch.bfloat16 or scale.dim() != 1 or x.dim() != 2:
+        return False
+    if x.shape[1] % 16 or q.shape[0] % 16 or (bias is not None and bias.dtype != torch.bfloat16):
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return _has_fp8_tensor_cores(index)
+
+
+def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ (Q · s).T + bias on the FP8 tensor cores: x quantized per token, accumulated in fp32, out in bf16."""
+    xq, x_scale = quantize_rows(x)
+    return torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale.view(1, -1), bias=bias,
+                            out_dtype=x.dtype, use_fast_accum=False)
+
+
+def dequant_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ (Q · s).T + bias with the weight dequantized to x's dtype first (any device)."""
+    return F.linear(x, dequantize(q, scale, x.dtype), bias)
+
+
+def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+           method: str | None = None) -> torch.Tensor:
+    """x [..., K] @ (Q · s).T + bias for many rows: PREFILL_TABLE's method where _scaled_mm applies (or `method`),
+    else dequantize + matmul."""
+    if q.dtype != FP8_DTYPE:
+        raise ValueError(f"fp8 linear needs a {FP8_DTYPE} weight, got {q.dtype}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if scaled_mm_applies(x2, q, scale, bias):
+        method = method or prefill_method(x2.shape[0], q.shape[0], q.shape[1])
+    else:
+        method = DEQUANT
+    out = scaled_mm_linear(x2, q, scale, bias) if method == SCALED_MM else dequant_linear(x2, q, scale, bias)
+    return out.view(*lead, q.shape[0])

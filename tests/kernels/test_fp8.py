@@ -1,0 +1,318 @@
+"""FP8 weights: quantize / dequantize error bounds, the fp8 GEMV (every fused path) against a plain-PyTorch
+reference on the dequantized weight, and the many-rows product (kernels/fp8.py).
+
+CPU: the GEMV through TRITON_INTERPRET=1 (set in conftest); with CUDA the same cases compile for the GPU, and the
+`gpu` tests add real decode shapes, torch._scaled_mm and CUDA-graph replay.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels import attention, fp8, fused, gemv
+from nanoserve.kernels._triton import HAS_TRITON
+from nanoserve.kernels.gemv import GemvConfig
+from nanoserve.kernels.rotary_kv import QKVRope
+from nanoserve.kernels.switches import switched
+from tests.kernels.test_gemv import (DEVICE, DOT_SPLIT, DOT_WHOLE_K, FMA_SPLIT, FMA_WHOLE_K, make, merge_case,
+                                     norm_case, rope_case, rope_reference, tol)
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+E4M3_RELATIVE = 2.0 ** -4  # half a unit in the last place of a 3-bit mantissa, relative to the value
+E4M3_SUBNORMAL_STEP = 2.0 ** -9  # e4m3's spacing below its smallest normal 2^-6, in units of the scale
+
+
+def quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp8 codes, scales, the fp32 weight they stand for)."""
+    q, s = fp8.quantize(w)
+    return q, s, fp8.dequantize(q, s)
+
+
+# -- the format ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block", [None, (128, 128), (1, 128), (16, 32)])
+def test_round_trip_error_is_within_half_an_e4m3_step(block):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 520, generator=g) * torch.logspace(-3, 1, 300)[:, None]  # rows of very different range
+    w[7] = 0.0  # an all-zero row
+    w[11, 3] = 50.0  # an outlier
+    q, scale = fp8.quantize(w, block)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape and scale.dtype == torch.float32
+    assert scale.shape == ((300,) if block is None else (-(-300 // block[0]), -(-520 // block[1])))
+    back = fp8.dequantize(q, scale, block=block)
+    per_value_scale = fp8.dequantize(torch.ones_like(q), scale, block=block)
+    bound = torch.maximum(w.abs() * E4M3_RELATIVE, per_value_scale * E4M3_SUBNORMAL_STEP / 2) * (1 + 1e-6)
+    assert torch.all((back - w).abs() <= bound)
+    assert torch.isfinite(back).all() and torch.all(back[7] == 0)
+    assert q.float().abs().max() == fp8.FP8_MAX  # each group's largest value maps to e4m3's largest: no saturation
+    assert fp8.dequantize(q, scale, torch.bfloat16, block).dtype == torch.bfloat16
+
+
+def test_gaussian_weights_lose_about_three_percent():
+    w = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(1)) * 0.02
+    for block in (None, (128, 128)):
+        q, scale = fp8.quantize(w, block)
+        rel = ((fp8.dequantize(q, scale, block=block) - w).norm() / w.norm()).item()
+        assert 0.015 < rel < 0.035, (block, rel)  # 3 mantissa bits: ~2.6 % rms
+
+
+def test_quantize_rows_scales_each_token():
+    x = torch.randn(5, 64) * torch.tensor([1e-3, 1.0, 10.0, 100.0, 0.0])[:, None]
+    q, scale = fp8.quantize_rows(x)
+    assert scale.shape == (5, 1) and q.dtype == torch.float8_e4m3fn
+    back = q.float() * scale
+    assert torch.all((back - x).abs() <= x.abs() * E4M3_RELATIVE + scale * E4M3_SUBNORMAL_STEP)
+
+
+def test_quantize_refuses_other_shapes():
+    with pytest.raises(ValueError, match="2-D"):
+        fp8.quantize(torch.randn(4, 4, 4))
+
+
+# -- the many-rows product -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bias", [False, True])
+def test_many_rows_dequantize_then_matmul_off_cuda(bias):
+    x, w, b = make(100, 48, 64, torch.float32, bias, device="cpu")
+    q, s, w_ref = quantized(w)
+    assert not fp8.scaled_mm_applies(x, q, s, b)
+    out = fp8.linear(x.view(4, 25, 64), q, s, b)
+    assert out.shape == (4, 25, 48)
+    torch.testing.assert_close(out.view(100, 48), F.linear(x, w_ref, b), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="float8"):
+        fp8.linear(x, w, s)
+
+
+def test_gemv_linear_with_fp8_weight_falls_back_off_gpu():
+    x, w, b = make(3, 40, 64, torch.float32, True, device="cpu")
+    q, s, w_ref = quantized(w)
+    assert not gemv.kernel_applies(x, q, b, s)
+    torch.testing.assert_close(gemv.linear(x, q, b, weight_scale=s), F.linear(x, w_ref, b), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_table():
+    assert fp8.prefill_method(8192, 4096, 4096) in (fp8.SCALED_MM, fp8.DEQUANT)
+    assert fp8.prefill_method(10 ** 6, 8, 16) in (fp8.SCALED_MM, fp8.DEQUANT)  # beyond the last bucket
+    with pytest.raises(ValueError, match="ascend"):
+        fp8._parsed_table({512: ((8, fp8.SCALED_MM),)})
+    with pytest.raises(ValueError, match="methods"):
+        fp8._parsed_table({512: ((None, "cublas"),)})
+
+
+# -- the GEMV: plain product ---------------------------------------------------------------------------------
+def check_fp8(out, x, w_ref, b, dtype):
+    """Against x @ dequantized(W).T in fp32: the kernel computes the same sum (fp32), scaled once per channel."""
+    want = F.linear(x.float(), w_ref, None if b is None else b.float())
+    assert out.dtype == dtype and out.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,config", [(1, FMA_SPLIT), (1, FMA_WHOLE_K), (3, FMA_SPLIT), (3, DOT_SPLIT),
+                                      (16, DOT_WHOLE_K), (33, DOT_SPLIT), (64, DOT_WHOLE_K)])
+def test_fp8_gemv_equals_the_dequantized_product(m, config, bias, dtype):
+    k = 192 if config.use_dot else 200  # odd N; for fma K not a multiple of block_k
+    x, w, b = make(m, 37, k, dtype, bias, seed=m)
+    q, s, w_ref = quantized(w.float())
+    check_fp8(gemv.linear(x, q, b, weight_scale=s, force_triton=True, config=config), x, w_ref, b, dtype)
+
+
+@needs_triton
+def test_fp8_table_variants():
+    for m in (1, 3, 8, 40):  # the fp8 table's fma variant, then its dot variants
+        x, w, b = make(m, 40, 256, torch.float32, True, seed=m)
+        q, s, w_ref = quantized(w)
+        cfg, triton_wins = gemv.choose(m, 40, 256, 1)
+        assert triton_wins and gemv.plan(cfg, m, 40, 256, 132)
+        check_fp8(gemv.linear(x, q, b, weight_scale=s, force_triton=True), x, w_ref, b, torch.float32)
+
+
+@needs_triton
+def test_fp8_weight_needs_its_scale():
+    x, w, _ = make(2, 16, 32, torch.float32, False)
+    q, s, _ = quantized(w)
+    with pytest.raises(ValueError, match="weight_scale"):
+        gemv.linear(x, q, force_triton=True)
+    with pytest.raises(ValueError, match="per-channel"):
+        gemv.linear(x, q, weight_scale=s[:8], force_triton=True)
+
+
+def test_fp8_plan_counts_a_weight_byte_and_an_activation_tile():
+    cfg = GemvConfig(64, 256, num_stages=4, use_dot=True)
+    assert gemv.plan(cfg, 64, 4096, 4096, 132, 1, 2).num_stages == 2  # 16 KiB fp8 + 32 KiB bf16 a stage
+    assert gemv.plan(cfg, 16, 4096, 4096, 132, 1, 2).num_stages == 4  # 16 + 8 KiB
+
+
+# -- the GEMV: fused prologues and the epilogue ----------------------------------------------------------------
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,config", [(1, None), (3, FMA_SPLIT), (20, DOT_SPLIT)])
+def test_fp8_norm_prologue(m, config, dtype):
+    x, residual, norm_w, w, b = norm_case(m, 96, 40, dtype, True)
+    q, s, w_ref = quantized(w.float())
+    out, new_residual = gemv.norm_linear(x, residual, norm_w, 1e-6, q, b, weight_scale=s, force_triton=True,
+                                         config=config)
+    normed, want_residual = fused.rms_norm_ref(x, norm_w, 1e-6, residual)
+    check_fp8(out, normed, w_ref, b, dtype)
+    torch.testing.assert_close(new_residual, want_residual, **tol(dtype))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,config", [(1, None), (3, FMA_SPLIT), (20, DOT_SPLIT)])
+def test_fp8_silu_mul_prologue(m, config, dtype):
+    g = torch.Generator().manual_seed(12)
+    gate_up = torch.randn(m, 160, generator=g).to(DEVICE, dtype)
+    q, s, w_ref = quantized(torch.randn(24, 80, generator=g) / 80 ** 0.5)
+    q, s, w_ref = q.to(DEVICE), s.to(DEVICE), w_ref.to(DEVICE)
+    out = gemv.silu_mul_linear(gate_up, q, weight_scale=s, force_triton=True, config=config)
+    check_fp8(out, fused.silu_and_mul_ref(gate_up), w_ref, None, dtype)
+
+
+def check_fp8_rope(m, dtype, qk_norm, bias, config=None):
+    x, residual, norm_w, w, b, make_rope = rope_case(m, dtype, qk_norm, bias)
+    q8, s, w_ref = quantized(w.float())
+    ref_rope = make_rope()
+    rope = QKVRope(**{**ref_rope.__dict__, "k_cache": ref_rope.k_cache.clone(), "v_cache": ref_rope.v_cache.clone()})
+    q_ref, residual_ref = rope_reference(x, residual, norm_w, w_ref.to(dtype), b, ref_rope)
+    q, k, v, new_residual = gemv.norm_qkv_rope(x, residual, norm_w, 1e-6, q8, b, rope, weight_scale=s,
+                                               force_triton=True, config=config)
+    assert k is None and v is None and q.dtype == dtype
+    # bf16: the reference's weight is Q · s rounded to bf16 (the kernel's is exact), and the k norm scales that
+    # difference up in a head of small norm: 1.5x the plain bf16 tolerance
+    close = tol(dtype) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(q, q_ref, **close)
+    torch.testing.assert_close(rope.k_cache, ref_rope.k_cache, **close)
+    torch.testing.assert_close(rope.v_cache, ref_rope.v_cache, **close)
+    torch.testing.assert_close(new_residual, residual_ref, **tol(dtype))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm,bias", [(True, False), (False, True)], ids=["qwen3", "qwen2"])
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_fp8_qkv_rope_epilogue(m, qk_norm, bias, dtype):
+    check_fp8_rope(m, dtype, qk_norm, bias)
+
+
+@needs_triton
+def test_fp8_qkv_rope_epilogue_after_split_k():
+    check_fp8_rope(3, torch.float32, True, True, GemvConfig(32, 16, split_k=3))
+
+
+def check_fp8_merge(m, dtype):
+    partials, w, b = merge_case(m, dtype)
+    q, s, w_ref = quantized(w.float())
+    want = F.linear(attention.merge_partials(partials).reshape(m, -1).float(), w_ref, b.float())
+    out = gemv.attention_out_linear(partials, q, b, weight_scale=s, force_triton=True)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), want, **tol(dtype))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_fp8_attention_merge_prologue(m, dtype):
+    check_fp8_merge(m, dtype)
+
+
+@needs_triton
+@pytest.mark.usefixtures("pdl_in_interpreter")
+def test_fp8_pdl_path_in_the_interpreter():
+    """The first fp8 tile is loaded before gdc_wait; every path still sees each tile once and scales once."""
+    for m, config in ((1, FMA_SPLIT), (16, DOT_SPLIT)):
+        x, w, b = make(m, 37, 64 if config.use_dot else 200, torch.float32, True, seed=m)
+        q, s, w_ref = quantized(w)
+        check_fp8(gemv.linear(x, q, b, weight_scale=s, force_triton=True, config=config), x, w_ref, b, torch.float32)
+    check_fp8_rope(3, torch.float32, True, True, GemvConfig(32, 16, split_k=3))
+    check_fp8_merge(3, torch.float32)
+
+
+# -- GPU: real shapes, _scaled_mm, CUDA graphs -------------------------------------------------------------------
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and triton")
+REAL_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), (4096, 14336),
+               (960, 576), (3072, 576), (576, 1536)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n,k", REAL_SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 32, 64])
+def test_gpu_fp8_real_shapes_table_variant(m, n, k):
+    x, w, b = make(m, n, k, torch.bfloat16, True, seed=n + m)
+    q, s, w_ref = quantized(w)
+    assert gemv.kernel_applies(x, q, b, s)
+    with torch.inference_mode():
+        check_fp8(gemv.linear(x, q, b, weight_scale=s), x, w_ref, b, torch.bfloat16)  # the table decides
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("m", [1, 4, 32])
+def test_gpu_fp8_fused_paths(m, pdl):
+    with switched(pdl=pdl):
+        test_fp8_norm_prologue(m, None, torch.bfloat16)
+        test_fp8_silu_mul_prologue(m, None, torch.bfloat16)
+        check_fp8_rope(m, torch.bfloat16, True, False)
+        check_fp8_rope(m, torch.bfloat16, False, True)
+        check_fp8_merge(m, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("m", [65, 512, 1000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpu_scaled_mm_and_dequant_agree_with_the_reference(m, bias):
+    x, w, b = make(m, 1024, 2048, torch.bfloat16, bias, seed=m)
+    q, s, w_ref = quantized(w)
+    assert fp8.scaled_mm_applies(x, q, s, b) == (torch.cuda.get_device_capability() >= (8, 9))
+    want = F.linear(x.float(), w_ref, None if b is None else b.float())
+    for method in (fp8.DEQUANT, fp8.SCALED_MM) if fp8.scaled_mm_applies(x, q, s, b) else (fp8.DEQUANT,):
+        out = fp8.linear(x, q, s, b, method=method)
+        # _scaled_mm also quantizes x per token: one more e4m3 rounding, ~2.6 % of each product, averaging out
+        # over K = 2048 to ~0.1 % of the largest output
+        rel = ((out.float() - want).abs().max() / want.abs().max()).item()
+        assert rel < (3e-2 if method == fp8.SCALED_MM else 1e-2), (method, rel)
+    torch.testing.assert_close(gemv.linear(x, q, b, weight_scale=s).float(), want, rtol=3e-2,
+                               atol=3e-2 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_fp8_cuda_graph_replays_a_chain(pdl):
+    """fp8 products (split-K included) chained in one graph, replayed with new inputs."""
+    x, w, b = make(3, 1024, 1024, torch.bfloat16, True, seed=3)
+    q, s, w_ref = quantized(w)
+    cfgs = [GemvConfig(8, 512, split_k=4), GemvConfig(32, 256, use_dot=True, split_k=3), GemvConfig(4, 2048)]
+
+    def chain():
+        h = x
+        for cfg in cfgs * 2:
+            h = gemv.linear(h, q, b, weight_scale=s, force_triton=True, config=cfg)
+        return h
+
+    def reference():
+        h = x.float()
+        for _ in range(6):
+            h = F.linear(h.to(torch.bfloat16).float(), w_ref, b.float())
+        return h
+
+    with switched(pdl=pdl):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain()  # warm-up: compiles, creates the split-K counters
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+    for seed in (10, 11):
+        x.copy_(make(3, 1024, 1024, torch.bfloat16, False, seed=seed)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference()
+        torch.testing.assert_close(out.float(), want, rtol=3e-2, atol=3e-2 * want.abs().max().item())

@@ -14,24 +14,25 @@ import time
 from nanoserve.config import EngineConfig
 
 _ENGINE_FIELDS = [f for f in dataclasses.fields(EngineConfig) if f.name != "model"]
+_ALIASES = {"tensor_parallel_size": ["-tp"]}  # vLLM's short flag
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options")
     for f in _ENGINE_FIELDS:
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, [])]
         if f.default is False:
-            group.add_argument(flag, action="store_true", default=None)
+            group.add_argument(*flags, action="store_true", default=None)
         elif f.name == "cudagraph_capture_sizes":
-            group.add_argument(flag, type=int, nargs="+", default=None, metavar="N")
+            group.add_argument(*flags, type=int, nargs="+", default=None, metavar="N")
         elif "int" in str(f.type):
-            group.add_argument(flag, type=int, default=None)
+            group.add_argument(*flags, type=int, default=None)
         elif "float" in str(f.type):
-            group.add_argument(flag, type=float, default=None)
+            group.add_argument(*flags, type=float, default=None)
         elif "bool" in str(f.type):
-            group.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=None, metavar="BOOL")
+            group.add_argument(*flags, type=lambda s: s.lower() in ("1", "true", "yes"), default=None, metavar="BOOL")
         else:
-            group.add_argument(flag, type=str, default=None)
+            group.add_argument(*flags, type=str, default=None)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 from torch import nn
 
@@ -28,13 +29,16 @@ class TensorParallel:
 
     `group` is a torch.distributed backend object (ProcessGroupNCCL on CUDA, ProcessGroupGloo on CPU) that
     the runner built for this engine alone: no process-wide default group. The device collectives are
-    graph-capturable on NCCL; the host helpers (min/max/broadcast) let the ranks agree on start-up values."""
+    graph-capturable on NCCL and synchronous (asyncOp off, as torch.distributed.all_reduce sets it), so NCCL
+    runs them on the current stream: no fork and join with its own stream around each one. The host helpers
+    (min/max/broadcast) let the ranks agree on start-up values."""
 
     def __init__(self, rank: int = 0, size: int = 1, group=None, device: torch.device | None = None):
         if size > 1 and group is None:
             raise ValueError(f"tensor parallelism over {size} ranks needs a process group")
         self.rank, self.size, self.group = rank, size, group
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._sum, self._gather = _sync(dist.AllreduceOptions()), _sync(c10d.AllgatherOptions())
 
     def split(self, full: int, name: str) -> Split:
         """This rank's equal share of `full` rows; ValueError when the ranks cannot share them evenly."""
@@ -47,7 +51,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place (a row-parallel layer's partial products)."""
         if self.size > 1:
-            self.group.allreduce([x]).wait()
+            self.group.allreduce([x], self._sum).wait()
         return x
 
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +60,7 @@ class TensorParallel:
             return x
         x = x.contiguous()
         out = x.new_empty(self.size * x.shape[0], x.shape[1])
-        self.group._allgather_base(out, x).wait()
+        self.group._allgather_base(out, x, self._gather).wait()
         return out.view(self.size, x.shape[0], x.shape[1]).transpose(0, 1).reshape(x.shape[0], -1)
 
     # -- host agreement (start-up) ----------------------------------------------------------------
@@ -77,7 +81,7 @@ class TensorParallel:
             buf[0] = len(values)
             buf[1:1 + len(values)] = torch.tensor(values, dtype=torch.int64)
         buf = buf.to(self.device)
-        opts = dist.BroadcastOptions()
+        opts = _sync(dist.BroadcastOptions())
         opts.rootRank = 0
         self.group.broadcast([buf], opts).wait()
         buf = buf.cpu()
@@ -87,10 +91,17 @@ class TensorParallel:
         if self.size == 1:
             return t
         t = t.to(self.device)
-        opts = dist.AllreduceOptions()
+        opts = _sync(dist.AllreduceOptions())
         opts.reduceOp = op
         self.group.allreduce([t], opts).wait()
         return t.cpu()
+
+
+def _sync(options):
+    """Collective options with asyncOp off where this torch has it (older ones always use NCCL's stream)."""
+    if hasattr(options, "asyncOp"):
+        options.asyncOp = False
+    return options
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,11 @@ class RunnerGroup:
 
     def _start(self, hf_config, store: str) -> None:
         for w in self._workers:
-            self._expect(w, "joining")
+            try:
+                self._expect(w, "joining")
+            except WorkerError as e:  # most often a script without a main guard, re-run by the spawned worker
+                raise WorkerError(f"{e}, before joining the group (spawned workers import the script that started "
+                                  "the engine: start it under `if __name__ == \"__main__\":`)") from None
         self.tp = connect(store, 0, self.config.tensor_parallel_size, self.config.torch_device)
         threading.Thread(target=self._watch, name="nanoserve-tp-watch", daemon=True).start()
         self.runner = self._guarded(ModelRunner, self.config, hf_config, self.tp)

@@ -62,6 +62,8 @@ class _Worker:
 
 
 class RunnerGroup:
+    """tensor_parallel_size ranks behind ModelRunner's API: rank 0 here, the others in worker processes."""
+
     def __init__(self, config: EngineConfig, hf_config):
         size = config.tensor_parallel_size
         check_world(config)
@@ -75,12 +77,14 @@ class RunnerGroup:
         self._closing, self._busy = False, 0
         self._dir = tempfile.mkdtemp(prefix="nanoserve-tp-")
         store = os.path.join(self._dir, "store")
-        self._workers = [self._spawn(rank, hf_config, store) for rank in range(1, size)]
-        self._sender = _Sender([w.conn for w in self._workers])
+        self._workers: list[_Worker] = []
+        self._sender: _Sender | None = None
         try:
+            self._workers = [self._spawn(rank, hf_config, store) for rank in range(1, size)]
+            self._sender = _Sender([w.conn for w in self._workers])
             self._start(hf_config, store)
         except BaseException:
-            self.close()
+            self._shutdown(abort=True)  # workers may wait in a collective for a rank 0 that is not coming
             raise
 
     def _spawn(self, rank: int, hf_config, store: str) -> _Worker:
@@ -238,13 +242,20 @@ class RunnerGroup:
     # -- shutdown ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the workers (killed if they do not exit), release the group and rank 0's cache and graphs."""
+        self._shutdown(abort=self._dead is not None)
+
+    def _shutdown(self, abort: bool) -> None:
+        """abort: first cancel the group's collectives, so a worker blocked in one fails instead of waiting."""
         if self._closing:
             return
         self._closing = True
         if self.runner is not None:
             self.runner.close()
-        self._sender.send(("close",))
-        self._sender.close(CLOSE_TIMEOUT_S)
+        if abort and self.tp is not None:
+            disconnect(self.tp, abort=True)
+        if self._sender is not None:
+            self._sender.send(("close",))
+            self._sender.close(CLOSE_TIMEOUT_S)
         for w in self._workers:
             w.process.join(CLOSE_TIMEOUT_S)
             if w.process.is_alive():
@@ -252,7 +263,7 @@ class RunnerGroup:
                 w.process.join()
             w.conn.close()
         if self.tp is not None:
-            disconnect(self.tp, abort=self._dead is not None)
+            disconnect(self.tp)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

@@ -3,6 +3,7 @@ one-rank engine's tokens; a dead worker is a clear error, not a hang; bad sizes 
 The GPU tests (NCCL, CUDA graphs with the all-reduce inside) are in test_tensor_parallel_gpu.py."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
@@ -94,6 +95,12 @@ def test_a_failed_worker_names_its_error(tiny_model_dirs):
     with LLM(str(tiny_model_dirs["qwen3"]), tensor_parallel_size=2, **OPTIONS) as llm:
         with pytest.raises(WorkerError, match="rank 1 failed: ZeroDivisionError: rank 1 was told to fail"):
             llm.engine.model_runner.on_every_rank(fail_off_rank_zero)
+
+
+def test_a_start_up_error_is_raised_as_itself_and_leaves_no_worker(tiny_model_dirs):
+    with pytest.raises(ValueError, match="the KV cache holds 8 tokens"):  # every rank fails alike
+        LLM(str(tiny_model_dirs["qwen2"]), tensor_parallel_size=2, num_kv_blocks=2, **OPTIONS)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("nanoserve-tp")]
 
 
 class _RankZero:

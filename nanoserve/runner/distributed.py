@@ -51,7 +51,7 @@ def rank_device(config: EngineConfig, rank: int) -> str:
 
 def connect(store_path: str, rank: int, size: int, device: torch.device) -> TensorParallel:
     """Join the group (blocks until every rank has joined; NCCL connects at its first collective)."""
-    store = dist.FileStore(store_path, size)
+    store = dist.PrefixStore("nanoserve-tp", dist.FileStore(store_path, size))  # as init_process_group wraps it
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = TIMEOUT

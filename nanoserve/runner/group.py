@@ -202,7 +202,8 @@ class RunnerGroup:
     def _expect(self, w: _Worker, kind: str):
         """The worker's next message, which must be `kind`; WorkerError if it fails, dies or stays silent."""
         if not wait([w.conn, w.process.sentinel], REPLY_TIMEOUT_S):
-            raise WorkerError(f"tensor-parallel worker rank {w.rank} sent no {kind!r} within {REPLY_TIMEOUT_S:.0f} s")
+            self._failure = f"tensor-parallel worker rank {w.rank} sent no {kind!r} within {REPLY_TIMEOUT_S:.0f} s"
+            raise WorkerError(self._failure)
         message = None
         try:
             if w.conn.poll():
@@ -242,7 +243,7 @@ class RunnerGroup:
     # -- shutdown ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the workers (killed if they do not exit), release the group and rank 0's cache and graphs."""
-        self._shutdown(abort=self._dead is not None)
+        self._shutdown(abort=self._dead is not None or self._failure is not None)
 
     def _shutdown(self, abort: bool) -> None:
         """abort: first cancel the group's collectives, so a worker blocked in one fails instead of waiting."""

@@ -68,7 +68,6 @@ def run_worker(conn, rank: int, config, hf_config, store_path: str, log_level: i
     logging.getLogger("nanoserve").setLevel(max(log_level, logging.WARNING))  # rank 0 logs start-up
     if torch.device(config.device).type == "cpu":  # the ranks share the cores; spinning threads would starve rank 0
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
-    tp = None
     try:
         send(conn, ("joining",))
         tp = connect(store_path, rank, config.tensor_parallel_size, torch.device(config.device))

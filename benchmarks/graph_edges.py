@@ -84,15 +84,7 @@ def inspect_graph(raw_graph: int) -> GraphEdges:
     """Nodes and edges of a cudaGraph_t (an int, as CUDAGraph.raw_cuda_graph() returns it)."""
     lib = _driver()
     graph = ctypes.c_void_p(raw_graph)
-    count = ctypes.c_size_t(0)
-    _check(lib.cuGraphGetNodes(graph, None, ctypes.byref(count)), "cuGraphGetNodes")
-    nodes = (ctypes.c_void_p * count.value)()
-    _check(lib.cuGraphGetNodes(graph, nodes, ctypes.byref(count)), "cuGraphGetNodes")
-    names: dict[int, str | None] = {}  # node → kernel name, None for other node types
-    for node in nodes[:count.value]:
-        node_type = ctypes.c_int()
-        _check(lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(node_type)), "cuGraphNodeGetType")
-        names[node] = _kernel_name(lib, ctypes.c_void_p(node)) if node_type.value == CU_GRAPH_NODE_TYPE_KERNEL else None
+    names = _node_names(lib, graph)
     if not hasattr(lib, "cuGraphGetEdges_v2"):
         raise RuntimeError("the driver has no cuGraphGetEdges_v2 (CUDA 12.3+): edge types are not readable")
     n_edges = ctypes.c_size_t(0)
@@ -114,3 +106,23 @@ def inspect_graph(raw_graph: int) -> GraphEdges:
         1 for node, name in names.items()
         if name in PDL_KERNELS and node in kernel_pred and node not in programmatic_into)
     return out
+
+
+
+def _node_names(lib, graph) -> dict[int, str | None]:
+    """Every node of the graph → its kernel name, None for other node types (memcpy, event, host...)."""
+    count = ctypes.c_size_t(0)
+    _check(lib.cuGraphGetNodes(graph, None, ctypes.byref(count)), "cuGraphGetNodes")
+    nodes = (ctypes.c_void_p * count.value)()
+    _check(lib.cuGraphGetNodes(graph, nodes, ctypes.byref(count)), "cuGraphGetNodes")
+    names: dict[int, str | None] = {}
+    for node in nodes[:count.value]:
+        node_type = ctypes.c_int()
+        _check(lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(node_type)), "cuGraphNodeGetType")
+        names[node] = _kernel_name(lib, ctypes.c_void_p(node)) if node_type.value == CU_GRAPH_NODE_TYPE_KERNEL else None
+    return names
+
+
+def kernel_names(raw_graph: int) -> list[str]:
+    """The kernel names of a cudaGraph_t's kernel nodes ("?" where the driver cannot tell), in node order."""
+    return [n for n in _node_names(_driver(), ctypes.c_void_p(raw_graph)).values() if n is not None]

@@ -25,23 +25,24 @@ def parse_bool(text: str) -> bool:
     if value in _TRUE or value in _FALSE:
         return value in _TRUE
     raise argparse.ArgumentTypeError(f"expected true/false, yes/no or 1/0, got {text!r}")
+_ALIASES = {"tensor_parallel_size": ["-tp"]}  # vLLM's short flag
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options")
     for f in _ENGINE_FIELDS:
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, [])]
         text = FIELD_HELP[f.name] + ("" if f.default is None else f" (default: {_shown(f.default)})")
         if "bool" in str(f.type):  # `--flag` alone means true
-            group.add_argument(flag, type=parse_bool, nargs="?", const=True, default=None, metavar="BOOL", help=text)
+            group.add_argument(*flags, type=parse_bool, nargs="?", const=True, default=None, metavar="BOOL", help=text)
         elif f.name == "cudagraph_capture_sizes":  # auto | pow2 | N N ...: EngineConfig checks the words
-            group.add_argument(flag, nargs="+", default=None, metavar="auto|pow2|N", help=text)
+            group.add_argument(*flags, nargs="+", default=None, metavar="auto|pow2|N", help=text)
         elif "int" in str(f.type):
-            group.add_argument(flag, type=int, default=None, metavar="N", help=text)
+            group.add_argument(*flags, type=int, default=None, metavar="N", help=text)
         elif "float" in str(f.type):
-            group.add_argument(flag, type=float, default=None, metavar="X", help=text)
+            group.add_argument(*flags, type=float, default=None, metavar="X", help=text)
         else:
-            group.add_argument(flag, type=str, default=None, help=text)
+            group.add_argument(*flags, type=str, default=None, help=text)
 
 
 def _shown(default) -> str:

@@ -30,6 +30,7 @@ class EngineConfig:
     model: str
     device: str = "auto"  # "auto" → cuda when available, else cpu
     dtype: str = "auto"  # "auto" → the model's torch_dtype on CUDA, float32 on CPU
+    tensor_parallel_size: int = 1  # ranks (GPUs from `device` on; gloo processes on CPU) that share each layer
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # tokens per step (long prompts are prefilled in chunks); None → 8192
     max_model_len: int | None = None  # None → the model's max_position_embeddings (capped at 32768)
@@ -71,7 +72,7 @@ class EngineConfig:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("max_num_seqs", "block_size", "max_waiting_requests"):
+        for name in ("max_num_seqs", "block_size", "max_waiting_requests", "tensor_parallel_size"):
             _positive(name, getattr(self, name))
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
             if getattr(self, name) is not None:

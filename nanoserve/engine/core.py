@@ -25,7 +25,7 @@ from nanoserve.engine.messages import EngineRequest, EngineStats, SeqOutput
 from nanoserve.engine.scheduler import ScheduledStep, Scheduler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.model.loader import eos_token_ids, load_hf_config, load_tokenizer, model_max_len
-from nanoserve.runner.model_runner import ModelRunner
+from nanoserve.runner.group import WorkerError, create_runner
 from nanoserve.runner.sampler import SampleHandle
 
 logger = logging.getLogger("nanoserve")
@@ -42,7 +42,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         hf_config = load_hf_config(config.model)
         self.config = config.resolve(model_max_len(hf_config), hf_config_dtype(hf_config))
-        self.runner = ModelRunner(self.config, hf_config)
+        self.runner = create_runner(self.config, hf_config)  # a RunnerGroup under tensor parallelism
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = [t for t in self._eos_ids(hf_config) if 0 <= t < self.vocab_size]
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
@@ -155,11 +155,15 @@ class EngineCore:
 
     def close(self) -> None:
         """Finish what is in flight, write the batch histogram (cudagraph_plan), drop the device state."""
-        while self._inflight:
-            self._complete(self._inflight.popleft())
+        try:
+            while self._inflight:
+                self._complete(self._inflight.popleft())
+        except WorkerError:  # a tensor-parallel rank died: what was in flight died with it
+            self._inflight.clear()
         self.abort_requests(list(self.sequences))
         if self.runner is not None:
             self.runner.save_batch_histogram()
+            self.runner.close()
             self.runner = None
 
     # -- observability ----------------------------------------------------------------------------

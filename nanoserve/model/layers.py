@@ -5,6 +5,7 @@ Everything here is shape-static and free of host syncs, so a decode step can be 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -12,6 +13,9 @@ from torch import nn
 from nanoserve.kernels import fused, gemv
 from nanoserve.kernels.attention import DecodePartials, paged_attention
 from nanoserve.kernels.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from nanoserve.model.parallel import TensorParallel
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -149,18 +153,21 @@ class Linear(nn.Linear):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP with gate and up projections merged into one matmul; SiLU-and-mul feeds the down projection."""
+    """SwiGLU MLP with gate and up projections merged into one matmul; SiLU-and-mul feeds the down projection.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype) -> None:
+    The projections come from model/parallel.py: gate_up column-parallel ([gate slice; up slice] of this
+    rank), down row-parallel, whose partial products one all-reduce sums (a no-op on one rank)."""
+
+    def __init__(self, gate_up_proj: Linear, down_proj: Linear, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.gate_up_proj, self.down_proj, self.tp = gate_up_proj, down_proj, tp
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """The pre-norm MLP of a decoder layer: returns (its output, the residual stream)."""
         gate_up, residual = norm.then(self.gate_up_proj, x, residual)
         down = self.down_proj
-        return gemv.silu_mul_linear(gate_up, down.weight, down.bias, weight_scale=down.weight_scale), residual
+        out = gemv.silu_mul_linear(gate_up, down.weight, down.bias, weight_scale=down.weight_scale)
+        return self.tp.all_reduce(out), residual
 
 
 class Attention(nn.Module):

@@ -15,7 +15,9 @@ from torch import nn
 from nanoserve.kernels import gemv
 from nanoserve.kernels.metadata import AttentionMetadata
 from nanoserve.kernels.rotary_kv import QKVRope
-from nanoserve.model.layers import MLP, Attention, Linear, RMSNorm, RotaryEmbedding, rope_inv_freq, rope_parameters
+from nanoserve.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding, rope_inv_freq, rope_parameters
+from nanoserve.model.parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
+                                      check_sharding, kv_head_split)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -107,20 +109,25 @@ def _check_no_sliding_window(hf_config, arch: str) -> None:
 
 
 class LlamaAttentionBlock(nn.Module):
-    """qkv projection → (per-head q/k norm) → RoPE + KV store → paged attention → output projection."""
+    """qkv projection → (per-head q/k norm) → RoPE + KV store → paged attention → output projection.
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+    Under tensor parallelism the block holds this rank's query heads and the KV heads they read; o_proj's
+    partial products are all-reduced."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, dtype=dtype)
-        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias, dtype=dtype)
+        d = spec.head_dim
+        q_heads, kv_heads = tp.split(spec.num_heads, "num_attention_heads"), kv_head_split(spec.num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim, self.tp = q_heads.size, kv_heads.size, d, tp
+        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, [q_heads.scaled(d), kv_heads.scaled(d),
+                                                                kv_heads.scaled(d)], spec.qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(q_heads.scaled(d), spec.hidden_size, spec.o_bias, dtype, tp.rank == 0)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = Attention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,16 +143,19 @@ class LlamaAttentionBlock(nn.Module):
         q, k, v, residual = gemv.norm_qkv_rope(x, residual, norm.weight, norm.eps, qkv.weight, qkv.bias, rope,
                                                weight_scale=qkv.weight_scale)
         out = attn(q, k, v, meta, kv_stored=True, defer_merge=True)
-        return gemv.attention_out_linear(out, o.weight, o.bias, weight_scale=o.weight_scale), residual
+        return self.tp.all_reduce(gemv.attention_out_linear(out, o.weight, o.bias, weight_scale=o.weight_scale)), \
+            residual
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttentionBlock(spec, dtype)
+        self.self_attn = LlamaAttentionBlock(spec, dtype, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype)
+        inter = tp.split(spec.intermediate_size, "intermediate_size")
+        self.mlp = MLP(ColumnParallelLinear(spec.hidden_size, [inter, inter], spec.mlp_bias, dtype),
+                       RowParallelLinear(inter, spec.hidden_size, spec.mlp_bias, dtype, tp.rank == 0), tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,11 +165,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(tp.split(spec.vocab_size, "vocab_size"), spec.hidden_size, dtype, tp)
         self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, dtype) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, dtype, tp) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -176,22 +186,25 @@ class LlamaForCausalLM(nn.Module):
 
     Splitting the two lets the runner project only each sequence's last prefill token. Build it on the
     meta device and let nanoserve.model.loader fill the weights; constructing it elsewhere runs a plain init.
+    With tp (model/parallel.py) it holds this rank's shards and compute_logits gathers the full vocabulary.
     """
 
-    # HF module name → (our merged module, shard index); shard sizes come from shard_sizes().
+    # HF module name → (our merged module, index of the HF tensor in it); parallel.weight_shard places it.
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, hf_config, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, hf_config, dtype: torch.dtype = torch.float32, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.spec = ModelSpec.from_hf_config(hf_config)
         self.hf_config = hf_config
         self.dtype = dtype
-        self.model = LlamaModel(self.spec, dtype)
+        self.tp = tp or TensorParallel()
+        check_sharding(self.spec, self.tp.size)
+        self.model = LlamaModel(self.spec, dtype, self.tp)
         if self.spec.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = ColumnParallelLinear(self.spec.hidden_size, [self.model.embed_tokens.vocab], False, dtype)
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -199,23 +212,16 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] → logits [N, vocab_size] in the model dtype. (A tied model gets an lm_head of its
-        own only when quantization gives it an fp8 copy of the embedding.)"""
+        """hidden [N, hidden_size] → logits [N, vocab_size] in the model dtype (every rank's slice gathered). A
+        tied model gets an lm_head of its own only when quantization gives it an fp8 copy of the embedding."""
         if self.lm_head is None:
-            return gemv.linear(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
+            logits = gemv.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return self.tp.all_gather_columns(logits)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
-
-    def shard_sizes(self, packed_name: str) -> list[int]:
-        """Row counts of the HF tensors that make up a merged weight, in order."""
-        s = self.spec
-        if packed_name == "qkv_proj":
-            return [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
-        if packed_name == "gate_up_proj":
-            return [s.intermediate_size, s.intermediate_size]
-        raise KeyError(packed_name)
 
     @property
     def num_layers(self) -> int:
@@ -223,7 +229,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.spec.num_kv_heads
+        """KV heads this rank caches (all of them on one rank)."""
+        return kv_head_split(self.spec.num_kv_heads, self.tp).size
 
     @property
     def head_dim(self) -> int:

@@ -19,6 +19,7 @@ from nanoserve.kernels.attention import select_backend
 from nanoserve.model.layers import RMSNorm
 from nanoserve.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, ModelSpec
 from nanoserve.model.quantization import quantize_model
+from nanoserve.model.parallel import TensorParallel, WeightShard, weight_shard
 
 _SafetensorError = getattr(safetensors, "SafetensorError", RuntimeError)
 # Tensors some checkpoints carry that hold nothing the model needs.
@@ -70,13 +71,14 @@ def model_max_len(hf_config) -> int:
 
 
 def load_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: torch.device | str,
-               load_format: str = "auto", quantization: str | None = None,
+               load_format: str = "auto", tp: TensorParallel | None = None, quantization: str | None = None,
                quantize_lm_head: bool = False) -> LlamaForCausalLM:
     """The model with weights on `device` in `dtype`, attention backends chosen for the device, in eval mode.
 
     load_format "auto" reads the folder's safetensors; "dummy" fills random weights (std 0.02, norms 1)
-    on the device, for benchmarks with real shapes and no files. quantization "fp8" then stores the linear
-    layers' weights in fp8 (model/quantization.py).
+    on the device, for benchmarks with real shapes and no files. With tp, only this rank's shards (and only
+    their slices of the files) are read. quantization "fp8" then stores the linear layers' weights in fp8
+    (model/quantization.py).
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -85,7 +87,7 @@ def load_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: tor
         raise ModelLoadError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(hf_config, dtype)
+            model = LlamaForCausalLM(hf_config, dtype, tp)
     except (ValueError, KeyError) as e:
         raise ModelLoadError(_one_line(e)) from None
     if load_format == "dummy":
@@ -146,17 +148,17 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dty
                     target = _target(model, hf_name)
                     if target is None:
                         continue
-                    name, rows = target
+                    name, index = target
                     if name not in params:
                         raise ModelLoadError(f"unexpected tensor {hf_name!r} in {file.name}: the "
                                              f"{model.spec.architecture} model has no such weight")
-                    param = params[name]
-                    want = tuple(param.shape) if rows is None else (rows[1] - rows[0], *param.shape[1:])
+                    param, shard = params[name], weight_shard(model, name, index)
                     got = tuple(f.get_slice(hf_name).get_shape())
-                    if got != want:
+                    if got != shard.hf_shape:
                         raise ModelLoadError(f"tensor {hf_name!r} in {file.name} has shape {got}, "
-                                             f"but the model expects {want}")
-                    tensor = f.get_tensor(hf_name).to(dtype)
+                                             f"but the model expects {shard.hf_shape}")
+                    tensor = _read(f, hf_name, shard, param, dtype, device)
+                    rows = shard.dst_rows
                     if rows is None:
                         _set_param(model, name, tensor)
                     else:
@@ -174,18 +176,26 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dty
         _set_param(model, name, tensor)
 
 
-def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str, tuple[int, int] | None] | None:
-    """HF tensor name → (our parameter, row range inside a merged weight or None); None to skip the tensor."""
+def _read(f, hf_name: str, shard: WeightShard, param: nn.Parameter, dtype: torch.dtype,
+          device: torch.device) -> torch.Tensor:
+    """This rank's part of one tensor: a slice read from the file (get_slice reads only those bytes)."""
+    if shard.zeros:
+        return torch.zeros(param.shape, dtype=dtype, device=device)
+    if shard.src is None:
+        return f.get_tensor(hf_name).to(dtype)
+    return f.get_slice(hf_name)[shard.src].to(dtype).contiguous()
+
+
+def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str, int | None] | None:
+    """HF tensor name → (our parameter, index of the HF tensor inside a merged weight or None); None to skip it."""
     if hf_name.endswith(_IGNORED_SUFFIXES):
         return None
     if hf_name == "lm_head.weight" and model.spec.tie_word_embeddings:
         return None  # tied: the embedding is the output projection
     parts = hf_name.split(".")
     if len(parts) >= 2 and parts[-2] in model.packed_modules:
-        merged, shard = model.packed_modules[parts[-2]]
-        sizes = model.shard_sizes(merged)
-        start = sum(sizes[:shard])
-        return ".".join(parts[:-2] + [merged, parts[-1]]), (start, start + sizes[shard])
+        merged, index = model.packed_modules[parts[-2]]
+        return ".".join(parts[:-2] + [merged, parts[-1]]), index
     return hf_name, None
 
 

@@ -6,6 +6,12 @@ that fits (or run the same forward eagerly: above the largest bucket, enforce_ea
 batches (prompt chunks, decode rows riding along) run eagerly. Either way the sampler writes the
 sampled ids into the slots' last-token cells on the device and starts their copy to the host; the
 returned SampleHandle is read by the engine one step later.
+
+Under tensor parallelism (tp: this rank's place in the group) every rank builds its own runner over its
+shards and makes the same calls in the same order (runner/group.py): the ranks agree on the smallest KV
+block count, rank 0 plans the "auto" graph sizes for all, and every random draw (probe inputs, unseeded
+sampling) comes from the runner's own generators, seeded alike on every rank, so all ranks sample the same
+tokens whatever else their process does with torch's default RNG.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.model.loader import load_model
+from nanoserve.model.parallel import TensorParallel
 from nanoserve.runner import graph_setup
 from nanoserve.runner.batch import DecodeBatch, PrefillBatch
 from nanoserve.runner.bucket_plan import BatchDistribution
@@ -32,19 +39,22 @@ PROBE_CONTEXT = 512  # tokens per row in the start-up probes and self-check
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config):
+    def __init__(self, config: EngineConfig, hf_config, tp: TensorParallel | None = None):
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.tp = tp or TensorParallel(device=self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
-        self.model = load_model(config.model, hf_config, self.dtype, self.device, config.load_format,
+        self.rng = torch.Generator(device=self.device).manual_seed(config.seed)  # probes and unseeded sampling
+        self.host_rng = torch.Generator().manual_seed(config.seed)  # self-check context lengths
+        self.model = load_model(config.model, hf_config, self.dtype, self.device, config.load_format, self.tp,
                                 quantization=config.quantization, quantize_lm_head=config.quantize_lm_head)
         self.vocab_size = self.model.vocab_size
         self.kv = KVCacheSpec.of(self.model, config.block_size, self.dtype)
         self.max_blocks_per_seq = self.kv.blocks_for(config.max_model_len)
         self.memory_plan = plan_memory(self.model, config, self.kv)
-        self.num_kv_blocks = self.memory_plan.num_kv_blocks
+        self.num_kv_blocks = self.tp.min_int(self.memory_plan.num_kv_blocks)  # every rank's cache holds it
         if self.num_kv_blocks * config.block_size < config.max_model_len:
             raise ValueError(
                 f"the KV cache holds {self.num_kv_blocks * config.block_size} tokens ({self.num_kv_blocks} blocks), "
@@ -70,7 +80,7 @@ class ModelRunner:
         self.decode_inputs = DecodeInputs(cfg.max_num_seqs, self.state, self.dummy_block * cfg.block_size, dev)
         self.decode_forward = DecodeForward(self.model, self.state, self.decode_inputs)
         self.prefill_forward = PrefillForward(self.model, self.state, StepPacker(dev))
-        self.sampler = Sampler(cfg.max_num_seqs, dev)
+        self.sampler = Sampler(cfg.max_num_seqs, dev, self.rng)
 
     @torch.inference_mode()
     def _warm_up_logits(self) -> None:
@@ -91,8 +101,9 @@ class ModelRunner:
         if sizes == "auto":
             probes = graph_setup.probe_sizes(cfg.max_num_seqs)
             curve = graph_setup.measure_curve(gr, self._load_probe_batch, probes)
-            sizes = graph_setup.plan(curve, cfg.max_num_seqs, cfg.cudagraph_plan, cfg.cudagraph_capture_budget_s,
-                                     cfg.cudagraph_pool_budget_mib * 2**20)
+            planned = graph_setup.plan(curve, cfg.max_num_seqs, cfg.cudagraph_plan, cfg.cudagraph_capture_budget_s,
+                                       cfg.cudagraph_pool_budget_mib * 2**20) if self.tp.rank == 0 else []
+            sizes = self.tp.broadcast_ints(planned, cfg.max_num_seqs)  # every rank captures rank 0's plan
             probe_seconds = sum(gr.capture_times.values())
             gr.drop(set(probes) - set(sizes))
             self.step_curve = curve
@@ -100,7 +111,8 @@ class ModelRunner:
         self.graph_runner = gr
         check = "skipped"
         if not cfg.skip_graph_check:
-            worst = graph_setup.self_check(gr, self._load_check_batch, self.decode_forward, self.dtype)
+            worst = graph_setup.self_check(gr, self._load_check_batch, self.decode_forward, self.dtype,
+                                           self.tp.max_float)
             check = f"every size equals eager (max relative logit error {worst:.1e})"
         logger.info("CUDA graphs: %d sizes %s (%s); capture %.2f s (%.2f s with probes and compilation); pool %.0f "
                     "MiB; %d KV blocks; self-check: %s", len(gr.capture_sizes), gr.capture_sizes,
@@ -113,12 +125,18 @@ class ModelRunner:
         per_row = self.num_kv_blocks // max(self.config.max_num_seqs, 1)
         longest = max(1, min(PROBE_CONTEXT, per_row * self.config.block_size, self.config.max_model_len))
         batch = self.dummy_decode_batch(rows, min(context or longest, longest))
-        self.state.last_tokens[:rows].random_(0, self.vocab_size)
+        self.state.last_tokens[:rows].random_(0, self.vocab_size, generator=self.rng)
         self.decode_inputs.load(batch, rows)
 
     def _load_check_batch(self, rows: int) -> None:
         """Like the probe batch, at a random context length: no two checks see the same inputs."""
-        self._load_probe_batch(rows, int(torch.randint(1, PROBE_CONTEXT + 1, ()).item()))
+        self._load_probe_batch(rows, int(torch.randint(1, PROBE_CONTEXT + 1, (), generator=self.host_rng).item()))
+
+    def close(self) -> None:
+        """Drop the graphs and the KV cache; their memory is freed with the last reference."""
+        self.graph_runner = None
+        KVCacheSpec.release(self.model)
+        self.kv_cache = None
 
     def save_batch_histogram(self) -> None:
         """Write the decode batch sizes seen (cudagraph_plan), for the next start-up's plan."""

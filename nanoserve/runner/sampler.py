@@ -60,8 +60,9 @@ class SampleHandle:
 class Sampler:
     """logits [n, V] + a SamplingBatch → sampled ids in the slots' last-token cells, and a SampleHandle."""
 
-    def __init__(self, max_rows: int, device: torch.device):
-        self.device = device
+    def __init__(self, max_rows: int, device: torch.device, generator: torch.Generator | None = None):
+        """generator: the noise of unseeded rows (None: torch's default RNG)."""
+        self.device, self.generator = device, generator
         self.on_cuda = device.type == "cuda"
         words = max_rows * (2 + 2 * MAX_LOGPROBS)
         # two pinned buffers: the host reads step N's while step N+1's copy is queued
@@ -100,7 +101,7 @@ class Sampler:
         greedy_rows = batch.temperature <= 0
         tokens = logits.argmax(dim=-1) if greedy_rows.any() else None
         if not greedy_rows.all():
-            sampled = sample_rows(logits, batch, params)
+            sampled = sample_rows(logits, batch, params, self.generator)
             tokens = sampled if tokens is None else torch.where(params.temperature <= 0, tokens, sampled)
         return tokens
 
@@ -126,8 +127,10 @@ class Sampler:
         return SampleHandle(host, event, tokens.numel(), top_k, row_k)
 
 
-def sample_rows(logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then an exponential race (argmax of probs / E, E ~ Exp(1))."""
+def sample_rows(logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then an exponential race (argmax of probs / E, E ~ Exp(1)); unseeded
+    rows draw E from `generator`, seeded rows from their own."""
     n, vocab = logits.shape
     temperature = torch.where(params.temperature > 0, params.temperature, 1.0)
     logits = logits / temperature[:, None]
@@ -152,7 +155,7 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch, params: SamplingTens
         floor = logits.max(dim=-1, keepdim=True).values + log_min_p[:, None]
         logits = logits.masked_fill(logits < floor, -math.inf)
     probs = logits.softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_()
+    noise = torch.empty_like(probs).exponential_(generator=generator)
     for i, g in enumerate(batch.generators or ()):
         if g is not None and batch.temperature[i] > 0:
             noise[i].exponential_(generator=g)

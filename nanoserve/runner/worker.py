@@ -1,0 +1,119 @@
+"""A tensor-parallel worker: one process per rank after 0, running its own ModelRunner in lockstep with rank 0.
+
+Rank 0's RunnerGroup (runner/group.py, in the engine-core process) sends every step's batch and every other
+runner call down this process's pipe, in order, and the worker makes the same call on its runner: same
+batch, same graph bucket, same sampling seeds, so the collectives inside each forward line up and every
+rank samples the same tokens into its own per-slot state. Its SampleHandles are never read (rank 0's are).
+
+Messages in: ("execute", batch, generator states) | ("call", fn, args, reply) | ("close",). Out: ("joining",)
+before the rendezvous, ("ready", num_kv_blocks) after start-up, ("result", value) for a call that wants one,
+("error", traceback) before exiting on any failure. A failed call leaves the ranks out of step, so the worker
+exits rather than carry on; it also exits when the engine process dies, so no worker outlives its engine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import pickle
+import sys
+import threading
+import traceback
+from multiprocessing.connection import wait
+
+import torch
+
+from nanoserve.runner.batch import DecodeBatch, PrefillBatch
+from nanoserve.runner.distributed import connect, disconnect
+from nanoserve.runner.model_runner import ModelRunner
+
+
+def send(conn, message) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn):
+    return pickle.loads(conn.recv_bytes())
+
+
+def portable(batch: DecodeBatch | PrefillBatch) -> tuple[DecodeBatch | PrefillBatch, list | None]:
+    """The batch without its torch.Generators, and their states: a seeded row's generator lives in the engine
+    core, so each step ships the state it is about to sample from (taken before rank 0 samples)."""
+    sb = batch.sampling
+    if sb is None or sb.generators is None:
+        return batch, None
+    states = [None if g is None else g.get_state() for g in sb.generators]
+    return dataclasses.replace(batch, sampling=dataclasses.replace(sb, generators=None)), states
+
+
+def restore(batch: DecodeBatch | PrefillBatch, states: list | None, device: torch.device):
+    """The batch with generators rebuilt on this rank's device from rank 0's states."""
+    if states is None:
+        return batch
+    generators = [None if s is None else _generator(s, device) for s in states]
+    return dataclasses.replace(batch, sampling=dataclasses.replace(batch.sampling, generators=generators))
+
+
+def _generator(state: torch.Tensor, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.set_state(state)
+    return g
+
+
+def run_worker(conn, rank: int, config, hf_config, store_path: str, log_level: int) -> None:
+    """The worker process's entry point (torch.multiprocessing spawn target)."""
+    _exit_with_parent()
+    logging.basicConfig(level=log_level, format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
+    logging.getLogger("nanoserve").setLevel(max(log_level, logging.WARNING))  # rank 0 logs start-up
+    if torch.device(config.device).type == "cpu":  # the ranks share the cores; spinning threads would starve rank 0
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    try:
+        send(conn, ("joining",))
+        tp = connect(store_path, rank, config.tensor_parallel_size, torch.device(config.device))
+        runner = ModelRunner(config, hf_config, tp)
+        send(conn, ("ready", runner.num_kv_blocks))
+        _serve(conn, runner)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        os._exit(1)  # the engine is gone: nothing to report to
+    except BaseException:
+        try:
+            send(conn, ("error", traceback.format_exc()))
+        except OSError:
+            pass
+        os._exit(1)  # skip interpreter teardown: a peer may be gone mid-collective
+    disconnect(tp)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # nothing else to release; the interpreter's teardown of torch costs a second
+
+
+def _serve(conn, runner: ModelRunner) -> None:
+    while True:
+        message = recv(conn)
+        kind = message[0]
+        if kind == "execute":
+            runner.execute(restore(message[1], message[2], runner.device))
+        elif kind == "call":
+            _, fn, args, reply = message
+            result = fn(runner, *args)
+            if reply:
+                send(conn, ("result", result))
+        elif kind == "close":
+            runner.close()
+            return
+        else:
+            raise ValueError(f"unknown message {kind!r}")
+
+
+def _exit_with_parent() -> None:
+    """A daemon thread that ends this process when the engine process exits, however it exits."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="nanoserve-parent-watch", daemon=True).start()

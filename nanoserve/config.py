@@ -178,6 +178,8 @@ FIELD_HELP = {
     "quantization": "'fp8': linear weights stored as float8 e4m3 with one scale per output channel, dequantized "
                     "in the GEMV (W8A16); default: none",
     "quantize_lm_head": "with quantization, the lm_head too (it stays in the serving dtype otherwise)",
+    "tensor_parallel_size": "GPUs (or gloo processes on CPU) to shard the model over, Megatron-style; one worker "
+                            "process per extra rank (alias -tp)",
 }
 
 

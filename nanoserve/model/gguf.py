@@ -18,6 +18,7 @@ import torch
 
 from nanoserve.model.llama import ModelSpec
 from nanoserve.model.loader import ModelLoadError, _as_id_list, _hf_names, _one_line, _set_param, _target
+from nanoserve.model.parallel import weight_shard
 
 logger = logging.getLogger("nanoserve")
 
@@ -205,21 +206,25 @@ def _tensor_processor(arch: str, hf_config):
 
 def _place(model, params: dict, packed: dict, target: tuple, hf_name: str, weights: np.ndarray, path: Path,
            dtype: torch.dtype, device: torch.device) -> None:
-    """Check one dequantized tensor's shape and copy it into its parameter (or its rows of a merged one)."""
-    name, rows = target
-    param = params[name]
-    want = tuple(param.shape) if rows is None else (rows[1] - rows[0], *param.shape[1:])
-    if tuple(weights.shape) != want:
+    """Check one dequantized tensor's shape and copy this rank's part of it into its parameter (or its rows of a
+    merged one): the same shards the safetensors loader reads (model/parallel.py)."""
+    name, index = target
+    param, shard = params[name], weight_shard(model, name, index)
+    if tuple(weights.shape) != shard.hf_shape:
         raise ModelLoadError(f"tensor {hf_name!r} in {path.name} has shape {tuple(weights.shape)}, "
-                             f"but the model expects {want}")
-    # np.require copies only read-only views of the file (plain F32 tensors), so no parameter aliases the mmap.
-    tensor = torch.from_numpy(np.require(weights, requirements=["C", "W"])).to(device=device, dtype=dtype)
-    if rows is None:
+                             f"but the model expects {shard.hf_shape}")
+    if shard.zeros:
+        tensor = torch.zeros(param.shape, dtype=dtype, device=device)
+    else:
+        part = weights if shard.src is None else weights[shard.src]
+        # np.require copies only read-only views of the file (plain F32 tensors), so no parameter aliases the mmap.
+        tensor = torch.from_numpy(np.require(part, requirements=["C", "W"])).to(device=device, dtype=dtype)
+    if shard.dst_rows is None:
         _set_param(model, name, tensor)
         return
     if name not in packed:
         packed[name] = torch.empty(param.shape, dtype=dtype, device=device)
-    packed[name][rows[0]:rows[1]].copy_(tensor)
+    packed[name][shard.dst_rows[0]:shard.dst_rows[1]].copy_(tensor)
 
 
 __all__ = ["SUPPORTED_GGUF_ARCHITECTURES", "eos_token_ids", "is_gguf", "load_config", "load_tokenizer",

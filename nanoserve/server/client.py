@@ -54,8 +54,10 @@ class EngineClient:
         self._addresses = (f"ipc://{self._dir}/input", f"ipc://{self._dir}/output")
         spawn = multiprocessing.get_context("spawn")
         receiver, sender = spawn.Pipe(duplex=False)
+        # not daemonic: a daemonic process may not start the tensor-parallel worker ranks; the core leaves when its
+        # parent is gone (core_process.py), and the finalizer below stops it with the client
         self._process = spawn.Process(target=run_engine_core, args=(config, *self._addresses, sender, log_level),
-                                      name="nanoserve-engine-core", daemon=True)
+                                      name="nanoserve-engine-core", daemon=False)
         self._finalizer = weakref.finalize(self, _stop_process, self._process, self._dir)
         try:
             self._process.start()

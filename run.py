@@ -118,7 +118,8 @@ def gpu_demo(args: argparse.Namespace) -> int:
             return 2
         max_num_seqs = _fit_max_num_seqs(cfg, args.max_num_seqs, tokens_per_seq, dtype_bytes)
         options = dict(load_format=load_format, skip_tokenizer_init=True, max_model_len=max_model_len,
-                       max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+                       max_num_seqs=max_num_seqs, enable_prefix_caching=False,
+                       cudagraph_capture_sizes="pow2")  # the design notes' buckets ("auto" plans its own)
         blocks = max(kv_blocks_needed(max_num_seqs, tokens_per_seq, 16), math.ceil(max_model_len / 16))
 
         print(f"building {label} ({args.dtype}, max_num_seqs {max_num_seqs}) and capturing its decode graphs …")

@@ -204,8 +204,6 @@ FP8_GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
     16: ((8, "dot 64x256 w4 st4 p0", TRITON), (None, "dot 64x256 w4 st4 p1", TRITON)),
     64: ((None, "dot 64x256 w4 st3 p1", TRITON),),
 }
-# Rows up to which the fused paths (norm / SiLU / merge prologues, rope epilogue) run when their switch is on.
-FUSE_MAX_M = 64
 # The qkv + rope variants (block_n becomes head_dim: one head per tile), by rows bucket.
 ROPE_TABLE: dict[int, str] = {4: "fma 128x64 w4 st3 p2", 64: "dot 128x64 w4 st3 p1"}
 FP8_ROPE_TABLE: dict[int, str] = {4: "fma 128x128 w8 st3 p2", 64: "dot 128x128 w4 st3 p1"}
@@ -369,7 +367,7 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def _fuses(switch: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            weight_scale: torch.Tensor | None = None) -> bool:
-    return switch and x.shape[0] <= FUSE_MAX_M and x.stride(-1) == 1 and kernel_applies(x, weight, bias, weight_scale)
+    return switch and x.shape[0] <= SWITCHES.fuse_max_m and x.stride(-1) == 1 and kernel_applies(x, weight, bias, weight_scale)
 
 
 def _library_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -468,7 +466,7 @@ def _merge_fuses(attn: DecodePartials, weight: torch.Tensor, bias: torch.Tensor 
         weight.dtype == fp8.FP8_DTYPE and weight_scale.shape == (weight.shape[0],)
         and weight_scale.dtype == torch.float32 and weight_scale.is_contiguous())
     return (SWITCHES.fuse_merge and HAS_TRITON and weight.is_cuda and attn.dtype in KERNEL_DTYPES and weight_ok
-            and attn.num_seqs <= FUSE_MAX_M and 16 <= d <= 128 and not d & (d - 1)
+            and attn.num_seqs <= SWITCHES.fuse_max_m and 16 <= d <= 128 and not d & (d - 1)
             and weight.dim() == 2 and weight.shape[1] == attn.num_heads * d and weight.is_contiguous()
             and (bias is None or bias.dtype == attn.dtype) and rereads <= MERGE_MAX_PARTIAL_BYTES
             and not (torch.is_grad_enabled() and weight.requires_grad))

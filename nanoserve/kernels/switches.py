@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 _ENV = {"pdl": "NANOSERVE_PDL", "fuse_norm": "NANOSERVE_FUSE_NORM", "fuse_silu": "NANOSERVE_FUSE_SILU",
-        "fuse_rope": "NANOSERVE_FUSE_ROPE", "fuse_merge": "NANOSERVE_FUSE_MERGE"}
+        "fuse_rope": "NANOSERVE_FUSE_ROPE", "fuse_merge": "NANOSERVE_FUSE_MERGE", "fuse_max_m": "NANOSERVE_FUSE_MAX_M"}
 
 
 @dataclass
@@ -23,8 +23,16 @@ class Switches:
     pdl: bool = True  # programmatic dependent launch between consecutive kernels (Hopper and newer)
     fuse_norm: bool = True  # residual add + RMSNorm in the prologue of the GEMV that follows
     fuse_silu: bool = True  # SiLU-and-mul in the prologue of the down projection
-    fuse_rope: bool = True  # q/k RMSNorm + RoPE + KV-cache store in the epilogue of the qkv GEMV
+    # q/k RMSNorm + RoPE + KV-cache store in the epilogue of the qkv GEMV. Off: one head per output tile leaves
+    # the qkv GEMV with N / head_dim programs (32 for Qwen3-0.6B, 48 for Llama-3.1-8B) and no split-K, too few to
+    # stream the weights; on the H200 the fused path made b=1 slower (Llama-3.1-8B 5.43 ms vs 4.26 before it).
+    fuse_rope: bool = False
     fuse_merge: bool = True  # the split-K decode attention's merge in the prologue of the o_proj GEMV
+    # Rows up to which the fused prologues run. Each program of a prologue-fused GEMV re-reads (and re-normalises)
+    # all its rows' activations, which is free for one row and costs as much as the weights by tens of rows: with
+    # 64 the H200 ran Llama-3.1-8B's b=32 step in 14.4 ms against 5.35 ms unfused (benchmarks/results/
+    # decode_latency_fused64_h200.json).
+    fuse_max_m: int = 1
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "Switches":
@@ -33,9 +41,14 @@ class Switches:
             raw = environ.get(var)
             if raw is None:
                 continue
-            if raw not in ("0", "1"):
+            if name == "fuse_max_m":
+                if not raw.isdigit():
+                    raise ValueError(f"{var} must be a row count, got {raw!r}")
+                values[name] = int(raw)
+            elif raw not in ("0", "1"):
                 raise ValueError(f"{var} must be 0 or 1, got {raw!r}")
-            values[name] = raw == "1"
+            else:
+                values[name] = raw == "1"
         return cls(**values)
 
 
@@ -43,14 +56,14 @@ SWITCHES = Switches.from_env()
 
 
 @contextlib.contextmanager
-def switched(**values: bool) -> Iterator[Switches]:
+def switched(**values: bool | int) -> Iterator[Switches]:
     """Temporarily set switches (tests, benchmarks); graphs captured inside keep what they captured."""
     unknown = set(values) - {f.name for f in dataclasses.fields(Switches)}
     if unknown:
         raise ValueError(f"unknown switches {sorted(unknown)}; known: {sorted(_ENV)}")
     before = dataclasses.asdict(SWITCHES)
     for name, value in values.items():
-        setattr(SWITCHES, name, bool(value))
+        setattr(SWITCHES, name, int(value) if name == "fuse_max_m" else bool(value))
     try:
         yield SWITCHES
     finally:

@@ -152,6 +152,10 @@ def test_fused_kernel_paths_match_hf_in_the_interpreter(arch, tiny_model_dirs, h
     by the CPU interpreter: prefill and decode logits still equal HF's."""
     pytest.importorskip("triton")
     from nanoserve.kernels import attention, gemv
+    from nanoserve.kernels.switches import SWITCHES
+
+    monkeypatch.setattr(SWITCHES, "fuse_rope", True)  # every fusion on, for any row count (defaults are narrower)
+    monkeypatch.setattr(SWITCHES, "fuse_max_m", gemv.MAX_M)
 
     def cpu_applies(x, weight, bias, weight_scale=None):  # the kernel's own checks, minus "CUDA and half precision"
         return x.dim() == 2 and 1 <= x.shape[0] <= gemv.MAX_M and x.shape[1] % 16 == 0 == weight.shape[1] % 16

@@ -70,6 +70,7 @@ def test_static_inputs_pad_rows_to_the_dummy_slot_and_block():
 # ---------------------------------------------------------------------------------------- GPU
 def _tiny_llm(path, **kw):
     opts = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=16, block_size=16, num_kv_blocks=512,
+                cudagraph_capture_sizes="pow2",
                 show_progress=False)
     opts.update(kw)
     return LLM(str(path), **opts)

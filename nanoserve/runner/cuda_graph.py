@@ -94,6 +94,8 @@ class GraphRunner:
         for rows in sizes:
             self.graphs.pop(rows, None)
             self.outputs.pop(rows, None)
+        if not self.graphs:
+            self.pool = None  # its last graph is gone: the pool was freed with it
         self.capture_sizes = sorted(self.graphs)
 
     def replay(self, rows: int) -> torch.Tensor:

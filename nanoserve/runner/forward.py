@@ -14,10 +14,23 @@ from nanoserve.runner.sampler import SamplingTensors
 
 
 class DecodeForward:
-    """rows → logits [rows, vocab] from the DecodeInputs region of `rows` rows; graph-capturable."""
+    """rows → logits [rows, vocab] from the DecodeInputs region of `rows` rows; graph-capturable.
+
+    `captured(rows)` is what the graphs record: the same forward writing into one static logits buffer shared by
+    every graph, so the graph pool holds each graph's intermediates only (reused between graphs), not a
+    [rows, vocab] output per graph — which would make the pool grow with the sum of all captured sizes."""
 
     def __init__(self, model, state: PersistentState, inputs: DecodeInputs):
         self.model, self.state, self.inputs = model, state, inputs
+        self.static_logits: torch.Tensor | None = None  # made by the first warm-up, before any capture
+
+    def captured(self, rows: int) -> torch.Tensor:
+        if self.static_logits is None:
+            self.static_logits = torch.empty(self.inputs.max_rows, self.model.vocab_size, dtype=self.model.dtype,
+                                             device=self.state.block_tables.device)
+        out = self.static_logits[:rows]
+        out.copy_(self(rows))
+        return out
 
     def __call__(self, rows: int, width: int | None = None) -> torch.Tensor:
         """width: block-table columns to gather (eager callers pass the batch's widest table; graphs all)."""

@@ -65,7 +65,9 @@ def plan(curve: StepCurve, max_num_seqs: int, histogram: str | None, capture_bud
         recorded = BatchDistribution.load(histogram, max_num_seqs)
         if recorded.probabilities().sum() > 0:
             dist = recorded
-    return plan_buckets(curve, dist, max_num_seqs, capture_budget_s, pool_budget_bytes)
+    # One row always gets its own graph: a single stream (the latency a user sees first) must not pay for
+    # padding that the planner accepts because b = 1 is only 1/max_num_seqs of a uniform distribution.
+    return sorted(set(plan_buckets(curve, dist, max_num_seqs, capture_budget_s, pool_budget_bytes)) | {1})
 
 
 @torch.inference_mode()

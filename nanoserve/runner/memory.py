@@ -74,9 +74,10 @@ def _probe(model, config: EngineConfig, kv: KVCacheSpec) -> tuple[int, int]:
     if largest is not None:
         inputs = DecodeInputs(config.max_num_seqs, state, num_blocks * kv.block_size, device)
         forward = DecodeForward(model, state, inputs)
-        probe = GraphRunner(forward, forward.prepare_padding)
+        probe = GraphRunner(forward.captured, forward.prepare_padding)
         probe.capture([largest])
-        graphs = probe.pool_bytes + inputs.device_buf.numel() * 4 + state.block_tables.numel() * 4
+        graphs = probe.pool_bytes + sum(t.numel() * t.element_size() for t in
+                                        (inputs.device_buf, state.block_tables, forward.static_logits))
         del probe, forward, inputs
     kv.release(model)
     del cache, state

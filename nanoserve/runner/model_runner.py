@@ -96,7 +96,7 @@ class ModelRunner:
     def _capture(self) -> None:
         """Plan (for "auto"), capture, self-check; one log line."""
         cfg = self.config
-        gr = GraphRunner(self.decode_forward, self.decode_forward.prepare_padding)
+        gr = GraphRunner(self.decode_forward.captured, self.decode_forward.prepare_padding)
         sizes, probe_seconds = cfg.cudagraph_capture_sizes, 0.0
         if sizes == "auto":
             probes = graph_setup.probe_sizes(cfg.max_num_seqs)

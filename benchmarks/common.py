@@ -426,3 +426,35 @@ def release_cuda_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# Device scripts: stages under a time limit
+
+
+def stage(name: str, cmd: list[str], timeout_s: int, log) -> dict:
+    """Run one stage, its output appended to the log and echoed; the exit code and seconds come back."""
+    print(f"\n##### {name}: {' '.join(cmd)} (limit {timeout_s} s)", flush=True)
+    log.write(f"\n##### {name}: {' '.join(cmd)}\n")
+    log.flush()
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        code = "timeout"
+    log.write(out)
+    log.flush()
+    tail = out.strip().splitlines()[-25:]
+    print("\n".join(tail), flush=True)
+    return {"stage": name, "exit": code, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

@@ -20,38 +20,21 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import read_json, stage  # noqa: E402
+
 TARGETS_MS = {("llama-3.1-8b", 1): 2.3, ("llama-3.1-8b", 32): 3.2, ("qwen3-0.6b", 1): 0.55}  # issue 11
 BF16_MS = {("llama-3.1-8b", 1): 4.26, ("llama-3.1-8b", 32): 5.35, ("qwen3-0.6b", 1): 1.00,
            ("qwen3-0.6b", 32): 1.71}  # before issue 9's kernels (notes/PERF.md); the bf16 baseline to beat
 PREFILL_TARGET = 0.9  # fp8 prefill tokens/s >= 0.9x bf16's
 PREFILL_MODEL, PREFILL_SEQS, PREFILL_LEN, PREFILL_REPEATS = "llama-3.1-8b", 8, 1024, 3
-
-
-def stage(name: str, cmd: list[str], timeout_s: int, log) -> dict:
-    """Run one stage, its output appended to the log and its tail echoed; the exit code and seconds come back."""
-    print(f"\n##### {name}: {' '.join(cmd)} (limit {timeout_s} s)", flush=True)
-    log.write(f"\n##### {name}: {' '.join(cmd)}\n")
-    log.flush()
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        code = "timeout"
-    log.write(out)
-    log.flush()
-    print("\n".join(out.strip().splitlines()[-20:]), flush=True)
-    return {"stage": name, "exit": code, "seconds": round(time.perf_counter() - start, 1)}
 
 
 def prefill_step(quantization: str | None, out: Path) -> None:
@@ -93,13 +76,6 @@ def prefill_step(quantization: str | None, out: Path) -> None:
                                "tokens_per_seq": PREFILL_LEN, "step_ms": ms, "samples_ms": samples,
                                "tokens_per_s": PREFILL_SEQS * PREFILL_LEN / ms * 1e3}, indent=2) + "\n")
     print(f"prefill step {PREFILL_SEQS}x{PREFILL_LEN} ({quantization or 'bf16'}): {ms:.1f} ms")
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def summarize(out: Path, stages: list[dict]) -> dict:

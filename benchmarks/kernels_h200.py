@@ -18,10 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import read_json, stage  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # (model, switch sets): Llama-3.1-8B is bandwidth-bound and slow to set up, so it measures fewer sets.
@@ -32,34 +34,6 @@ TARGETS_MS = {("qwen3-0.6b", 1): 0.60, ("qwen3-0.6b", 32): 1.00, ("llama-3.1-8b"
               ("llama-3.1-8b", 32): 4.60, ("smollm2-135m", 1): 0.40}  # issue 9
 BEFORE_MS = {("qwen3-0.6b", 1): 1.00, ("qwen3-0.6b", 32): 1.71, ("llama-3.1-8b", 1): 4.26,
              ("llama-3.1-8b", 32): 5.35, ("smollm2-135m", 1): 0.92}
-
-
-def stage(name: str, cmd: list[str], timeout_s: int, log) -> dict:
-    """Run one stage, its output appended to the log and echoed; the exit code and seconds come back."""
-    print(f"\n##### {name}: {' '.join(cmd)} (limit {timeout_s} s)", flush=True)
-    log.write(f"\n##### {name}: {' '.join(cmd)}\n")
-    log.flush()
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        code = "timeout"
-    log.write(out)
-    log.flush()
-    tail = out.strip().splitlines()[-25:]
-    print("\n".join(tail), flush=True)
-    return {"stage": name, "exit": code, "seconds": round(time.perf_counter() - start, 1)}
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def summarize(out: Path, stages: list[dict]) -> dict:

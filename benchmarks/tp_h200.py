@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.kernels_h200 import read_json, stage  # noqa: E402
+from benchmarks.common import read_json, stage  # noqa: E402
 
 
 def main() -> int:

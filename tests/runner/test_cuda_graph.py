@@ -1,7 +1,6 @@
 """GraphRunner: bucket choice and padding (CPU), capture/replay invariants (GPU)."""
 from __future__ import annotations
 
-import random
 
 import numpy as np
 import pytest

@@ -18,6 +18,7 @@ import functools
 import inspect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanoserve.kernels import reference
@@ -359,8 +360,8 @@ def merged_head(acc_ptr, ml_ptr, ctx_ptr, rows, row_ok, head, dims, num_heads, n
 
 
 @jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
-                    out_ptr, qk_scale,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_rows_ptr, context_lens_ptr,
+                    cu_seqlens_q_ptr, work_seq_ptr, work_start_ptr, out_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -370,14 +371,14 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_l
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-    seq = tl.program_id(0)
-    q_tile = tl.program_id(1)
-    kv_head = tl.program_id(2)
-    q_begin = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
-    context_len = tl.load(context_lens_ptr + seq)
-    first = q_tile * Q_PER_TILE
-    if first < q_len:
+    work = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(work_seq_ptr + work)  # -1: an unused entry of a fixed-size (graph) work list
+    if seq >= 0:
+        first = tl.load(work_start_ptr + work)
+        q_begin = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
+        context_len = tl.load(context_lens_ptr + seq)
         # Rows are (query token, head of the group) pairs, so the group shares every K/V tile.
         rows = tl.arange(0, BLOCK_M)
         tokens = first + rows // GROUP
@@ -396,7 +397,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_l
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        table = block_tables_ptr + tl.load(table_rows_ptr + seq).to(tl.int64) * stride_bt
         for start in range(0, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_end, q_pos,
                                          kv_head, dims, dim_ok, qk_scale, stride_kb, stride_kt, stride_kh,
@@ -407,20 +408,44 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_l
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
+def prefill_q_per_tile(num_heads: int, num_kv_heads: int, head_dim: int, element_size: int) -> int:
+    """Query tokens per program of the paged prefill kernel: the unit of its work list (prefill_work)."""
+    group = num_heads // num_kv_heads
+    block_m, _, _ = _prefill_tiles(max(16, next_power_of_2(head_dim)), element_size, group)
+    return block_m // group
+
+
+def prefill_work(query_lens, q_per_tile: int) -> tuple[np.ndarray, np.ndarray]:
+    """The paged prefill kernel's work list (host, vectorised): one (sequence, first query token) per tile of
+    q_per_tile tokens. Its length is at most prefill_work_capacity(sum(query_lens), len(query_lens), q_per_tile)."""
+    q = np.asarray(query_lens, dtype=np.int64)
+    tiles = -(-q // q_per_tile)
+    seq = np.repeat(np.arange(len(q), dtype=np.int32), tiles)
+    within = np.arange(len(seq), dtype=np.int64) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    return seq, (within * q_per_tile).astype(np.int32)
+
+
+def prefill_work_capacity(num_tokens: int, max_seqs: int, q_per_tile: int) -> int:
+    """Most tiles num_tokens query tokens over at most max_seqs sequences can need (each adds one partial tile)."""
+    return cdiv(num_tokens, q_per_tile) + min(num_tokens, max_seqs)
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context (cached prefix included).
 
     q [num_new_tokens, num_heads, head_dim]; the new tokens' k/v must already be in the cache.
-    One launch over (sequence, query tile, kv head); no Python loop over sequences.
+    One launch over (work tile, kv head): meta.work_seq / work_start list the tiles (a fixed-size list whose
+    unused entries are -1 under CUDA graphs; built here from the host lengths when absent), so the grid depends
+    on no sequence length and the launch can be captured; meta.table_rows maps sequences to block-table rows.
     """
     num_tokens, num_heads, head_dim = q.shape
     _num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or num_heads % num_kv_heads != 0 or v_cache.shape != k_cache.shape:
         raise ValueError(f"prefill_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / "
                          f"{tuple(v_cache.shape)}")
-    if meta.cu_seqlens_q is None or meta.max_seqlen_q <= 0:
-        raise ValueError("prefill_attention needs meta.cu_seqlens_q and a positive meta.max_seqlen_q")
+    if meta.cu_seqlens_q is None:
+        raise ValueError("prefill_attention needs meta.cu_seqlens_q")
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
@@ -428,10 +453,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group = num_heads // num_kv_heads
     block_m, block_n, num_warps = _prefill_tiles(max(16, next_power_of_2(head_dim)), k_cache.element_size(), group)
     q_per_tile = block_m // group  # rows are (token, head) pairs; a non-power-of-two group leaves a few idle
-    grid = (meta.num_seqs, cdiv(meta.max_seqlen_q, q_per_tile), num_kv_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q, out, scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+    work_seq, work_start = meta.work_seq, meta.work_start
+    if work_seq is None:
+        lens = meta.query_lens_host or torch.diff(meta.cu_seqlens_q).tolist()
+        work_seq, work_start = (torch.from_numpy(a).to(q.device) for a in prefill_work(lens, q_per_tile))
+    rows = meta.table_rows
+    if rows is None:
+        rows = torch.arange(meta.num_seqs, dtype=torch.int32, device=q.device)
+    _prefill_kernel[(work_seq.shape[0], num_kv_heads)](
+        q, k_cache, v_cache, meta.block_tables, rows, meta.context_lens, meta.cu_seqlens_q, work_seq, work_start,
+        out, scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, Q_PER_TILE=q_per_tile, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -13,7 +13,7 @@ import torch
 @dataclass
 class AttentionMetadata:
     is_prefill: bool
-    slot_mapping: torch.Tensor  # [num_new_tokens] int64: block_id * block_size + offset of each new token
+    slot_mapping: torch.Tensor  # [num_new_tokens] int32: block_id * block_size + offset of each new token
     context_lens: torch.Tensor  # [num_seqs] int32: tokens in the cache per sequence once this step's are stored
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32: cache blocks of each sequence, padded
     # Prefill only. The new tokens of sequence i are q rows cu_seqlens_q[i]:cu_seqlens_q[i+1]; they are the
@@ -25,6 +25,11 @@ class AttentionMetadata:
     has_cached_prefix: bool = False  # True → some keys come only from the paged cache (prefix-cache hits)
     query_lens_host: list[int] | None = None  # host copies so the CPU reference needs no device→host sync
     context_lens_host: list[int] | None = None
+    # The paged prefill kernel's work list (kernels.attention.prefill_work): per tile its sequence (-1: unused
+    # entry of a fixed-size list) and first query token; None → built from the host lengths.
+    work_seq: torch.Tensor | None = None  # [num_tiles] int32
+    work_start: torch.Tensor | None = None  # [num_tiles] int32
+    table_rows: torch.Tensor | None = None  # [num_seqs] int32: block_tables row of sequence i (None: row i)
 
     @property
     def num_seqs(self) -> int:

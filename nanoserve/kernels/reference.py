@@ -34,13 +34,18 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     q: [num_new_tokens, num_heads, head_dim]; k/v (this step's, already stored) are unused here: keys and
     values are read back from the cache, so cached prefix blocks are covered. Returns [num_new_tokens, num_heads, head_dim].
     """
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q)  # rows of no sequence (graph padding) stay zero
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    query_lens = meta.query_lens_host or torch.diff(meta.cu_seqlens_q).tolist()
+    context_lens = meta.context_lens_host or meta.context_lens.tolist()
+    rows = meta.table_rows.tolist() if meta.table_rows is not None else range(len(query_lens))
     start = 0
-    for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
+    for q_len, ctx_len, row in zip(query_lens, context_lens, rows):
+        if q_len == 0:
+            continue
         qi = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
-        ki = gather_context(k_cache, meta.block_tables[i], ctx_len).transpose(0, 1)
-        vi = gather_context(v_cache, meta.block_tables[i], ctx_len).transpose(0, 1)
+        ki = gather_context(k_cache, meta.block_tables[row], ctx_len).transpose(0, 1)
+        vi = gather_context(v_cache, meta.block_tables[row], ctx_len).transpose(0, 1)
         ki = ki.repeat_interleave(num_heads // num_kv_heads, dim=0).to(q.dtype)
         vi = vi.repeat_interleave(num_heads // num_kv_heads, dim=0).to(q.dtype)
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)

@@ -229,6 +229,40 @@ def test_prefill_with_cached_prefix(block_size, head_dim, dtype, group):
     assert_close(out, ref, dtype)
 
 
+def test_prefill_work_list_lists_every_tile_once():
+    seq, start = tk.prefill_work([1, 16, 17, 0, 40], 16)
+    assert seq.tolist() == [0, 1, 2, 2, 4, 4, 4] and start.tolist() == [0, 0, 0, 16, 0, 16, 32]
+    assert len(seq) <= tk.prefill_work_capacity(74, 5, 16)
+
+
+def test_prefill_fixed_work_list_and_table_rows_as_a_graph_sees_them():
+    """The capturable form: a work list padded with -1 to its capacity, padded (empty) sequences, query rows past
+    the last sequence, and block-table rows reached through table_rows — same output as the plain call."""
+    cached, new = [0, 20, 5], [9, 1, 40]
+    q, k, v, batch, meta = prefill_case(cached, new, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                                        dtype=torch.float32, seed=5)
+    ref = torch_ref.prefill_attention(q, k, v, batch.k_cache, batch.v_cache, meta, 0.3)
+    pad_tokens, pad_seqs = 14, 2
+    qp = torch.cat([q, torch.randn(pad_tokens, 4, 32, device=DEVICE)])
+    order = [2, 0, 1]  # sequence i's table is row order[i] of a permuted table
+    tables = torch.empty_like(batch.block_tables)
+    tables[order] = batch.block_tables
+    q_per_tile = tk.prefill_q_per_tile(4, 2, 32, 4)
+    seq, start = tk.prefill_work(new + [0] * pad_seqs, q_per_tile)
+    capacity = tk.prefill_work_capacity(sum(new) + pad_tokens, len(new) + pad_seqs, q_per_tile)
+    fill = lambda a: torch.tensor(list(a) + [-1] * (capacity - len(a)), dtype=torch.int32, device=DEVICE)  # noqa
+    cu = torch.tensor([0] + new + [0] * pad_seqs, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEVICE)
+    ctx = torch.tensor([c + n for c, n in zip(cached, new)] + [0] * pad_seqs, dtype=torch.int32, device=DEVICE)
+    fixed = AttentionMetadata(is_prefill=True, slot_mapping=meta.slot_mapping, context_lens=ctx, block_tables=tables,
+                              cu_seqlens_q=cu, has_cached_prefix=True, work_seq=fill(seq), work_start=fill(start),
+                              table_rows=torch.tensor(order + [0] * pad_seqs, dtype=torch.int32, device=DEVICE))
+    out = tk.paged_prefill_attention(qp, batch.k_cache, batch.v_cache, fixed, 0.3)
+    assert_close(out[:sum(new)], ref, torch.float32)
+    twin = torch_ref.prefill_attention(qp, None, None, batch.k_cache, batch.v_cache, fixed, 0.3)
+    assert_close(twin[:sum(new)], ref, torch.float32)
+    assert torch.all(twin[sum(new):] == 0)
+
+
 @pytest.mark.usefixtures("pdl_in_interpreter")
 def test_pdl_path_in_the_interpreter():
     test_store_kv_matches_reference(torch.float32, torch.float32, torch.int64)

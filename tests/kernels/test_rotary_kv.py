@@ -64,3 +64,29 @@ def test_qk_norm_rope_stores_k_and_v_in_the_paged_cache(dtype):
 def test_pdl_path_in_the_interpreter():
     test_qk_norm_rope_on_strided_views(True, torch.float32)
     test_qk_norm_rope_stores_k_and_v_in_the_paged_cache(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_blocked_kernel_matches_reference(dtype, monkeypatch):
+    """Prefill sizes take several tokens per program (the last block partial); same values and cache."""
+    monkeypatch.setattr(rotary_kv, "ROPE_BLOCK_T", 4)
+    monkeypatch.setattr(rotary_kv, "ROPE_MIN_TOKENS_PER_BLOCK", 4)
+    g = torch.Generator().manual_seed(4)
+    tokens, heads, kv_heads, d = 7, 4, 2, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(DEVICE, dtype)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k, v = q.view(tokens, heads, d), k.view(tokens, kv_heads, d), v.view(tokens, kv_heads, d)
+    angles = torch.rand(32, d // 2, generator=g) * 6
+    cache = torch.cat([angles.cos(), angles.cos(), -angles.sin(), angles.sin()], dim=-1).to(DEVICE, dtype)
+    positions = torch.tensor([3, 0, 9, 31, 4, 4, 12], device=DEVICE)
+    slots = torch.tensor([17, 2, 9, 0, 5, 6, 19], device=DEVICE)
+    qw, kw = (torch.randn(d, generator=g).to(DEVICE, dtype) for _ in range(2))
+    results = []
+    for fn in (rotary_kv.qk_norm_rope, rotary_kv.qk_norm_rope_ref):
+        k_cache = torch.zeros(5, 4, kv_heads, d, dtype=dtype, device=DEVICE)
+        v_cache = torch.zeros_like(k_cache)
+        kwargs = {"force_triton": True} if fn is rotary_kv.qk_norm_rope else {}
+        out = fn(q, k, cache, positions, qw, kw, 1e-6, kv_store=(v, k_cache, v_cache, slots), **kwargs)
+        results.append((*out, k_cache, v_cache))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, **tol(dtype))

@@ -31,6 +31,7 @@ from benchmarks.common import (  # noqa: E402
 
 VARIANTS = {  # engine options per variant
     "async": dict(async_scheduling=True),
+    "async-no-prefill-graphs": dict(async_scheduling=True, prefill_graph_sizes="off"),
     "sync": dict(async_scheduling=False),
     "async-alternate": dict(async_scheduling=True, scheduling_policy="alternate"),
 }
@@ -101,24 +102,34 @@ def run_variant(model_dir: str, prompts, params, options: dict) -> dict:
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), prompt, p, stream=False)
     generated, trace, last = 0, {}, time.perf_counter()
+    seen = (runner.prefill_steps_graph, runner.prefill_steps_eager)
     while engine.has_unfinished_requests():
         rows = len(engine.scheduler.running)
         outs = engine.step()
         generated += sum(len(o.token_ids) for o in outs)
         now = time.perf_counter()
-        key = "mixed" if engine.stats.mixed_steps > trace.get("_mixed", 0) else _rows_bucket(rows)
-        trace["_mixed"] = engine.stats.mixed_steps
+        key = _step_kind(runner, seen, rows)
+        seen = (runner.prefill_steps_graph, runner.prefill_steps_eager)
         steps, ms = trace.get(key, (0, 0.0))
         trace[key] = (steps + 1, ms + (now - last) * 1e3)
         last = now
     seconds = time.perf_counter() - t0
-    trace.pop("_mixed")
     stats = engine.stats
     rec.update(seconds=seconds, output_tokens=generated, output_tokens_per_s=generated / seconds,
                stats={f: getattr(stats, f) for f in stats.__struct_fields__},
                step_trace={k: {"steps": n, "ms": round(ms, 1), "ms_per_step": round(ms / n, 3)}
                            for k, (n, ms) in sorted(trace.items(), key=lambda kv: str(kv[0]))})
     return rec
+
+
+def _step_kind(runner, seen: tuple[int, int], rows: int) -> str:
+    """What the step just run was: a prompt / mixed step (graph or eager) or a decode step of so many rows.
+    The core runs one step ahead, so the host time of step N is attributed to the step launched during it."""
+    if runner.prefill_steps_graph > seen[0]:
+        return "mixed graph"
+    if runner.prefill_steps_eager > seen[1]:
+        return "mixed eager"
+    return "decode " + _rows_bucket(rows)
 
 
 def _rows_bucket(rows: int) -> str:

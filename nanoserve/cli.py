@@ -37,6 +37,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(*flags, type=parse_bool, nargs="?", const=True, default=None, metavar="BOOL", help=text)
         elif f.name == "cudagraph_capture_sizes":  # auto | pow2 | N N ...: EngineConfig checks the words
             group.add_argument(*flags, nargs="+", default=None, metavar="auto|pow2|N", help=text)
+        elif f.name == "prefill_graph_sizes":
+            group.add_argument(*flags, nargs="+", default=None, metavar="auto|off|N", help=text)
         elif "int" in str(f.type):
             group.add_argument(*flags, type=int, default=None, metavar="N", help=text)
         elif "float" in str(f.type):

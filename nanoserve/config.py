@@ -17,6 +17,11 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 MAX_DEFAULT_MODEL_LEN = 32768
 SCHEDULING_POLICIES = ("mixed", "alternate")
 CAPTURE_SIZE_MODES = ("auto", "pow2")
+PREFILL_GRAPH_MODES = ("auto", "off")
+# Token-count graphs ("auto"): planned among multiples of PREFILL_GRAPH_TOKEN_STEP up to this many tokens (and
+# max_num_batched_tokens); larger prompt steps are GPU-bound enough to run eagerly.
+PREFILL_GRAPH_MAX_TOKENS = 2048
+PREFILL_GRAPH_TOKEN_STEP = 16
 QUANTIZATIONS = ("fp8",)  # weight formats model/quantization.py can make at load
 
 
@@ -40,9 +45,10 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 1.0
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | str = "auto"  # "auto": planned from measurements; "pow2"; sizes; []: none
+    prefill_graph_sizes: list[int] | str = "auto"  # token counts of prompt / mixed steps that get a graph
     cudagraph_plan: str | None = None  # batch-size histogram file: read by "auto" at start, written on shutdown
     cudagraph_capture_budget_s: float = 5.0  # "auto": capture time the planned sizes may take
-    cudagraph_pool_budget_mib: int = 512  # "auto": graph-pool memory the planned sizes may take
+    cudagraph_pool_budget_mib: int = 1024  # "auto": graph-pool memory the planned sizes may take
     skip_graph_check: bool = False  # skip replaying every captured size against the eager forward at start-up
     enable_prefix_caching: bool = True
     async_scheduling: bool = True  # the host schedules step N+1 while the device runs step N
@@ -90,6 +96,7 @@ class EngineConfig:
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs quantization='fp8'")
         self.cudagraph_capture_sizes = _capture_sizes(self.cudagraph_capture_sizes, self.max_num_seqs)
+        self.prefill_graph_sizes = _prefill_graph_sizes(self.prefill_graph_sizes)
         if not self.cudagraph_capture_budget_s > 0:
             raise ValueError(f"cudagraph_capture_budget_s must be > 0, got {self.cudagraph_capture_budget_s}")
         _positive("cudagraph_pool_budget_mib", self.cudagraph_pool_budget_mib)
@@ -109,16 +116,28 @@ class EngineConfig:
         if sizes == "pow2":
             sizes = default_capture_sizes(self.max_num_seqs)
         use_graphs = device.startswith("cuda") and not self.enforce_eager
+        budget = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        tokens = [] if self.prefill_graph_sizes == "off" else self.prefill_graph_sizes
+        if isinstance(tokens, list) and tokens and tokens[-1] > budget:
+            raise ValueError(f"prefill_graph_sizes {tokens} exceed max_num_batched_tokens={budget}")
         return dataclasses.replace(
-            self, device=device, dtype=dtype, max_model_len=max_model_len,
-            max_num_batched_tokens=self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-            cudagraph_capture_sizes=sizes if use_graphs else [])
+            self, device=device, dtype=dtype, max_model_len=max_model_len, max_num_batched_tokens=budget,
+            cudagraph_capture_sizes=sizes if use_graphs else [],
+            prefill_graph_sizes=tokens if use_graphs or (tokens != "auto" and not self.enforce_eager) else [])
 
     @property
     def largest_capture_size(self) -> int | None:
         """The largest decode graph ("auto" always captures max_num_seqs); None without graphs."""
         sizes = self.cudagraph_capture_sizes
         return self.max_num_seqs if sizes == "auto" else max(sizes, default=None)
+
+    @property
+    def largest_prefill_graph(self) -> int:
+        """The largest token-count graph of a resolved config (0: none)."""
+        sizes = self.prefill_graph_sizes
+        if sizes == "auto":
+            return min(PREFILL_GRAPH_MAX_TOKENS, self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        return max(sizes, default=0) if isinstance(sizes, list) else 0
 
     @property
     def is_resolved(self) -> bool:
@@ -159,6 +178,12 @@ FIELD_HELP = {
     "cudagraph_capture_sizes": "batch sizes that get a CUDA graph: 'auto' plans them at start-up from measured "
                                "replays (under the two budgets below), 'pow2' is 1, 2, 4, ... plus max_num_seqs, "
                                "or give sizes",
+    "prefill_graph_sizes": "token counts (prefill chunks + decode rows) that get a CUDA graph for prompt and mixed "
+                           "steps: 'auto' plans them at start-up from measured replays (up to "
+                           f"{PREFILL_GRAPH_MAX_TOKENS} tokens, within the budgets below, shared with the decode "
+                           "graphs), 'off', or give sizes; a step over the largest runs eagerly. Without CUDA, given sizes run the "
+                           "graphs' padded static-buffer forward without capture (their eager twin, which the CPU "
+                           "tests check)",
     "cudagraph_plan": "a batch-size histogram file: 'auto' plans for it when it exists; the engine writes the "
                       "sizes it saw there on shutdown",
     "cudagraph_capture_budget_s": "seconds the planned graphs may take to capture ('auto')",
@@ -207,6 +232,21 @@ def _capture_sizes(value, max_num_seqs: int) -> list[int] | str:
         raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {list(value)}")
     if sizes and max(sizes) > max_num_seqs:
         raise ValueError(f"cudagraph_capture_sizes {sizes} exceed max_num_seqs={max_num_seqs}")
+    return sorted(set(sizes))
+
+
+def _prefill_graph_sizes(value) -> list[int] | str:
+    """"auto", "off" (also as a one-word list, as the CLI passes it) or ascending distinct token counts."""
+    if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], str) and not value[0].isdigit():
+        value = value[0]
+    if isinstance(value, str):
+        if value not in PREFILL_GRAPH_MODES:
+            raise ValueError(f"prefill_graph_sizes must be one of {PREFILL_GRAPH_MODES} or a list of token counts, "
+                             f"got {value!r}")
+        return value
+    sizes = [int(s) if isinstance(s, str) and s.isdigit() else s for s in value]
+    if any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in sizes):
+        raise ValueError(f"prefill_graph_sizes must be positive integers, got {list(value)}")
     return sorted(set(sizes))
 
 

@@ -175,5 +175,7 @@ class EngineCore:
             kv_blocks_total=self.block_manager.num_blocks, kv_blocks_used=self.block_manager.num_used_blocks,
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
             decode_steps_graph=r.decode_steps_graph, decode_steps_eager=r.decode_steps_eager,
-            mixed_steps=self._mixed_steps, padding_rows=r.padding_rows, preemptions=self.scheduler.num_preemptions,
+            mixed_steps=self._mixed_steps, prefill_steps_graph=r.prefill_steps_graph,
+            prefill_steps_eager=r.prefill_steps_eager, padding_rows=r.padding_rows, padding_tokens=r.padding_tokens,
+            preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens)

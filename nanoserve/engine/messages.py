@@ -48,7 +48,10 @@ class EngineStats(msgspec.Struct):
     decode_steps_graph: int = 0
     decode_steps_eager: int = 0
     mixed_steps: int = 0  # steps that prefilled a chunk (decode rows may ride along)
+    prefill_steps_graph: int = 0  # of those, replayed from a token-count graph
+    prefill_steps_eager: int = 0
     padding_rows: int = 0
+    padding_tokens: int = 0  # padded tokens in graph-replayed prompt / mixed steps
     preemptions: int = 0
     prefix_cache_hit_tokens: int = 0
 

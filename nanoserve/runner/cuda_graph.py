@@ -30,22 +30,27 @@ def bucket_for(capture_sizes: list[int], batch_size: int) -> int | None:
 
 
 class GraphRunner:
-    """forward(rows) → logits [rows, vocab] reads only static buffers; prepare(rows) loads an all-padding batch."""
+    """forward(rows) → its output (logits [rows, vocab], or hidden states [tokens, hidden] for the token-count
+    graphs) reads only static buffers; prepare(rows) loads an all-padding batch. `rows` is the batch size of a
+    decode graph or the token count of a prompt / mixed step's graph. pool: share another runner's graph pool.
+    record=False keeps the sizes without capturing: replay runs the same forward eagerly (its "eager twin", which
+    the CPU tests run through the graph path's static buffers and padding)."""
 
-    def __init__(self, forward: Callable[[int], torch.Tensor], prepare: Callable[[int], None]):
-        self.forward, self.prepare = forward, prepare
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    def __init__(self, forward: Callable[[int], torch.Tensor], prepare: Callable[[int], None], pool=None,
+                 record: bool = True):
+        self.forward, self.prepare, self.record = forward, prepare, record
+        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_times: dict[int, float] = {}  # seconds to warm up and capture each size, compilation excluded
         self.wall_seconds = 0.0  # all capture calls, compilation included
         self.pool_growth: dict[int, int] = {}  # bytes the pool grew by when each size was captured
-        self.pool = None
+        self.pool = pool
         self.capture_sizes: list[int] = []
 
     @property
     def capture_seconds(self) -> float:
         """Warm-up + capture of the current sizes with compiled kernels (a start-up with a warm Triton cache)."""
-        return sum(self.capture_times[s] for s in self.capture_sizes)
+        return sum(self.capture_times.get(s, 0.0) for s in self.capture_sizes)
 
     @property
     def pool_bytes(self) -> int:
@@ -58,6 +63,10 @@ class GraphRunner:
     def capture(self, sizes: Iterable[int], show_progress: bool = False) -> None:
         """Capture these sizes (largest first) into the shared pool, next to those already captured."""
         todo = sorted(set(sizes) - set(self.graphs), reverse=True)
+        if not self.record:
+            self.graphs.update(dict.fromkeys(todo))
+            self.capture_sizes = sorted(self.graphs)
+            return
         for rows in tqdm(todo, desc="Capturing CUDA graphs", disable=not show_progress, leave=False):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -99,6 +108,9 @@ class GraphRunner:
         self.capture_sizes = sorted(self.graphs)
 
     def replay(self, rows: int) -> torch.Tensor:
-        """Replay bucket `rows` (its inputs already loaded); its logits [rows, vocab]."""
-        self.graphs[rows].replay()
+        """Replay bucket `rows` (its inputs already loaded); its output."""
+        graph = self.graphs[rows]
+        if graph is None:
+            return self.forward(rows)
+        graph.replay()
         return self.outputs[rows]

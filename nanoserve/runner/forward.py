@@ -1,15 +1,16 @@
-"""The two forwards a step runs: decode over device-resident inputs (what the graphs capture) and the
-eager prefill / mixed forward. Both take their input ids on the device where the host does not know
+"""The two forwards a step runs: decode over device-resident inputs (what the batch-size graphs capture) and
+the prompt / mixed forward (eager at its own size, or over static inputs that the token-count graphs capture). Both take their input ids on the device where the host does not know
 them (a slot's last sampled token), and patch the persistent block table first."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from nanoserve.kernels.attention import prefill_q_per_tile
 from nanoserve.kernels.metadata import AttentionMetadata
 from nanoserve.kernels.step_inputs import prepare_decode
-from nanoserve.runner.batch import DecodeBatch, PrefillBatch
-from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker, sampling_arrays, updates_arrays
+from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch
+from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepArrays, StepPacker, TokenInputs
 from nanoserve.runner.sampler import SamplingTensors
 
 
@@ -48,43 +49,75 @@ class DecodeForward:
         self.inputs.load(DecodeBatch(empty, empty, empty, empty, empty, empty, None), rows)
 
 
-class PrefillForward:
-    """Eager forward of prompt chunks (and decode rows riding along); logits of the sampled rows only."""
+class TokenForward:
+    """Prompt and mixed steps (prompt chunks, decode rows riding along): the eager forward of a PrefillBatch at its
+    own size, and the same model forward over the static TokenInputs of T tokens that the token-count graphs
+    capture (`captured(T)` writes one static hidden-state buffer shared by every size). The logits of the sampled
+    rows are computed after the forward either way, eagerly: their count varies step to step."""
 
-    def __init__(self, model, state: PersistentState, packer: StepPacker):
-        self.model, self.state, self.packer = model, state, packer
+    def __init__(self, model, state: PersistentState, packer: StepPacker, inputs: TokenInputs | None = None):
+        self.model, self.state, self.packer, self.inputs = model, state, packer, inputs
+        self.q_per_tile = self.q_per_tile_of(model)
+        self.static_hidden: torch.Tensor | None = None
+
+    @staticmethod
+    def q_per_tile_of(model) -> int:
+        """The attention work list's tile (kernels.attention.prefill_q_per_tile) for this model's layers."""
+        attn = model.attention_layers()[0]
+        return prefill_q_per_tile(attn.num_heads, attn.num_kv_heads, attn.head_dim, model.dtype.itemsize)
 
     def __call__(self, batch: PrefillBatch) -> tuple[torch.Tensor, SamplingTensors | None, torch.Tensor]:
         """(logits [n, vocab], the sampled rows' parameters on the device, their slots on the device)."""
-        s = len(batch.slots)
-        positions = _chunk_positions(batch.starts, batch.query_lens)
-        token_slots = np.repeat(batch.slots, batch.query_lens)
-        cu_q = np.zeros(s + 1, np.int32)
-        np.cumsum(batch.query_lens, out=cu_q[1:])
-        context_lens = (batch.starts + batch.query_lens).astype(np.int32)
-        sample_token_rows = (cu_q[1:][batch.sample_rows] - 1).astype(np.int32)
-        sampled_slots = batch.slots[batch.sample_rows]
-        sampling = sampling_arrays(batch.sampling) if batch.sampling is not None else []
-        dev = self.packer.pack([batch.token_ids, positions, batch.slot_mapping, token_slots, batch.slots, cu_q,
-                                context_lens, sample_token_rows, sampled_slots,
-                                *updates_arrays(batch.block_updates), *sampling])
-        (ids, pos, slot_mapping, tok_slots, slots, cu_q_d, ctx_d, rows_d, sampled_slots_d, us, uc, ub) = dev[:12]
-        self.state.apply(us, uc, ub)
-        ids = torch.where(ids >= 0, ids, self.state.last_tokens[tok_slots.long()])
+        a = StepArrays.of(batch, self.q_per_tile)
+        dev = self.packer.pack([batch.token_ids, a.positions, batch.slot_mapping, a.token_slots, batch.slots,
+                                a.cu_seqlens_q, a.context_lens, a.work_seq, a.work_start, *a.variable])
+        ids, pos, slot_mapping, tok_slots, slots, cu_q, ctx, work_seq, work_start = dev[:9]
+        self.state.apply(*dev[11:14])
         meta = AttentionMetadata(
-            is_prefill=True, slot_mapping=slot_mapping, context_lens=ctx_d,
-            block_tables=self.state.block_tables[slots.long(), :batch.max_blocks],
-            cu_seqlens_q=cu_q_d, max_seqlen_q=int(batch.query_lens.max()), max_seqlen_k=int(context_lens.max()),
-            has_cached_prefix=batch.has_cached_context, query_lens_host=batch.query_lens.tolist(),
-            context_lens_host=context_lens.tolist())
-        hidden = self.model(ids, pos, meta)
-        logits = self.model.compute_logits(hidden[rows_d.long()])
-        params = SamplingTensors(*dev[12:16]) if batch.sampling is not None else None
-        return logits, params, sampled_slots_d
+            is_prefill=True, slot_mapping=slot_mapping, context_lens=ctx, block_tables=self.state.block_tables,
+            table_rows=slots, cu_seqlens_q=cu_q, max_seqlen_q=int(batch.query_lens.max()),
+            max_seqlen_k=int(a.context_lens.max()), has_cached_prefix=batch.has_cached_context,
+            query_lens_host=batch.query_lens.tolist(), context_lens_host=a.context_lens.tolist(),
+            work_seq=work_seq, work_start=work_start)
+        return self.sample_logits(self._forward(ids, pos, tok_slots, meta), dev[9:], batch)
 
+    def load(self, batch: PrefillBatch, tokens: int) -> list[torch.Tensor] | None:
+        """Fill the static inputs of `tokens` for this batch and patch the block tables; the variable arrays'
+        device views for sample_logits, or None when the step does not fit the static buffer."""
+        tail = self.inputs.load(batch, StepArrays.of(batch, self.q_per_tile), tokens)
+        if tail is not None:
+            self.state.apply(*tail[2:5])
+        return tail
 
-def _chunk_positions(starts: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
-    """Concatenated arange(start, start + len) per sequence, vectorised."""
-    total = int(query_lens.sum())
-    offsets = np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
-    return (np.arange(total, dtype=np.int64) - offsets + np.repeat(starts, query_lens)).astype(np.int32)
+    def captured(self, tokens: int) -> torch.Tensor:
+        """The forward over the static inputs of `tokens` tokens, into the static hidden states (graph-capturable:
+        every sequence may hold cached context, so attention is the paged kernel over a fixed work list)."""
+        if self.static_hidden is None:
+            self.static_hidden = torch.empty(self.inputs.max_tokens, self.model.hidden_size, dtype=self.model.dtype,
+                                             device=self.state.block_tables.device)
+        v = self.inputs.views(tokens)
+        meta = AttentionMetadata(
+            is_prefill=True, slot_mapping=v.slot_mapping, context_lens=v.context_lens,
+            block_tables=self.state.block_tables, table_rows=v.slots, cu_seqlens_q=v.cu_seqlens_q,
+            max_seqlen_q=tokens, has_cached_prefix=True, work_seq=v.work_seq, work_start=v.work_start)
+        out = self.static_hidden[:tokens]
+        out.copy_(self._forward(v.ids, v.positions, v.token_slots, meta))
+        return out
+
+    def prepare_padding(self, tokens: int) -> None:
+        """Load an all-padding step of `tokens` tokens (warm-up and capture)."""
+        empty = np.zeros(0, np.int32)
+        batch = PrefillBatch(empty, empty, empty, empty, empty, BlockUpdates(), empty, None, 1)
+        self.inputs.load(batch, StepArrays.of(batch, self.q_per_tile), tokens)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        ids = torch.where(ids >= 0, ids, self.state.last_tokens[token_slots.long()])
+        return self.model(ids, positions, meta)
+
+    def sample_logits(self, hidden: torch.Tensor, tail: list[torch.Tensor], batch: PrefillBatch):
+        """(logits of the sampled rows, their sampling parameters, their slots), all on the device."""
+        rows, sampled_slots = tail[0], tail[1]
+        logits = self.model.compute_logits(hidden[rows.long()])
+        params = SamplingTensors(*tail[5:9]) if batch.sampling is not None else None
+        return logits, params, sampled_slots

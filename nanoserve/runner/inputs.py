@@ -10,6 +10,13 @@ temperature | top_p | top_k | min_p], B words each (floats stored as their bits)
 host mirror (two, alternating, so the host never waits for the previous copy) and moves it with ONE
 copy; padded rows get the dummy slot, the dummy KV slot and no new block.
 
+TokenInputs: the static buffer the token-count graphs (prompt and mixed steps) read. For T tokens:
+[ids | positions | slot_mapping | token slots] (T words each), [slots | context_lens] (max_num_seqs each),
+cu_seqlens_q (max_num_seqs + 1), the attention work list [sequence | first token] (its capacity for T each),
+then the step's variable-length arrays (sampled rows, block-table updates, sampling parameters), which
+only eager work after the replay reads: again ONE copy. Padded tokens run the dummy slot's token into the
+dummy KV slot; padded sequences are empty (no tokens, no context); unused work entries are -1.
+
 StepPacker: the same one-copy scheme for eager (prefill / mixed) steps, whose arrays vary in length.
 """
 from __future__ import annotations
@@ -19,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanoserve.runner.batch import BlockUpdates, DecodeBatch, SamplingBatch
+from nanoserve.kernels.attention import prefill_work, prefill_work_capacity
+from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch, SamplingBatch
 from nanoserve.runner.sampler import SamplingTensors
 
 DECODE_INT_REGIONS = 6  # slots, positions, slot_mapping, context_lens, new block col, new block id
@@ -163,6 +171,103 @@ class StepPacker:
         self._words = max(words, 2 * self._words)
         self._ring = _PinnedRing(self._words, self._on_cuda)
         self._device_buf = torch.zeros(self._words, dtype=torch.int32, device=self.device)
+
+
+@dataclass
+class TokenViews:
+    ids: torch.Tensor  # [T]; -1: the slot's last sampled token (a decode row)
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    token_slots: torch.Tensor
+    slots: torch.Tensor  # [S]: each sequence's slot (its block-table row)
+    context_lens: torch.Tensor  # [S]
+    cu_seqlens_q: torch.Tensor  # [S + 1]
+    work_seq: torch.Tensor  # [W]
+    work_start: torch.Tensor  # [W]
+
+
+@dataclass
+class StepArrays:
+    """The host arrays of a prompt / mixed step, shared by its eager and graph forms."""
+
+    positions: np.ndarray
+    token_slots: np.ndarray
+    cu_seqlens_q: np.ndarray
+    context_lens: np.ndarray
+    work_seq: np.ndarray
+    work_start: np.ndarray
+    variable: list[np.ndarray]  # sample token rows, sampled slots, block updates (3), sampling (4) if any
+
+    @classmethod
+    def of(cls, batch: PrefillBatch, q_per_tile: int) -> "StepArrays":
+        total = int(batch.query_lens.sum())
+        offsets = np.repeat(np.cumsum(batch.query_lens) - batch.query_lens, batch.query_lens)
+        positions = (np.arange(total, dtype=np.int64) - offsets + np.repeat(batch.starts, batch.query_lens))
+        cu_q = np.zeros(len(batch.slots) + 1, np.int32)
+        np.cumsum(batch.query_lens, out=cu_q[1:])
+        sample_token_rows = (cu_q[1:][batch.sample_rows] - 1).astype(np.int32)
+        sampling = sampling_arrays(batch.sampling) if batch.sampling is not None else []
+        return cls(positions.astype(np.int32), np.repeat(batch.slots, batch.query_lens), cu_q,
+                   (batch.starts + batch.query_lens).astype(np.int32), *prefill_work(batch.query_lens, q_per_tile),
+                   [sample_token_rows, batch.slots[batch.sample_rows], *updates_arrays(batch.block_updates),
+                    *sampling])
+
+
+class TokenInputs:
+    VARIABLE_WORDS = 1 << 17  # a step whose variable arrays need more (many long prefix hits at once) runs eagerly
+
+    def __init__(self, max_tokens: int, max_seqs: int, q_per_tile: int, state: PersistentState, dummy_kv_slot: int,
+                 device: torch.device):
+        self.max_tokens, self.max_seqs, self.q_per_tile = max_tokens, max_seqs, q_per_tile
+        self.state, self.dummy_kv_slot = state, dummy_kv_slot
+        self.words = self.static_words(max_tokens) + self.VARIABLE_WORDS
+        self.device_buf = torch.zeros(self.words, dtype=torch.int32, device=device)
+        self._ring = _PinnedRing(self.words, device.type == "cuda")
+        self._views: dict[int, TokenViews] = {}
+
+    def work_capacity(self, tokens: int) -> int:
+        return prefill_work_capacity(tokens, self.max_seqs, self.q_per_tile)
+
+    def static_words(self, tokens: int) -> int:
+        return 4 * tokens + 3 * self.max_seqs + 1 + 2 * self.work_capacity(tokens)
+
+    def _layout(self, tokens: int) -> list[tuple[int, int]]:
+        """(start, length) of each TokenViews field in the buffer for `tokens` tokens."""
+        t, s, w = tokens, self.max_seqs, self.work_capacity(tokens)
+        lengths, out, at = [t, t, t, t, s, s, s + 1, w, w], [], 0
+        for n in lengths:
+            out.append((at, n))
+            at += n
+        return out
+
+    def views(self, tokens: int) -> TokenViews:
+        if tokens not in self._views:
+            self._views[tokens] = TokenViews(*(self.device_buf[a:a + n] for a, n in self._layout(tokens)))
+        return self._views[tokens]
+
+    def load(self, batch: PrefillBatch, a: StepArrays, tokens: int) -> list[torch.Tensor] | None:
+        """Write the step into the region of `tokens` ≥ its token count (one copy); the device views of its
+        variable arrays, or None when they do not fit (the step then runs eagerly)."""
+        need = sum(len(x) for x in a.variable)
+        if need > self.VARIABLE_WORDS or len(batch.slots) > self.max_seqs:
+            return None
+        host, event = self._ring.next()
+        h = host.numpy()
+        total = int(a.cu_seqlens_q[-1])
+        pads = [0, 0, self.dummy_kv_slot, self.state.dummy_slot, self.state.dummy_slot, 0, total, -1, -1]
+        values = [batch.token_ids, a.positions, batch.slot_mapping, a.token_slots, batch.slots, a.context_lens,
+                  a.cu_seqlens_q, a.work_seq, a.work_start]
+        for (start, n), v, pad in zip(self._layout(tokens), values, pads):
+            _fill(h, start, n, v, pad)
+        at = self.static_words(tokens)
+        views = []
+        for x in a.variable:
+            h[at:at + len(x)] = x.view(np.int32) if x.dtype == np.float32 else x
+            view = self.device_buf[at:at + len(x)]
+            views.append(view.view(torch.float32) if x.dtype == np.float32 else view)
+            at += len(x)
+        self._ring.copy(self.device_buf[:at], host[:at], event)
+        return views
 
 
 def sampling_arrays(sb: SamplingBatch) -> list[np.ndarray]:

@@ -16,8 +16,8 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.runner.batch import BlockUpdates, PrefillBatch, SamplingBatch
 from nanoserve.runner.cuda_graph import GraphRunner
-from nanoserve.runner.forward import DecodeForward, PrefillForward
-from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker
+from nanoserve.runner.forward import DecodeForward, TokenForward
+from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker, TokenInputs
 from nanoserve.runner.kv_cache import KVCacheSpec
 from nanoserve.runner.sampler import MAX_LOGPROBS, Sampler, SamplingTensors
 
@@ -69,16 +69,7 @@ def _probe(model, config: EngineConfig, kv: KVCacheSpec) -> tuple[int, int]:
     _probe_sampler(config.max_num_seqs, model.vocab_size, config.torch_dtype, device, state)
     torch.cuda.synchronize()
     activation = torch.cuda.max_memory_allocated() - base
-    graphs = 0
-    largest = config.largest_capture_size
-    if largest is not None:
-        inputs = DecodeInputs(config.max_num_seqs, state, num_blocks * kv.block_size, device)
-        forward = DecodeForward(model, state, inputs)
-        probe = GraphRunner(forward.captured, forward.prepare_padding)
-        probe.capture([largest])
-        graphs = probe.pool_bytes + sum(t.numel() * t.element_size() for t in
-                                        (inputs.device_buf, state.block_tables, forward.static_logits))
-        del probe, forward, inputs
+    graphs = _probe_graphs(model, config, state, num_blocks * kv.block_size)
     kv.release(model)
     del cache, state
     torch.cuda.synchronize()
@@ -86,10 +77,35 @@ def _probe(model, config: EngineConfig, kv: KVCacheSpec) -> tuple[int, int]:
     return activation, graphs
 
 
+def _probe_graphs(model, config: EngineConfig, state: PersistentState, dummy_kv_slot: int) -> int:
+    """Bytes the largest decode graph and the largest token-count graph hold (one pool), static buffers included."""
+    device, pool, held = config.torch_device, None, [state.block_tables]
+    largest = config.largest_capture_size
+    if largest is not None and config.cudagraph_capture_sizes:
+        inputs = DecodeInputs(config.max_num_seqs, state, dummy_kv_slot, device)
+        forward = DecodeForward(model, state, inputs)
+        probe = GraphRunner(forward.captured, forward.prepare_padding)
+        probe.capture([largest])
+        pool, grown = probe.pool, probe.pool_bytes
+        held += [inputs.device_buf, forward.static_logits]
+    else:
+        grown = 0
+    tokens = config.largest_prefill_graph
+    if tokens:
+        inputs = TokenInputs(tokens, config.max_num_seqs, TokenForward.q_per_tile_of(model), state, dummy_kv_slot,
+                             device)
+        forward = TokenForward(model, state, StepPacker(device), inputs)
+        probe = GraphRunner(forward.captured, forward.prepare_padding, pool=pool)
+        probe.capture([tokens])
+        grown += probe.pool_bytes
+        held += [inputs.device_buf, forward.static_hidden]
+    return grown + sum(t.numel() * t.element_size() for t in held) if grown else 0
+
+
 def _probe_prefill(model, state, num_seqs, seq_len, per_seq, device, block_size) -> None:
     """A full token budget of prefill in two chunks: the first fresh (flash varlen), the second over the cached
     first half (the paged kernel that chunked prefill, prefix hits and mixed steps use): both peak, both compiled."""
-    forward = PrefillForward(model, state, StepPacker(device))
+    forward = TokenForward(model, state, StepPacker(device))
     slots = np.arange(num_seqs, dtype=np.int32)
     tables = np.arange(num_seqs * per_seq, dtype=np.int32).reshape(num_seqs, per_seq)
     half = max(seq_len // 2, 1)

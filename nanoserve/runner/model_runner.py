@@ -1,9 +1,10 @@
 """ModelRunner: runs one step's batch on the device and samples it, without waiting for the result.
 
 Start-up reads top-down: load the model → plan memory → allocate the KV cache and the persistent
-per-slot state → capture the decode graphs. A step: decode batches replay the smallest captured bucket
-that fits (or run the same forward eagerly: above the largest bucket, enforce_eager, no CUDA); prefill
-batches (prompt chunks, decode rows riding along) run eagerly. Either way the sampler writes the
+per-slot state → capture the decode graphs, then the token-count graphs. A step: decode batches replay the
+smallest captured bucket that fits (or run the same forward eagerly: above the largest bucket, enforce_eager,
+no CUDA); prefill batches (prompt chunks, decode rows riding along) replay the smallest token-count graph of
+at least their tokens, or run eagerly at their own size (over the largest, or too many block updates). Either way the sampler writes the
 sampled ids into the slots' last-token cells on the device and starts their copy to the host; the
 returned SampleHandle is read by the engine one step later.
 
@@ -27,8 +28,9 @@ from nanoserve.runner import graph_setup
 from nanoserve.runner.batch import DecodeBatch, PrefillBatch
 from nanoserve.runner.bucket_plan import BatchDistribution
 from nanoserve.runner.cuda_graph import GraphRunner
-from nanoserve.runner.forward import DecodeForward, PrefillForward
-from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker
+from nanoserve.runner.batch import BlockUpdates
+from nanoserve.runner.forward import DecodeForward, TokenForward
+from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker, TokenInputs
 from nanoserve.runner.kv_cache import KVCacheSpec
 from nanoserve.runner.memory import plan_memory
 from nanoserve.runner.sampler import SampleHandle, Sampler, SamplingTensors
@@ -62,12 +64,16 @@ class ModelRunner:
         self._allocate()
         self._warm_up_logits()
         self.decode_steps_graph = self.decode_steps_eager = self.padding_rows = 0
+        self.prefill_steps_graph = self.prefill_steps_eager = self.padding_tokens = 0
         self.graph_runner: GraphRunner | None = None
-        self.step_curve = None
+        self.token_graphs: GraphRunner | None = None
+        self.step_curve = self.token_curve = None
         self.batch_histogram = BatchDistribution.empty(config.max_num_seqs)
         if config.cudagraph_capture_sizes:
             self._capture()
-        else:
+        if config.prefill_graph_sizes:
+            self._capture_tokens()
+        if not config.cudagraph_capture_sizes:
             why = "enforce_eager" if config.enforce_eager else "no CUDA device"
             logger.info("decode runs eagerly (%s); %d KV blocks of %d tokens", why, self.num_kv_blocks,
                         config.block_size)
@@ -79,7 +85,10 @@ class ModelRunner:
         self.state = PersistentState(cfg.max_num_seqs, self.max_blocks_per_seq, self.dummy_block, dev)
         self.decode_inputs = DecodeInputs(cfg.max_num_seqs, self.state, self.dummy_block * cfg.block_size, dev)
         self.decode_forward = DecodeForward(self.model, self.state, self.decode_inputs)
-        self.prefill_forward = PrefillForward(self.model, self.state, StepPacker(dev))
+        tokens = self.max_graph_tokens
+        token_inputs = TokenInputs(tokens, cfg.max_num_seqs, TokenForward.q_per_tile_of(self.model), self.state,
+                                   self.dummy_block * cfg.block_size, dev) if tokens else None
+        self.token_forward = TokenForward(self.model, self.state, StepPacker(dev), token_inputs)
         self.sampler = Sampler(cfg.max_num_seqs, dev, self.rng)
 
     @torch.inference_mode()
@@ -101,8 +110,9 @@ class ModelRunner:
         if sizes == "auto":
             probes = graph_setup.probe_sizes(cfg.max_num_seqs)
             curve = graph_setup.measure_curve(gr, self._load_probe_batch, probes)
-            planned = graph_setup.plan(curve, cfg.max_num_seqs, cfg.cudagraph_plan, cfg.cudagraph_capture_budget_s,
-                                       cfg.cudagraph_pool_budget_mib * 2**20) if self.tp.rank == 0 else []
+            share = 0.5 if cfg.prefill_graph_sizes == "auto" else 1.0  # the token-count graphs plan in the rest
+            planned = graph_setup.plan(curve, cfg.max_num_seqs, cfg.cudagraph_plan, share * cfg.cudagraph_capture_budget_s,
+                                       share * cfg.cudagraph_pool_budget_mib * 2**20) if self.tp.rank == 0 else []
             sizes = self.tp.broadcast_ints(planned, cfg.max_num_seqs)  # every rank captures rank 0's plan
             probe_seconds = sum(gr.capture_times.values())
             gr.drop(set(probes) - set(sizes))
@@ -111,13 +121,82 @@ class ModelRunner:
         self.graph_runner = gr
         check = "skipped"
         if not cfg.skip_graph_check:
-            worst = graph_setup.self_check(gr, self._load_check_batch, self.decode_forward, self.dtype,
-                                           self.tp.max_float)
+            worst = graph_setup.self_check(gr.capture_sizes, self._decode_check_pair, self.dtype, self.tp.max_float)
             check = f"every size equals eager (max relative logit error {worst:.1e})"
         logger.info("CUDA graphs: %d sizes %s (%s); capture %.2f s (%.2f s with probes and compilation); pool %.0f "
                     "MiB; %d KV blocks; self-check: %s", len(gr.capture_sizes), gr.capture_sizes,
                     "planned from measured replays" if probe_seconds else "as configured", gr.capture_seconds,
                     gr.wall_seconds, gr.pool_bytes / 2**20, self.num_kv_blocks, check)
+
+    @property
+    def max_graph_tokens(self) -> int:
+        return self.config.largest_prefill_graph
+
+    def _capture_tokens(self) -> None:
+        """Token-count graphs of prompt / mixed steps into the decode graphs' pool: plan ("auto"), capture, check."""
+        cfg, fwd = self.config, self.token_forward
+        pool = self.graph_runner.pool if self.graph_runner is not None else None
+        gr = GraphRunner(fwd.captured, fwd.prepare_padding, pool=pool, record=self.device.type == "cuda")
+        sizes = cfg.prefill_graph_sizes
+        load = lambda tokens: fwd.load(self._token_probe_batch(tokens), tokens)  # noqa: E731
+        if sizes == "auto":
+            probes = graph_setup.token_probe_sizes(self.max_graph_tokens)
+            self.token_curve = graph_setup.measure_curve(gr, load, probes)
+            spent = self.graph_runner.capture_seconds if self.graph_runner is not None else 0.0
+            pool_used = self.graph_runner.pool_bytes if self.graph_runner is not None else 0
+            planned = graph_setup.plan_tokens(self.token_curve, self.max_graph_tokens,
+                                              cfg.cudagraph_capture_budget_s - spent,
+                                              cfg.cudagraph_pool_budget_mib * 2**20 - pool_used)
+            sizes = self.tp.broadcast_ints(planned if self.tp.rank == 0 else [], self.max_graph_tokens)
+            gr.drop(set(probes) - set(sizes))
+        gr.capture(sizes, cfg.show_progress)
+        self.token_graphs = gr
+        check = "skipped"
+        if not cfg.skip_graph_check:
+            worst = graph_setup.self_check(gr.capture_sizes, self._token_check_pair, self.dtype, self.tp.max_float,
+                                           "CUDA graph of {} tokens (a mixed step)")
+            check = f"every size equals eager on a mixed step (max relative logit error {worst:.1e})"
+        logger.info("CUDA graphs for prompt / mixed steps: %d token counts %s; capture %.2f s; pool %.0f MiB in all; "
+                    "self-check: %s", len(gr.capture_sizes), gr.capture_sizes, gr.capture_seconds,
+                    (gr.pool_bytes + (self.graph_runner.pool_bytes if self.graph_runner else 0)) / 2**20, check)
+
+    def _token_probe_batch(self, tokens: int) -> PrefillBatch:
+        """A mixed step of `tokens` tokens over disjoint blocks: decode rows (one token after a 255-token context),
+        a chunk after a 128-token cached prefix and a fresh prompt; random ids; every sequence samples."""
+        d = min(tokens // 8, self.config.max_num_seqs - 2)
+        chunk, longest = (tokens - d) // 2, self.config.max_model_len
+        specs = [(s, n) for s, n in [(min(255, longest - 1), 1)] * d
+                 + [(max(min(128, longest - chunk), 0), chunk), (0, tokens - d - chunk)] if n]
+        blocks = [self.kv.blocks_for(s + n) for s, n in specs]
+        if sum(blocks) > self.num_kv_blocks:  # a small cache: decode rows over one block only
+            specs = [(min(s, self.config.block_size - 1), n) if n == 1 else (s, n) for s, n in specs]
+            blocks = [self.kv.blocks_for(s + n) for s, n in specs]
+        slots = np.arange(len(specs), dtype=np.int32)
+        tables = np.full((len(specs), max(blocks)), self.dummy_block, np.int32)
+        first = np.cumsum([0] + blocks)
+        for i, n in enumerate(blocks):
+            tables[i, :n] = np.arange(first[i], first[i + 1])
+        self.state.write_tables(slots, tables)
+        self.state.last_tokens[:len(specs)].random_(0, self.vocab_size, generator=self.rng)
+        bs, token_ids, slot_mapping = self.config.block_size, [], []
+        for i, (start, n) in enumerate(specs):
+            p = np.arange(start, start + n)
+            slot_mapping.append(tables[i, p // bs] * bs + p % bs)
+            token_ids.append(np.full(1, -1) if n == 1 else torch.randint(0, self.vocab_size, (n,),
+                                                                         generator=self.host_rng).numpy())
+        starts, lens = (np.array(x, np.int32) for x in zip(*specs))
+        return PrefillBatch(slots, starts, lens, np.concatenate(token_ids).astype(np.int32),
+                            np.concatenate(slot_mapping).astype(np.int32), BlockUpdates(), slots, None, tables.shape[1])
+
+    def _token_check_pair(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self._token_probe_batch(tokens)
+        tail = self.token_forward.load(batch, tokens)
+        graph = self.token_forward.sample_logits(self.token_graphs.replay(tokens), tail, batch)[0].float().clone()
+        return graph, self.token_forward(batch)[0].float()
+
+    def _decode_check_pair(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._load_check_batch(rows)
+        return self.graph_runner.replay(rows).float().clone(), self.decode_forward(rows).float()
 
     def _load_probe_batch(self, rows: int, context: int | None = None) -> None:
         """A decode batch of `rows` real rows over disjoint blocks, with fresh random input tokens (start-up probes
@@ -134,7 +213,7 @@ class ModelRunner:
 
     def close(self) -> None:
         """Drop the graphs and the KV cache; their memory is freed with the last reference."""
-        self.graph_runner = None
+        self.graph_runner = self.token_graphs = None
         KVCacheSpec.release(self.model)
         self.kv_cache = None
 
@@ -148,7 +227,7 @@ class ModelRunner:
     def execute(self, batch: DecodeBatch | PrefillBatch) -> SampleHandle | None:
         """Launch the step and its sampling; None when the batch samples nothing (a mid-prompt chunk)."""
         if isinstance(batch, PrefillBatch):
-            logits, params, slots = self.prefill_forward(batch)
+            logits, params, slots = self._prefill(batch)
         else:
             logits, rows = self._decode(batch)
             views = self.decode_inputs.views(rows)
@@ -159,6 +238,18 @@ class ModelRunner:
         if batch.sampling is None or not len(batch.sampling):
             return None
         return self.sampler(logits, batch.sampling, params, self.state.last_tokens, slots)
+
+    def _prefill(self, batch: PrefillBatch):
+        """A prompt / mixed step: the smallest token-count graph of at least its tokens, or eagerly."""
+        gr, n = self.token_graphs, batch.num_tokens
+        tokens = gr.bucket_for(n) if gr is not None else None
+        tail = self.token_forward.load(batch, tokens) if tokens is not None else None
+        if tail is None:
+            self.prefill_steps_eager += 1
+            return self.token_forward(batch)
+        self.prefill_steps_graph += 1
+        self.padding_tokens += tokens - n
+        return self.token_forward.sample_logits(gr.replay(tokens), tail, batch)
 
     def _decode(self, batch: DecodeBatch, use_graph: bool = True) -> tuple[torch.Tensor, int]:
         """Logits [b, vocab] of a decode batch and the rows the step ran (its bucket, or b when eager)."""

@@ -34,6 +34,7 @@ class _EngineCollector:
             ("nanoserve_prompt_tokens", "Prompt tokens processed", s.prompt_tokens),
             ("nanoserve_generation_tokens", "Tokens generated", s.generation_tokens),
             ("nanoserve_padding_rows", "Padded rows in graph-replayed decode batches", s.padding_rows),
+            ("nanoserve_padding_tokens", "Padded tokens in graph-replayed prompt / mixed steps", s.padding_tokens),
             ("nanoserve_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks", s.preemptions),
             ("nanoserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
              s.prefix_cache_hit_tokens),
@@ -46,6 +47,10 @@ class _EngineCollector:
         steps.add_metric(["graph"], s.decode_steps_graph)
         steps.add_metric(["eager"], s.decode_steps_eager)
         yield steps
+        prefill = CounterMetricFamily("nanoserve_prefill_steps", "Prompt / mixed steps by how they ran", labels=["mode"])
+        prefill.add_metric(["graph"], s.prefill_steps_graph)
+        prefill.add_metric(["eager"], s.prefill_steps_eager)
+        yield prefill
 
 
 class ServerMetrics:

@@ -61,9 +61,24 @@ def test_auto_plan_captures_within_budget_and_checks_every_size(tiny_model_dirs,
 def test_self_check_catches_a_replaced_static_buffer(tiny_model_dirs):
     llm = _tiny_gpu_llm(tiny_model_dirs["llama"], cudagraph_capture_sizes=[1, 4, 32])
     runner = llm.engine.model_runner
-    assert self_check(runner.graph_runner, runner._load_check_batch, runner.decode_forward, runner.dtype) < 5e-2
+    sizes = runner.graph_runner.capture_sizes
+    assert self_check(sizes, runner._decode_check_pair, runner.dtype) < 5e-2
     inputs = runner.decode_inputs
     inputs.device_buf = torch.zeros_like(inputs.device_buf)  # the graphs still read the old buffer
     inputs._views.clear()
     with pytest.raises(GraphCheckError, match="rows does not reproduce the eager forward"):
-        self_check(runner.graph_runner, runner._load_check_batch, runner.decode_forward, runner.dtype)
+        self_check(sizes, runner._decode_check_pair, runner.dtype)
+
+
+@pytest.mark.gpu
+@gpu
+def test_token_graph_self_check_catches_a_replaced_static_buffer(tiny_model_dirs):
+    llm = _tiny_gpu_llm(tiny_model_dirs["qwen3"], prefill_graph_sizes=[16, 64, 256], dtype="bfloat16")
+    runner = llm.engine.model_runner
+    sizes = runner.token_graphs.capture_sizes
+    assert sizes == [16, 64, 256] and self_check(sizes, runner._token_check_pair, runner.dtype) < 5e-2
+    inputs = runner.token_forward.inputs
+    inputs.device_buf = torch.zeros_like(inputs.device_buf)
+    inputs._views.clear()
+    with pytest.raises(GraphCheckError, match="tokens"):
+        self_check(sizes, runner._token_check_pair, runner.dtype)

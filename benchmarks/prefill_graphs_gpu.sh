@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU run of the token-count graphs (issue 16), in parts that each fit one device command (< 10 min):
+#   bash benchmarks/prefill_graphs_gpu.sh quick   # token-graph GPU tests + Qwen3 TTFT (a first look)
+#   bash benchmarks/prefill_graphs_gpu.sh tests   # pytest -m gpu, the whole suite
+#   bash benchmarks/prefill_graphs_gpu.sh bench   # TTFT both shapes, nano-vllm workload with/without the graphs
+#   bash benchmarks/prefill_graphs_gpu.sh serve   # serving benchmark, Qwen3-0.6B shape
+# Wheels the image lacks (fastapi, uvicorn, pyzmq, msgspec, openai, gguf, ...) are carried in .whl/.
+set -uo pipefail
+: "${OUT:?set OUT}"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        > "$OUT/pip.log" 2>&1 || { echo "wheel install failed"; tail -3 "$OUT/pip.log"; }
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
+case ${1:-quick} in
+    quick)
+        python3 -m pytest -q -p no:cacheprovider -m gpu tests/runner/test_token_graphs.py tests/runner/test_graph_setup.py \
+            tests/kernels/test_attention.py tests/kernels/test_rotary_kv.py 2>&1 | tee "$OUT/gpu_tests_quick.log" | tail -15
+        python3 benchmarks/prompt_latency.py --models qwen3-0.6b --out "$OUT/prompt_latency_quick.json" 2>&1 \
+            | grep -v Warning | tail -20 ;;
+    tests)
+        python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    bench)
+        python3 benchmarks/prompt_latency.py --out "$OUT/prompt_latency.json" 2>&1 | grep -v Warning | tail -8
+        python3 benchmarks/throughput.py --variants async async-no-prefill-graphs --out "$OUT" 2>&1 | tail -8 ;;
+    serve)
+        python3 benchmarks/serve.py --model qwen3-0.6b --out "$OUT/serve_qwen3.json" 2>&1 | tail -25 ;;
+esac

@@ -1,0 +1,84 @@
+"""One prompt's time to first token through the public API, with and without the token-count graphs.
+
+`LLM.generate([prompt], max_tokens=1)` wall time, median of 5 fresh random-id prompts per length (no prefix-cache
+hit), after one warm-up of each length; random bf16 weights with real shapes (load_format="dummy"). Also records
+the start-up plan: token counts captured, capture seconds and the graph pool (decode + token-count graphs).
+
+    python benchmarks/prompt_latency.py [--models qwen3-0.6b llama-3.1-8b] [--lengths 128 1024 4000] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import RESULTS_DIR, env_info, model_config, release_cuda_memory, write_json, write_model_dir  # noqa
+
+VARIANTS = {"graphs": {}, "no-prefill-graphs": {"prefill_graph_sizes": "off"}}
+REPEATS = 5
+
+
+def measure(model_dir: str, lengths: list[int], options: dict) -> dict:
+    from nanoserve import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
+              show_progress=False, **options)
+    runner = llm.engine.model_runner
+    tg, dg = runner.token_graphs, runner.graph_runner
+    rec = {"start_up_s": time.perf_counter() - start, "decode_sizes": dg.capture_sizes if dg else [],
+           "token_sizes": tg.capture_sizes if tg else [],
+           "capture_s": (dg.capture_seconds if dg else 0) + (tg.capture_seconds if tg else 0),
+           "pool_mib": ((dg.pool_bytes if dg else 0) + (tg.pool_bytes if tg else 0)) / 2**20, "ttft_ms": {}}
+    gen = torch.Generator().manual_seed(0)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    for n in lengths:
+        samples, graphed = [], runner.prefill_steps_graph
+        for i in range(REPEATS + 1):
+            prompt = torch.randint(0, 10000, (n,), generator=gen).tolist()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            llm.generate([prompt], one, use_tqdm=False)
+            if i:  # the first of each length warms up (compiles what this length needs)
+                samples.append((time.perf_counter() - t0) * 1e3)
+        rec["ttft_ms"][str(n)] = {"median": statistics.median(samples), "min": min(samples), "samples": samples,
+                                  "graphed_steps": runner.prefill_steps_graph - graphed}
+    llm.close()
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
+    p.add_argument("--lengths", nargs="+", type=int, default=[128, 1024, 4000])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "prompt_latency.json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("prompt_latency.py needs a CUDA GPU")
+        return 0
+    report = {"env": env_info(), "command": " ".join(sys.argv), "repeats": REPEATS, "models": {}}
+    for name in args.models:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = str(write_model_dir(model_config(name), tmp))
+            for variant in args.variants:
+                rec = measure(model_dir, args.lengths, VARIANTS[variant])
+                release_cuda_memory()
+                report["models"].setdefault(name, {})[variant] = rec
+                ttft = ", ".join(f"{n}: {r['median']:.2f} ms" for n, r in rec["ttft_ms"].items())
+                print(f"{name:14s} {variant:18s} TTFT {ttft}; token sizes {rec['token_sizes']}; capture "
+                      f"{rec['capture_s']:.2f} s; pool {rec['pool_mib']:.0f} MiB; start-up {rec['start_up_s']:.1f} s",
+                      flush=True)
+    print(f"wrote {write_json(args.out, report)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

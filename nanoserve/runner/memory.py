@@ -79,27 +79,25 @@ def _probe(model, config: EngineConfig, kv: KVCacheSpec) -> tuple[int, int]:
 
 def _probe_graphs(model, config: EngineConfig, state: PersistentState, dummy_kv_slot: int) -> int:
     """Bytes the largest decode graph and the largest token-count graph hold (one pool), static buffers included."""
-    device, pool, held = config.torch_device, None, [state.block_tables]
+    device, probes, held = config.torch_device, [], [state.block_tables]
     largest = config.largest_capture_size
     if largest is not None and config.cudagraph_capture_sizes:
         inputs = DecodeInputs(config.max_num_seqs, state, dummy_kv_slot, device)
         forward = DecodeForward(model, state, inputs)
-        probe = GraphRunner(forward.captured, forward.prepare_padding)
-        probe.capture([largest])
-        pool, grown = probe.pool, probe.pool_bytes
+        probes.append(GraphRunner(forward.captured, forward.prepare_padding))
+        probes[-1].capture([largest])
         held += [inputs.device_buf, forward.static_logits]
-    else:
-        grown = 0
     tokens = config.largest_prefill_graph
     if tokens:
         inputs = TokenInputs(tokens, config.max_num_seqs, TokenForward.q_per_tile_of(model), state, dummy_kv_slot,
                              device)
         forward = TokenForward(model, state, StepPacker(device), inputs)
-        probe = GraphRunner(forward.captured, forward.prepare_padding, pool=pool)
-        probe.capture([tokens])
-        grown += probe.pool_bytes
+        # the decode probe stays alive meanwhile: a pool is freed with its last graph
+        probes.append(GraphRunner(forward.captured, forward.prepare_padding, pool=probes[0].pool if probes else None))
+        probes[-1].capture([tokens])
         held += [inputs.device_buf, forward.static_hidden]
-    return grown + sum(t.numel() * t.element_size() for t in held) if grown else 0
+    grown = sum(p.pool_bytes for p in probes)
+    return grown + sum(t.numel() * t.element_size() for t in held) if probes else 0
 
 
 def _probe_prefill(model, state, num_seqs, seq_len, per_seq, device, block_size) -> None:

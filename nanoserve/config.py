@@ -135,8 +135,9 @@ class EngineConfig:
     def largest_prefill_graph(self) -> int:
         """The largest token-count graph of a resolved config (0: none)."""
         sizes = self.prefill_graph_sizes
-        if sizes == "auto":
-            return min(PREFILL_GRAPH_MAX_TOKENS, self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        if sizes == "auto":  # (no step holds more than max_num_seqs full sequences)
+            most = self.max_num_seqs * (self.max_model_len or PREFILL_GRAPH_MAX_TOKENS)
+            return min(PREFILL_GRAPH_MAX_TOKENS, self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, most)
         return max(sizes, default=0) if isinstance(sizes, list) else 0
 
     @property

@@ -162,11 +162,16 @@ class ModelRunner:
 
     def _token_probe_batch(self, tokens: int) -> PrefillBatch:
         """A mixed step of `tokens` tokens over disjoint blocks: decode rows (one token after a 255-token context),
-        a chunk after a 128-token cached prefix and a fresh prompt; random ids; every sequence samples."""
-        d = min(tokens // 8, self.config.max_num_seqs - 2)
-        chunk, longest = (tokens - d) // 2, self.config.max_model_len
-        specs = [(s, n) for s, n in [(min(255, longest - 1), 1)] * d
-                 + [(max(min(128, longest - chunk), 0), chunk), (0, tokens - d - chunk)] if n]
+        prompt chunks after a 128-token cached prefix and fresh ones (each within max_model_len); random ids;
+        every sequence samples."""
+        longest, most = self.config.max_model_len, self.config.max_num_seqs
+        cap = max(1, min((tokens + 1) // 2, longest // 2))  # prompt pieces: every other one after a cached prefix
+        d = max(0, min(tokens // 8, most - -(-tokens // cap)))
+        prefix, specs, rest = min(128, longest - cap), [(min(255, longest - 1), 1)] * d, tokens - d
+        while rest > 0 and len(specs) < most:  # (a tiny engine may not fill `tokens`: the rest is padding)
+            n = min(cap, rest)
+            specs.append((prefix if (len(specs) - d) % 2 == 0 else 0, n))
+            rest -= n
         blocks = [self.kv.blocks_for(s + n) for s, n in specs]
         if sum(blocks) > self.num_kv_blocks:  # a small cache: decode rows over one block only
             specs = [(min(s, self.config.block_size - 1), n) if n == 1 else (s, n) for s, n in specs]

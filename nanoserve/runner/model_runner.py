@@ -172,10 +172,8 @@ class ModelRunner:
             n = min(cap, rest)
             specs.append((prefix if (len(specs) - d) % 2 == 0 else 0, n))
             rest -= n
+        specs = self._fit_cache(specs)
         blocks = [self.kv.blocks_for(s + n) for s, n in specs]
-        if sum(blocks) > self.num_kv_blocks:  # a small cache: decode rows over one block only
-            specs = [(min(s, self.config.block_size - 1), n) if n == 1 else (s, n) for s, n in specs]
-            blocks = [self.kv.blocks_for(s + n) for s, n in specs]
         slots = np.arange(len(specs), dtype=np.int32)
         tables = np.full((len(specs), max(blocks)), self.dummy_block, np.int32)
         first = np.cumsum([0] + blocks)
@@ -192,6 +190,21 @@ class ModelRunner:
         starts, lens = (np.array(x, np.int32) for x in zip(*specs))
         return PrefillBatch(slots, starts, lens, np.concatenate(token_ids).astype(np.int32),
                             np.concatenate(slot_mapping).astype(np.int32), BlockUpdates(), slots, None, tables.shape[1])
+
+    def _fit_cache(self, specs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """(start, tokens) sequences trimmed to disjoint blocks of this KV cache (a small cache: decode rows over one
+        block, then fewer tokens; the graph's padding takes the rest)."""
+        bs = self.config.block_size
+        if sum(self.kv.blocks_for(s + n) for s, n in specs) > self.num_kv_blocks:
+            specs = [(min(s, bs - 1), n) if n == 1 else (s, n) for s, n in specs]
+        kept, free = [], self.num_kv_blocks
+        for start, n in specs:
+            n = min(n, free * bs - start)
+            if n <= 0:
+                break
+            kept.append((start, n))
+            free -= self.kv.blocks_for(start + n)
+        return kept
 
     def _token_check_pair(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self._token_probe_batch(tokens)

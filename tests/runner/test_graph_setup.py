@@ -78,7 +78,8 @@ def test_token_graph_self_check_catches_a_replaced_static_buffer(tiny_model_dirs
     sizes = runner.token_graphs.capture_sizes
     assert sizes == [16, 64, 256] and self_check(sizes, runner._token_check_pair, runner.dtype) < 5e-2
     inputs = runner.token_forward.inputs
-    inputs.device_buf = torch.zeros_like(inputs.device_buf)
+    captured = inputs.device_buf  # kept alive: the graphs go on reading it
+    inputs.device_buf = torch.zeros_like(captured)
     inputs._views.clear()
     with pytest.raises(GraphCheckError, match="tokens"):
         self_check(sizes, runner._token_check_pair, runner.dtype)

@@ -3,6 +3,7 @@
 #   bash benchmarks/prefill_graphs_gpu.sh quick   # token-graph GPU tests + Qwen3 TTFT (a first look)
 #   bash benchmarks/prefill_graphs_gpu.sh tests   # pytest -m gpu, the whole suite
 #   bash benchmarks/prefill_graphs_gpu.sh bench   # TTFT both shapes, nano-vllm workload with/without the graphs
+#   bash benchmarks/prefill_graphs_gpu.sh retest  # the GPU tests of the runner and demos, then bench
 #   bash benchmarks/prefill_graphs_gpu.sh serve   # serving benchmark, Qwen3-0.6B shape
 # Wheels the image lacks (fastapi, uvicorn, pyzmq, msgspec, openai, gguf, ...) are carried in .whl/.
 set -uo pipefail
@@ -22,6 +23,10 @@ case ${1:-quick} in
             | grep -v Warning | tail -20 ;;
     tests)
         python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    retest)  # the tests a fix touched, then the benchmarks
+        python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/runner/test_token_graphs.py tests/runner/test_graph_setup.py \
+            tests/test_bench_graphs.py tests/test_demos.py 2>&1 | tee "$OUT/gpu_tests_retest.log" | tail -6
+        "$0" bench ;;
     bench)
         python3 benchmarks/prompt_latency.py --out "$OUT/prompt_latency.json" 2>&1 | grep -v Warning | tail -8
         python3 benchmarks/throughput.py --variants async async-no-prefill-graphs --out "$OUT" 2>&1 | tail -8 ;;

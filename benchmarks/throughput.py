@@ -101,7 +101,8 @@ def run_variant(model_dir: str, prompts, params, options: dict) -> dict:
     t0 = time.perf_counter()
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), prompt, p, stream=False)
-    generated, trace, last = 0, {}, time.perf_counter()
+    generated, trace, mixed_ms, last = 0, {}, [], time.perf_counter()
+    allocator = torch.cuda.memory_stats()
     seen = (runner.prefill_steps_graph, runner.prefill_steps_eager)
     while engine.has_unfinished_requests():
         rows = len(engine.scheduler.running)
@@ -109,11 +110,17 @@ def run_variant(model_dir: str, prompts, params, options: dict) -> dict:
         generated += sum(len(o.token_ids) for o in outs)
         now = time.perf_counter()
         key = _step_kind(runner, seen, rows)
+        if key.startswith("mixed"):
+            mixed_ms.append(round((now - last) * 1e3, 1))
         seen = (runner.prefill_steps_graph, runner.prefill_steps_eager)
         steps, ms = trace.get(key, (0, 0.0))
         trace[key] = (steps + 1, ms + (now - last) * 1e3)
         last = now
     seconds = time.perf_counter() - t0
+    after = torch.cuda.memory_stats()
+    rec["allocator"] = {k: after.get(k, 0) - allocator.get(k, 0) for k in
+                        ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")}
+    rec["mixed_step_ms"] = mixed_ms
     stats = engine.stats
     rec.update(seconds=seconds, output_tokens=generated, output_tokens_per_s=generated / seconds,
                stats={f: getattr(stats, f) for f in stats.__struct_fields__},

@@ -149,20 +149,12 @@ class StepPacker:
         self._device_buf = torch.zeros(words, dtype=torch.int32, device=device)
 
     def pack(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        total = sum(len(a) for a in arrays)
+        total = sum(_aligned(len(a)) for a in arrays)
         if total > self._words:
             self._grow(total)
         host, event = self._ring.next()
-        h = host.numpy()
-        views, at = [], 0
-        dev = self._device_buf
-        for a in arrays:
-            n = len(a)
-            h[at:at + n] = a.view(np.int32) if a.dtype == np.float32 else a
-            view = dev[at:at + n]
-            views.append(view.view(torch.float32) if a.dtype == np.float32 else view)
-            at += n
-        self._ring.copy(dev[:at], host[:at], event)
+        views, at = _pack(host.numpy(), self._device_buf, 0, arrays)
+        self._ring.copy(self._device_buf[:at], host[:at], event)
         return views
 
     def _grow(self, words: int) -> None:
@@ -229,7 +221,8 @@ class TokenInputs:
         return prefill_work_capacity(tokens, self.max_seqs, self.q_per_tile)
 
     def static_words(self, tokens: int) -> int:
-        return 4 * tokens + 3 * self.max_seqs + 1 + 2 * self.work_capacity(tokens)
+        start, n = self._layout(tokens)[-1]
+        return _aligned(start + n)
 
     def _layout(self, tokens: int) -> list[tuple[int, int]]:
         """(start, length) of each TokenViews field in the buffer for `tokens` tokens."""
@@ -237,7 +230,7 @@ class TokenInputs:
         lengths, out, at = [t, t, t, t, s, s, s + 1, w, w], [], 0
         for n in lengths:
             out.append((at, n))
-            at += n
+            at += _aligned(n)
         return out
 
     def views(self, tokens: int) -> TokenViews:
@@ -248,7 +241,7 @@ class TokenInputs:
     def load(self, batch: PrefillBatch, a: StepArrays, tokens: int) -> list[torch.Tensor] | None:
         """Write the step into the region of `tokens` ≥ its token count (one copy); the device views of its
         variable arrays, or None when they do not fit (the step then runs eagerly)."""
-        need = sum(len(x) for x in a.variable)
+        need = sum(_aligned(len(x)) for x in a.variable)
         if need > self.VARIABLE_WORDS or len(batch.slots) > self.max_seqs:
             return None
         host, event = self._ring.next()
@@ -259,15 +252,29 @@ class TokenInputs:
                   a.cu_seqlens_q, a.work_seq, a.work_start]
         for (start, n), v, pad in zip(self._layout(tokens), values, pads):
             _fill(h, start, n, v, pad)
-        at = self.static_words(tokens)
-        views = []
-        for x in a.variable:
-            h[at:at + len(x)] = x.view(np.int32) if x.dtype == np.float32 else x
-            view = self.device_buf[at:at + len(x)]
-            views.append(view.view(torch.float32) if x.dtype == np.float32 else view)
-            at += len(x)
+        views, at = _pack(h, self.device_buf, self.static_words(tokens), a.variable)
         self._ring.copy(self.device_buf[:at], host[:at], event)
         return views
+
+
+ALIGN_WORDS = 4  # every packed array starts 16-byte aligned: Triton specializes kernels on pointer alignment, so
+# arrays at arbitrary offsets would compile a new variant of a kernel whenever a step meets a new alignment mix
+
+
+def _aligned(words: int) -> int:
+    return -(-words // ALIGN_WORDS) * ALIGN_WORDS
+
+
+def _pack(host: np.ndarray, device: torch.Tensor, at: int, arrays: list[np.ndarray]) -> tuple[list[torch.Tensor], int]:
+    """Write arrays into host[at:] (each aligned) and return their views in `device` and the end offset."""
+    views = []
+    for a in arrays:
+        n = len(a)
+        host[at:at + n] = a.view(np.int32) if a.dtype == np.float32 else a
+        view = device[at:at + n]
+        views.append(view.view(torch.float32) if a.dtype == np.float32 else view)
+        at += _aligned(n)
+    return views, at
 
 
 def sampling_arrays(sb: SamplingBatch) -> list[np.ndarray]:

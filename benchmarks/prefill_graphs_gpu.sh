@@ -22,7 +22,9 @@ case ${1:-quick} in
         python3 benchmarks/prompt_latency.py --models qwen3-0.6b --out "$OUT/prompt_latency_quick.json" 2>&1 \
             | grep -v Warning | tail -20 ;;
     tests)
-        python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+        python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 --tb=short tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    final)  # the whole GPU suite, then the benchmarks
+        "$0" tests; "$0" bench ;;
     retest)  # the tests a fix touched, then the benchmarks
         python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/runner/test_token_graphs.py tests/runner/test_graph_setup.py \
             tests/test_bench_graphs.py tests/test_demos.py 2>&1 | tee "$OUT/gpu_tests_retest.log" | tail -6

@@ -30,9 +30,7 @@ from multiprocessing.connection import wait
 import torch.multiprocessing as torch_mp
 
 from nanoserve.config import EngineConfig
-from nanoserve.model.llama import ModelSpec
-from nanoserve.model.parallel import check_sharding
-from nanoserve.runner.distributed import TIMEOUT, check_world, connect, disconnect, rank_device
+from nanoserve.runner.distributed import TIMEOUT, connect, disconnect, rank_device
 from nanoserve.runner.model_runner import ModelRunner
 from nanoserve.runner.worker import portable, recv, run_worker
 
@@ -66,9 +64,8 @@ class RunnerGroup:
     """tensor_parallel_size ranks behind ModelRunner's API: rank 0 here, the others in worker processes."""
 
     def __init__(self, config: EngineConfig, hf_config):
+        """config and hf_config passed engine/preflight.py's checks (sizes the ranks can share, a world here)."""
         size = config.tensor_parallel_size
-        check_world(config)
-        check_sharding(ModelSpec.from_hf_config(hf_config), size)
         if torch_mp.current_process().daemon:
             raise ValueError(f"tensor_parallel_size={size} starts worker processes, which a daemonic process "
                              "cannot: start the engine core in a non-daemonic process")

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.preflight import check_engine_config
 from nanoserve.model.loader import load_tokenizer
 from nanoserve.server.client import EngineClient
 from nanoserve.server.handlers import ClientGone, OpenAIServer, json_response
@@ -134,10 +135,13 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
         raise TypeError(f"build_app runs the engine core in its own process: give a model folder, an EngineConfig "
                         f"or an EngineClient, not {type(model).__name__}")
     config = model.config if isinstance(model, EngineClient) else model
+    hf_config = None
+    if isinstance(model, EngineConfig):  # a bad model or option fails here, before tokenizers load or the core starts
+        hf_config = check_engine_config(model)[1]
     tokenizer_path = config.tokenizer or config.model
     with_tokenizer = not config.skip_tokenizer_init
     client = model if isinstance(model, EngineClient) else \
-        EngineClient(model, load_tokenizer(tokenizer_path) if with_tokenizer else None, log_level)
+        EngineClient(model, load_tokenizer(tokenizer_path) if with_tokenizer else None, log_level, hf_config)
     # the tokenizer thread gets a tokenizer of its own: the event loop's detokenizer never shares one
     prompt_tokenizer = load_tokenizer(tokenizer_path) if with_tokenizer else None
     sandbox = None

@@ -47,8 +47,9 @@ class EngineStartError(ValueError):
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, tokenizer=None, log_level: str = "info"):
-        """Start the engine core process and wait until it is ready (model loaded, graphs captured)."""
+    def __init__(self, config: EngineConfig, tokenizer=None, log_level: str = "info", hf_config=None):
+        """Start the engine core process and wait until it is ready (model loaded, graphs captured).
+        hf_config: the model's config, checked already (engine/preflight.py), so the core need not read it."""
         started = time.monotonic()
         self._dir = tempfile.mkdtemp(prefix="nanoserve-")
         self._addresses = (f"ipc://{self._dir}/input", f"ipc://{self._dir}/output")
@@ -56,7 +57,7 @@ class EngineClient:
         receiver, sender = spawn.Pipe(duplex=False)
         # not daemonic: a daemonic process may not start the tensor-parallel worker ranks; the core leaves when its
         # parent is gone (core_process.py), and the finalizer below stops it with the client
-        self._process = spawn.Process(target=run_engine_core, args=(config, *self._addresses, sender, log_level),
+        self._process = spawn.Process(target=run_engine_core, args=(config, *self._addresses, sender, log_level, hf_config),
                                       name="nanoserve-engine-core", daemon=False)
         self._finalizer = weakref.finalize(self, _stop_process, self._process, self._dir)
         try:

@@ -4,9 +4,10 @@ The engine core runs in a process of its own (server/client.py); this process do
 tokenization and chat templates (off the event loop), detokenization and stop strings, and SSE.
 Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
 Every error answers in OpenAI's format {"error": {"message", "type", "param", "code"}}: invalid
-requests 400 (unknown fields too, as api.openai.com does), wrong key 401, unknown model 404, body too
-large 413, full waiting queue 503, engine failure 500. A client that goes away has its request
-aborted. If the engine core dies, requests in flight fail at once and `serve()` exits non-zero.
+requests 400 (unknown fields too, as api.openai.com does), wrong key 401, unknown model 404, body not
+received within --request-body-timeout 408, body too large 413, full waiting queue 503, engine failure
+500. A client that goes away has its request aborted. If the engine core dies, requests in flight fail
+at once and `serve()` exits non-zero; SIGTERM/SIGINT drain (server/shutdown.py) and exit 0.
 """
 from __future__ import annotations
 

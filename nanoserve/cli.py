@@ -13,7 +13,8 @@ import sys
 import time
 
 from nanoserve import __version__
-from nanoserve.config import FIELD_HELP, EngineConfig
+from nanoserve.config import (FIELD_HELP, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, REQUEST_BODY_TIMEOUT_S,
+                              SHUTDOWN_TIMEOUT_S, EngineConfig)
 
 _ENGINE_FIELDS = [f for f in dataclasses.fields(EngineConfig) if f.name != "model"]
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
@@ -70,6 +71,16 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="the model name the API reports and accepts; default: the --model path as given")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept `chat_template` in chat requests (rendered in a sandbox process, time-limited)")
+    serve.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, how long requests in flight may finish; streams still open then end "
+                            "with an error event (0: at once; a second signal also ends them; default: %(default)s)")
+    serve.add_argument("--request-body-timeout", type=float, default=REQUEST_BODY_TIMEOUT_S, metavar="SECONDS",
+                       help="a request body not received in full this long after the request started is answered "
+                            "408 and its connection closed (default: %(default)s)")
+    serve.add_argument("--max-stop-strings", type=int, default=MAX_STOP_STRINGS, metavar="N",
+                       help="most stop strings one request may give; more are answered 400 (default: %(default)s)")
+    serve.add_argument("--max-stop-string-len", type=int, default=MAX_STOP_STRING_LEN, metavar="N",
+                       help="longest stop string, in characters; longer ones are answered 400 (default: %(default)s)")
     _add_engine_flags(serve)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
@@ -187,7 +198,9 @@ def _cmd_serve(args) -> int:
 
     check_port_free(args.host, args.port)  # before the model load: a busy port should not cost a minute
     return serve(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key,
-                 served_model_name=args.served_model_name, trust_request_chat_template=args.trust_request_chat_template)
+                 served_model_name=args.served_model_name, trust_request_chat_template=args.trust_request_chat_template,
+                 shutdown_timeout=args.shutdown_timeout, request_body_timeout=args.request_body_timeout,
+                 max_stop_strings=args.max_stop_strings, max_stop_string_len=args.max_stop_string_len)
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -24,6 +24,15 @@ PREFILL_GRAPH_MAX_TOKENS = 2048
 PREFILL_GRAPH_TOKEN_STEP = 16
 QUANTIZATIONS = ("fp8",)  # weight formats model/quantization.py can make at load
 
+# `nanoserve serve` limits (flags of the same names): the drain on SIGTERM/SIGINT, then streams still open end
+# with an error event; a request body not received in full by its deadline is answered 408 and its connection
+# closed; more or longer stop strings than this are answered 400 (the API's stop matching is linear in the text
+# either way: this bounds building it)
+SHUTDOWN_TIMEOUT_S = 30.0
+REQUEST_BODY_TIMEOUT_S = 30.0
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LEN = 1024
+
 
 @dataclass
 class EngineConfig:

@@ -18,13 +18,14 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from nanoserve.config import EngineConfig, hf_config_dtype
+from nanoserve.config import EngineConfig
 from nanoserve.engine.batching import build_batch
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.messages import EngineRequest, EngineStats, SeqOutput
+from nanoserve.engine.preflight import check_engine_config
 from nanoserve.engine.scheduler import ScheduledStep, Scheduler
 from nanoserve.engine.sequence import Sequence
-from nanoserve.model.loader import eos_token_ids, load_hf_config, load_tokenizer, model_max_len
+from nanoserve.model.loader import eos_token_ids, load_tokenizer
 from nanoserve.runner.group import WorkerError, create_runner
 from nanoserve.runner.sampler import SampleHandle
 
@@ -39,9 +40,9 @@ class _InFlight:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
-        hf_config = load_hf_config(config.model)
-        self.config = config.resolve(model_max_len(hf_config), hf_config_dtype(hf_config))
+    def __init__(self, config: EngineConfig, hf_config=None):
+        """hf_config: the model's config, when the caller has loaded (and checked) it already."""
+        self.config, hf_config = check_engine_config(config, hf_config)
         self.runner = create_runner(self.config, hf_config)  # a RunnerGroup under tensor parallelism
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = [t for t in self._eos_ids(hf_config) if 0 <= t < self.vocab_size]

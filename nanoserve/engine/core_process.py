@@ -165,9 +165,12 @@ class CoreLoop:
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str, handshake,
-                    log_level: str = "info") -> None:
+                    log_level: str = "info", hf_config=None) -> None:
     """The core process's entry point (multiprocessing spawn target). `handshake` is the write end of a Pipe."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a Ctrl-C or a service manager signals the whole process group: the API process drains and then stops the
+    # core in order (Shutdown); the core leaves by itself when the API process is gone
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parent_pid = os.getppid()
     context = zmq.Context()
@@ -184,7 +187,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     try:
         from nanoserve.engine.core import EngineCore  # here: the API process imports this module for its messages
 
-        core = EngineCore(config)
+        core = EngineCore(config, hf_config)
         if core.config.torch_device.type == "cpu":  # leave a core to the API process, which must stay responsive
             torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
     except Exception as e:

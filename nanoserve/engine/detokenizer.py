@@ -56,27 +56,3 @@ def _decode_stream(backend, prompt_tail: list[int], skip_special_tokens: bool):
             stream.step(backend, t)
         return stream
 
-
-def find_stop(text: str, stops: list[str], num_new_chars: int) -> tuple[int, str] | None:
-    """(position, stop string) of the earliest stop string that the last num_new_chars characters completed."""
-    if not stops or num_new_chars == 0:
-        return None
-    longest = max(len(s) for s in stops)
-    search_from = max(len(text) - num_new_chars - longest + 1, 0)
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        at = text.find(stop, search_from)
-        if at != -1 and (best is None or at < best[0]):
-            best = (at, stop)
-    return best
-
-
-def held_back(text: str, stops: list[str]) -> int:
-    """Characters at the end of text that could still begin a stop string (not released while running)."""
-    hold = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:k]):
-                hold = k
-                break
-    return hold

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.engine import detokenizer
 from nanoserve.engine.messages import EngineRequest, SeqOutput
+from nanoserve.engine.stop_matcher import StopMatcher
 from nanoserve.sampling import SamplingParams
 
 
@@ -79,6 +80,8 @@ class _Completion:
         self.sent_tokens = self.sent_text = 0  # what earlier deltas reported
         self.end_reported = False
         self.detok = None
+        self.stops = StopMatcher.of(params.stop) if params.stop and tokenizer is not None else None
+        self.stop_state = 0  # the stop matcher's state after self.text
         if tokenizer is not None and (incremental or params.stop):
             self.detok = detokenizer.IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
 
@@ -105,23 +108,26 @@ class _Completion:
         return stopped
 
     def _extend_text(self, new_ids: list[int]) -> bool:
-        before = len(self.text)
+        end = len(self.text)
         for t in new_ids:
             self.text += self.detok.push(t)
-        if len(self.token_ids) < self.params.min_tokens:
+        if self.stops is None:
             return False
-        hit = detokenizer.find_stop(self.text, self.params.stop, len(self.text) - before)
-        if hit is None:
-            return False
-        at, stop = hit
+        while True:  # stop strings completed before min_tokens are passed over
+            self.stop_state, end, stop = self.stops.feed(self.stop_state, self.text, end)
+            if stop is None:
+                return False
+            if len(self.token_ids) >= self.params.min_tokens:
+                break
+        at = end - len(stop)
         self.text = self.text[:at + len(stop)] if self.params.include_stop_str_in_output else self.text[:at]
         self.finish_reason, self.stop_reason = "stop", stop
         return True
 
     def visible_text(self) -> str:
-        if self.finished or not self.params.stop:
+        if self.finished or self.stops is None:
             return self.text
-        return self.text[:len(self.text) - detokenizer.held_back(self.text, self.params.stop)]
+        return self.text[:len(self.text) - self.stops.held_back(self.stop_state)]
 
     def delta(self) -> CompletionOutput | None:
         """What changed since the last delta, or None."""

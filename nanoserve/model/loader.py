@@ -63,7 +63,19 @@ def load_hf_config(model_dir: str | Path):
         ModelSpec.from_hf_config(config)
     except (ValueError, KeyError, AttributeError) as e:
         raise ModelLoadError(f"{config_file}: {_one_line(e)}") from None
+    _check_not_prequantized(raw, config_file)
     return config
+
+
+def _check_not_prequantized(raw: dict, config_file: Path) -> None:
+    """A checkpoint stored quantized (GPTQ, AWQ, fp8, ...) has tensors this loader cannot read: say so before
+    reading any of them."""
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise ModelLoadError(f"{config_file}: the checkpoint is stored quantized (quantization_config.quant_method="
+                             f"{method!r}), a weight format nanoserve cannot load; give a float32/bfloat16/float16 "
+                             "checkpoint (--quantization fp8 quantizes one at load)")
 
 
 def model_max_len(hf_config) -> int:

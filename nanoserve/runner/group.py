@@ -24,14 +24,13 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from multiprocessing.connection import wait
 
 import torch.multiprocessing as torch_mp
 
 from nanoserve.config import EngineConfig
-from nanoserve.model.llama import ModelSpec
-from nanoserve.model.parallel import check_sharding
-from nanoserve.runner.distributed import TIMEOUT, check_world, connect, disconnect, rank_device
+from nanoserve.runner.distributed import TIMEOUT, connect, disconnect, rank_device
 from nanoserve.runner.model_runner import ModelRunner
 from nanoserve.runner.worker import portable, recv, run_worker
 
@@ -65,27 +64,32 @@ class RunnerGroup:
     """tensor_parallel_size ranks behind ModelRunner's API: rank 0 here, the others in worker processes."""
 
     def __init__(self, config: EngineConfig, hf_config):
+        """config and hf_config passed engine/preflight.py's checks (sizes the ranks can share, a world here)."""
         size = config.tensor_parallel_size
-        check_world(config)
-        check_sharding(ModelSpec.from_hf_config(hf_config), size)
         if torch_mp.current_process().daemon:
             raise ValueError(f"tensor_parallel_size={size} starts worker processes, which a daemonic process "
                              "cannot: start the engine core in a non-daemonic process")
         self.config, self.runner, self.tp = config, None, None
         self._dead: _Worker | None = None  # the first worker seen dead
         self._failure: str | None = None  # its error, once known: every later call raises it
-        self._closing, self._busy = False, 0
-        self._dir = tempfile.mkdtemp(prefix="nanoserve-tp-")
-        store = os.path.join(self._dir, "store")
-        self._workers: list[_Worker] = []
-        self._sender: _Sender | None = None
+        self._closing, self._busy, self._sender = False, 0, None
+        # what closing releases, apart from the group object: a group dropped without close() (garbage
+        # collection, interpreter exit) is released by this finalizer in order, as close() would
+        self._parts = _Parts(tempfile.mkdtemp(prefix="nanoserve-tp-"))
+        self._finalizer = weakref.finalize(self, self._parts.release, False)
+        store = os.path.join(self._parts.dir, "store")
         try:
-            self._workers = [self._spawn(rank, hf_config, store) for rank in range(1, size)]
-            self._sender = _Sender([w.conn for w in self._workers])
+            for rank in range(1, size):
+                self._parts.workers.append(self._spawn(rank, hf_config, store))
+            self._sender = self._parts.sender = _Sender([w.conn for w in self._workers])
             self._start(hf_config, store)
         except BaseException:
             self._shutdown(abort=True)  # workers may wait in a collective for a rank 0 that is not coming
             raise
+
+    @property
+    def _workers(self) -> list[_Worker]:
+        return self._parts.workers
 
     def _spawn(self, rank: int, hf_config, store: str) -> _Worker:
         ctx = torch_mp.get_context("spawn")
@@ -104,9 +108,11 @@ class RunnerGroup:
             except WorkerError as e:  # most often a script without a main guard, re-run by the spawned worker
                 raise WorkerError(f"{e}, before joining the group (spawned workers import the script that started "
                                   "the engine: start it under `if __name__ == \"__main__\":`)") from None
-        self.tp = connect(store, 0, self.config.tensor_parallel_size, self.config.torch_device)
-        threading.Thread(target=self._watch, name="nanoserve-tp-watch", daemon=True).start()
-        self.runner = self._guarded(ModelRunner, self.config, hf_config, self.tp)
+        self.tp = self._parts.tp = connect(store, 0, self.config.tensor_parallel_size, self.config.torch_device)
+        # the thread holds the group weakly: a dropped group is still collected (and its finalizer runs)
+        threading.Thread(target=_watch, args=(weakref.ref(self), [w.process.sentinel for w in self._workers]),
+                         name="nanoserve-tp-watch", daemon=True).start()
+        self.runner = self._parts.runner = self._guarded(ModelRunner, self.config, hf_config, self.tp)
         for w in self._workers:
             blocks = self._expect(w, "ready")[1]
             if blocks != self.runner.num_kv_blocks:  # the memory plan agrees on the smallest count
@@ -222,10 +228,9 @@ class RunnerGroup:
         if self._dead is None:
             self._dead = next((w for w in self._workers if w.process.sentinel in ready), None)
 
-    def _watch(self) -> None:
-        """The watcher thread: the first worker to exit marks the group dead; on CUDA the communicator is aborted
-        so rank 0 is not left waiting on the device, and if it stays blocked anyway the process exits."""
-        ready = wait([w.process.sentinel for w in self._workers])
+    def _on_worker_exit(self, ready: list) -> None:
+        """The watcher saw a worker exit: mark the group dead; on CUDA abort the communicator so rank 0 is not
+        left waiting on the device, and if it stays blocked anyway exit the process."""
         if self._closing:
             return
         self._dead = self._dead or next(w for w in self._workers if w.process.sentinel in ready)
@@ -247,17 +252,43 @@ class RunnerGroup:
 
     def _shutdown(self, abort: bool) -> None:
         """abort: first cancel the group's collectives, so a worker blocked in one fails instead of waiting."""
-        if self._closing:
-            return
         self._closing = True
+        self._finalizer.detach()
+        self._parts.release(abort)
+
+
+def _watch(group_ref: weakref.ref, sentinels: list) -> None:
+    """The watcher thread: waits for the first worker to exit; the group may be gone by then (dropped)."""
+    ready = wait(sentinels)
+    group = group_ref()
+    if group is not None:
+        group._on_worker_exit(ready)
+
+
+@dataclasses.dataclass
+class _Parts:
+    """What a RunnerGroup releases, in order: rank 0's runner, the workers (told to close, killed if they do
+    not exit), the process group, the rendezvous folder. Once; safe on a half-started group."""
+
+    dir: str
+    workers: list[_Worker] = dataclasses.field(default_factory=list)
+    sender: _Sender | None = None
+    tp: object = None  # rank 0's TensorParallel
+    runner: ModelRunner | None = None
+    released: bool = False
+
+    def release(self, abort: bool) -> None:
+        if self.released:
+            return
+        self.released = True
         if self.runner is not None:
             self.runner.close()
         if abort and self.tp is not None:
             disconnect(self.tp, abort=True)
-        if self._sender is not None:
-            self._sender.send(("close",))
-            self._sender.close(CLOSE_TIMEOUT_S)
-        for w in self._workers:
+        if self.sender is not None:
+            self.sender.send(("close",))
+            self.sender.close(CLOSE_TIMEOUT_S)
+        for w in self.workers:
             w.process.join(CLOSE_TIMEOUT_S)
             if w.process.is_alive():
                 w.process.kill()
@@ -265,7 +296,7 @@ class RunnerGroup:
             w.conn.close()
         if self.tp is not None:
             disconnect(self.tp)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class _CheckedHandle:

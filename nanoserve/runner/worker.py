@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import threading
 import traceback
@@ -64,6 +65,8 @@ def _generator(state: torch.Tensor, device: torch.device) -> torch.Generator:
 def run_worker(conn, rank: int, config, hf_config, store_path: str, log_level: int) -> None:
     """The worker process's entry point (torch.multiprocessing spawn target)."""
     _exit_with_parent()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # sent to the process group: the engine closes the workers in order
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
     logging.getLogger("nanoserve").setLevel(max(log_level, logging.WARNING))  # rank 0 logs start-up
     if torch.device(config.device).type == "cpu":  # the ranks share the cores; spinning threads would starve rank 0

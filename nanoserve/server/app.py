@@ -4,12 +4,14 @@ The engine core runs in a process of its own (server/client.py); this process do
 tokenization and chat templates (off the event loop), detokenization and stop strings, and SSE.
 Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
 Every error answers in OpenAI's format {"error": {"message", "type", "param", "code"}}: invalid
-requests 400 (unknown fields too, as api.openai.com does), wrong key 401, unknown model 404, body too
-large 413, full waiting queue 503, engine failure 500. A client that goes away has its request
-aborted. If the engine core dies, requests in flight fail at once and `serve()` exits non-zero.
+requests 400 (unknown fields too, as api.openai.com does), wrong key 401, unknown model 404, body not
+received within --request-body-timeout 408, body too large 413, full waiting queue 503, engine failure
+500. A client that goes away has its request aborted. If the engine core dies, requests in flight fail
+at once and `serve()` exits non-zero; SIGTERM/SIGINT drain (server/shutdown.py) and exit 0.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 
@@ -19,8 +21,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import (MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, REQUEST_BODY_TIMEOUT_S, SHUTDOWN_TIMEOUT_S,
+                              EngineConfig)
+from nanoserve.engine.preflight import check_engine_config
 from nanoserve.model.loader import load_tokenizer
 from nanoserve.server.client import EngineClient
 from nanoserve.server.handlers import ClientGone, OpenAIServer, json_response
@@ -28,6 +33,7 @@ from nanoserve.server.logprobs import TokenTexts
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.protocol import APIError, error_body, validation_message
+from nanoserve.server.shutdown import DrainingServer
 from nanoserve.server.template_sandbox import DEFAULT_TIMEOUT_S, TemplateSandbox
 
 logger = logging.getLogger("nanoserve.server")
@@ -43,12 +49,19 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _BodyTimeout(Exception):
+    pass
+
+
 class _V1Middleware:
     """For /v1 routes: checks the API key before anything else (so a bad key is 401 even for a bad body),
-    refuses bodies over MAX_BODY_BYTES, and counts responses by status code."""
+    refuses bodies over MAX_BODY_BYTES or not received in full within body_timeout seconds of the request's
+    start (408, and the connection closes: a client dribbling its body cannot hold a socket for long), and
+    counts responses by status code."""
 
-    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
-        self.app, self.api_key, self.metrics = app, api_key, metrics
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics,
+                 body_timeout: float = REQUEST_BODY_TIMEOUT_S):
+        self.app, self.api_key, self.metrics, self.body_timeout = app, api_key, metrics, body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith("/v1"):
@@ -61,12 +74,19 @@ class _V1Middleware:
                 status = message["status"]
             await send(message)
 
-        received = 0
+        received, body_done, deadline = 0, False, asyncio.get_running_loop().time() + self.body_timeout
 
         async def limited_receive():  # bodies sent without Content-Length (chunked) are counted as they come
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # only a disconnect can follow: no deadline on waiting for it
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise _BodyTimeout() from None
             received += len(message.get("body", b""))
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
             if received > MAX_BODY_BYTES:
                 raise _BodyTooLarge()
             return message
@@ -99,6 +119,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _too_large(request: Request, exc: _BodyTooLarge):
         return _error_response(APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes."))
 
+    @app.exception_handler(_BodyTimeout)
+    async def _body_timeout(request: Request, exc: _BodyTimeout):
+        timeout = request.app.state.body_timeout
+        response = _error_response(APIError(408, f"The request body was not received within {timeout:g} s "
+                                                 "(--request-body-timeout).", code="request_timeout"))
+        response.headers["Connection"] = "close"
+        return response
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         message, param = validation_message(exc.errors())
@@ -110,7 +138,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(ClientGone)
-    async def _client_gone(request: Request, exc: ClientGone):
+    @app.exception_handler(ClientDisconnect)  # gone while sending its body
+    async def _client_gone(request: Request, exc: Exception):
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(Exception)
@@ -122,10 +151,13 @@ def _add_error_handlers(app: FastAPI) -> None:
 def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None = None,
               served_model_name: str | None = None, trust_request_chat_template: bool = False,
               chat_template_timeout_s: float = DEFAULT_TIMEOUT_S, log_level: str = "info",
-              **engine_options) -> FastAPI:
+              request_body_timeout: float = REQUEST_BODY_TIMEOUT_S, max_stop_strings: int = MAX_STOP_STRINGS,
+              max_stop_string_len: int = MAX_STOP_STRING_LEN, **engine_options) -> FastAPI:
     """The FastAPI app. `model` is a model folder (+ EngineConfig options as keywords), an EngineConfig, or
     a started EngineClient. The engine core process is started here (EngineStartError if it cannot start),
     connected when the app's lifespan starts and stopped when it ends."""
+    _check_server_limits(request_body_timeout=request_body_timeout, max_stop_strings=max_stop_strings,
+                         max_stop_string_len=max_stop_string_len)
     if isinstance(model, str):
         model = EngineConfig.from_kwargs(model, **engine_options)
     elif engine_options:
@@ -134,10 +166,13 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
         raise TypeError(f"build_app runs the engine core in its own process: give a model folder, an EngineConfig "
                         f"or an EngineClient, not {type(model).__name__}")
     config = model.config if isinstance(model, EngineClient) else model
+    hf_config = None
+    if isinstance(model, EngineConfig):  # a bad model or option fails here, before tokenizers load or the core starts
+        hf_config = check_engine_config(model)[1]
     tokenizer_path = config.tokenizer or config.model
     with_tokenizer = not config.skip_tokenizer_init
     client = model if isinstance(model, EngineClient) else \
-        EngineClient(model, load_tokenizer(tokenizer_path) if with_tokenizer else None, log_level)
+        EngineClient(model, load_tokenizer(tokenizer_path) if with_tokenizer else None, log_level, hf_config)
     # the tokenizer thread gets a tokenizer of its own: the event loop's detokenizer never shares one
     prompt_tokenizer = load_tokenizer(tokenizer_path) if with_tokenizer else None
     sandbox = None
@@ -148,7 +183,8 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
                                                          chat_template_timeout_s)
     metrics = ServerMetrics(client)
     server = OpenAIServer(client, preprocessor, TokenTexts(client.output_processor.tokenizer),
-                          served_model_name or client.config.model, metrics, trust_request_chat_template)
+                          served_model_name or client.config.model, metrics, trust_request_chat_template,
+                          stop_limits=(max_stop_strings, max_stop_string_len))
 
     async def lifespan(app: FastAPI):
         await client.start()
@@ -160,10 +196,17 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
 
     app = FastAPI(title="nanoserve", lifespan=lifespan)
     app.state.engine_client, app.state.metrics, app.state.server, app.state.sandbox = client, metrics, server, sandbox
-    app.add_middleware(_V1Middleware, api_key=api_key, metrics=metrics)
+    app.state.body_timeout = request_body_timeout
+    app.add_middleware(_V1Middleware, api_key=api_key, metrics=metrics, body_timeout=request_body_timeout)
     _add_error_handlers(app)
     _add_routes(app, server, client, metrics)
     return app
+
+
+def _check_server_limits(**limits) -> None:
+    for name, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
 def _add_routes(app: FastAPI, server: OpenAIServer, client: EngineClient, metrics: ServerMetrics) -> None:
@@ -197,24 +240,23 @@ def _add_routes(app: FastAPI, server: OpenAIServer, client: EngineClient, metric
 
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, trust_request_chat_template: bool = False,
-          log_level: str = "info") -> int:
-    """Start the engine core, then serve the OpenAI API until interrupted (0) or the core dies (1)."""
+          log_level: str = "info", shutdown_timeout: float = SHUTDOWN_TIMEOUT_S, **server_options) -> int:
+    """Start the engine core, then serve the OpenAI API until SIGTERM/SIGINT (drained: server/shutdown.py; 0)
+    or the core dies (1). server_options: build_app's request_body_timeout, max_stop_strings, ..."""
+    if isinstance(shutdown_timeout, bool) or not isinstance(shutdown_timeout, (int, float)) or shutdown_timeout < 0:
+        raise ValueError(f"shutdown_timeout must be a number of seconds >= 0, got {shutdown_timeout!r}")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(config, api_key=api_key, served_model_name=served_model_name,
-                    trust_request_chat_template=trust_request_chat_template, log_level=log_level)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=10))
+                    trust_request_chat_template=trust_request_chat_template, log_level=log_level, **server_options)
     client: EngineClient = app.state.engine_client
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level), client, shutdown_timeout)
 
     def stop() -> None:
         server.should_exit = True
 
     client.add_death_callback(stop)
     logger.info("serving %s on http://%s:%d/v1", app.state.server.model_name, host, port)
-    try:
-        server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises the ^C it turned into a graceful shutdown
-        pass
+    server.run()
     if client.is_dead:
         logger.error("exiting: the engine core is gone")
         return 1

@@ -47,8 +47,9 @@ class EngineStartError(ValueError):
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, tokenizer=None, log_level: str = "info"):
-        """Start the engine core process and wait until it is ready (model loaded, graphs captured)."""
+    def __init__(self, config: EngineConfig, tokenizer=None, log_level: str = "info", hf_config=None):
+        """Start the engine core process and wait until it is ready (model loaded, graphs captured).
+        hf_config: the model's config, checked already (engine/preflight.py), so the core need not read it."""
         started = time.monotonic()
         self._dir = tempfile.mkdtemp(prefix="nanoserve-")
         self._addresses = (f"ipc://{self._dir}/input", f"ipc://{self._dir}/output")
@@ -56,7 +57,7 @@ class EngineClient:
         receiver, sender = spawn.Pipe(duplex=False)
         # not daemonic: a daemonic process may not start the tensor-parallel worker ranks; the core leaves when its
         # parent is gone (core_process.py), and the finalizer below stops it with the client
-        self._process = spawn.Process(target=run_engine_core, args=(config, *self._addresses, sender, log_level),
+        self._process = spawn.Process(target=run_engine_core, args=(config, *self._addresses, sender, log_level, hf_config),
                                       name="nanoserve-engine-core", daemon=False)
         self._finalizer = weakref.finalize(self, _stop_process, self._process, self._dir)
         try:
@@ -78,6 +79,7 @@ class EngineClient:
         self._unstarted: set[str] = set()  # core sequences sent that have not produced a token yet
         self._death_callbacks: list[Callable[[], None]] = []
         self._dead_reason: str | None = None
+        self._ended: str | None = None  # end_requests() was called: why
         self._running = self._closing = self._died = False
         self._reader: asyncio.Task | None = None
         self._encoder = msgspec.msgpack.Encoder()
@@ -165,8 +167,8 @@ class EngineClient:
             observer: Callable[[int, RequestOutput], None] | None = None) -> RequestCollector:
         """Submit one API request (its prompts, already validated and tokenized) as len(prompts) × n core
         sequences. Raises EngineStoppedError, or QueueFullError when too many sequences wait already."""
-        if not self.is_running:
-            raise EngineStoppedError(self._dead_reason or "the engine is not running")
+        if not self.is_running or self._ended is not None:
+            raise EngineStoppedError(self._dead_reason or self._ended or "the engine is not running")
         num_seqs = len(prompts) * params.n
         if len(self._unstarted) + num_seqs > self.max_waiting_requests:
             raise QueueFullError(f"{len(self._unstarted)} sequences are already waiting "
@@ -250,6 +252,15 @@ class EngineClient:
                 del collectors[out.request_id]
             entry[0].put(entry[1], out)
 
+    def end_requests(self, reason: str) -> int:
+        """End every request in flight with EngineStoppedError(reason) (the server's drain deadline passed); their
+        handlers answer it and close them, which aborts them in the core. The number of API requests ended."""
+        self._ended = reason  # and any request a handler submits later
+        collectors = {id(c): c for c, _ in self._collectors.values()}
+        for collector in collectors.values():
+            collector.fail(EngineStoppedError(reason))
+        return len(collectors)
+
     # -- death ----------------------------------------------------------------------------------------
     def _on_process_exit(self) -> None:
         loop = asyncio.get_running_loop()
@@ -291,11 +302,8 @@ def _exit_text(process) -> str:
 def _stop_process(process, directory: str) -> None:
     """Last resort (garbage collection, interpreter exit, failed start-up): the core must not outlive us."""
     if process.pid is not None and process.is_alive():
-        process.terminate()
+        process.kill()  # it ignores SIGTERM (core_process.py)
         process.join(5)
-        if process.is_alive():
-            process.kill()
-            process.join(5)
     shutil.rmtree(directory, ignore_errors=True)
 
 

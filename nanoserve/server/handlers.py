@@ -17,7 +17,9 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
+from nanoserve.config import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 from nanoserve.engine.prompts import QueueFullError, as_prompt_list, check_max_tokens
+from nanoserve.engine.stop_matcher import StopMatcher
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.client import EngineClient
 from nanoserve.server.collector import (Delta, EngineError, EngineStoppedError, RequestCollector,
@@ -90,8 +92,10 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 class OpenAIServer:
     def __init__(self, client: EngineClient, preprocessor: Preprocessor, token_texts: TokenTexts, model_name: str,
-                 metrics: ServerMetrics, trust_request_chat_template: bool = False):
+                 metrics: ServerMetrics, trust_request_chat_template: bool = False,
+                 stop_limits: tuple[int, int] = (MAX_STOP_STRINGS, MAX_STOP_STRING_LEN)):
         self.client, self.preprocessor, self.token_texts = client, preprocessor, token_texts
+        self.stop_limits = stop_limits
         self.model_name, self.metrics = model_name, metrics
         self.trust_request_chat_template = trust_request_chat_template
         self.created = int(time.time())
@@ -121,6 +125,22 @@ class OpenAIServer:
         if params.top_k >= vocab:  # keeps every token: the same as off (and the sampler's int32 stays in range)
             params = dataclasses.replace(params, top_k=0)
         return params
+
+    async def stop_matcher(self, params: SamplingParams) -> StopMatcher | None:
+        """The request's stop strings within --max-stop-strings / --max-stop-string-len (else 400), their automaton
+        built off the event loop. The handler holds it until the request is submitted (where the front end finds
+        it in StopMatcher's cache)."""
+        if not params.stop:
+            return None
+        count, length = self.stop_limits
+        if len(params.stop) > count:
+            raise APIError(400, f"stop: {len(params.stop)} stop strings, more than this server takes "
+                                f"(--max-stop-strings={count}).", param="stop")
+        longest = max(params.stop, key=len)
+        if len(longest) > length:
+            raise APIError(400, f"stop: a stop string of {len(longest)} characters, longer than this server takes "
+                                f"(--max-stop-string-len={length}).", param="stop")
+        return await asyncio.to_thread(StopMatcher.of, params.stop)
 
     def check_capacity(self, num_seqs: int) -> None:
         limit = self.client.max_waiting_requests
@@ -180,6 +200,7 @@ class OpenAIServer:
             raise APIError(400, "prompt must not be empty.", param="prompt")
         params = self.sampling_params({**body.sampling_kwargs(), "max_tokens": body.max_tokens,
                                        "logprobs": body.logprobs})
+        stops = await self.stop_matcher(params)  # noqa: F841 (held until submitted)
         self.check_capacity(len(prompts) * params.n)
         tokenized = await self.preprocessor.completion_prompts(prompts)
         for _, ids in tokenized:
@@ -227,6 +248,7 @@ class OpenAIServer:
             names["max_tokens"] = "max_completion_tokens"
         params = self.sampling_params({**body.sampling_kwargs(), "max_tokens": max_tokens,
                                        "logprobs": (body.top_logprobs or 0) if body.logprobs else None}, names)
+        stops = await self.stop_matcher(params)  # noqa: F841 (held until submitted)
         self.check_capacity(params.n)
         ids = await self.preprocessor.chat_prompt([m.for_template() for m in body.messages],
                                                   body.add_generation_prompt, body.chat_template)

@@ -25,6 +25,9 @@ _LONE_SURROGATE = re.compile(
     rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2})")
 
 
+_TOO_DEEP = "The request body nests arrays or objects too deeply to be a request."
+
+
 class APIError(Exception):
     """An error answered to the client in OpenAI's format."""
 
@@ -133,6 +136,17 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None  # assistant messages that called tools (content may be null)
     tool_call_id: str | None = None  # tool messages: the call they answer
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data):
+        """A part of another type (image_url, input_audio, file) gets a 400 saying so, not a list of forms."""
+        parts = data.get("content") if isinstance(data, dict) else None
+        for i, part in enumerate(parts if isinstance(parts, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content.{i}.type: this model takes text only: {kind} parts are not supported")
+        return data
+
     @model_validator(mode="after")
     def _check_role_fields(self):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
@@ -175,8 +189,12 @@ def parse_body(raw, model: type[BaseModel]) -> BaseModel:
         data = msgspec.json.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise APIError(400, _json_error(raw, e)) from None
+    except RecursionError:
+        raise APIError(400, _TOO_DEEP) from None
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise APIError(400, _TOO_DEEP) from None
     except ValidationError as e:
         message, param = validation_message(e.errors(include_url=False))
         raise APIError(400, message, param=param) from None

@@ -102,6 +102,7 @@ def _limit_memory(headroom: int) -> None:
 def _serve(conn, tokenizer_path: str, max_chars: int) -> None:
     """The worker: render (messages, template, add_generation_prompt) jobs until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the server's drain may still render; it is killed at close
     try:
         from nanoserve.model.loader import load_tokenizer
 

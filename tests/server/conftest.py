@@ -194,12 +194,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serve_process(model_dir: str, log_path, *flags: str, timeout: float = 120) -> ServeProcess:
-    """Start `nanoserve serve --model model_dir *flags` on a free port and wait for /health."""
+def start_serve_process(model_dir: str, log_path, *flags: str, timeout: float = 120,
+                        new_session: bool = False) -> ServeProcess:
+    """Start `nanoserve serve --model model_dir *flags` on a free port and wait for /health. new_session: in a
+    process group of its own (signal it as a terminal's Ctrl-C does, os.killpg)."""
     port = free_port()
     cmd = [sys.executable, "-m", "nanoserve", "serve", "--model", model_dir, "--port", str(port), *flags]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                start_new_session=new_session)
     server = ServeProcess(proc, f"http://127.0.0.1:{port}", str(log_path))
     deadline = time.monotonic() + timeout
     while True:
@@ -220,8 +223,9 @@ def serve_process(tmp_path_factory):
     """serve_process(model_dir, *flags) → a running ServeProcess (killed at the end of the module if still up)."""
     started: list[ServeProcess] = []
 
-    def start(model_dir: str, *flags: str) -> ServeProcess:
-        server = start_serve_process(model_dir, tmp_path_factory.mktemp("serve") / "serve.log", *flags)
+    def start(model_dir: str, *flags: str, new_session: bool = False) -> ServeProcess:
+        server = start_serve_process(model_dir, tmp_path_factory.mktemp("serve") / "serve.log", *flags,
+                                     new_session=new_session)
         started.append(server)
         return server
 

@@ -1,0 +1,42 @@
+"""What the model's config and this machine decide alone, checked before any process starts or weight is read.
+
+The API process runs these checks before it loads a tokenizer or starts the engine core, and the core runs
+them again before it builds its runner (the offline LLM's only check), so a model that tensor_parallel_size
+ranks cannot share, a dtype the device lacks, or a pre-quantized checkpoint fails in a second with one line,
+not after the weights are loaded.
+"""
+from __future__ import annotations
+
+import torch
+
+from nanoserve.config import EngineConfig, hf_config_dtype
+from nanoserve.model.llama import ModelSpec
+from nanoserve.model.loader import load_hf_config, model_max_len
+from nanoserve.model.parallel import check_sharding
+from nanoserve.runner.distributed import check_world
+
+
+def check_engine_config(config: EngineConfig, hf_config=None):
+    """(the resolved EngineConfig, the model's HF config); ValueError naming the first thing that cannot run.
+    hf_config: the model's config when already loaded (load_hf_config validates the architecture, its
+    features and its weight format)."""
+    if hf_config is None:
+        hf_config = load_hf_config(config.model)
+    resolved = config.resolve(model_max_len(hf_config), hf_config_dtype(hf_config))
+    check_world(resolved)
+    check_sharding(ModelSpec.from_hf_config(hf_config), resolved.tensor_parallel_size)
+    check_dtype(resolved)
+    return resolved, hf_config
+
+
+def check_dtype(config: EngineConfig) -> None:
+    """bfloat16 needs a GPU of compute capability 8.0 or newer (CPUs emulate it; float16 runs everywhere)."""
+    device = config.torch_device
+    if device.type != "cuda" or config.dtype != "bfloat16":
+        return
+    for rank in range(config.tensor_parallel_size):
+        index = (device.index or 0) + rank
+        major, minor = torch.cuda.get_device_capability(index)
+        if major < 8:
+            raise ValueError(f"dtype=bfloat16 needs a GPU of compute capability 8.0 or newer; cuda:{index} is "
+                             f"{major}.{minor}: use --dtype float16")

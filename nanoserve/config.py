@@ -229,34 +229,27 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 def _capture_sizes(value, max_num_seqs: int) -> list[int] | str:
-    """"auto", "pow2" (also given as a one-word list, as the CLI passes it) or ascending distinct sizes."""
-    if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], str):
-        value = value[0]
-    if isinstance(value, str):
-        if value not in CAPTURE_SIZE_MODES:
-            raise ValueError(f"cudagraph_capture_sizes must be one of {CAPTURE_SIZE_MODES} or a list of sizes, "
-                             f"got {value!r}")
-        return value
-    sizes = [int(s) if isinstance(s, str) and s.isdigit() else s for s in value]
-    if any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in sizes):
-        raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {list(value)}")
-    if sizes and max(sizes) > max_num_seqs:
+    sizes = _size_list("cudagraph_capture_sizes", value, CAPTURE_SIZE_MODES)
+    if isinstance(sizes, list) and sizes and max(sizes) > max_num_seqs:
         raise ValueError(f"cudagraph_capture_sizes {sizes} exceed max_num_seqs={max_num_seqs}")
-    return sorted(set(sizes))
+    return sizes
 
 
 def _prefill_graph_sizes(value) -> list[int] | str:
-    """"auto", "off" (also as a one-word list, as the CLI passes it) or ascending distinct token counts."""
+    return _size_list("prefill_graph_sizes", value, PREFILL_GRAPH_MODES)
+
+
+def _size_list(name: str, value, modes: tuple[str, ...]) -> list[int] | str:
+    """One of `modes` (also given as a one-word list, as the CLI passes it) or ascending distinct positive sizes."""
     if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], str) and not value[0].isdigit():
         value = value[0]
     if isinstance(value, str):
-        if value not in PREFILL_GRAPH_MODES:
-            raise ValueError(f"prefill_graph_sizes must be one of {PREFILL_GRAPH_MODES} or a list of token counts, "
-                             f"got {value!r}")
+        if value not in modes:
+            raise ValueError(f"{name} must be one of {modes} or a list of sizes, got {value!r}")
         return value
     sizes = [int(s) if isinstance(s, str) and s.isdigit() else s for s in value]
     if any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in sizes):
-        raise ValueError(f"prefill_graph_sizes must be positive integers, got {list(value)}")
+        raise ValueError(f"{name} must be positive integers, got {list(value)}")
     return sorted(set(sizes))
 
 

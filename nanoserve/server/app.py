@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanoserve.config import EngineConfig
+from nanoserve.hub import resolve_config
 from nanoserve.model.loader import load_tokenizer
 from nanoserve.server.client import EngineClient
 from nanoserve.server.handlers import ClientGone, OpenAIServer, json_response
@@ -133,6 +134,9 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
     if not isinstance(model, (EngineConfig, EngineClient)):
         raise TypeError(f"build_app runs the engine core in its own process: give a model folder, an EngineConfig "
                         f"or an EngineClient, not {type(model).__name__}")
+    if isinstance(model, EngineConfig):  # a hub id is served under its id, not under its snapshot folder
+        served_model_name = served_model_name or model.model
+        model = resolve_config(model)
     config = model.config if isinstance(model, EngineClient) else model
     tokenizer_path = config.tokenizer or config.model
     with_tokenizer = not config.skip_tokenizer_init

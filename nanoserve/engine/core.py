@@ -72,7 +72,7 @@ class EngineCore:
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.config.max_model_len} "
                              "(the prompt must leave room for at least one generated token)")
-        bad = [t for t in (*ids, *params.stop_token_ids) if not 0 <= t < self.vocab_size]
+        bad = [t for t in (*ids, *params.stop_token_ids, *(params.logit_bias or ())) if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         seq = Sequence(rid, list(ids), params)
@@ -114,6 +114,8 @@ class EngineCore:
         if done.handle is None:
             return []
         result = done.handle.result()
+        if result.prompt_logprobs is not None:
+            _distribute_prompt_logprobs(done.step, result.prompt_logprobs)
         outputs = []
         for i, seq in enumerate(done.sampled):
             seq.num_pending -= 1
@@ -128,6 +130,8 @@ class EngineCore:
                 out.token_logprobs, out.top_logprobs = [result.logprobs[i]], [result.top_logprobs[i]]
             if len(seq.output_token_ids) == 1:
                 out.num_cached_tokens = seq.num_cached_tokens
+                if seq.params.prompt_logprobs is not None:
+                    out.prompt_logprobs = seq.prompt_logprobs
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 out.finish_reason, out.stop_reason = reason, seq.stop_reason
@@ -177,3 +181,14 @@ class EngineCore:
             decode_steps_graph=r.decode_steps_graph, decode_steps_eager=r.decode_steps_eager,
             mixed_steps=self._mixed_steps, padding_rows=r.padding_rows, preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens)
+
+
+def _distribute_prompt_logprobs(step: ScheduledStep, results: list) -> None:
+    """A step's prompt logprobs, in the order batching listed their rows, to their sequences."""
+    at = 0
+    for seq, start, n, decode in zip(step.seqs, step.starts, step.num_new_tokens, step.decode_rows):
+        if seq.params.prompt_logprobs is not None and not decode:
+            count = min(start + n, seq.num_prompt_tokens - 1) - max(start, len(seq.prompt_logprobs))
+            if count > 0:
+                seq.prompt_logprobs += results[at:at + count]
+                at += count

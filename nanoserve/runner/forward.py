@@ -9,6 +9,7 @@ import torch
 from nanoserve.kernels.metadata import AttentionMetadata
 from nanoserve.kernels.step_inputs import prepare_decode
 from nanoserve.runner.batch import DecodeBatch, PrefillBatch
+from nanoserve.runner import prompt_logprobs
 from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker, sampling_arrays, updates_arrays
 from nanoserve.runner.sampler import SamplingTensors
 
@@ -51,11 +52,14 @@ class DecodeForward:
 class PrefillForward:
     """Eager forward of prompt chunks (and decode rows riding along); logits of the sampled rows only."""
 
-    def __init__(self, model, state: PersistentState, packer: StepPacker):
+    def __init__(self, model, state: PersistentState, packer: StepPacker, logprob_chunk: int = 256):
         self.model, self.state, self.packer = model, state, packer
+        self.logprob_chunk = logprob_chunk  # rows of prompt-logprob logits at once
 
-    def __call__(self, batch: PrefillBatch) -> tuple[torch.Tensor, SamplingTensors | None, torch.Tensor]:
-        """(logits [n, vocab], the sampled rows' parameters on the device, their slots on the device)."""
+    def __call__(self, batch: PrefillBatch) -> tuple[torch.Tensor, SamplingTensors | None, torch.Tensor,
+                                                      prompt_logprobs.PromptLogprobsHandle | None]:
+        """(logits [n, vocab], the sampled rows' parameters on the device, their slots on the device, the
+        prompt logprobs asked for, on their way to the host)."""
         s = len(batch.slots)
         positions = _chunk_positions(batch.starts, batch.query_lens)
         token_slots = np.repeat(batch.slots, batch.query_lens)
@@ -67,7 +71,8 @@ class PrefillForward:
         sampling = sampling_arrays(batch.sampling) if batch.sampling is not None else []
         dev = self.packer.pack([batch.token_ids, positions, batch.slot_mapping, token_slots, batch.slots, cu_q,
                                 context_lens, sample_token_rows, sampled_slots,
-                                *updates_arrays(batch.block_updates), *sampling])
+                                *updates_arrays(batch.block_updates), *sampling,
+                                batch.prompt_logprob_rows, batch.prompt_logprob_targets])
         (ids, pos, slot_mapping, tok_slots, slots, cu_q_d, ctx_d, rows_d, sampled_slots_d, us, uc, ub) = dev[:12]
         self.state.apply(us, uc, ub)
         ids = torch.where(ids >= 0, ids, self.state.last_tokens[tok_slots.long()])
@@ -80,7 +85,12 @@ class PrefillForward:
         hidden = self.model(ids, pos, meta)
         logits = self.model.compute_logits(hidden[rows_d.long()])
         params = SamplingTensors(*dev[12:16]) if batch.sampling is not None else None
-        return logits, params, sampled_slots_d
+        prompt = None
+        if len(batch.prompt_logprob_rows):
+            packed = prompt_logprobs.compute(self.model, hidden, dev[-2], dev[-1], batch.prompt_logprob_k,
+                                             self.logprob_chunk)
+            prompt = prompt_logprobs.PromptLogprobsHandle(packed, len(batch.prompt_logprob_rows))
+        return logits, params, sampled_slots_d, prompt
 
 
 def _chunk_positions(starts: np.ndarray, query_lens: np.ndarray) -> np.ndarray:

@@ -79,7 +79,7 @@ class ModelRunner:
         self.state = PersistentState(cfg.max_num_seqs, self.max_blocks_per_seq, self.dummy_block, dev)
         self.decode_inputs = DecodeInputs(cfg.max_num_seqs, self.state, self.dummy_block * cfg.block_size, dev)
         self.decode_forward = DecodeForward(self.model, self.state, self.decode_inputs)
-        self.prefill_forward = PrefillForward(self.model, self.state, StepPacker(dev))
+        self.prefill_forward = PrefillForward(self.model, self.state, StepPacker(dev), logprob_chunk=cfg.max_num_seqs)
         self.sampler = Sampler(cfg.max_num_seqs, dev, self.rng)
 
     @torch.inference_mode()
@@ -147,8 +147,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: DecodeBatch | PrefillBatch) -> SampleHandle | None:
         """Launch the step and its sampling; None when the batch samples nothing (a mid-prompt chunk)."""
+        prompt = None
         if isinstance(batch, PrefillBatch):
-            logits, params, slots = self.prefill_forward(batch)
+            logits, params, slots, prompt = self.prefill_forward(batch)
         else:
             logits, rows = self._decode(batch)
             views = self.decode_inputs.views(rows)
@@ -157,8 +158,10 @@ class ModelRunner:
             params = SamplingTensors(s.temperature[:b], s.top_p[:b], s.top_k[:b], s.min_p[:b])
             slots = views.slots[:b]
         if batch.sampling is None or not len(batch.sampling):
-            return None
-        return self.sampler(logits, batch.sampling, params, self.state.last_tokens, slots)
+            return None if prompt is None else SampleHandle.empty(prompt)
+        handle = self.sampler(logits, batch.sampling, params, self.state.last_tokens, slots)
+        handle.prompt_logprobs = prompt
+        return handle
 
     def _decode(self, batch: DecodeBatch, use_graph: bool = True) -> tuple[torch.Tensor, int]:
         """Logits [b, vocab] of a decode batch and the rows the step ran (its bucket, or b when eager)."""

@@ -2,7 +2,8 @@
 
 The engine core runs in a process of its own (server/client.py); this process does HTTP, validation,
 tokenization and chat templates (off the event loop), detokenization and stop strings, and SSE.
-Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, and
+vLLM's /version, /ping, /tokenize, /detokenize (server/tokenize_routes.py).
 Every error answers in OpenAI's format {"error": {"message", "type", "param", "code"}}: invalid
 requests 400 (unknown fields too, as api.openai.com does), wrong key 401, unknown model 404, body too
 large 413, full waiting queue 503, engine failure 500. A client that goes away has its request
@@ -30,6 +31,7 @@ from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.protocol import APIError, error_body, validation_message
 from nanoserve.server.template_sandbox import DEFAULT_TIMEOUT_S, TemplateSandbox
+from nanoserve.server.tokenize_routes import add_tokenize_routes
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -167,6 +169,7 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
     app.add_middleware(_V1Middleware, api_key=api_key, metrics=metrics)
     _add_error_handlers(app)
     _add_routes(app, server, client, metrics)
+    add_tokenize_routes(app, server, MAX_BODY_BYTES)
     return app
 
 

@@ -15,6 +15,7 @@ The core deals in token ids only; text, stop strings and n > 1 fan-out are the f
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -40,8 +41,11 @@ class _InFlight:
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
+        start = time.perf_counter()
         hf_config = load_hf_config(config.model)
         self.config = config.resolve(model_max_len(hf_config), hf_config_dtype(hf_config))
+        logger.info("loading %s (%s) in %s on %s", config.model, _architecture(hf_config), self.config.dtype,
+                    self.config.device)
         self.runner = create_runner(self.config, hf_config)  # a RunnerGroup under tensor parallelism
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = [t for t in self._eos_ids(hf_config) if 0 <= t < self.vocab_size]
@@ -52,6 +56,19 @@ class EngineCore:
         self._inflight: deque[_InFlight] = deque()
         self._num_penalty_seqs = 0
         self._prompt_tokens = self._generation_tokens = self._mixed_steps = 0
+        logger.info("%s", self._ready_line(hf_config, time.perf_counter() - start))
+
+    def _ready_line(self, hf_config, seconds: float) -> str:
+        """What the engine runs, in one line: architecture, dtype, limits, KV cache, graphs."""
+        c, r = self.config, self.runner
+        gib = r.num_kv_blocks * r.kv.block_bytes / 2**30
+        graphs = r.graph_runner.capture_sizes if r.graph_runner is not None else None
+        shown = f"CUDA graphs for {len(graphs)} batch sizes {graphs}" if graphs else \
+            "no CUDA graphs (" + ("enforce_eager" if c.enforce_eager else "no CUDA device") + ")"
+        return (f"engine ready in {seconds:.1f} s: {_architecture(hf_config)}, {c.dtype} on {c.device}"
+                f"{f', tp={c.tensor_parallel_size}' if c.tensor_parallel_size > 1 else ''}, max_model_len "
+                f"{c.max_model_len}, max_num_seqs {c.max_num_seqs}; KV cache {gib:.2f} GiB = "
+                f"{r.num_kv_blocks * c.block_size} tokens ({r.num_kv_blocks} blocks of {c.block_size}); {shown}")
 
     def _eos_ids(self, hf_config) -> list[int]:
         ids = eos_token_ids(self.config.model, hf_config)
@@ -181,6 +198,10 @@ class EngineCore:
             decode_steps_graph=r.decode_steps_graph, decode_steps_eager=r.decode_steps_eager,
             mixed_steps=self._mixed_steps, padding_rows=r.padding_rows, preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens)
+
+
+def _architecture(hf_config) -> str:
+    return (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
 
 
 def _distribute_prompt_logprobs(step: ScheduledStep, results: list) -> None:

@@ -49,7 +49,8 @@ class ModelRunner:
         self.rng = torch.Generator(device=self.device).manual_seed(config.seed)  # probes and unseeded sampling
         self.host_rng = torch.Generator().manual_seed(config.seed)  # self-check context lengths
         self.model = load_model(config.model, hf_config, self.dtype, self.device, config.load_format, self.tp,
-                                quantization=config.quantization, quantize_lm_head=config.quantize_lm_head)
+                                quantization=config.quantization, quantize_lm_head=config.quantize_lm_head,
+                                progress=config.show_progress and self.tp.rank == 0)
         self.vocab_size = self.model.vocab_size
         self.kv = KVCacheSpec.of(self.model, config.block_size, self.dtype)
         self.max_blocks_per_seq = self.kv.blocks_for(config.max_model_len)

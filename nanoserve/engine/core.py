@@ -44,8 +44,6 @@ class EngineCore:
         start = time.perf_counter()
         hf_config = load_hf_config(config.model)
         self.config = config.resolve(model_max_len(hf_config), hf_config_dtype(hf_config))
-        logger.info("loading %s (%s) in %s on %s", config.model, _architecture(hf_config), self.config.dtype,
-                    self.config.device)
         self.runner = create_runner(self.config, hf_config)  # a RunnerGroup under tensor parallelism
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = [t for t in self._eos_ids(hf_config) if 0 <= t < self.vocab_size]

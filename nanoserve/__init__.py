@@ -12,9 +12,18 @@ if not _logger.handlers:
     _logger.setLevel(os.environ.get("NANOSERVE_LOG_LEVEL", "INFO").upper())
     _logger.propagate = False
 
-from nanoserve.config import EngineConfig  # noqa: E402
-from nanoserve.llm import LLM  # noqa: E402
-from nanoserve.sampling import SamplingParams  # noqa: E402
-
 __all__ = ["LLM", "SamplingParams", "EngineConfig"]
 __version__ = "0.1.0"
+
+# Imported on first use (PEP 562): `nanoserve --version` and argument errors must not pay for torch.
+_LAZY = {"LLM": "nanoserve.llm", "SamplingParams": "nanoserve.sampling", "EngineConfig": "nanoserve.config"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'nanoserve' has no attribute {name!r}")

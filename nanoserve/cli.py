@@ -1,7 +1,9 @@
 """Command line: nanoserve serve | generate | bench | make-tiny-model.
 
 Engine options are derived from EngineConfig's fields, so every option has exactly one flag
-(--max-num-seqs, --enforce-eager, …) and the CLI can never drift from the config.
+(--max-num-seqs, --enforce-eager, …) and the CLI can never drift from the config. Nothing heavy (torch,
+transformers, the server) is imported before a command runs: --version, --help and argument errors answer
+at once.
 """
 from __future__ import annotations
 
@@ -62,8 +64,9 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"nanoserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--model", required=True, help=FIELD_HELP["model"])
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server", usage="nanoserve serve MODEL [options]")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the same as --model")
+    serve.add_argument("--model", default=None, help=FIELD_HELP["model"])
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -124,7 +127,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        _serve_model_argument(parser, args)
     try:
         return _COMMANDS[args.command](args)
     except (ValueError, TypeError, FileNotFoundError) as e:
@@ -193,11 +199,21 @@ def _cmd_bench_graphs(args) -> int:
     return 0
 
 
+def _serve_model_argument(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`nanoserve serve MODEL` (as `vllm serve MODEL`) or `--model MODEL`: exactly one of them."""
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        parser.error(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    args.model = args.model_tag or args.model
+    if args.model is None:
+        parser.error("serve needs a model: nanoserve serve MODEL (a folder, a .gguf file or a hub id org/name)")
+
+
 def _cmd_serve(args) -> int:
+    config = engine_config_from_args(args)  # option errors before anything is imported or loaded
+    check_port_free(args.host, args.port)  # before the model load: a busy port should not cost a minute
     from nanoserve.server.app import serve
 
-    check_port_free(args.host, args.port)  # before the model load: a busy port should not cost a minute
-    return serve(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key,
+    return serve(config, host=args.host, port=args.port, api_key=args.api_key,
                  served_model_name=args.served_model_name, trust_request_chat_template=args.trust_request_chat_template,
                  shutdown_timeout=args.shutdown_timeout, request_body_timeout=args.request_body_timeout,
                  max_stop_strings=args.max_stop_strings, max_stop_string_len=args.max_stop_string_len)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a value needs it: the CLI parses its flags without it
+    import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 MAX_DEFAULT_MODEL_LEN = 32768
@@ -65,6 +67,8 @@ class EngineConfig:
     max_waiting_requests: int = 4096  # the server answers 503 beyond this
     seed: int = 0
     tokenizer: str | None = None  # None → the model folder
+    revision: str | None = None  # hub ids: the branch, tag or commit (None: main)
+    download_dir: str | None = None  # hub ids: the cache folder (None: huggingface_hub's, HF_HUB_CACHE)
     skip_tokenizer_init: bool = False  # token-id prompts only; outputs carry no text
     load_format: str = "auto"  # "auto": safetensors weights; "dummy": random weights from config.json (benchmarks)
     quantization: str | None = None  # "fp8": linear weights stored as float8 e4m3 + per-channel scales (W8A16)
@@ -80,13 +84,13 @@ class EngineConfig:
         return cls(model=model, **kwargs)
 
     def __post_init__(self) -> None:
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+        if self.device.startswith("cuda") and not _torch().cuda.is_available():
             raise ValueError(f"device={self.device!r} but CUDA is not available on this machine")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
         for name in ("max_num_seqs", "block_size", "max_waiting_requests", "tensor_parallel_size"):
             _positive(name, getattr(self, name))
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
@@ -156,12 +160,12 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         self._require_resolved()
-        return torch.device(self.device)
+        return _torch().device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         self._require_resolved()
-        return DTYPES[self.dtype]
+        return getattr(_torch(), self.dtype)
 
     def _require_resolved(self) -> None:
         if not self.is_resolved:
@@ -170,7 +174,8 @@ class EngineConfig:
 
 # Help text of every EngineConfig field: `nanoserve ... --help` shows it (with the default), tests require one each.
 FIELD_HELP = {
-    "model": "a local Hugging Face model folder (config.json + safetensors) or a .gguf file",
+    "model": "a local Hugging Face model folder (config.json + safetensors) or a .gguf file, or a hub id "
+             "(org/name; a GGUF repository's file as org/name:QUANT or org/name/FILE.gguf)",
     "device": "'cpu', 'cuda' or 'cuda:N'; 'auto' picks cuda when a GPU is visible, else cpu",
     "dtype": "float32, bfloat16 or float16 (fp32/bf16/fp16); 'auto' is the checkpoint's half type on CUDA "
              "(bfloat16 for float32 or quantized checkpoints) and float32 on CPU",
@@ -205,7 +210,10 @@ FIELD_HELP = {
     "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before",
     "max_waiting_requests": "most requests queued at once; the server answers 503 beyond this",
     "seed": "seed of the engine's random state (per-request seeds are in the sampling parameters)",
-    "tokenizer": "a tokenizer folder or .gguf file other than the model's; default: the model's own",
+    "tokenizer": "a tokenizer folder or .gguf file (or hub id) other than the model's; default: the model's own",
+    "revision": "for a hub id: the branch, tag or commit to use (default: main)",
+    "download_dir": "for a hub id: the cache folder to find or download it in (default: huggingface_hub's cache, "
+                    "HF_HUB_CACHE; HF_HUB_OFFLINE=1 uses only what is cached)",
     "skip_tokenizer_init": "load no tokenizer: prompts must be token ids and outputs carry no text",
     "load_format": "'auto' reads the weights from the model; 'dummy' makes random weights of the model's shape "
                    "(benchmarks without weight files)",
@@ -255,10 +263,18 @@ def _size_list(name: str, value, modes: tuple[str, ...]) -> list[int] | str:
 
 def hf_config_dtype(hf_config) -> torch.dtype | None:
     """The checkpoint dtype a Hugging Face config declares (`dtype`, formerly `torch_dtype`), if any."""
+    torch = _torch()
     declared = vars(hf_config).get("dtype") or vars(hf_config).get("torch_dtype")
     if isinstance(declared, str):
-        return DTYPES.get(DTYPE_ALIASES.get(declared, declared))
+        name = DTYPE_ALIASES.get(declared, declared)
+        return getattr(torch, name) if name in DTYPE_NAMES else None
     return declared if isinstance(declared, torch.dtype) else None
+
+
+def _torch():
+    import torch
+
+    return torch
 
 
 def _positive(name: str, value) -> None:
@@ -268,6 +284,7 @@ def _positive(name: str, value) -> None:
 
 def _resolve_device(device: str) -> str:
     """'auto' → cuda when available; 'cuda' → 'cuda:<current>' (graphs, pools and streams belong to one device)."""
+    torch = _torch()
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -277,7 +294,7 @@ def _resolve_device(device: str) -> str:
 
 def _serving_dtype(model_dtype: torch.dtype | None) -> str:
     """GPU default: the checkpoint's half type; float32 (or unknown) checkpoints serve in bfloat16, as in vLLM."""
-    return "float16" if model_dtype == torch.float16 else "bfloat16"
+    return "float16" if model_dtype == _torch().float16 else "bfloat16"
 
 
-__all__ = ["EngineConfig", "FIELD_HELP", "default_capture_sizes", "DTYPES"]
+__all__ = ["EngineConfig", "FIELD_HELP", "default_capture_sizes", "DTYPE_NAMES"]

@@ -10,16 +10,18 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.engine import LLMEngine
 from nanoserve.engine.output import CompletionOutput, RequestOutput
 from nanoserve.engine.prompts import Prompt, as_prompt_list
+from nanoserve.hub import resolve_config
 from nanoserve.sampling import SamplingParams
 
 StreamDelta = CompletionOutput  # what one step added to one completion of a streamed request
 
 
 class LLM:
-    """`LLM(model_dir_or_gguf_file, **engine_options)`; options are EngineConfig fields (unknown ones are errors)."""
+    """`LLM(model, **engine_options)`: a model folder, .gguf file or hub id (org/name; `revision`, `download_dir`);
+    options are EngineConfig fields (unknown ones are errors)."""
 
     def __init__(self, model: str, **engine_options):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_options))
+        self.engine = LLMEngine(resolve_config(EngineConfig.from_kwargs(model, **engine_options)))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

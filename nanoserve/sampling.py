@@ -10,6 +10,8 @@ import torch
 GREEDY_EPS = 1e-5  # like vLLM: temperature below this means greedy
 MAX_LOGPROBS = 20
 MAX_N = 128
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's bound); each bias is clamped to [-100, 100]
+LOGIT_BIAS_LIMIT = 100.0
 
 
 def _is_int(v) -> bool:
@@ -46,6 +48,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit before sampling (OpenAI's)
+    prompt_logprobs: int | None = None  # logprobs of the prompt tokens (top-k as logprobs; 0: the token's only)
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
@@ -69,6 +73,10 @@ class SamplingParams:
                "a finite number > 0", self.repetition_penalty)
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and
+                                                0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
+        self.logit_bias = _logit_bias(self.logit_bias)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
 
@@ -105,4 +113,15 @@ class SamplingParams:
         return g
 
 
-__all__ = ["SamplingParams", "GREEDY_EPS", "MAX_LOGPROBS"]
+def _logit_bias(bias) -> dict[int, float] | None:
+    """At most MAX_LOGIT_BIAS token ids (>= 0) → numbers, clamped to [-100, 100] as OpenAI does; {} is None."""
+    if bias is None or (isinstance(bias, dict) and not bias):
+        return None
+    _check(isinstance(bias, dict) and all(_is_int(t) and t >= 0 for t in bias) and
+           all(_is_number(v) and math.isfinite(v) for v in bias.values()), "logit_bias",
+           "a map of token ids (integers >= 0) to finite numbers", bias)
+    _check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens", f"{len(bias)} tokens")
+    return {t: min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(v))) for t, v in bias.items()}
+
+
+__all__ = ["SamplingParams", "GREEDY_EPS", "MAX_LOGPROBS", "MAX_LOGIT_BIAS"]

@@ -44,11 +44,34 @@ def _prefill_batch(step: ScheduledStep, bs: int, updates: BlockUpdates, sampling
             p = np.arange(start, start + n)
             slot_mapping.append((np.asarray(seq.block_table, np.int32)[p // bs] * bs + p % bs).astype(np.int32))
     sample_rows = np.flatnonzero(step.samples).astype(np.int32)
-    return PrefillBatch(
+    batch = PrefillBatch(
         slots=np.fromiter((s.slot for s in step.seqs), dtype=np.int32, count=len(step.seqs)),
         starts=np.array(step.starts, np.int32), query_lens=np.array(step.num_new_tokens, np.int32),
         token_ids=np.concatenate(token_ids), slot_mapping=np.concatenate(slot_mapping), block_updates=updates,
         sample_rows=sample_rows, sampling=sampling, max_blocks=max(len(s.block_table) for s in step.seqs))
+    if any(s.params.prompt_logprobs is not None for s in step.seqs):
+        _prompt_logprob_rows(batch, step)
+    return batch
+
+
+def _prompt_logprob_rows(batch: PrefillBatch, step: ScheduledStep) -> None:
+    """The chunk rows whose next prompt token's logprob is asked for (each prompt position once, even when a
+    preempted sequence recomputes its prompt): position p of a prompt of L tokens predicts token p + 1 < L."""
+    rows, targets, k, at = [], [], 0, 0
+    for seq, start, n, decode in zip(step.seqs, step.starts, step.num_new_tokens, step.decode_rows):
+        want = seq.params.prompt_logprobs
+        if want is not None and not decode:
+            first = max(start, seq.num_prompt_logprobs_scheduled)
+            end = min(start + n, seq.num_prompt_tokens - 1)
+            if end > first:
+                rows.append(np.arange(at + first - start, at + end - start, dtype=np.int32))
+                targets.append(np.asarray(seq.prompt_token_ids[first + 1:end + 1], np.int32))
+                seq.num_prompt_logprobs_scheduled = end
+                k = max(k, want)
+        at += n
+    if rows:
+        batch.prompt_logprob_rows, batch.prompt_logprob_targets = np.concatenate(rows), np.concatenate(targets)
+        batch.prompt_logprob_k = k
 
 
 def block_updates(seqs: list[Sequence]) -> BlockUpdates:
@@ -80,6 +103,8 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: list[int]) -> SamplingBa
     if any(p.logprobs is not None for p in params):
         batch.num_logprobs = [p.logprobs for p in params]
     _ban_stop_tokens(batch, seqs, eos_token_ids)
+    if any(p.logit_bias for p in params):
+        _logit_bias(batch, params)
     if any(p.uses_penalties for p in params):
         batch.penalties = Penalties(
             np.fromiter((p.repetition_penalty for p in params), np.float32, n),
@@ -100,3 +125,11 @@ def _ban_stop_tokens(batch: SamplingBatch, seqs: list[Sequence], eos_token_ids: 
             tokens += sorted(banned)
     if rows:
         batch.banned_rows, batch.banned_tokens = np.array(rows, np.int32), np.array(tokens, np.int32)
+
+
+def _logit_bias(batch: SamplingBatch, params) -> None:
+    """Each biased row's (token, bias) pairs, flattened (only the rows that have a logit_bias)."""
+    biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+    batch.bias_rows = np.repeat(np.array([i for i, _ in biased], np.int32), [len(b) for _, b in biased])
+    batch.bias_tokens = np.fromiter((t for _, b in biased for t in b), np.int32)
+    batch.bias_values = np.fromiter((v for _, b in biased for v in b.values()), np.float32)

@@ -15,6 +15,7 @@ The core deals in token ids only; text, stop strings and n > 1 fan-out are the f
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ class _InFlight:
 class EngineCore:
     def __init__(self, config: EngineConfig, hf_config=None):
         """hf_config: the model's config, when the caller has loaded (and checked) it already."""
+        start = time.perf_counter()
         self.config, hf_config = check_engine_config(config, hf_config)
         self.runner = create_runner(self.config, hf_config)  # a RunnerGroup under tensor parallelism
         self.vocab_size = self.runner.vocab_size
@@ -53,6 +55,19 @@ class EngineCore:
         self._inflight: deque[_InFlight] = deque()
         self._num_penalty_seqs = 0
         self._prompt_tokens = self._generation_tokens = self._mixed_steps = 0
+        logger.info("%s", self._ready_line(hf_config, time.perf_counter() - start))
+
+    def _ready_line(self, hf_config, seconds: float) -> str:
+        """What the engine runs, in one line: architecture, dtype, limits, KV cache, graphs."""
+        c, r = self.config, self.runner
+        gib = r.num_kv_blocks * r.kv.block_bytes / 2**30
+        graphs = r.graph_runner.capture_sizes if r.graph_runner is not None else None
+        shown = f"CUDA graphs for {len(graphs)} batch sizes {graphs}" if graphs else \
+            "no CUDA graphs (" + ("enforce_eager" if c.enforce_eager else "no CUDA device") + ")"
+        return (f"engine ready in {seconds:.1f} s: {_architecture(hf_config)}, {c.dtype} on {c.device}"
+                f"{f', tp={c.tensor_parallel_size}' if c.tensor_parallel_size > 1 else ''}, max_model_len "
+                f"{c.max_model_len}, max_num_seqs {c.max_num_seqs}; KV cache {gib:.2f} GiB = "
+                f"{r.num_kv_blocks * c.block_size} tokens ({r.num_kv_blocks} blocks of {c.block_size}); {shown}")
 
     def _eos_ids(self, hf_config) -> list[int]:
         ids = eos_token_ids(self.config.model, hf_config)
@@ -73,7 +88,7 @@ class EngineCore:
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.config.max_model_len} "
                              "(the prompt must leave room for at least one generated token)")
-        bad = [t for t in (*ids, *params.stop_token_ids) if not 0 <= t < self.vocab_size]
+        bad = [t for t in (*ids, *params.stop_token_ids, *(params.logit_bias or ())) if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         seq = Sequence(rid, list(ids), params)
@@ -115,6 +130,8 @@ class EngineCore:
         if done.handle is None:
             return []
         result = done.handle.result()
+        if result.prompt_logprobs is not None:
+            _distribute_prompt_logprobs(done.step, result.prompt_logprobs)
         outputs = []
         for i, seq in enumerate(done.sampled):
             seq.num_pending -= 1
@@ -129,6 +146,8 @@ class EngineCore:
                 out.token_logprobs, out.top_logprobs = [result.logprobs[i]], [result.top_logprobs[i]]
             if len(seq.output_token_ids) == 1:
                 out.num_cached_tokens = seq.num_cached_tokens
+                if seq.params.prompt_logprobs is not None:
+                    out.prompt_logprobs = seq.prompt_logprobs
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 out.finish_reason, out.stop_reason = reason, seq.stop_reason
@@ -180,3 +199,18 @@ class EngineCore:
             prefill_steps_eager=r.prefill_steps_eager, padding_rows=r.padding_rows, padding_tokens=r.padding_tokens,
             preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens)
+
+
+def _architecture(hf_config) -> str:
+    return (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
+
+
+def _distribute_prompt_logprobs(step: ScheduledStep, results: list) -> None:
+    """A step's prompt logprobs, in the order batching listed their rows, to their sequences."""
+    at = 0
+    for seq, start, n, decode in zip(step.seqs, step.starts, step.num_new_tokens, step.decode_rows):
+        if seq.params.prompt_logprobs is not None and not decode:
+            count = min(start + n, seq.num_prompt_tokens - 1) - max(start, len(seq.prompt_logprobs))
+            if count > 0:
+                seq.prompt_logprobs += results[at:at + count]
+                at += count

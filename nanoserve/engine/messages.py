@@ -34,6 +34,8 @@ class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None  # the stop token id that ended it (stop strings are the front end's)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (sent with the first token)
     error: str | None = None  # finish_reason "error": why the core refused or dropped the request
+    # params.prompt_logprobs, with the first token: per prompt token after the first, (its logprob, top pairs)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class EngineStats(msgspec.Struct):

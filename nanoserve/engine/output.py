@@ -41,6 +41,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None  # the core refused or dropped the request
+    # params.prompt_logprobs: per prompt token {token id: logprob} (its own and the top ones); None for the first.
+    # Sent once: with the first output that has them (a stream's first delta), and with a whole result.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # n == 1 conveniences
     @property
@@ -156,6 +159,8 @@ class _Request:
     num_unfinished: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -211,6 +216,8 @@ class OutputProcessor:
                 request.num_cached_tokens = max(request.num_cached_tokens, out.num_cached_tokens)
             if out.error is not None:
                 request.error = out.error
+            if out.prompt_logprobs is not None and request.prompt_logprobs is None:
+                request.prompt_logprobs = prompt_logprob_dicts(request.prompt_token_ids, out.prompt_logprobs)
             if completion.finished:
                 del self._children[out.request_id]
                 request.num_unfinished -= 1
@@ -233,8 +240,20 @@ class OutputProcessor:
             outs = [c.whole() for c in request.completions]
         else:
             return None
+        prompt_logprobs = None if request.prompt_logprobs_sent else request.prompt_logprobs
+        request.prompt_logprobs_sent = prompt_logprobs is not None
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs, finished,
-                             request.num_cached_tokens, request.error)
+                             request.num_cached_tokens, request.error, prompt_logprobs)
+
+
+def prompt_logprob_dicts(prompt_ids: list[int], pairs: list) -> list[dict[int, float] | None]:
+    """The core's (logprob, top pairs) per prompt token after the first → {token id: logprob}, None first."""
+    out: list[dict[int, float] | None] = [None]
+    for token, (lp, top) in zip(prompt_ids[1:], pairs):
+        entry = dict(top)
+        entry.setdefault(token, lp)
+        out.append(entry)
+    return out
 
 
 def child_id(request_id: str, index: int) -> str:

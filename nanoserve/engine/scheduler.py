@@ -113,7 +113,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:  # just preempted: its last step's token is still on the device
                 break
-            hits = bm.cached_prefix(seq)
+            hits = [] if seq.params.prompt_logprobs is not None else bm.cached_prefix(seq)  # logprobs need every row
             n = min(seq.num_tokens - len(hits) * bm.block_size, budget)
             if not bm.allocate(seq, len(hits) * bm.block_size + n, hits):
                 break

@@ -42,6 +42,8 @@ class Sequence:
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | None = None  # the stop token id that ended it
+    prompt_logprobs: list = field(default_factory=list)  # params.prompt_logprobs: (logprob, top) per prompt token 1..
+    num_prompt_logprobs_scheduled: int = 0  # prompt positions whose logprobs a launched step computes
 
     @property
     def num_prompt_tokens(self) -> int:

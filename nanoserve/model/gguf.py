@@ -123,7 +123,8 @@ def eos_token_ids(path: str | Path, hf_config, tokenizer=None) -> list[int]:
     return ids
 
 
-def load_weights(model, path: str | Path, hf_config, dtype: torch.dtype, device: torch.device) -> None:
+def load_weights(model, path: str | Path, hf_config, dtype: torch.dtype, device: torch.device,
+                 on_tensor=lambda: None) -> None:
     """Dequantize every tensor of the file into `model`'s parameters (on `device`, in `dtype`)."""
     from gguf import GGUFReader, dequantize
 
@@ -155,6 +156,7 @@ def load_weights(model, path: str | Path, hf_config, dtype: torch.dtype, device:
         weights = processor.process(weights=dequantize(data, tensor.tensor_type), name=tensor.name).weights
         _place(model, params, packed, target, hf_name, weights, path, dtype, device)
         loaded.add(hf_name)
+        on_tensor()
     missing = [n for n in expected if n not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

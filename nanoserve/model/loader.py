@@ -14,6 +14,7 @@ import safetensors
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 
 from nanoserve.kernels.attention import select_backend
 from nanoserve.model.layers import RMSNorm
@@ -84,7 +85,7 @@ def model_max_len(hf_config) -> int:
 
 def load_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: torch.device | str,
                load_format: str = "auto", tp: TensorParallel | None = None, quantization: str | None = None,
-               quantize_lm_head: bool = False) -> LlamaForCausalLM:
+               quantize_lm_head: bool = False, progress: bool = False) -> LlamaForCausalLM:
     """The model with weights on `device` in `dtype`, attention backends chosen for the device, in eval mode.
 
     load_format "auto" reads the folder's safetensors; "dummy" fills random weights (std 0.02, norms 1)
@@ -104,10 +105,15 @@ def load_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: tor
         raise ModelLoadError(_one_line(e)) from None
     if load_format == "dummy":
         _init_dummy(model, dtype, device)
-    elif _gguf().is_gguf(model_dir):
-        _gguf().load_weights(model, model_dir, hf_config, dtype, device)
     else:
-        _load_safetensors(model, Path(model_dir), dtype, device)
+        # shown only when loading takes over a second (and never for a file refused before its first tensor)
+        bar = tqdm(total=len(_hf_names(model, dict(model.named_parameters()))), desc="Loading weights",
+                   unit="tensor", disable=not progress, delay=1.0, leave=False)
+        with bar:
+            if _gguf().is_gguf(model_dir):
+                _gguf().load_weights(model, model_dir, hf_config, dtype, device, bar.update)
+            else:
+                _load_safetensors(model, Path(model_dir), dtype, device, bar.update)
     try:
         quantize_model(model, quantization, quantize_lm_head)
     except ValueError as e:
@@ -147,7 +153,8 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
+def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, device: torch.device,
+                      on_tensor=lambda: None) -> None:
     params = dict(model.named_parameters())
     packed: dict[str, torch.Tensor] = {}  # merged params being filled shard by shard
     expected = set(_hf_names(model, params))
@@ -178,6 +185,7 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dty
                             packed[name] = torch.empty(param.shape, dtype=dtype, device=device)
                         packed[name][rows[0]:rows[1]].copy_(tensor)
                     loaded.add(hf_name)
+                    on_tensor()
         except (_SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read weights file {file}: {_one_line(e)}") from None
     missing = sorted(expected - loaded)

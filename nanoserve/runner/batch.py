@@ -44,6 +44,9 @@ class SamplingBatch:
     banned_rows: np.ndarray = field(default_factory=_empty)  # min_tokens: these rows may not sample ...
     banned_tokens: np.ndarray = field(default_factory=_empty)  # ... these tokens (EOS, stop ids)
     penalties: "Penalties | None" = None
+    bias_rows: np.ndarray = field(default_factory=_empty)  # logit_bias: logits[bias_rows[i], bias_tokens[i]] ...
+    bias_tokens: np.ndarray = field(default_factory=_empty)
+    bias_values: np.ndarray = field(default_factory=lambda: _empty(np.float32))  # ... += bias_values[i]
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -101,6 +104,9 @@ class PrefillBatch:
     sample_rows: np.ndarray  # [n] int32: the sequences (indices into slots) whose chunk ends with a sampled token
     sampling: SamplingBatch | None
     max_blocks: int  # widest block table among the s sequences (host-side bound for the attention metadata)
+    prompt_logprob_rows: np.ndarray = field(default_factory=_empty)  # token rows whose next prompt token's ...
+    prompt_logprob_targets: np.ndarray = field(default_factory=_empty)  # ... logprob is asked (these tokens)
+    prompt_logprob_k: int = 0  # top logprobs per such row
 
     @property
     def num_tokens(self) -> int:
@@ -119,3 +125,4 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[float] | None = None  # the sampled token's logprob per row
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per row, its params.logprobs best pairs
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per PrefillBatch.prompt_logprob_rows

@@ -9,6 +9,7 @@ import torch
 from nanoserve.kernels.attention import prefill_q_per_tile
 from nanoserve.kernels.metadata import AttentionMetadata
 from nanoserve.kernels.step_inputs import prepare_decode
+from nanoserve.runner import prompt_logprobs
 from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch
 from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepArrays, StepPacker, TokenInputs
 from nanoserve.runner.sampler import SamplingTensors
@@ -55,8 +56,10 @@ class TokenForward:
     capture (`captured(T)` writes one static hidden-state buffer shared by every size). The logits of the sampled
     rows are computed after the forward either way, eagerly: their count varies step to step."""
 
-    def __init__(self, model, state: PersistentState, packer: StepPacker, inputs: TokenInputs | None = None):
+    def __init__(self, model, state: PersistentState, packer: StepPacker, inputs: TokenInputs | None = None,
+                 logprob_chunk: int = 256):
         self.model, self.state, self.packer, self.inputs = model, state, packer, inputs
+        self.logprob_chunk = logprob_chunk  # rows of prompt-logprob logits at once
         self.q_per_tile = self.q_per_tile_of(model)
         self.static_hidden: torch.Tensor | None = None
 
@@ -66,8 +69,10 @@ class TokenForward:
         attn = model.attention_layers()[0]
         return prefill_q_per_tile(attn.num_heads, attn.num_kv_heads, attn.head_dim, model.dtype.itemsize)
 
-    def __call__(self, batch: PrefillBatch) -> tuple[torch.Tensor, SamplingTensors | None, torch.Tensor]:
-        """(logits [n, vocab], the sampled rows' parameters on the device, their slots on the device)."""
+    def __call__(self, batch: PrefillBatch) -> tuple[torch.Tensor, SamplingTensors | None, torch.Tensor,
+                                                      prompt_logprobs.PromptLogprobsHandle | None]:
+        """(logits [n, vocab], the sampled rows' parameters on the device, their slots on the device, the
+        prompt logprobs asked for, on their way to the host)."""
         a = StepArrays.of(batch, self.q_per_tile)
         dev = self.packer.pack([batch.token_ids, a.positions, batch.slot_mapping, a.token_slots, batch.slots,
                                 a.cu_seqlens_q, a.context_lens, a.work_seq, a.work_start, *a.variable])
@@ -116,8 +121,13 @@ class TokenForward:
         return self.model(ids, positions, meta)
 
     def sample_logits(self, hidden: torch.Tensor, tail: list[torch.Tensor], batch: PrefillBatch):
-        """(logits of the sampled rows, their sampling parameters, their slots), all on the device."""
+        """(logits of the sampled rows, their sampling parameters, their slots, the prompt logprobs asked for)."""
         rows, sampled_slots = tail[0], tail[1]
         logits = self.model.compute_logits(hidden[rows.long()])
-        params = SamplingTensors(*tail[5:9]) if batch.sampling is not None else None
-        return logits, params, sampled_slots
+        params = SamplingTensors(*tail[7:11]) if batch.sampling is not None else None
+        prompt = None
+        if len(batch.prompt_logprob_rows):
+            packed = prompt_logprobs.compute(self.model, hidden, tail[5], tail[6], batch.prompt_logprob_k,
+                                             self.logprob_chunk)
+            prompt = prompt_logprobs.PromptLogprobsHandle(packed, len(batch.prompt_logprob_rows))
+        return logits, params, sampled_slots, prompt

@@ -188,7 +188,8 @@ class StepArrays:
     context_lens: np.ndarray
     work_seq: np.ndarray
     work_start: np.ndarray
-    variable: list[np.ndarray]  # sample token rows, sampled slots, block updates (3), sampling (4) if any
+    variable: list[np.ndarray]  # sample token rows, sampled slots, block updates (3), prompt-logprob rows and
+    # targets, sampling (4) if any
 
     @classmethod
     def of(cls, batch: PrefillBatch, q_per_tile: int) -> "StepArrays":
@@ -202,7 +203,7 @@ class StepArrays:
         return cls(positions.astype(np.int32), np.repeat(batch.slots, batch.query_lens), cu_q,
                    (batch.starts + batch.query_lens).astype(np.int32), *prefill_work(batch.query_lens, q_per_tile),
                    [sample_token_rows, batch.slots[batch.sample_rows], *updates_arrays(batch.block_updates),
-                    *sampling])
+                    batch.prompt_logprob_rows, batch.prompt_logprob_targets, *sampling])
 
 
 class TokenInputs:

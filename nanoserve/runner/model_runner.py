@@ -51,7 +51,8 @@ class ModelRunner:
         self.rng = torch.Generator(device=self.device).manual_seed(config.seed)  # probes and unseeded sampling
         self.host_rng = torch.Generator().manual_seed(config.seed)  # self-check context lengths
         self.model = load_model(config.model, hf_config, self.dtype, self.device, config.load_format, self.tp,
-                                quantization=config.quantization, quantize_lm_head=config.quantize_lm_head)
+                                quantization=config.quantization, quantize_lm_head=config.quantize_lm_head,
+                                progress=config.show_progress and self.tp.rank == 0)
         self.vocab_size = self.model.vocab_size
         self.kv = KVCacheSpec.of(self.model, config.block_size, self.dtype)
         self.max_blocks_per_seq = self.kv.blocks_for(config.max_model_len)
@@ -88,7 +89,8 @@ class ModelRunner:
         tokens = self.max_graph_tokens
         token_inputs = TokenInputs(tokens, cfg.max_num_seqs, TokenForward.q_per_tile_of(self.model), self.state,
                                    self.dummy_block * cfg.block_size, dev) if tokens else None
-        self.token_forward = TokenForward(self.model, self.state, StepPacker(dev), token_inputs)
+        self.token_forward = TokenForward(self.model, self.state, StepPacker(dev), token_inputs,
+                                          logprob_chunk=cfg.max_num_seqs)
         self.sampler = Sampler(cfg.max_num_seqs, dev, self.rng)
 
     @torch.inference_mode()
@@ -244,8 +246,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: DecodeBatch | PrefillBatch) -> SampleHandle | None:
         """Launch the step and its sampling; None when the batch samples nothing (a mid-prompt chunk)."""
+        prompt = None
         if isinstance(batch, PrefillBatch):
-            logits, params, slots = self._prefill(batch)
+            logits, params, slots, prompt = self._prefill(batch)
         else:
             logits, rows = self._decode(batch)
             views = self.decode_inputs.views(rows)
@@ -254,8 +257,10 @@ class ModelRunner:
             params = SamplingTensors(s.temperature[:b], s.top_p[:b], s.top_k[:b], s.min_p[:b])
             slots = views.slots[:b]
         if batch.sampling is None or not len(batch.sampling):
-            return None
-        return self.sampler(logits, batch.sampling, params, self.state.last_tokens, slots)
+            return None if prompt is None else SampleHandle.empty(prompt)
+        handle = self.sampler(logits, batch.sampling, params, self.state.last_tokens, slots)
+        handle.prompt_logprobs = prompt
+        return handle
 
     def _prefill(self, batch: PrefillBatch):
         """A prompt / mixed step: the smallest token-count graph of at least its tokens, or eagerly."""

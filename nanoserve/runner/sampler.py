@@ -32,15 +32,30 @@ class SamplingTensors:
 
 
 class SampleHandle:
-    """One step's sampled rows, on their way to pinned host memory."""
+    """One step's sampled rows (and prompt logprobs, when asked), on their way to pinned host memory."""
+
+    prompt_logprobs = None  # a PromptLogprobsHandle (runner/prompt_logprobs.py) when the step computed them
 
     def __init__(self, packed: torch.Tensor, event: torch.cuda.Event | None, num_rows: int, top_k: int | None,
                  row_k: list[int | None] | None):
         self._packed, self._event = packed, event
         self.num_rows, self._top_k, self._row_k = num_rows, top_k, row_k
 
+    @classmethod
+    def empty(cls, prompt_logprobs) -> "SampleHandle":
+        """No sampled row, only prompt logprobs (a mid-prompt chunk of a request that asked for them)."""
+        handle = cls(torch.zeros(0, dtype=torch.int32), None, 0, None, None)
+        handle.prompt_logprobs = prompt_logprobs
+        return handle
+
     def result(self) -> SampledTokens:
         """Blocks until the device has produced this step's tokens."""
+        out = self._result()
+        if self.prompt_logprobs is not None:
+            out.prompt_logprobs = self.prompt_logprobs.result()
+        return out
+
+    def _result(self) -> SampledTokens:
         if self._event is not None:
             self._event.synchronize()
         words = self._packed.numpy()
@@ -77,7 +92,8 @@ class Sampler:
         if logits.shape[0] != len(batch):
             raise ValueError(f"got {logits.shape[0]} logit rows for {len(batch)} sampled rows")
         top_k = batch.max_logprobs
-        simple = batch.all_greedy and top_k is None and batch.penalties is None and not len(batch.banned_rows)
+        simple = batch.all_greedy and top_k is None and batch.penalties is None and not len(batch.banned_rows) \
+            and not len(batch.bias_rows)
         raw_logprobs = None
         if simple:
             tokens = logits.argmax(dim=-1)
@@ -91,6 +107,8 @@ class Sampler:
         return self._to_host(tokens, raw_logprobs, top_k, batch.num_logprobs)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors) -> torch.Tensor:
+        if len(batch.bias_rows):  # before the bans: a banned token stays banned whatever its bias
+            self._add_logit_bias(logits, batch)
         if len(batch.banned_rows):
             in_vocab = batch.banned_tokens < logits.shape[1]
             rows = torch.from_numpy(batch.banned_rows[in_vocab]).to(self.device, torch.long)
@@ -104,6 +122,13 @@ class Sampler:
             sampled = sample_rows(logits, batch, params, self.generator)
             tokens = sampled if tokens is None else torch.where(params.temperature <= 0, tokens, sampled)
         return tokens
+
+    def _add_logit_bias(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
+        """logit_bias: logits[row, token] += bias, on the device (ids beyond the logits' width are dropped)."""
+        keep = batch.bias_tokens < logits.shape[1]
+        rows, cols, vals = (torch.from_numpy(a[keep]).to(self.device) for a in
+                            (batch.bias_rows, batch.bias_tokens, batch.bias_values))
+        logits.index_put_((rows.long(), cols.long()), vals.to(logits.dtype), accumulate=True)
 
     def _to_host(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, top_k: int | None,
                  row_k: list[int | None] | None) -> SampleHandle:

@@ -2,7 +2,8 @@
 
 The engine core runs in a process of its own (server/client.py); this process does HTTP, validation,
 tokenization and chat templates (off the event loop), detokenization and stop strings, and SSE.
-Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, and
+vLLM's /version, /ping, /tokenize, /detokenize (server/tokenize_routes.py).
 Every error answers in OpenAI's format {"error": {"message", "type", "param", "code"}}: invalid
 requests 400 (unknown fields too, as api.openai.com does), wrong key 401, unknown model 404, body not
 received within --request-body-timeout 408, body too large 413, full waiting queue 503, engine failure
@@ -26,6 +27,7 @@ from starlette.requests import ClientDisconnect
 from nanoserve.config import (MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, REQUEST_BODY_TIMEOUT_S, SHUTDOWN_TIMEOUT_S,
                               EngineConfig)
 from nanoserve.engine.preflight import check_engine_config
+from nanoserve.hub import resolve_config
 from nanoserve.model.loader import load_tokenizer
 from nanoserve.server.client import EngineClient
 from nanoserve.server.handlers import ClientGone, OpenAIServer, json_response
@@ -35,6 +37,7 @@ from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.protocol import APIError, error_body, validation_message
 from nanoserve.server.shutdown import DrainingServer
 from nanoserve.server.template_sandbox import DEFAULT_TIMEOUT_S, TemplateSandbox
+from nanoserve.server.tokenize_routes import add_tokenize_routes
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -165,6 +168,9 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
     if not isinstance(model, (EngineConfig, EngineClient)):
         raise TypeError(f"build_app runs the engine core in its own process: give a model folder, an EngineConfig "
                         f"or an EngineClient, not {type(model).__name__}")
+    if isinstance(model, EngineConfig):  # a hub id is served under its id, not under its snapshot folder
+        served_model_name = served_model_name or model.model
+        model = resolve_config(model)
     config = model.config if isinstance(model, EngineClient) else model
     hf_config = None
     if isinstance(model, EngineConfig):  # a bad model or option fails here, before tokenizers load or the core starts
@@ -200,6 +206,7 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
     app.add_middleware(_V1Middleware, api_key=api_key, metrics=metrics, body_timeout=request_body_timeout)
     _add_error_handlers(app)
     _add_routes(app, server, client, metrics)
+    add_tokenize_routes(app, server, MAX_BODY_BYTES)
     return app
 
 

@@ -81,6 +81,7 @@ class RequestCollector:
         self.error: Exception | None = None
         self.num_cached_tokens = 0
         self.num_completion_tokens = 0
+        self.prompt_logprobs: dict[int, list] = {}  # prompt index → RequestOutput.prompt_logprobs, when asked
         self.closed = False
 
     @property
@@ -106,6 +107,8 @@ class RequestCollector:
             pending.add(c)
             self.num_completion_tokens += len(c.token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[index] = out.prompt_logprobs
         if out.error is not None and self.error is None:
             self.error = RequestRejectedError(out.error)
         if out.finished:

@@ -24,6 +24,7 @@ from nanoserve.sampling import SamplingParams
 from nanoserve.server.client import EngineClient
 from nanoserve.server.collector import (Delta, EngineError, EngineStoppedError, RequestCollector,
                                         RequestRejectedError)
+from nanoserve.server.echo import echo_choices
 from nanoserve.server.logprobs import TokenTexts
 from nanoserve.server.metrics import ServerMetrics, Tracker
 from nanoserve.server.preprocess import Preprocessor
@@ -118,10 +119,10 @@ class OpenAIServer:
             field = (names or {}).get(field, field)
             raise APIError(400, f"{field} {rest}", param=field) from None
         vocab = self.client.vocab_size
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise APIError(400, f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab}).",
-                           param="stop_token_ids")
+        for field, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise APIError(400, f"{field}: token id {bad} is outside the vocabulary [0, {vocab}).", param=field)
         if params.top_k >= vocab:  # keeps every token: the same as off (and the sampler's int32 stays in range)
             params = dataclasses.replace(params, top_k=0)
         return params
@@ -198,10 +199,15 @@ class OpenAIServer:
             raise APIError(400, str(e), param="prompt") from None
         if not prompts:
             raise APIError(400, "prompt must not be empty.", param="prompt")
-        params = self.sampling_params({**body.sampling_kwargs(), "max_tokens": body.max_tokens,
-                                       "logprobs": body.logprobs})
+        echo_only = body.echo and body.max_tokens == 0  # the prompt alone: one token is generated and dropped
+        params = self.sampling_params({**body.sampling_kwargs(), "max_tokens": 1 if echo_only else body.max_tokens,
+                                       "logprobs": body.logprobs,
+                                       "prompt_logprobs": body.logprobs if body.echo else None})
         stops = await self.stop_matcher(params)  # noqa: F841 (held until submitted)
         self.check_capacity(len(prompts) * params.n)
+        if body.echo and self.token_texts.tokenizer is None:
+            raise APIError(400, "echo needs a tokenizer, and this server runs without one (skip_tokenizer_init).",
+                           param="echo")
         tokenized = await self.preprocessor.completion_prompts(prompts)
         for _, ids in tokenized:
             self.check_max_tokens(len(ids), params.max_tokens, "max_tokens")
@@ -209,6 +215,9 @@ class OpenAIServer:
         head = {"id": collector.request_ids[0].rsplit("-", 1)[0], "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name}
         choice = self._completion_choice(body.logprobs is not None)
+        if body.echo:
+            choice = echo_choices(choice, collector, tokenized, params.n, self.token_texts, body.logprobs is not None,
+                                  echo_only)
         if body.stream:
             events = self._events(collector, tracker, head, body, body.logprobs is not None, choice)
             return SSEResponse(events, on_close=lambda: _close(collector, tracker))

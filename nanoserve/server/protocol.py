@@ -14,7 +14,7 @@ import re
 from typing import Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from nanoserve.sampling import MAX_LOGPROBS
 
@@ -77,12 +77,23 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as an end-user id is only for abuse tracking
+    logit_bias: dict[str, float] | None = None  # JSON keys are text: token ids as strings, as OpenAI sends them
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias):
+        if bias is None:
+            return None
+        bad = next((k for k in bias if not k.strip().isdigit()), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: keys must be token ids (integers >= 0 as strings), got {bad!r}")
+        return {int(k): v for k, v in bias.items()}
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams keyword arguments this request sets (unset ones keep SamplingParams' defaults)."""
         names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "include_stop_str_in_output",
-                 "skip_special_tokens")
+                 "skip_special_tokens", "logit_bias")
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
     @model_validator(mode="after")
@@ -101,6 +112,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
+    echo: bool = False  # the prompt in front of each choice (server/echo.py); with max_tokens 0: the prompt alone
 
 
 class TextPart(_Strict):

@@ -1,0 +1,111 @@
+"""The small routes a vLLM user reaches for, with vLLM's shapes: GET /version, GET|POST /ping, POST /tokenize
+(a prompt, or chat messages rendered by the model's template) and POST /detokenize.
+
+Like vLLM's, they live outside /v1 (no API key). Tokenizing runs on the preprocessor's tokenizer thread, off
+the event loop; a tokenize request is not refused for being longer than max_model_len (it answers `count`
+and `max_model_len`, so a client can check before it sends), but its body is bounded as /v1 bodies are.
+"""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import Field, model_validator
+
+from nanoserve import __version__
+from nanoserve.server.protocol import APIError, ChatMessage, _Strict, parse_body
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's two forms in one: a `prompt`, or chat `messages` (+ the template options)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template has BOS)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give either `prompt` or `messages`")
+        if self.continue_final_message and self.add_generation_prompt and self.messages is not None:
+            raise ValueError("continue_final_message: cannot be true together with add_generation_prompt")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def add_tokenize_routes(app: FastAPI, server, max_body_bytes: int) -> None:
+    """server: the OpenAIServer (its model name, preprocessor and engine limits)."""
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return Response(status_code=200)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = parse_body(await _bounded_body(request, max_body_bytes), TokenizeRequest)
+        tokenizer = _tokenizer(server, body.model)
+        ids = await server.preprocessor._run(_encode, tokenizer, body)
+        return {"count": len(ids), "max_model_len": server.client.config.max_model_len, "tokens": ids,
+                "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = parse_body(await _bounded_body(request, max_body_bytes), DetokenizeRequest)
+        tokenizer = _tokenizer(server, body.model)
+        vocab = server.client.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {vocab}).", param="tokens")
+        return {"prompt": await server.preprocessor._run(tokenizer.decode, body.tokens)}
+
+
+def _tokenizer(server, model: str | None):
+    if model is not None:
+        server.check_model(model)
+    tokenizer = server.preprocessor.tokenizer
+    if tokenizer is None:
+        raise APIError(400, "This server runs without a tokenizer (skip_tokenizer_init).")
+    return tokenizer
+
+
+def _encode(tokenizer, body: TokenizeRequest) -> list[int]:
+    """On the tokenizer thread: the prompt's ids, or the rendered conversation's."""
+    if body.prompt is not None:
+        return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "The model has no chat template: tokenize a `prompt` instead.", param="messages")
+    try:
+        text = tokenizer.apply_chat_template([m.for_template() for m in body.messages], tokenize=False,
+                                             add_generation_prompt=body.add_generation_prompt,
+                                             continue_final_message=body.continue_final_message)
+    except Exception as e:  # jinja errors, raise_exception() in templates
+        raise APIError(400, f"The chat template could not render these messages: {e}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 once it is larger than `limit` (declared or as it arrives)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise APIError(413, f"The request body is larger than {limit} bytes.")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"The request body is larger than {limit} bytes.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+__all__ = ["add_tokenize_routes"]

@@ -64,7 +64,8 @@ def test_self_check_catches_a_replaced_static_buffer(tiny_model_dirs):
     sizes = runner.graph_runner.capture_sizes
     assert self_check(sizes, runner._decode_check_pair, runner.dtype) < 5e-2
     inputs = runner.decode_inputs
-    inputs.device_buf = torch.zeros_like(inputs.device_buf)  # the graphs still read the old buffer
+    captured = inputs.device_buf  # kept alive: the graphs go on reading it (freed, it would hold anything)
+    inputs.device_buf = torch.zeros_like(captured)
     inputs._views.clear()
     with pytest.raises(GraphCheckError, match="rows does not reproduce the eager forward"):
         self_check(sizes, runner._decode_check_pair, runner.dtype)

@@ -3,13 +3,17 @@
 `LLM.generate([prompt], max_tokens=1)` wall time, median of 5 fresh random-id prompts per length (no prefix-cache
 hit), after one warm-up of each length; random bf16 weights with real shapes (load_format="dummy"). Also records
 the start-up plan: token counts captured, capture seconds and the graph pool (decode + token-count graphs).
+Each (model, variant) runs in a process of its own: an engine built after another in one process measured its
+eager prompts 2x slower than a fresh one (round 4's first run).
 
     python benchmarks/prompt_latency.py [--models qwen3-0.6b llama-3.1-8b] [--lengths 128 1024 4000] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -19,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, env_info, model_config, release_cuda_memory, write_json, write_model_dir  # noqa
+from benchmarks.common import RESULTS_DIR, env_info, model_config, write_json, write_model_dir  # noqa: E402
 
 VARIANTS = {"graphs": {}, "no-prefill-graphs": {"prefill_graph_sizes": "off"}}
 REPEATS = 5
@@ -54,28 +58,39 @@ def measure(model_dir: str, lengths: list[int], options: dict) -> dict:
     return rec
 
 
+def _in_own_process(name: str, variant: str, lengths: list[int]) -> dict:
+    cmd = [sys.executable, __file__, "--one", name, variant, "--lengths", *map(str, lengths)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{name} {variant} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
     p.add_argument("--lengths", nargs="+", type=int, default=[128, 1024, 4000])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "prompt_latency.json")
+    p.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)  # the child process
     args = p.parse_args(argv)
+    if args.one:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = str(write_model_dir(model_config(args.one[0]), tmp))
+            print("RESULT " + json.dumps(measure(model_dir, args.lengths, VARIANTS[args.one[1]])))
+        return 0
     if not torch.cuda.is_available():
         print("prompt_latency.py needs a CUDA GPU")
         return 0
     report = {"env": env_info(), "command": " ".join(sys.argv), "repeats": REPEATS, "models": {}}
     for name in args.models:
-        with tempfile.TemporaryDirectory() as tmp:
-            model_dir = str(write_model_dir(model_config(name), tmp))
-            for variant in args.variants:
-                rec = measure(model_dir, args.lengths, VARIANTS[variant])
-                release_cuda_memory()
-                report["models"].setdefault(name, {})[variant] = rec
-                ttft = ", ".join(f"{n}: {r['median']:.2f} ms" for n, r in rec["ttft_ms"].items())
-                print(f"{name:14s} {variant:18s} TTFT {ttft}; token sizes {rec['token_sizes']}; capture "
-                      f"{rec['capture_s']:.2f} s; pool {rec['pool_mib']:.0f} MiB; start-up {rec['start_up_s']:.1f} s",
-                      flush=True)
+        for variant in args.variants:
+            rec = _in_own_process(name, variant, args.lengths)
+            report["models"].setdefault(name, {})[variant] = rec
+            ttft = ", ".join(f"{n}: {r['median']:.2f} ms" for n, r in rec["ttft_ms"].items())
+            print(f"{name:14s} {variant:18s} TTFT {ttft}; token sizes {rec['token_sizes']}; capture "
+                  f"{rec['capture_s']:.2f} s; pool {rec['pool_mib']:.0f} MiB; start-up {rec['start_up_s']:.1f} s",
+                  flush=True)
     print(f"wrote {write_json(args.out, report)}")
     return 0
 

@@ -54,10 +54,26 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: "text" is what every request gets; structured outputs are not built yet, and say so
+    (rather than the generic unknown-argument 400)."""
+
+    type: str
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type in ("json_object", "json_schema"):
+            raise ValueError(f"type: structured outputs ({self.type}) are not supported yet; only \"text\" is")
+        if self.type != "text":
+            raise ValueError(f"type: must be \"text\", \"json_object\" or \"json_schema\", got {self.type!r}")
+        return self
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names + vLLM extras)."""
 
     model: str
+    response_format: ResponseFormat | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -170,7 +186,9 @@ class ChatMessage(_Strict):
         return self
 
     def for_template(self) -> dict:
-        content = self.content if self.content is None or isinstance(self.content, str) else \
+        # null content (an assistant message that only called tools) reaches templates as "": many of them
+        # concatenate message['content'] as a string
+        content = "" if self.content is None else self.content if isinstance(self.content, str) else \
             "".join(p.text for p in self.content)
         msg: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:

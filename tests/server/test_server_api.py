@@ -288,3 +288,31 @@ def test_tool_call_messages_reach_the_chat_template(live, monkeypatch):
     expected = ('<user>Weather in Paris?|<assistant>[call call_1 weather {"city": "Paris"}]|'
                 "<tool>21 C[answers call_1]|<assistant>")
     assert r.usage.prompt_tokens == len(live.prompt_tokenizer.encode(expected, add_special_tokens=False))
+
+
+def test_null_content_reaches_templates_that_concatenate_it(live, monkeypatch):
+    """An assistant message that only called tools (content null) renders in a template that adds
+    message['content'] to a string, as SmolLM2's does; null arrives as ""."""
+    monkeypatch.setattr(live.prompt_tokenizer, "chat_template",
+                        "{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] + '|' }}{% endfor %}")
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "21 C"}]
+    r = live.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    expected = "<user>Weather?|<assistant>|<tool>21 C|"
+    assert r.usage.prompt_tokens == len(live.prompt_tokenizer.encode(expected, add_special_tokens=False))
+
+
+def test_response_format_text_is_accepted_and_structured_outputs_say_they_are_missing(live):
+    client, chat = live.client(), [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, response_format={"type": "text"})
+    assert r.choices[0].finish_reason == "length"
+    r = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"response_format": {"type": "text"}})
+    assert len(r.choices) == 1
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
+        with pytest.raises(openai.BadRequestError, match="structured outputs .* are not supported yet") as e:
+            client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, response_format=fmt)
+        assert e.value.body["param"].startswith("response_format")
+    with pytest.raises(openai.BadRequestError, match="must be"):
+        client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, response_format={"type": "xml"})

@@ -1,6 +1,7 @@
 """The two forwards a step runs: decode over device-resident inputs (what the batch-size graphs capture) and
-the prompt / mixed forward (eager at its own size, or over static inputs that the token-count graphs capture). Both take their input ids on the device where the host does not know
-them (a slot's last sampled token), and patch the persistent block table first."""
+the prompt / mixed forward (eager at its own size, or over static inputs that the token-count graphs capture).
+Both take their input ids on the device where the host does not know them (a slot's last sampled token), and
+patch the persistent block table first."""
 from __future__ import annotations
 
 import numpy as np

@@ -4,9 +4,9 @@ Start-up reads top-down: load the model → plan memory → allocate the KV cach
 per-slot state → capture the decode graphs, then the token-count graphs. A step: decode batches replay the
 smallest captured bucket that fits (or run the same forward eagerly: above the largest bucket, enforce_eager,
 no CUDA); prefill batches (prompt chunks, decode rows riding along) replay the smallest token-count graph of
-at least their tokens, or run eagerly at their own size (over the largest, or too many block updates). Either way the sampler writes the
-sampled ids into the slots' last-token cells on the device and starts their copy to the host; the
-returned SampleHandle is read by the engine one step later.
+at least their tokens, or run eagerly at their own size (over the largest, or too many block updates).
+Either way the sampler writes the sampled ids into the slots' last-token cells on the device and starts
+their copy to the host; the returned SampleHandle is read by the engine one step later.
 
 Under tensor parallelism (tp: this rank's place in the group) every rank builds its own runner over its
 shards and makes the same calls in the same order (runner/group.py): the ranks agree on the smallest KV
@@ -86,7 +86,7 @@ class ModelRunner:
         self.state = PersistentState(cfg.max_num_seqs, self.max_blocks_per_seq, self.dummy_block, dev)
         self.decode_inputs = DecodeInputs(cfg.max_num_seqs, self.state, self.dummy_block * cfg.block_size, dev)
         self.decode_forward = DecodeForward(self.model, self.state, self.decode_inputs)
-        tokens = self.max_graph_tokens
+        tokens = self.config.largest_prefill_graph
         token_inputs = TokenInputs(tokens, cfg.max_num_seqs, TokenForward.q_per_tile_of(self.model), self.state,
                                    self.dummy_block * cfg.block_size, dev) if tokens else None
         self.token_forward = TokenForward(self.model, self.state, StepPacker(dev), token_inputs,
@@ -113,8 +113,9 @@ class ModelRunner:
             probes = graph_setup.probe_sizes(cfg.max_num_seqs)
             curve = graph_setup.measure_curve(gr, self._load_probe_batch, probes)
             share = 0.5 if cfg.prefill_graph_sizes == "auto" else 1.0  # the token-count graphs plan in the rest
-            planned = graph_setup.plan(curve, cfg.max_num_seqs, cfg.cudagraph_plan, share * cfg.cudagraph_capture_budget_s,
-                                       share * cfg.cudagraph_pool_budget_mib * 2**20) if self.tp.rank == 0 else []
+            budget_s, pool = share * cfg.cudagraph_capture_budget_s, share * cfg.cudagraph_pool_budget_mib * 2**20
+            planned = graph_setup.plan(curve, cfg.max_num_seqs, cfg.cudagraph_plan, budget_s, pool) \
+                if self.tp.rank == 0 else []
             sizes = self.tp.broadcast_ints(planned, cfg.max_num_seqs)  # every rank captures rank 0's plan
             probe_seconds = sum(gr.capture_times.values())
             gr.drop(set(probes) - set(sizes))
@@ -130,10 +131,6 @@ class ModelRunner:
                     "planned from measured replays" if probe_seconds else "as configured", gr.capture_seconds,
                     gr.wall_seconds, gr.pool_bytes / 2**20, self.num_kv_blocks, check)
 
-    @property
-    def max_graph_tokens(self) -> int:
-        return self.config.largest_prefill_graph
-
     def _capture_tokens(self) -> None:
         """Token-count graphs of prompt / mixed steps into the decode graphs' pool: plan ("auto"), capture, check."""
         cfg, fwd = self.config, self.token_forward
@@ -142,14 +139,14 @@ class ModelRunner:
         sizes = cfg.prefill_graph_sizes
         load = lambda tokens: fwd.load(self._token_probe_batch(tokens), tokens)  # noqa: E731
         if sizes == "auto":
-            probes = graph_setup.token_probe_sizes(self.max_graph_tokens)
+            probes = graph_setup.token_probe_sizes(self.config.largest_prefill_graph)
             self.token_curve = graph_setup.measure_curve(gr, load, probes)
             spent = self.graph_runner.capture_seconds if self.graph_runner is not None else 0.0
             pool_used = self.graph_runner.pool_bytes if self.graph_runner is not None else 0
-            planned = graph_setup.plan_tokens(self.token_curve, self.max_graph_tokens,
+            planned = graph_setup.plan_tokens(self.token_curve, self.config.largest_prefill_graph,
                                               cfg.cudagraph_capture_budget_s - spent,
                                               cfg.cudagraph_pool_budget_mib * 2**20 - pool_used)
-            sizes = self.tp.broadcast_ints(planned if self.tp.rank == 0 else [], self.max_graph_tokens)
+            sizes = self.tp.broadcast_ints(planned if self.tp.rank == 0 else [], self.config.largest_prefill_graph)
             gr.drop(set(probes) - set(sizes))
         gr.capture(sizes, cfg.show_progress)
         self.token_graphs = gr

@@ -12,11 +12,12 @@ if not _logger.handlers:
     _logger.setLevel(os.environ.get("NANOSERVE_LOG_LEVEL", "INFO").upper())
     _logger.propagate = False
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig"]
 __version__ = "0.1.0"
 
 # Imported on first use (PEP 562): `nanoserve --version` and argument errors must not pay for torch.
-_LAZY = {"LLM": "nanoserve.llm", "SamplingParams": "nanoserve.sampling", "EngineConfig": "nanoserve.config"}
+_LAZY = {"LLM": "nanoserve.llm", "SamplingParams": "nanoserve.sampling", "StructuredOutputsParams": "nanoserve.sampling",
+         "EngineConfig": "nanoserve.config"}
 
 
 def __getattr__(name: str):

@@ -27,6 +27,41 @@ def _check(ok: bool, name: str, allowed: str, value) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's `structured_outputs`): exactly one of a JSON schema (dict or its text), a
+    regex, a list of choices, an EBNF grammar, or any JSON object. Enforced by xgrammar in the engine core."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        _check(len(given) == 1, "structured_outputs", f"exactly one of {', '.join(STRUCTURED_KINDS)}",
+               given or "none")
+        _check(self.json is None or isinstance(self.json, (dict, str)), "structured_outputs.json",
+               "a JSON schema (an object or its text)", self.json)
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            _check(v is None or (isinstance(v, str) and v), f"structured_outputs.{name}", "a non-empty string", v)
+        _check(self.choice is None or (isinstance(self.choice, (list, tuple)) and self.choice and
+                                       all(isinstance(c, str) for c in self.choice)),
+               "structured_outputs.choice", "a non-empty list of strings", self.choice)
+        _check(self.json_object in (None, True, False), "structured_outputs.json_object", "a bool", self.json_object)
+        if self.choice is not None:
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
 @dataclass
 class SamplingParams:
     """How one request is sampled and when it stops. Field names and defaults follow vLLM."""
@@ -50,6 +85,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id → added to its logit before sampling (OpenAI's)
     prompt_logprobs: int | None = None  # logprobs of the prompt tokens (top-k as logprobs; 0: the token's only)
+    structured_outputs: StructuredOutputsParams | None = None  # output constrained by a grammar (xgrammar)
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
@@ -77,6 +113,10 @@ class SamplingParams:
                                                 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
                "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
         self.logit_bias = _logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "None or a StructuredOutputsParams", self.structured_outputs)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
 
@@ -124,4 +164,4 @@ def _logit_bias(bias) -> dict[int, float] | None:
     return {t: min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(v))) for t, v in bias.items()}
 
 
-__all__ = ["SamplingParams", "GREEDY_EPS", "MAX_LOGPROBS", "MAX_LOGIT_BIAS"]
+__all__ = ["SamplingParams", "StructuredOutputsParams", "GREEDY_EPS", "MAX_LOGPROBS", "MAX_LOGIT_BIAS"]

@@ -4,7 +4,9 @@
 #   bash benchmarks/prefill_graphs_gpu.sh tests   # pytest -m gpu, the whole suite
 #   bash benchmarks/prefill_graphs_gpu.sh bench   # TTFT both shapes, nano-vllm workload with/without the graphs
 #   bash benchmarks/prefill_graphs_gpu.sh retest  # the GPU tests of the runner and demos, then bench
-#   bash benchmarks/prefill_graphs_gpu.sh serve   # serving benchmark, Qwen3-0.6B shape
+#   bash benchmarks/prefill_graphs_gpu.sh profile # TTFT both shapes, + GPU time by kernel kind per length
+#   bash benchmarks/prefill_graphs_gpu.sh serve [TOKENS]  # serving benchmark, Qwen3-0.6B shape; TOKENS: the
+#                                                 # server's --max-num-batched-tokens (default: the engine's)
 # Wheels the image lacks (fastapi, uvicorn, pyzmq, msgspec, openai, gguf, ...) are carried in .whl/.
 set -uo pipefail
 : "${OUT:?set OUT}"
@@ -32,6 +34,10 @@ case ${1:-quick} in
     bench)
         python3 benchmarks/prompt_latency.py --out "$OUT/prompt_latency.json" 2>&1 | grep -v Warning | tail -8
         python3 benchmarks/throughput.py --variants async async-no-prefill-graphs --out "$OUT" 2>&1 | tail -8 ;;
+    profile)
+        python3 benchmarks/prompt_latency.py --profile --out "$OUT/prompt_latency.json" 2>&1 | grep -v Warning | tail -8 ;;
     serve)
-        python3 benchmarks/serve.py --model qwen3-0.6b --out "$OUT/serve_qwen3.json" 2>&1 | tail -25 ;;
+        budget=${2:-}
+        python3 benchmarks/serve.py --model qwen3-0.6b --out "$OUT/serve_qwen3${budget:+_$budget}.json" \
+            ${budget:+--server-arg=--max-num-batched-tokens=$budget} 2>&1 | tail -25 ;;
 esac

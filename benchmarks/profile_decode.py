@@ -51,7 +51,7 @@ SWITCH_SETS: dict[str, dict[str, bool | int]] = {
 KINDS = ("gemv", "attention", "attention merge", "norm", "rotary", "lm_head", "other")
 _NAMED_KINDS = {"_gemv_kernel": "gemv", "_decode_kernel": "attention", "_prefill_kernel": "attention",
                 "_decode_reduce_kernel": "attention merge", "_rms_norm_kernel": "norm",
-                "_qk_norm_rope_kernel": "rotary", "_store_kv_kernel": "rotary"}
+                "_qk_norm_rope_kernel": "rotary", "_store_kv_kernel": "rotary", "_silu_and_mul_kernel": "other"}
 _CUBLAS_MARKERS = ("nvjet", "gemm", "gemv", "cutlass", "xmma", "splitkreduce", "cublas")
 
 
@@ -60,6 +60,8 @@ def kernel_kind(name: str) -> str:
     if name in _NAMED_KINDS:
         return _NAMED_KINDS[name]
     lowered = name.lower()
+    if "flash" in lowered:  # flash varlen attention (eager prompt steps)
+        return "attention"
     return "gemv" if any(m in lowered for m in _CUBLAS_MARKERS) else "other"
 
 

@@ -7,6 +7,7 @@ Each (model, variant) runs in a process of its own: an engine built after anothe
 eager prompts 2x slower than a fresh one (round 4's first run).
 
     python benchmarks/prompt_latency.py [--models qwen3-0.6b llama-3.1-8b] [--lengths 128 1024 4000] [--out FILE]
+                                        [--profile]   # + GPU time by kernel kind per length
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ VARIANTS = {"graphs": {}, "no-prefill-graphs": {"prefill_graph_sizes": "off"}}
 REPEATS = 5
 
 
-def measure(model_dir: str, lengths: list[int], options: dict) -> dict:
+def measure(model_dir: str, lengths: list[int], options: dict, profile: bool = False) -> dict:
     from nanoserve import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -54,12 +55,24 @@ def measure(model_dir: str, lengths: list[int], options: dict) -> dict:
                 samples.append((time.perf_counter() - t0) * 1e3)
         rec["ttft_ms"][str(n)] = {"median": statistics.median(samples), "min": min(samples), "samples": samples,
                                   "graphed_steps": runner.prefill_steps_graph - graphed}
+        if profile:
+            rec.setdefault("profile", {})[str(n)] = _profile(llm, one, n, gen)
     llm.close()
     return rec
 
 
-def _in_own_process(name: str, variant: str, lengths: list[int]) -> dict:
+def _profile(llm, params, n: int, gen: torch.Generator) -> dict:
+    """GPU time by kernel kind over one more fresh prompt of n tokens (profile_decode.py's table; a graph replay's
+    kernels are seen one by one)."""
+    from benchmarks.profile_decode import kind_table, profile_step
+
+    prompt = torch.randint(0, 10000, (n,), generator=gen).tolist()
+    return kind_table(profile_step(lambda: llm.generate([prompt], params, use_tqdm=False)))
+
+
+def _in_own_process(name: str, variant: str, lengths: list[int], profile: bool) -> dict:
     cmd = [sys.executable, __file__, "--one", name, variant, "--lengths", *map(str, lengths)]
+    cmd += ["--profile"] if profile else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{name} {variant} failed:\n{proc.stderr[-3000:]}")
@@ -72,12 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", nargs="+", type=int, default=[128, 1024, 4000])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "prompt_latency.json")
+    p.add_argument("--profile", action="store_true", help="also GPU time by kernel kind, per length (torch.profiler)")
     p.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)  # the child process
     args = p.parse_args(argv)
     if args.one:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = str(write_model_dir(model_config(args.one[0]), tmp))
-            print("RESULT " + json.dumps(measure(model_dir, args.lengths, VARIANTS[args.one[1]])))
+            print("RESULT " + json.dumps(measure(model_dir, args.lengths, VARIANTS[args.one[1]], args.profile)))
         return 0
     if not torch.cuda.is_available():
         print("prompt_latency.py needs a CUDA GPU")
@@ -85,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"env": env_info(), "command": " ".join(sys.argv), "repeats": REPEATS, "models": {}}
     for name in args.models:
         for variant in args.variants:
-            rec = _in_own_process(name, variant, args.lengths)
+            rec = _in_own_process(name, variant, args.lengths, args.profile)
             report["models"].setdefault(name, {})[variant] = rec
             ttft = ", ".join(f"{n}: {r['median']:.2f} ms" for n, r in rec["ttft_ms"].items())
             print(f"{name:14s} {variant:18s} TTFT {ttft}; token sizes {rec['token_sizes']}; capture "

@@ -4,6 +4,7 @@
 #   bash benchmarks/prefill_graphs_gpu.sh tests   # pytest -m gpu, the whole suite
 #   bash benchmarks/prefill_graphs_gpu.sh bench   # TTFT both shapes, nano-vllm workload with/without the graphs
 #   bash benchmarks/prefill_graphs_gpu.sh retest  # the GPU tests of the runner and demos, then bench
+#   bash benchmarks/prefill_graphs_gpu.sh pool    # the graph pool: recorded growth vs the allocator's segments
 #   bash benchmarks/prefill_graphs_gpu.sh profile # TTFT both shapes, + GPU time by kernel kind per length
 #   bash benchmarks/prefill_graphs_gpu.sh serve [TOKENS]  # serving benchmark, Qwen3-0.6B shape; TOKENS: the
 #                                                 # server's --max-num-batched-tokens (default: the engine's)
@@ -34,6 +35,8 @@ case ${1:-quick} in
     bench)
         python3 benchmarks/prompt_latency.py --out "$OUT/prompt_latency.json" 2>&1 | grep -v Warning | tail -8
         python3 benchmarks/throughput.py --variants async async-no-prefill-graphs --out "$OUT" 2>&1 | tail -8 ;;
+    pool)
+        python3 benchmarks/graph_pool.py --out "$OUT/graph_pool.json" 2>&1 | tail -8 ;;
     profile)
         python3 benchmarks/prompt_latency.py --profile --out "$OUT/prompt_latency.json" 2>&1 | grep -v Warning | tail -8 ;;
     serve)

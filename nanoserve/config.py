@@ -15,7 +15,11 @@ if TYPE_CHECKING:  # torch is imported where a value needs it: the CLI parses it
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # offline (LLM, generate, bench): throughput first
+# `nanoserve serve`'s default: chosen by measurement (benchmarks/results/serve_qwen3_budget*_h200.json, Qwen3-0.6B,
+# 1024 in / 128 out): against 8192 it cuts ITL p99 at 256 streams from 319 to 38 ms at 98% of the output tok/s;
+# 1024 cuts little more (36 ms) and loses 10% of the tok/s. 2048 is also the largest token-count graph.
+SERVE_MAX_NUM_BATCHED_TOKENS = 2048
 MAX_DEFAULT_MODEL_LEN = 32768
 SCHEDULING_POLICIES = ("mixed", "alternate")
 CAPTURE_SIZE_MODES = ("auto", "pow2")
@@ -181,7 +185,8 @@ FIELD_HELP = {
              "(bfloat16 for float32 or quantized checkpoints) and float32 on CPU",
     "max_num_seqs": "most sequences decoded together in one step (the largest batch)",
     "max_num_batched_tokens": "tokens one step may run (decode rows + prefill chunks); a longer prompt is "
-                              "prefilled in chunks over several steps; default: 8192",
+                              "prefilled in chunks over several steps; default: 8192, and 2048 for `serve` "
+                              "(the ITL tail of streams decoding beside arriving prompts)",
     "max_model_len": "longest prompt + output, in tokens; default: the model's max_position_embeddings, "
                      "capped at 32768",
     "block_size": "tokens per KV-cache block (the page size of the paged cache)",

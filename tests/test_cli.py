@@ -106,3 +106,14 @@ def test_serve_refuses_a_busy_port_before_loading_the_model(capsys):
     err = capsys.readouterr().err
     assert code == 2 and f"cannot serve on 127.0.0.1:{port}" in err and "does not exist" not in err, err
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flag, expected", [([], 2048), (["--max-num-batched-tokens", "8192"], 8192)])
+def test_serve_defaults_to_the_serving_token_budget(monkeypatch, flag, expected):
+    """`serve` sizes its steps for the streams' ITL (config.SERVE_MAX_NUM_BATCHED_TOKENS); a given flag wins."""
+    import nanoserve.server.app as app
+
+    seen = {}
+    monkeypatch.setattr(app, "serve", lambda config, **kw: seen.setdefault("config", config) and 0)
+    assert main(["serve", "--model", "/some/model", "--port", "0", *flag]) == 0
+    assert seen["config"].max_num_batched_tokens == expected

@@ -16,7 +16,8 @@ import time
 
 from nanoserve import __version__
 from nanoserve.config import (FIELD_HELP, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, REQUEST_BODY_TIMEOUT_S,
-                              SERVE_MAX_NUM_BATCHED_TOKENS, SHUTDOWN_TIMEOUT_S, EngineConfig)
+                              SERVE_CHUNK_TIME_RATIO, SERVE_MAX_NUM_BATCHED_TOKENS,
+                              SHUTDOWN_TIMEOUT_S, EngineConfig)
 
 _ENGINE_FIELDS = [f for f in dataclasses.fields(EngineConfig) if f.name != "model"]
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
@@ -211,6 +212,8 @@ def _serve_model_argument(parser: argparse.ArgumentParser, args: argparse.Namesp
 def _cmd_serve(args) -> int:
     if args.max_num_batched_tokens is None:  # a server's steps are sized for its streams' ITL, not throughput
         args.max_num_batched_tokens = SERVE_MAX_NUM_BATCHED_TOKENS
+    if args.chunk_time_ratio is None:
+        args.chunk_time_ratio = SERVE_CHUNK_TIME_RATIO
     config = engine_config_from_args(args)  # option errors before anything is imported or loaded
     check_port_free(args.host, args.port)  # before the model load: a busy port should not cost a minute
     from nanoserve.server.app import serve

@@ -20,6 +20,9 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # offline (LLM, generate, bench): through
 # 1024 in / 128 out): against 8192 it cuts ITL p99 at 256 streams from 319 to 38 ms at 98% of the output tok/s;
 # 1024 cuts little more (36 ms) and loses 10% of the tok/s. 2048 is also the largest token-count graph.
 SERVE_MAX_NUM_BATCHED_TOKENS = 2048
+# `nanoserve serve`'s chunk_time_ratio: a step that carries prompt tokens beside decode rows may take this many
+# decode steps' time (measured curves), so the decoding streams' ITL p99 stays within ~3x its p50 (issue 16's target).
+SERVE_CHUNK_TIME_RATIO = 2.5
 MAX_DEFAULT_MODEL_LEN = 32768
 SCHEDULING_POLICIES = ("mixed", "alternate")
 CAPTURE_SIZE_MODES = ("auto", "pow2")
@@ -68,6 +71,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     async_scheduling: bool = True  # the host schedules step N+1 while the device runs step N
     scheduling_policy: str = "mixed"  # "mixed": decode rows ride along prefill chunks; "alternate": steps take turns
+    chunk_time_ratio: float = 0.0  # prompt tokens beside decode rows: step time <= ratio x a decode step (0: off)
     max_waiting_requests: int = 4096  # the server answers 503 beyond this
     seed: int = 0
     tokenizer: str | None = None  # None → the model folder
@@ -106,6 +110,8 @@ class EngineConfig:
             raise ValueError(f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if not (self.chunk_time_ratio == 0 or self.chunk_time_ratio >= 1):
+            raise ValueError(f"chunk_time_ratio must be 0 (off) or >= 1, got {self.chunk_time_ratio}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.quantization not in (None,) + QUANTIZATIONS:
@@ -212,6 +218,10 @@ FIELD_HELP = {
     "async_scheduling": "schedule step N+1 while the device runs step N (false: one step at a time)",
     "scheduling_policy": "'mixed': running decodes ride along prefill chunks in one step; 'alternate': prefill "
                          "and decode steps take turns",
+    "chunk_time_ratio": "cap the prompt tokens of a step that also decodes so that its time (the measured token-count "
+                        "curve) is at most this many decode steps of its rows (the batch-size curve): the streams' "
+                        "ITL tail beside arriving prompts; needs planned ('auto') CUDA graphs; 0: off; `serve` uses 2.5 "
+                        "unless given",
     "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before",
     "max_waiting_requests": "most requests queued at once; the server answers 503 beyond this",
     "seed": "seed of the engine's random state (per-request seeds are in the sampling parameters)",

@@ -108,12 +108,16 @@ def test_serve_refuses_a_busy_port_before_loading_the_model(capsys):
     assert err.count("\n") == 1
 
 
-@pytest.mark.parametrize("flag, expected", [([], 2048), (["--max-num-batched-tokens", "8192"], 8192)])
+@pytest.mark.parametrize("flag, expected", [([], (2048, 2.5)), (["--max-num-batched-tokens", "8192"], (8192, 2.5)),
+                                            (["--chunk-time-ratio", "0"], (2048, 0.0))])
 def test_serve_defaults_to_the_serving_token_budget(monkeypatch, flag, expected):
-    """`serve` sizes its steps for the streams' ITL (config.SERVE_MAX_NUM_BATCHED_TOKENS); a given flag wins."""
+    """`serve` sizes its steps for the streams' ITL (config.SERVE_MAX_NUM_BATCHED_TOKENS, SERVE_CHUNK_TIME_RATIO);
+    a given flag wins."""
     import nanoserve.server.app as app
 
     seen = {}
     monkeypatch.setattr(app, "serve", lambda config, **kw: seen.setdefault("config", config) and 0)
     assert main(["serve", "--model", "/some/model", "--port", "0", *flag]) == 0
-    assert seen["config"].max_num_batched_tokens == expected
+    assert (seen["config"].max_num_batched_tokens, seen["config"].chunk_time_ratio) == expected
+    with pytest.raises(ValueError, match="chunk_time_ratio must be 0"):
+        EngineConfig(model="m", chunk_time_ratio=0.5)

@@ -27,6 +27,7 @@ from nanoserve.engine.preflight import check_engine_config
 from nanoserve.engine.scheduler import ScheduledStep, Scheduler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.model.loader import eos_token_ids, load_tokenizer
+from nanoserve.runner.bucket_plan import chunk_caps
 from nanoserve.runner.group import WorkerError, create_runner
 from nanoserve.runner.sampler import SampleHandle
 
@@ -51,6 +52,7 @@ class EngineCore:
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
+        self.scheduler.prompt_token_caps = self._prompt_token_caps()
         self.sequences: dict[str, Sequence] = {}
         self._inflight: deque[_InFlight] = deque()
         self._num_penalty_seqs = 0
@@ -68,6 +70,20 @@ class EngineCore:
                 f"{f', tp={c.tensor_parallel_size}' if c.tensor_parallel_size > 1 else ''}, max_model_len "
                 f"{c.max_model_len}, max_num_seqs {c.max_num_seqs}; KV cache {gib:.2f} GiB = "
                 f"{r.num_kv_blocks * c.block_size} tokens ({r.num_kv_blocks} blocks of {c.block_size}); {shown}")
+
+    def _prompt_token_caps(self) -> list[int] | None:
+        """chunk_time_ratio's caps from the runner's measured curves (batch-size and token-count: planned "auto"
+        graphs); None when off or not measured (then only max_num_batched_tokens bounds a step)."""
+        ratio, runner = self.config.chunk_time_ratio, self.runner
+        if not ratio or runner.step_curve is None or runner.token_curve is None:
+            if ratio:
+                logger.info("chunk_time_ratio %.1f is off: it needs measured step curves (planned CUDA graphs)", ratio)
+            return None
+        caps = chunk_caps(runner.token_curve, runner.step_curve, self.config.max_num_seqs,
+                          self.config.max_num_batched_tokens, ratio)
+        shown = ", ".join(f"{d} rows: {caps[d]}" for d in sorted({1, 16, 64, len(caps) - 1}) if d < len(caps))
+        logger.info("prompt tokens beside decode rows (step time <= %.1f decode steps): %s", ratio, shown)
+        return caps
 
     def _eos_ids(self, hf_config) -> list[int]:
         ids = eos_token_ids(self.config.model, hf_config)

@@ -7,6 +7,10 @@ chunk of its prompt (after any prefix-cache hit). A step whose every row is one 
 CUDA graph; a step with any prefill chunk runs eagerly, and the decode rows ride along in it ("mixed"
 policy), or — "alternate" policy — prefill and decode steps take turns.
 
+With prompt_token_caps (the engine sets them from the measured step-time curves when chunk_time_ratio is on), a
+step that decodes d rows carries at most caps[d] prompt tokens, so the decoding streams are not held up by a
+long chunk; a step with nothing to decode still takes the whole budget.
+
 When a running sequence needs a KV block and none is free, the latest-arrived running sequence is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed later
 (prompt + the tokens it already produced), so no request is lost.
@@ -56,6 +60,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
         self._last_had_prefill = False
+        self.prompt_token_caps: list[int] | None = None  # decode rows → prompt tokens a step may add beside them
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -79,6 +84,9 @@ class Scheduler:
         """Decode rows first (one token each, preempting for blocks), then the next chunks of prompts in progress."""
         if decodes:
             budget = self._schedule_decodes(step, budget)
+            caps = self.prompt_token_caps
+            if caps and step.seqs:
+                budget = min(budget, caps[min(len(step.seqs), len(caps) - 1)])
         for seq in self.running if prefills else ():
             if budget <= 0:
                 break

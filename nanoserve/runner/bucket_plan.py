@@ -272,6 +272,19 @@ def _backtrack(cand: np.ndarray, parents: list[np.ndarray]) -> list[int]:
     return sorted(sizes)
 
 
+def chunk_caps(token_curve: StepTime, decode_curve: StepTime, max_rows: int, max_tokens: int, ratio: float,
+               floor: int = 16) -> list[int]:
+    """caps[d]: the prompt tokens a step with d decode rows may carry so that its time (token_curve at d + chunk
+    tokens) stays within ratio × the decode-only step of d rows (decode_curve(d)). caps[0] = max_tokens: with
+    nothing decoding, nobody waits on the chunk. At least `floor`, so prompts always progress."""
+    rows = np.arange(1, max_rows + 1)
+    limit = ratio * np.asarray(decode_curve(rows), dtype=np.float64)
+    step_ms = np.asarray(token_curve(np.arange(1, max_tokens + 1)), dtype=np.float64)  # non-decreasing
+    largest_total = np.searchsorted(step_ms, limit, side="right")  # the most tokens whose step fits the limit
+    caps = np.clip(largest_total - rows, floor, max_tokens)
+    return [max_tokens] + [int(c) for c in caps]
+
+
 def buckets(sizes: Iterable[int], max_num_seqs: int) -> np.ndarray:
     """bucket(b) for b = 1..max_num_seqs: the smallest size ≥ b (sizes must reach max_num_seqs)."""
     ordered = np.array(sorted(set(sizes)), dtype=np.int64)
@@ -354,6 +367,6 @@ def _is_count(c) -> bool:
     return isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c >= 0
 
 
-__all__ = ["LinearCost", "StepCurve", "BatchDistribution", "plan_buckets", "buckets", "expected_padded_ms",
+__all__ = ["LinearCost", "StepCurve", "BatchDistribution", "plan_buckets", "chunk_caps", "buckets", "expected_padded_ms",
            "expected_unpadded_ms", "expected_waste", "average_padded_rows", "MIN_RELATIVE_GAIN",
            "DEFAULT_CAPTURE_BUDGET_S", "DEFAULT_POOL_BUDGET_BYTES"]

@@ -77,3 +77,31 @@ def test_budget_below_max_model_len_is_legal(tiny_model_dirs):
     llm = LLM(str(tiny_model_dirs["qwen2"]), device="cpu", max_model_len=256, max_num_batched_tokens=8)
     out = llm.generate([list(range(3, 203))], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)[0]
     assert len(out.token_ids) == 3
+
+
+
+def test_prompt_token_caps_bound_the_chunks_beside_decode_rows(tiny_model_dirs, monkeypatch):
+    """chunk_time_ratio's caps (set here by hand; the engine derives them from measured curves on a GPU): a step
+    that decodes carries at most caps[rows] prompt tokens, a step with nothing to decode the whole budget, and the
+    tokens stay transformers'."""
+    path = tiny_model_dirs["qwen3"]
+    llm = LLM(str(path), **{**OPTIONS, "max_num_batched_tokens": 64})
+    scheduler = llm.engine.scheduler
+    scheduler.prompt_token_caps = [64] + [5] * 8
+    steps = []
+    schedule = scheduler.schedule
+    monkeypatch.setattr(scheduler, "schedule", lambda: steps.append(schedule()) or steps[-1])
+    prompts = prompts_of_lengths([3, 40, 50], llm.engine.vocab_size, seed=4)
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    outs = [llm.generate(prompts[:1], params, use_tqdm=False)[0]]
+    for i, p in enumerate(prompts):  # all three at once: the first step decodes nothing
+        llm.engine.add_request(str(i), p, params, stream=False)
+    done = {}
+    while llm.engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in llm.engine.step() if o.finished})
+    mixed = [(sum(n for n, d in zip(s.num_new_tokens, s.decode_rows) if not d), sum(s.decode_rows)) for s in steps]
+    assert mixed[0] == (3, 0)  # the first request alone: nothing decodes, no cap
+    assert all(prompt <= 5 for prompt, rows in mixed if rows) and any(rows and prompt == 5 for prompt, rows in mixed)
+    assert any(prompt > 5 for prompt, rows in mixed[1:] if not rows)  # nothing decoding: the whole budget
+    expected = hf_greedy(path, prompts, 12)
+    assert [done[str(i)] for i in range(3)] == expected and outs[0].token_ids == expected[0]

@@ -95,7 +95,8 @@ async def _wait_for_disconnect(request: Request) -> None:
 class OpenAIServer:
     def __init__(self, client: EngineClient, preprocessor: Preprocessor, token_texts: TokenTexts, model_name: str,
                  metrics: ServerMetrics, trust_request_chat_template: bool = False,
-                 stop_limits: tuple[int, int] = (MAX_STOP_STRINGS, MAX_STOP_STRING_LEN), tool_call_parser: str = "auto"):
+                 stop_limits: tuple[int, int] = (MAX_STOP_STRINGS, MAX_STOP_STRING_LEN),
+                 tool_call_parser: str = "auto"):
         self.client, self.preprocessor, self.token_texts = client, preprocessor, token_texts
         self.tool_call_parser = tool_call_parser
         model_template = getattr(preprocessor.tokenizer, "chat_template", None)

@@ -229,7 +229,7 @@ def tools_for_template(tools: list[ToolDefinition] | None) -> list[dict] | None:
     return [t.model_dump(exclude_unset=True) for t in tools] if tools else None
 
 
-class ToolFields(BaseModel):
+class ToolFields(_Strict):
     """OpenAI's tools, tool_choice and parallel_tool_calls (chat completions; tools also on /tokenize)."""
 
     tools: list[ToolDefinition] | None = None

@@ -30,7 +30,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # templates do with tools, tool_calls and tool messages
 QWEN_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are Qwen.' }}{%- endif %}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are Qwen.' }}{%- endif %}"
     "{{- '\\n\\n# Tools\\n<tools>' }}{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools>\\nCall as <tool_call>\\n{\"name\": <name>, \"arguments\": <args>}\\n</tool_call><|im_end|>\\n' }}"
     "{%- else %}{{- '<|im_start|>system\\nYou are Qwen.<|im_end|>\\n' }}{%- endif %}"
@@ -127,7 +128,7 @@ def test_tool_history_renders_in_smollm2_template_with_tools(smollm2_gguf):
     assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n18 C, sunny<|im_end|>" in text
 
 
-# -- answers (the engine's output scripted) -----------------------------------------------------------------------------
+# -- answers (the engine's output scripted) ------------------------------------------------------------------------
 @pytest.fixture
 def scripted(live, monkeypatch):
     """scripted(*texts, piece=3) → the SamplingParams the next requests hand the engine: choice j of a request gets
@@ -240,13 +241,14 @@ def test_openai_stream_helper_assembles_the_calls(live, scripted, hermes):
 
 
 def test_required_is_constrained_to_an_array_of_calls(live, scripted):
-    seen = scripted('[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]')
+    seen = scripted('[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+                    '{"name": "get_time", "parameters": {}}]')
     r = live.client().chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required")
     assert calls_of(r.choices[0].message) == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
     assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
     schema = seen[-1].structured_outputs.json
-    assert schema == required_schema([FunctionDefinition(**WEATHER["function"]), FunctionDefinition(**TIME["function"])],
-                                     parallel=True)
+    functions = [FunctionDefinition(**WEATHER["function"]), FunctionDefinition(**TIME["function"])]
+    assert schema == required_schema(functions, parallel=True)
     assert schema["minItems"] == 1 and "maxItems" not in schema
     assert [i["properties"]["name"] for i in schema["items"]["anyOf"]] == [{"type": "string", "enum": ["get_weather"]},
                                                                           {"type": "string", "enum": ["get_time"]}]
@@ -279,7 +281,7 @@ def test_auto_and_none_leave_the_output_unconstrained(live, scripted, hermes):
         assert seen[-1].structured_outputs is None
 
 
-# -- end to end: "required" on the real SmolLM2 GGUF, where the engine enforces structured outputs ----------------------
+# -- end to end: "required" on the real SmolLM2 GGUF, where the engine enforces structured outputs -----------------
 GRAMMAR_ENFORCED = importlib.util.find_spec("nanoserve.engine.grammar") is not None
 
 

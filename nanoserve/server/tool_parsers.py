@@ -2,10 +2,10 @@
 
 A parser takes the text as it grows (`feed`) and once more at its end (`finish`), and says which part is
 content and which are calls. A call opens (index, id, name) once its name is complete and its arguments have
-begun; its arguments then grow as the raw JSON text the model wrote. A non-streamed answer is the same scan fed
-at once, so the argument fragments of a stream concatenate to the non-streamed `arguments`, whatever the split.
-Text that turns out to be no call (broken JSON, no name, arguments that are not an object) is content: nothing
-is lost. A call cut off after it opened (max_tokens) keeps the arguments it got, streamed or not.
+begun; its arguments then grow as the JSON text the model wrote, less the whitespace outside strings (compact, as
+OpenAI's arguments are). A non-streamed answer is the same scan fed at once, so the argument fragments of a
+stream concatenate to the non-streamed `arguments`, whatever the split. Text that turns out to be no call (broken
+JSON, no name, arguments that are not an object) is content: nothing is lost. A call cut off after it opened (max_tokens) keeps the arguments it got, streamed or not.
 
 - hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, what Qwen2.5/Qwen3 and Hermes templates ask
   for; several calls; text around them is content (whitespace next to a call is dropped).
@@ -154,7 +154,7 @@ class _CallObject:
             self.nest += 1
         elif ch in "}]":
             self.nest -= 1
-        if self.capture is not None:
+        if self.capture is not None and ch not in _WHITESPACE:  # (outside strings: arguments come out compact)
             self.capture.append(ch)
         if not self.scalar and self.nest == 0:
             self._end_value()
@@ -451,19 +451,32 @@ class RequiredParser(_JsonCallsParser):
 
 
 class NamedParser(ToolParser):
-    """tool_choice naming a function: the output is that function's arguments."""
+    """tool_choice naming a function: the output is that function's arguments (compacted as a call's are)."""
 
     def __init__(self, name: str):
         super().__init__()
         self.name = name
+        self._in_string = self._escape = False
 
     def _scan(self, final: bool) -> None:
         if self._open is None:
             self._open, self.num_calls = 0, 1
             self._out.add_call(CallDelta(0, "", new_call_id(), self.name))
         if self._buf:
-            self._out.add_call(CallDelta(0, self._buf))
+            self._out.add_call(CallDelta(0, self._compact(self._buf)))
             self._buf = ""
+
+    def _compact(self, text: str) -> str:
+        kept = []
+        for ch in text:
+            if self._in_string:
+                self._escape, self._in_string = (False, True) if self._escape else (ch == "\\", ch != '"')
+            elif ch in _WHITESPACE:
+                continue
+            else:
+                self._in_string = ch == '"'
+            kept.append(ch)
+        return "".join(kept)
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}

@@ -3,6 +3,7 @@ pieces gives out fragments that reassemble to exactly the non-streamed answer.""
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 
@@ -18,13 +19,13 @@ def parsed(parser, text):
 HERMES_CASES = [
     ("Hello, world!\n", "Hello, world!\n", []),  # no call: the text exactly, whitespace and all
     ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-     "Let me check.", [("get_weather", '{"city": "Paris"}')]),
+     "Let me check.", [("get_weather", '{"city":"Paris"}')]),
     ('<tool_call>\n{"name": "a", "arguments": {"x": [1, {"y": "}\\"<tool_call>"}]}}\n</tool_call>\n'
      '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>\n', "",
-     [("a", '{"x": [1, {"y": "}\\"<tool_call>"}]}'), ("b", "{}")]),
-    ('<tool_call>{"arguments": {"x": 1}, "name": "a", "id": null}</tool_call>', "", [("a", '{"x": 1}')]),
+     [("a", '{"x":[1,{"y":"}\\"<tool_call>"}]}'), ("b", "{}")]),
+    ('<tool_call>{"arguments": {"x": 1}, "name": "a", "id": null}</tool_call>', "", [("a", '{"x":1}')]),
     ('<tool_call>{"name": "now"}</tool_call>', "", [("now", "{}")]),  # no arguments: an empty object
-    ('<tool_call>{"name": "a", "arguments": {"x": 1}</tool_call>Done', "Done", [("a", '{"x": 1}')]),  # brace missing
+    ('<tool_call>{"name": "a", "arguments": {"x": 1}</tool_call>Done', "Done", [("a", '{"x":1}')]),  # brace missing
     # no calls: the text is content, exactly
     ("<tool_call>\nnot json\n</tool_call> after", "<tool_call>\nnot json\n</tool_call> after", []),
     ('<tool_call>{"name": "a", "arguments": "x=1"}</tool_call>', '<tool_call>{"name": "a", "arguments": "x=1"}'
@@ -33,7 +34,7 @@ HERMES_CASES = [
     ('<tool_call>{"nam', '<tool_call>{"nam', []),  # cut off before it became a call
     ("a <tool_c", "a <tool_c", []),
     # cut off after it became one (max_tokens): the arguments it got, as a stream sends them
-    ('<tool_call>{"name": "a", "arguments": {"x": 1', "", [("a", '{"x": 1')]),
+    ('<tool_call>{"name": "a", "arguments": {"x": 1', "", [("a", '{"x":1')]),
 ]
 
 
@@ -43,11 +44,11 @@ def test_hermes(text, content, calls):
 
 
 LLAMA3_CASES = [
-    ('{"name": "f", "parameters": {"a": 1}}', "", [("f", '{"a": 1}')]),
+    ('{"name": "f", "parameters": {"a": 1}}', "", [("f", '{"a":1}')]),
     ('<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "arguments": {}}', "",
-     [("f", '{"a": 1}'), ("g", "{}")]),
-    ('{"name": "f", "parameters": {"a": true}};', "", [("f", '{"a": true}')]),
-    ('{"name": "f", "parameters": {"a": 1}} and more', "and more", [("f", '{"a": 1}')]),
+     [("f", '{"a":1}'), ("g", "{}")]),
+    ('{"name": "f", "parameters": {"a": true}};', "", [("f", '{"a":true}')]),
+    ('{"name": "f", "parameters": {"a": 1}} and more', "and more", [("f", '{"a":1}')]),
     ('Sure: {"name": "f", "parameters": {}}', 'Sure: {"name": "f", "parameters": {}}', []),  # not at the start
     ('{"answer": 42}', '{"answer": 42}', []),
     ("  <|python", "  <|python", []),
@@ -60,8 +61,8 @@ def test_llama3_json(text, content, calls):
 
 
 @pytest.mark.parametrize("text,content,calls", [
-    ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]', "", [("f", '{"a": 1}'), ("g", "{}")]),
-    ('\n[ {"name": "f", "parameters": {"a": [1, 2]}} ]\n', "", [("f", '{"a": [1, 2]}')]),
+    ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]', "", [("f", '{"a":1}'), ("g", "{}")]),
+    ('\n[ {"name": "f", "parameters": {"a": [1, 2]}} ]\n', "", [("f", '{"a":[1,2]}')]),
     ("[]", "[]", []),
     ('{"name": "f", "parameters": {}}', '{"name": "f", "parameters": {}}', []),
     ('[{"name": "f", "parameters": 3}]', '[{"name": "f", "parameters": 3}]', []),
@@ -71,7 +72,7 @@ def test_required_array(text, content, calls):
 
 
 def test_named_output_is_the_arguments():
-    assert parsed(NamedParser("f"), ' {"a": 1}') == ("", [("f", ' {"a": 1}')])
+    assert parsed(NamedParser("f"), ' {"a": 1,\n "s": "x \\" y"}') == ("", [("f", '{"a":1,"s":"x \\" y"}')])
     assert parsed(NamedParser("f"), "") == ("", [("f", "")])
 
 
@@ -83,6 +84,7 @@ SAMPLES = [  # (parser, text) with content, several calls, nesting, escapes, mul
     (Llama3JsonParser, '<|python_tag|>{"name": "f", "parameters": {"a": {"b": "c;d"}}}; {"name": "g", '
                        '"parameters": {"n": -1.5e3}}'),
     (RequiredParser, '[{"name": "f", "parameters": {"s": "[{,}]"}}, {"name": "g", "parameters": {"t": null}}]'),
+    (partial(NamedParser, "f"), ' {\n  "s": "a \\" b",\n  "n": [1, 2]\n}'),
 ]
 
 
@@ -116,7 +118,7 @@ def test_arguments_stream_as_they_grow_and_content_waits_only_for_a_possible_tag
     p = HermesParser()
     assert p.feed("Hi <tool").content == "Hi"  # the space and "<tool" may belong to a call
     first = p.feed('_call>{"name": "f", "arguments": {"city": "Pa')
-    assert first.content == "" and [(c.index, c.name, c.arguments) for c in first.calls] == [(0, "f", '{"city": "Pa')]
+    assert first.content == "" and [(c.index, c.name, c.arguments) for c in first.calls] == [(0, "f", '{"city":"Pa')]
     assert first.calls[0].id.startswith("call_") and len(first.calls[0].id) == 29
     more = p.feed('ris"}}</tool_call>')
     assert [(c.index, c.id, c.name, c.arguments) for c in more.calls] == [(0, None, None, 'ris"}')]

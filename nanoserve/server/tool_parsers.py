@@ -5,7 +5,8 @@ content and which are calls. A call opens (index, id, name) once its name is com
 begun; its arguments then grow as the JSON text the model wrote, less the whitespace outside strings (compact, as
 OpenAI's arguments are). A non-streamed answer is the same scan fed at once, so the argument fragments of a
 stream concatenate to the non-streamed `arguments`, whatever the split. Text that turns out to be no call (broken
-JSON, no name, arguments that are not an object) is content: nothing is lost. A call cut off after it opened (max_tokens) keeps the arguments it got, streamed or not.
+JSON, no name, arguments that are not an object) is content: nothing is lost. A call cut off after it opened
+(max_tokens) keeps the arguments it got, streamed or not.
 
 - hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, what Qwen2.5/Qwen3 and Hermes templates ask
   for; several calls; text around them is content (whitespace next to a call is dropped).

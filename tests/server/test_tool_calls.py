@@ -287,7 +287,7 @@ GRAMMAR_ENFORCED = importlib.util.find_spec("nanoserve.engine.grammar") is not N
 
 @pytest.mark.skipif(not GRAMMAR_ENFORCED, reason="structured outputs are not enforced on this branch "
                                                  "(no nanoserve.engine.grammar)")
-def test_required_gives_valid_calls_on_smollm2(smollm2_gguf, serve_app):
+def test_required_and_named_give_valid_calls_on_smollm2(smollm2_gguf, serve_app):
     import openai
 
     from nanoserve.server.app import build_app
@@ -296,16 +296,21 @@ def test_required_gives_valid_calls_on_smollm2(smollm2_gguf, serve_app):
                     show_progress=False)
     server = serve_app(app)
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="k", max_retries=0, timeout=120)
-    kw = dict(model="smollm2", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=64,
-              temperature=0)
-    r = client.chat.completions.create(**kw)
-    assert r.choices[0].finish_reason == "tool_calls", r
-    for call in r.choices[0].message.tool_calls:
-        arguments = json.loads(call.function.arguments)
-        assert call.function.name in ("get_weather", "get_time") and isinstance(arguments, dict)
-        if call.function.name == "get_weather":
-            assert isinstance(arguments["city"], str) and arguments.get("unit", "C") in ("C", "F")
-    chunks = list(client.chat.completions.create(stream=True, **kw))
-    arguments = "".join(t.function.arguments or "" for c in chunks for t in c.choices[0].delta.tool_calls or ()
-                        if c.choices)
-    assert arguments == "".join(t.function.arguments for t in r.choices[0].message.tool_calls)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, reason in (("required", "tool_calls"), (named, "stop")):
+        kw = dict(model="smollm2", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=64,
+                  temperature=0)
+        r = client.chat.completions.create(**kw)
+        assert r.choices[0].finish_reason == reason and r.choices[0].message.tool_calls, r
+        for call in r.choices[0].message.tool_calls:
+            arguments = json.loads(call.function.arguments)
+            assert call.function.name in ("get_weather", "get_time") and isinstance(arguments, dict)
+            if call.function.name == "get_weather":  # valid against its parameters
+                assert isinstance(arguments["city"], str) and set(arguments) <= {"city", "unit"}
+                assert arguments.get("unit", "C") in ("C", "F")
+            else:
+                assert arguments == {}
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        arguments = "".join(t.function.arguments or "" for c in chunks if c.choices
+                            for t in c.choices[0].delta.tool_calls or ())
+        assert arguments == "".join(t.function.arguments for t in r.choices[0].message.tool_calls)

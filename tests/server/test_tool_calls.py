@@ -87,6 +87,13 @@ def test_tool_choice_none_without_tools_is_fine(live):
     assert post_chat(live, tool_choice="none").status_code == 200
 
 
+def test_an_unknown_tool_call_parser_is_refused_before_anything_loads():
+    from nanoserve.server.app import build_app
+
+    with pytest.raises(ValueError, match="tool_call_parser must be one of auto, none, hermes, llama3_json, got 'x'"):
+        build_app("/no/such/model", tool_call_parser="x")
+
+
 # -- the prompt ------------------------------------------------------------------------------------------------------
 def rendered(live, messages, tools=None) -> str:
     """The prompt the server builds, from /tokenize (the same template path as chat)."""
@@ -162,7 +169,7 @@ def scripted(live, monkeypatch):
 
 CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
          '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
-HERMES_CALLS = [("get_weather", '{"city":"Paris","unit":"C"}'), ("get_time", "{}")]  # arguments compact, as OpenAI's
+TWO_CALLS = [("get_weather", '{"city":"Paris","unit":"C"}'), ("get_time", "{}")]  # arguments compact, as OpenAI's
 
 
 def calls_of(message):
@@ -179,7 +186,7 @@ def test_auto_tool_calls_are_parsed_per_choice(live, scripted, hermes):
     scripted(CALLS, "Just text, no <tool_call> here")
     r = live.client().chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], n=2)
     first, second = r.choices
-    assert first.message.content == "Let me check." and calls_of(first.message) == HERMES_CALLS
+    assert first.message.content == "Let me check." and calls_of(first.message) == TWO_CALLS
     assert first.finish_reason == "tool_calls" and first.message.role == "assistant"
     ids = [t.id for t in first.message.tool_calls]
     assert all(i.startswith("call_") and len(i) == 29 for i in ids) and len(set(ids)) == 2
@@ -192,7 +199,7 @@ def test_a_call_only_answer_has_null_content_and_parallel_false_keeps_the_first(
     scripted(CALLS.split("\n", 1)[1])
     body = live.client().chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
                                                  parallel_tool_calls=False)
-    assert body.choices[0].message.content is None and calls_of(body.choices[0].message) == HERMES_CALLS[:1]
+    assert body.choices[0].message.content is None and calls_of(body.choices[0].message) == TWO_CALLS[:1]
 
 
 def test_without_a_parser_or_with_none_the_text_is_content(live, scripted, monkeypatch):
@@ -229,15 +236,25 @@ def streamed(live, **kw):
 def test_streamed_calls_reassemble_to_the_answer(live, scripted, hermes, piece):
     scripted(CALLS, "plain", piece=piece)
     (content, calls, reason), (plain, none, plain_reason) = streamed(live, tools=[WEATHER, TIME], n=2)
-    assert content == "Let me check." and [(n, a) for _, n, a in calls] == HERMES_CALLS and reason == "tool_calls"
+    assert content == "Let me check." and [(n, a) for _, n, a in calls] == TWO_CALLS and reason == "tool_calls"
     assert (plain, none, plain_reason) == ("plain", [], "stop")
+
+
+def test_llama3_json_calls(live, scripted, monkeypatch):
+    monkeypatch.setattr(live.app.state.server, "model_tool_parser", "llama3_json")  # --tool-call-parser llama3_json
+    scripted('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}; '
+             '{"name": "get_time", "parameters": {}}', piece=5)
+    [(content, calls, reason)] = streamed(live, tools=[WEATHER, TIME])
+    assert (content, [(n, a) for _, n, a in calls], reason) == ("", TWO_CALLS, "tool_calls")
+    r = live.client().chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME])
+    assert calls_of(r.choices[0].message) == TWO_CALLS and r.choices[0].message.content is None
 
 
 def test_openai_stream_helper_assembles_the_calls(live, scripted, hermes):
     scripted(CALLS, piece=2)
     with live.client().chat.completions.stream(model=MODEL, messages=ASK, tools=[WEATHER, TIME]) as stream:
         final = stream.get_final_completion()
-    assert calls_of(final.choices[0].message) == HERMES_CALLS and final.choices[0].finish_reason == "tool_calls"
+    assert calls_of(final.choices[0].message) == TWO_CALLS and final.choices[0].finish_reason == "tool_calls"
 
 
 def test_required_is_constrained_to_an_array_of_calls(live, scripted):

@@ -16,8 +16,8 @@ import time
 
 from nanoserve import __version__
 from nanoserve.config import (FIELD_HELP, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, REQUEST_BODY_TIMEOUT_S,
-                              SERVE_CHUNK_TIME_RATIO, SERVE_MAX_NUM_BATCHED_TOKENS,
-                              SHUTDOWN_TIMEOUT_S, EngineConfig)
+                              SERVE_CHUNK_TIME_RATIO, SERVE_MAX_NUM_BATCHED_TOKENS, SHUTDOWN_TIMEOUT_S,
+                              TOOL_CALL_PARSER_CHOICES, EngineConfig)
 
 _ENGINE_FIELDS = [f for f in dataclasses.fields(EngineConfig) if f.name != "model"]
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
@@ -85,6 +85,12 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="most stop strings one request may give; more are answered 400 (default: %(default)s)")
     serve.add_argument("--max-stop-string-len", type=int, default=MAX_STOP_STRING_LEN, metavar="N",
                        help="longest stop string, in characters; longer ones are answered 400 (default: %(default)s)")
+    serve.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSER_CHOICES,
+                       help="how tool_choice \"auto\" outputs become tool_calls: auto (the format the chat template "
+                            "asks for: <tool_call> → hermes, Llama 3.1's JSON → llama3_json), none (left as content), "
+                            "or a parser (default: %(default)s)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM command lines: tool_choice \"auto\" is always on here")
     _add_engine_flags(serve)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
@@ -221,7 +227,8 @@ def _cmd_serve(args) -> int:
     return serve(config, host=args.host, port=args.port, api_key=args.api_key,
                  served_model_name=args.served_model_name, trust_request_chat_template=args.trust_request_chat_template,
                  shutdown_timeout=args.shutdown_timeout, request_body_timeout=args.request_body_timeout,
-                 max_stop_strings=args.max_stop_strings, max_stop_string_len=args.max_stop_string_len)
+                 max_stop_strings=args.max_stop_strings, max_stop_string_len=args.max_stop_string_len,
+                 tool_call_parser=args.tool_call_parser)
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -41,6 +41,10 @@ SHUTDOWN_TIMEOUT_S = 30.0
 REQUEST_BODY_TIMEOUT_S = 30.0
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024
+# --tool-call-parser: how `tool_choice: "auto"` outputs are read (server/tool_parsers.py); "auto": the parser the
+# model's chat template calls for, "none": tool calls are left in the content
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSER_CHOICES = ("auto", "none", *TOOL_CALL_PARSERS)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from nanoserve.config import (MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, REQUEST_BODY_TIMEOUT_S, SHUTDOWN_TIMEOUT_S,
-                              EngineConfig)
+                              TOOL_CALL_PARSER_CHOICES, EngineConfig)
 from nanoserve.engine.preflight import check_engine_config
 from nanoserve.hub import resolve_config
 from nanoserve.model.loader import load_tokenizer
@@ -155,12 +155,16 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
               served_model_name: str | None = None, trust_request_chat_template: bool = False,
               chat_template_timeout_s: float = DEFAULT_TIMEOUT_S, log_level: str = "info",
               request_body_timeout: float = REQUEST_BODY_TIMEOUT_S, max_stop_strings: int = MAX_STOP_STRINGS,
-              max_stop_string_len: int = MAX_STOP_STRING_LEN, **engine_options) -> FastAPI:
+              max_stop_string_len: int = MAX_STOP_STRING_LEN, tool_call_parser: str = "auto",
+              **engine_options) -> FastAPI:
     """The FastAPI app. `model` is a model folder (+ EngineConfig options as keywords), an EngineConfig, or
     a started EngineClient. The engine core process is started here (EngineStartError if it cannot start),
     connected when the app's lifespan starts and stopped when it ends."""
     _check_server_limits(request_body_timeout=request_body_timeout, max_stop_strings=max_stop_strings,
                          max_stop_string_len=max_stop_string_len)
+    if tool_call_parser not in TOOL_CALL_PARSER_CHOICES:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSER_CHOICES)}, got "
+                         f"{tool_call_parser!r}")
     if isinstance(model, str):
         model = EngineConfig.from_kwargs(model, **engine_options)
     elif engine_options:
@@ -190,7 +194,7 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
     metrics = ServerMetrics(client)
     server = OpenAIServer(client, preprocessor, TokenTexts(client.output_processor.tokenizer),
                           served_model_name or client.config.model, metrics, trust_request_chat_template,
-                          stop_limits=(max_stop_strings, max_stop_string_len))
+                          stop_limits=(max_stop_strings, max_stop_string_len), tool_call_parser=tool_call_parser)
 
     async def lifespan(app: FastAPI):
         await client.start()

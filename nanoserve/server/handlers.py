@@ -30,6 +30,7 @@ from nanoserve.server.metrics import ServerMetrics, Tracker
 from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
 from nanoserve.server.sse import SSEResponse
+from nanoserve.server.tool_calls import ToolCalling, auto_parser_name
 
 
 LARGE_BODY_BYTES = 1 << 20
@@ -94,8 +95,12 @@ async def _wait_for_disconnect(request: Request) -> None:
 class OpenAIServer:
     def __init__(self, client: EngineClient, preprocessor: Preprocessor, token_texts: TokenTexts, model_name: str,
                  metrics: ServerMetrics, trust_request_chat_template: bool = False,
-                 stop_limits: tuple[int, int] = (MAX_STOP_STRINGS, MAX_STOP_STRING_LEN)):
+                 stop_limits: tuple[int, int] = (MAX_STOP_STRINGS, MAX_STOP_STRING_LEN),
+                 tool_call_parser: str = "auto"):
         self.client, self.preprocessor, self.token_texts = client, preprocessor, token_texts
+        self.tool_call_parser = tool_call_parser
+        model_template = getattr(preprocessor.tokenizer, "chat_template", None)
+        self.model_tool_parser = auto_parser_name(tool_call_parser, model_template)  # tool_choice "auto"'s
         self.stop_limits = stop_limits
         self.model_name, self.metrics = model_name, metrics
         self.trust_request_chat_template = trust_request_chat_template
@@ -255,12 +260,14 @@ class OpenAIServer:
         names = {"logprobs": "top_logprobs"}
         if body.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
+        tools = self.tool_calling(body)
         params = self.sampling_params({**body.sampling_kwargs(), "max_tokens": max_tokens,
-                                       "logprobs": (body.top_logprobs or 0) if body.logprobs else None}, names)
+                                       "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
+                                       **self.tool_constraint(body, tools)}, names)
         stops = await self.stop_matcher(params)  # noqa: F841 (held until submitted)
         self.check_capacity(params.n)
         ids = await self.preprocessor.chat_prompt([m.for_template() for m in body.messages],
-                                                  body.add_generation_prompt, body.chat_template)
+                                                  body.add_generation_prompt, body.chat_template, body.template_tools())
         self.check_max_tokens(len(ids), params.max_tokens, names.get("max_tokens", "max_tokens"))
         collector, tracker = self.submit([(None, ids)], params, "chatcmpl")
         head = {"id": collector.request_ids[0].rsplit("-", 1)[0], "created": int(time.time()),
@@ -269,15 +276,17 @@ class OpenAIServer:
         if body.stream:
             role = tuple({"choices": [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                        "finish_reason": None}]} for j in range(params.n))  # the role first, as OpenAI
+            choice = self._chat_chunk_choice(body.logprobs, num_top, tools, body.return_token_ids)
             events = self._events(collector, tracker, {**head, "object": "chat.completion.chunk"}, body,
-                                  body.logprobs, self._chat_chunk_choice(body.logprobs, num_top), role)
+                                  body.logprobs, choice, role)
             return SSEResponse(events, on_close=lambda: _close(collector, tracker))
         choices = []
         for d in await self.result(request, collector, tracker):
             c = d.output
-            item = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            message, finish_reason = tools.message(c.text, c.finish_reason)
+            item = {"index": c.index, "message": message,
                     "logprobs": self.token_texts.chat_logprobs(c.token_ids, c.logprobs or [], num_top)
-                    if body.logprobs else None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    if body.logprobs else None, "finish_reason": finish_reason, "stop_reason": c.stop_reason}
             if body.return_token_ids:
                 item["token_ids"] = c.token_ids
             choices.append(item)
@@ -287,11 +296,40 @@ class OpenAIServer:
             answer["prompt_token_ids"] = ids
         return json_response(answer)
 
-    def _chat_chunk_choice(self, want_logprobs: bool, num_top: int) -> Callable:
-        def choice(index: int, c) -> dict:
+    def tool_calling(self, body: ChatCompletionRequest) -> ToolCalling:
+        """The request's tool choice; its "auto" parser is the server's, or the request template's when it sends one
+        (with --tool-call-parser auto)."""
+        parser = self.model_tool_parser
+        if body.chat_template is not None and self.tool_call_parser == "auto":
+            parser = auto_parser_name("auto", body.chat_template)
+        return ToolCalling(body, parser)
+
+    @staticmethod
+    def tool_constraint(body: ChatCompletionRequest, tools: ToolCalling) -> dict:
+        """SamplingParams' structured_outputs for tool_choice "required" or a named function (else nothing)."""
+        if tools.structured_outputs is None:
+            return {}
+        if body.sampling_kwargs().get("structured_outputs") is not None:
+            raise APIError(400, f"tool_choice {tools.mode!r} constrains the output itself: it cannot be combined with "
+                                "response_format or structured_outputs.", param="tool_choice")
+        return {"structured_outputs": tools.structured_outputs}
+
+    def _chat_chunk_choice(self, want_logprobs: bool, num_top: int, tools: ToolCalling,
+                           keep_empty: bool) -> Callable:
+        """Shapes a chunk's choice; with tools, each choice's text goes through a parser of its own, and a chunk whose
+        text it holds back is left out (unless it carries logprobs or token ids)."""
+        streams = {}
+
+        def choice(index: int, c) -> dict | None:
+            delta, finish_reason = {"content": c.text} if c.text else {}, c.finish_reason
+            if tools.parses:
+                stream = streams.get(index) or streams.setdefault(index, tools.stream())
+                delta, finish_reason = stream.delta(c.text, c.finish_reason)
+                if not (delta or finish_reason or want_logprobs or keep_empty):
+                    return None
             lp = self.token_texts.chat_logprobs(c.token_ids, c.logprobs or [], num_top) if want_logprobs else None
-            return {"index": index, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason if c.finish_reason else None}
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason if finish_reason else None}
         return choice
 
     # -- streaming --------------------------------------------------------------------------------
@@ -313,6 +351,8 @@ class OpenAIServer:
                         continue
                     index = d.prompt_index * n + c.index
                     choice = choice_for(index, c)
+                    if choice is None:  # nothing to send yet
+                        continue
                     if with_ids:
                         choice["token_ids"] = c.token_ids
                         if index in first_chunk:

@@ -82,22 +82,24 @@ class Preprocessor:
                                 "must leave room for at least one generated token).", param=param)
 
     # -- chat --------------------------------------------------------------------------------------
-    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool,
-                          chat_template: str | None = None) -> list[int]:
-        """The conversation rendered by the model's template (or a request's, in the sandbox), as token ids."""
+    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, chat_template: str | None = None,
+                          tools: list[dict] | None = None) -> list[int]:
+        """The conversation rendered by the model's template (or a request's, in the sandbox), as token ids; `tools`
+        reach the template as transformers passes them."""
         if self.tokenizer is None:
             raise APIError(400, "Chat needs a tokenizer, and this server runs without one (skip_tokenizer_init).")
         if chat_template is not None:
-            text = await self.sandbox.render(messages, chat_template, add_generation_prompt)
+            text = await self.sandbox.render(messages, chat_template, add_generation_prompt, tools)
             return await self._run(self._encode_rendered, text)
-        return await self._run(self._render_and_encode, messages, add_generation_prompt)
+        return await self._run(self._render_and_encode, messages, add_generation_prompt, tools)
 
-    def _render_and_encode(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def _render_and_encode(self, messages: list[dict], add_generation_prompt: bool,
+                           tools: list[dict] | None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "The model has no chat template: use /v1/completions, or start the server with "
                                 "--trust-request-chat-template and pass `chat_template`.", param="chat_template")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja errors, raise_exception() in templates ("roles must alternate", ...)
             raise APIError(400, f"The chat template could not render these messages: {e}", param="messages") from None

@@ -200,7 +200,82 @@ class ChatMessage(_Strict):
         return msg
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def tools_for_template(tools: list[ToolDefinition] | None) -> list[dict] | None:
+    """The tools as the client sent them: what transformers passes a chat template as `tools`."""
+    return [t.model_dump(exclude_unset=True) for t in tools] if tools else None
+
+
+class ToolFields(_Strict):
+    """OpenAI's tools, tool_choice and parallel_tool_calls (chat completions; tools also on /tokenize)."""
+
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools, else none
+    parallel_tool_calls: bool = True
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _one_tool_choice(cls, choice):
+        """One line naming the forms (not pydantic's per-member errors)."""
+        if isinstance(choice, dict):
+            try:
+                return NamedToolChoice.model_validate(choice)
+            except ValidationError as e:
+                err = e.errors(include_url=False)[0]
+                raise ValueError(f"{'.'.join(map(str, err['loc'])) or 'tool_choice'}: {err['msg']}") from None
+        if choice is not None and choice not in TOOL_CHOICES:
+            raise ValueError(f'must be "none", "auto", "required" or a named function '
+                             f'{{"type":"function","function":{{"name":...}}}}, got {choice!r}')
+        return choice
+
+    @model_validator(mode="after")
+    def _choice_needs_its_tools(self):
+        names = [t.function.name for t in self.tools or ()]
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:
+            raise ValueError(f"tools: function names must be unique, {twice!r} is given twice")
+        if self.tool_choice not in (None, "none") and not names:
+            raise ValueError(f"tool_choice: {self.chosen_mode!r} needs `tools`, and none are given")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice: the function {self.tool_choice.function.name!r} is not in `tools` "
+                             f"(given: {', '.join(names)})")
+        return self
+
+    @property
+    def chosen_mode(self) -> str:
+        """none | auto | required | named (OpenAI's default: auto when tools are given, none otherwise)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def template_tools(self) -> list[dict] | None:
+        return tools_for_template(self.tools)
+
+
+class ChatCompletionRequest(_SamplingRequest, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     max_tokens: int | None = None  # deprecated OpenAI name; max_completion_tokens wins when both are set

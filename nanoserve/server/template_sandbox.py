@@ -50,7 +50,8 @@ class TemplateSandbox:
             self._process.kill()
             self._process.join(5)
 
-    async def render(self, messages: list[dict], template: str, add_generation_prompt: bool) -> str:
+    async def render(self, messages: list[dict], template: str, add_generation_prompt: bool,
+                     tools: list[dict] | None = None) -> str:
         """The rendered prompt text, or APIError(400): the template failed, ran too long, or rendered too much."""
         if self._lock is None:
             self._lock = asyncio.Lock()
@@ -58,7 +59,7 @@ class TemplateSandbox:
             loop = asyncio.get_running_loop()
             if not self._process.is_alive():
                 await loop.run_in_executor(None, self.start)
-            self._conn.send((messages, template, add_generation_prompt))
+            self._conn.send((messages, template, add_generation_prompt, tools))
             if not await self._answered(loop):
                 self._process.kill()  # a thread could not be stopped; a process can
                 await loop.run_in_executor(None, self._process.join)
@@ -100,7 +101,7 @@ def _limit_memory(headroom: int) -> None:
 
 
 def _serve(conn, tokenizer_path: str, max_chars: int) -> None:
-    """The worker: render (messages, template, add_generation_prompt) jobs until the pipe closes."""
+    """The worker: render (messages, template, add_generation_prompt, tools) jobs until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the server's drain may still render; it is killed at close
     try:
@@ -114,11 +115,11 @@ def _serve(conn, tokenizer_path: str, max_chars: int) -> None:
     conn.send(("ready", None))
     while True:
         try:
-            messages, template, add_generation_prompt = conn.recv()
+            messages, template, add_generation_prompt, tools = conn.recv()
         except EOFError:
             return
         try:
-            text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+            text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt)
             answer = ("too_long", len(text)) if len(text) > max_chars else ("ok", text)
         except MemoryError:

@@ -1,5 +1,5 @@
 """The small routes a vLLM user reaches for, with vLLM's shapes: GET /version, GET|POST /ping, POST /tokenize
-(a prompt, or chat messages rendered by the model's template) and POST /detokenize.
+(a prompt, or chat messages and tools rendered by the model's template) and POST /detokenize.
 
 Like vLLM's, they live outside /v1 (no API key). Tokenizing runs on the preprocessor's tokenizer thread, off
 the event loop; a tokenize request is not refused for being longer than max_model_len (it answers `count`
@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from pydantic import Field, model_validator
 
 from nanoserve import __version__
-from nanoserve.server.protocol import APIError, ChatMessage, _Strict, parse_body
+from nanoserve.server.protocol import APIError, ChatMessage, ToolDefinition, _Strict, parse_body, tools_for_template
 
 
 class TokenizeRequest(_Strict):
@@ -21,6 +21,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ToolDefinition] | None = None  # given to the template, as in a chat request
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template has BOS)
@@ -86,7 +87,8 @@ def _encode(tokenizer, body: TokenizeRequest) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "The model has no chat template: tokenize a `prompt` instead.", param="messages")
     try:
-        text = tokenizer.apply_chat_template([m.for_template() for m in body.messages], tokenize=False,
+        text = tokenizer.apply_chat_template([m.for_template() for m in body.messages],
+                                             tools=tools_for_template(body.tools), tokenize=False,
                                              add_generation_prompt=body.add_generation_prompt,
                                              continue_final_message=body.continue_final_message)
     except Exception as e:  # jinja errors, raise_exception() in templates

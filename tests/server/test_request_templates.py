@@ -10,6 +10,8 @@ import openai
 import pytest
 
 from nanoserve.server import build_app
+from nanoserve.server.protocol import ChatCompletionRequest
+from nanoserve.server.tool_parsers import HermesParser
 
 MODEL = "tiny"
 TIMEOUT_S = 1.0
@@ -73,3 +75,17 @@ def test_a_slow_template_is_cut_off_while_others_stream(trusted):
     assert gaps and max(gaps) < 0.25, "the stream must not wait for the template (it renders in another process)"
     r = chat(trusted, SIMPLE)  # a fresh worker took over
     assert r.usage.completion_tokens == 2
+
+
+def test_tools_reach_a_request_template_and_choose_its_parser(trusted):
+    """The sandbox renders `tools` as the model's own template gets them; with --tool-call-parser auto, a request
+    template that asks for <tool_call> has tool_choice "auto" outputs read by the hermes parser."""
+    template = "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}" + SIMPLE + "<tool_call>"
+    tools = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "get_time")]
+    r = chat(trusted, template, tools=tools)
+    expected = "[get_weather][get_time]user: Hi\nassistant:<tool_call>"
+    assert r.usage.prompt_tokens == len(trusted.prompt_tokenizer.encode(expected, add_special_tokens=False))
+    body = ChatCompletionRequest.model_validate({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                 "tools": tools, "chat_template": template})
+    assert trusted.app.state.server.tool_calling(body).new_parser().__class__ is HermesParser
+    assert not trusted.app.state.server.tool_calling(body.model_copy(update={"chat_template": SIMPLE})).parses

@@ -1,0 +1,123 @@
+"""What a chat request's tools do, and the tool calls of its answer (streamed or not), as vLLM and OpenAI give them.
+
+tool_choice (OpenAI's default: "auto" with tools, "none" without):
+- "none": the template still gets the tools (vLLM's default), the output is plain content.
+- "auto": the output is read by the server's tool-call parser (--tool-call-parser; "auto": the one the chat
+  template's format calls for, server/tool_parsers.py); with none known it is plain content. Calls found →
+  message.tool_calls, finish_reason "tool_calls".
+- "required": the output is constrained (structured outputs) to a JSON array of {"name": <a tool>, "parameters":
+  <its schema>}, at least one, at most one without parallel_tool_calls (vLLM's shape); finish_reason "tool_calls".
+- a named function: the output is constrained to its parameters' schema and is its arguments; finish_reason stays
+  "stop", as OpenAI and vLLM answer a forced call.
+parallel_tool_calls false keeps the first call only (vLLM's behaviour). A call cut off by max_tokens keeps the
+arguments it got and the finish_reason "length".
+"""
+from __future__ import annotations
+
+from functools import partial
+
+from nanoserve.sampling import StructuredOutputsParams
+from nanoserve.server.protocol import ChatCompletionRequest
+from nanoserve.server.tool_parsers import (TOOL_PARSERS, CallDelta, NamedParser, ParsedDelta, RequiredParser,
+                                           ToolParser, detect_tool_parser)
+
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a function without parameters
+
+
+def auto_parser_name(setting: str, chat_template) -> str | None:
+    """The parser for tool_choice "auto": --tool-call-parser's, or with "auto" the one the template calls for."""
+    if setting == "auto":
+        return detect_tool_parser(chat_template)
+    return None if setting == "none" else setting
+
+
+def required_schema(functions: list, parallel: bool) -> dict:
+    """The JSON schema of tool_choice "required": [{"name": <one of the functions>, "parameters": <its schema>}]."""
+    items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f.name]},
+                                               "parameters": f.parameters or NO_PARAMETERS},
+              "required": ["name", "parameters"], "additionalProperties": False} for f in functions]
+    schema = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items}, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+class ToolCalling:
+    """One chat request's tool choice: its output constraint, and a parser for each of its choices."""
+
+    def __init__(self, body: ChatCompletionRequest, auto_parser: str | None):
+        self.mode, self.parallel = body.chosen_mode, body.parallel_tool_calls
+        functions = [t.function for t in body.tools or ()]
+        self.structured_outputs = None
+        self._parser = None
+        if self.mode == "required":
+            self.structured_outputs = StructuredOutputsParams(json=required_schema(functions, self.parallel))
+            self._parser = RequiredParser
+        elif self.mode == "named":
+            name = body.tool_choice.function.name
+            chosen = next(f for f in functions if f.name == name)
+            self.structured_outputs = StructuredOutputsParams(json=chosen.parameters or NO_PARAMETERS)
+            self._parser = partial(NamedParser, name)
+        elif self.mode == "auto" and auto_parser is not None:
+            self._parser = TOOL_PARSERS[auto_parser]
+
+    @property
+    def parses(self) -> bool:
+        return self._parser is not None
+
+    def new_parser(self) -> ToolParser:
+        return self._parser()
+
+    def finish_reason(self, called: bool, reason: str | None) -> str | None:
+        return "tool_calls" if called and reason == "stop" and self.mode in ("auto", "required") else reason
+
+    def kept(self, calls: list[CallDelta]) -> list[CallDelta]:
+        return calls if self.parallel else [c for c in calls if c.index == 0]
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A non-streamed choice's message and finish_reason."""
+        if not self.parses:
+            return {"role": "assistant", "content": text}, finish_reason
+        parsed = self.new_parser().parse(text)
+        calls = self.kept(parsed.calls)
+        if not calls:
+            return {"role": "assistant", "content": parsed.content}, finish_reason
+        message = {"role": "assistant", "content": parsed.content or None, "tool_calls": _tool_calls(calls)}
+        return message, self.finish_reason(True, finish_reason)
+
+    def stream(self) -> ToolStream:
+        return ToolStream(self)
+
+
+class ToolStream:
+    """One streamed choice: its text in, OpenAI chunk deltas out (a call's id, type and name once, then arguments)."""
+
+    def __init__(self, calling: ToolCalling):
+        self.calling, self.parser, self.called = calling, calling.new_parser(), False
+
+    def delta(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        parsed = self.parser.feed(text)
+        if finish_reason is not None:
+            parsed.merge(self.parser.finish())
+        return self._delta(parsed), self.calling.finish_reason(self.called, finish_reason)
+
+    def _delta(self, parsed: ParsedDelta) -> dict:
+        delta: dict = {"content": parsed.content} if parsed.content else {}
+        calls = self.calling.kept(parsed.calls)
+        if calls:
+            self.called = True
+            delta["tool_calls"] = [_tool_call(c) if c.id is not None else
+                                   {"index": c.index, "function": {"arguments": c.arguments}} for c in calls]
+        return delta
+
+
+def _tool_call(c: CallDelta) -> dict:
+    return {"index": c.index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+
+
+def _tool_calls(calls: list[CallDelta]) -> list[dict]:
+    """A message's tool_calls (no index: that is for stream deltas)."""
+    return [{k: v for k, v in _tool_call(c).items() if k != "index"} for c in calls]
+
+
+__all__ = ["ToolCalling", "ToolStream", "auto_parser_name", "required_schema"]

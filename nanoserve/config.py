@@ -42,6 +42,13 @@ REQUEST_BODY_TIMEOUT_S = 30.0
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024
 
+# Structured outputs (engine/grammar.py): JSON may hold whitespace between tokens (as vLLM's default allows), at most
+# this many characters in a row, so a small model cannot loop on blanks; compiled grammars kept per engine core
+# (least recently used dropped); threads that compile them
+STRUCTURED_JSON_MAX_WHITESPACE = 16
+GRAMMAR_CACHE_SIZE = 256
+GRAMMAR_COMPILE_THREADS = 2
+
 
 @dataclass
 class EngineConfig:

@@ -40,12 +40,15 @@ def recv(conn):
 
 def portable(batch: DecodeBatch | PrefillBatch) -> tuple[DecodeBatch | PrefillBatch, list | None]:
     """The batch without its torch.Generators, and their states: a seeded row's generator lives in the engine
-    core, so each step ships the state it is about to sample from (taken before rank 0 samples)."""
+    core, so each step ships the state it is about to sample from (taken before rank 0 samples). A grammar
+    bitmask is a view of rank 0's buffer: its rows are copied, so the pickle holds them alone."""
     sb = batch.sampling
-    if sb is None or sb.generators is None:
+    if sb is None or (sb.generators is None and sb.grammar_bitmask is None):
         return batch, None
-    states = [None if g is None else g.get_state() for g in sb.generators]
-    return dataclasses.replace(batch, sampling=dataclasses.replace(sb, generators=None)), states
+    states = None if sb.generators is None else [None if g is None else g.get_state() for g in sb.generators]
+    bitmask = None if sb.grammar_bitmask is None else sb.grammar_bitmask.clone()
+    return dataclasses.replace(batch, sampling=dataclasses.replace(sb, generators=None, grammar_bitmask=bitmask)), \
+        states
 
 
 def restore(batch: DecodeBatch | PrefillBatch, states: list | None, device: torch.device):

@@ -6,9 +6,11 @@ samples, read on the device. The host learns tokens one step late: a sequence th
 (EOS, a stop id) has already been scheduled in step N+1; that extra token is discarded and its blocks
 were freed when step N was read (the device runs the steps in order, so nothing is reused under it).
 Lengths are known on the host, so max_tokens never produces an extra token. Penalties need each row's
-token history, and a structured output's token bitmask needs its sequence's previous token
-(engine/grammar.py), so while any running request uses them the loop waits for each step before the
-next (same tokens, no overlap).
+token history, so while any request uses them the loop waits for each step before the next (same
+tokens, no overlap). A structured output's token bitmask needs its sequence's previous token: a step
+with such rows launches its forward only; the next call reads the step before it (the device runs
+the forward meanwhile), fills the masks and launches its sampler, then schedules and launches the
+step after (engine/grammar.py).
 
 The core deals in token ids only; text, stop strings and n > 1 fan-out are the front end's
 (engine/output.py), in the API process or in-process for the offline LLM.
@@ -32,6 +34,7 @@ from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.model.loader import eos_token_ids, load_tokenizer
 from nanoserve.runner.bucket_plan import chunk_caps
 from nanoserve.runner.group import WorkerError, create_runner
+from nanoserve.runner.batch import SamplingBatch
 from nanoserve.runner.sampler import SampleHandle
 
 logger = logging.getLogger("nanoserve")
@@ -60,6 +63,7 @@ class EngineCore:
         self.scheduler.prompt_token_caps = self._prompt_token_caps()
         self.sequences: dict[str, Sequence] = {}
         self._inflight: deque[_InFlight] = deque()
+        self._deferred: tuple[_InFlight, SamplingBatch] | None = None  # a forward launched, its sampler not yet
         self._num_penalty_seqs = self._num_grammar_seqs = 0
         self._grammars: Grammars | None = None  # made by the first structured-output request
         self._compiling: dict[str, Future] = {}  # request id → its grammar, compiling; the sequence waits for it
@@ -165,13 +169,15 @@ class EngineCore:
                 self._finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.sequences) or bool(self._inflight)
+        return bool(self.sequences) or bool(self._inflight) or self._deferred is not None
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
         """Schedule and launch a step; return what the previous one (or, synchronously, this one) produced."""
         outputs: list[SeqOutput] = self._admit_compiled() if self._compiling else []
-        overlap = self.config.async_scheduling and self._num_penalty_seqs == 0 and self._num_grammar_seqs == 0
+        overlap = self.config.async_scheduling and self._num_penalty_seqs == 0
+        if self._deferred is not None:
+            outputs += self._sample_deferred()
         if self._inflight and not overlap:
             outputs += self._complete(self._inflight.popleft())
         step = self.scheduler.schedule()
@@ -179,15 +185,32 @@ class EngineCore:
             batch = build_batch(step, self.config.block_size, self.eos_token_ids)
             self._mixed_steps += not step.is_decode
             sampled = [s for s, samples in zip(step.seqs, step.samples) if samples]
-            if self._num_grammar_seqs and sampled:  # the loop did not run ahead: every matcher has its last token
-                mask = self._grammars.bitmask(sampled)
-                if mask is not None:
-                    batch.sampling.grammar_rows, batch.sampling.grammar_bitmask = mask
-            self._inflight.append(_InFlight(step, sampled, self.runner.execute(batch)))
+            if self._num_grammar_seqs and any(s.grammar is not None for s in sampled):
+                self.runner.execute(batch, defer_sampling=True)  # its sampler waits for the masks
+                self._deferred = (_InFlight(step, sampled, None), batch.sampling)
+                if not overlap:
+                    outputs += self._sample_deferred()
+            else:
+                self._inflight.append(_InFlight(step, sampled, self.runner.execute(batch)))
         elif not self._inflight and self._compiling:  # nothing to run until a grammar is ready
             wait(self._compiling.values(), GRAMMAR_WAIT_S, FIRST_COMPLETED)
         while len(self._inflight) > (1 if overlap and step else 0):
             outputs += self._complete(self._inflight.popleft())
+        return outputs
+
+    def _sample_deferred(self) -> list[SeqOutput]:
+        """Launch the sampler of the step whose forward runs: first read the steps before it (their tokens advance
+        the matchers) while the device runs that forward, then fill its grammar rows' masks. It comes before any
+        later step's forward, which reads the tokens it samples. Returns the outputs of the steps read."""
+        (pending, sampling), self._deferred = self._deferred, None
+        outputs = []
+        while self._inflight:
+            outputs += self._complete(self._inflight.popleft())
+        mask = self._grammars.bitmask(pending.sampled)  # (rows finished meanwhile have no matcher: token discarded)
+        if mask is not None:
+            sampling.grammar_rows, sampling.grammar_bitmask = mask
+        pending.handle = self.runner.sample_deferred(sampling)
+        self._inflight.append(pending)
         return outputs
 
     def _complete(self, done: _InFlight) -> list[SeqOutput]:
@@ -262,10 +285,13 @@ class EngineCore:
     def close(self) -> None:
         """Finish what is in flight, write the batch histogram (cudagraph_plan), drop the device state."""
         try:
+            if self._deferred is not None:
+                self._sample_deferred()
             while self._inflight:
                 self._complete(self._inflight.popleft())
         except WorkerError:  # a tensor-parallel rank died: what was in flight died with it
             self._inflight.clear()
+            self._deferred = None
         self.abort_requests(list(self.sequences))
         if self._grammars is not None:
             self._grammars.close()

@@ -8,13 +8,17 @@ sequence waits outside the scheduler until its grammar is ready; the others keep
 then has its own GrammarMatcher; every token the host learns is accepted by it, and a matcher that terminates (the
 grammar is complete and a stop token was accepted) finishes its sequence with "stop".
 
-How the mask of step N+1 is ready in time: a row's mask depends on its token of step N. While a constrained
-sequence runs, the core's loop does not run ahead (as with penalties): step N is read and its tokens accepted before
-step N+1 is scheduled. The bitmask of N+1's constrained rows is filled on the host then, travels with the batch
-(SamplingBatch.grammar_rows / grammar_bitmask, so every tensor-parallel rank gets it) and is applied on the device by
-the sampler (runner/sampler.py) with xgrammar's kernel, on those rows only. Unconstrained batches carry none and take
-the sampler's paths unchanged. A constrained step costs the mask fill (tens of microseconds per row), one host →
-device copy, and the lost overlap of host and device; benchmarks/structured_overhead.py measures it.
+How the mask of step N+1 is ready in time: a row's mask depends on its token of step N, which the host learns one
+step late (the loop runs ahead: step N+1 is launched before step N is read). A step with grammar rows is launched in
+two parts (EngineCore.step): its forward at once, its sampler deferred. The next call of the loop reads step N while
+the device runs that forward, advances the matchers, fills step N+1's bitmask (its grammar rows only; pinned) and
+launches the sampler, then schedules step N+2 and launches its forward, so the device has queued work while the
+host reads, masks, schedules and turns tokens into text. The mask travels with the batch (SamplingBatch.grammar_rows
+/ grammar_bitmask; to every tensor-parallel rank too) and is applied on the device by xgrammar's kernel on those
+rows only. The sampler of N+1 is queued before the forward of N+2, which reads its tokens. The device idles only if
+the host's work for one step (now with the mask fills) outlasts a forward; unconstrained batches carry no mask and
+take the sampler's paths unchanged. The bitmask buffer is refilled only after the step that copied it was read.
+benchmarks/structured_overhead.py measures the cost.
 
 Validation: `check()` builds the constraint's grammar without a tokenizer (fast), so front ends refuse a bad
 schema, regex or grammar with a ValueError naming the problem before anything reaches the core.
@@ -122,7 +126,7 @@ class Grammars:
 
     def bitmask(self, seqs: list) -> tuple[np.ndarray, torch.Tensor] | None:
         """The sampled rows that have a matcher, and the bitmask of every row (only theirs filled), or None. The buffer
-        is reused by the next constrained step: the loop reads each such step before it fills the next."""
+        is reused by the next constrained step, which fills it only after reading this one."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
             return None

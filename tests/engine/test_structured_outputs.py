@@ -147,21 +147,48 @@ def test_a_grammar_the_core_cannot_compile_finishes_with_an_error(smol):
     assert outputs["good"][-1].finish_reason == "length"
 
 
-def test_async_loop_gives_the_synchronous_tokens(tiny_model_dirs):
-    """Seeded constrained and unconstrained requests together (a penalised one too), async loop on and off."""
-    path = str(tiny_model_dirs["qwen3"])
+def constrained_mix(llm: LLM) -> tuple[list, list]:
+    """Seeded and unseeded constrained requests with unconstrained ones (a penalised one, briefly): token ids, texts."""
     params = [SamplingParams(temperature=1.0, seed=4, max_tokens=40, structured_outputs={"regex": "(ab|c)+d"}),
               SamplingParams(temperature=1.0, seed=5, max_tokens=30),
               SamplingParams(temperature=1.0, seed=6, n=2, max_tokens=30, structured_outputs={"choice": ["xy", "z"]}),
-              SamplingParams(temperature=0.0, max_tokens=20, presence_penalty=0.5)]
+              SamplingParams(temperature=0.0, max_tokens=4, presence_penalty=0.5),
+              SamplingParams(temperature=0.0, max_tokens=30, logprobs=1, structured_outputs={"regex": "[a-c]{5,30}"})]
+    outs = llm.generate(["a", "b", "c", "d", "e"], params, use_tqdm=False)
+    return [[c.token_ids for c in o.outputs] for o in outs], [[c.text for c in o.outputs] for o in outs]
+
+
+def test_async_loop_gives_the_synchronous_tokens(tiny_model_dirs, monkeypatch):
+    """The split launch (forward, then the previous step read, then the masked sampler) gives the synchronous loop's
+    tokens, and does overlap: most deferred samplers are launched with the step before them still unread."""
+    from nanoserve.engine.core import EngineCore
+
+    overlapped = []
+    original = EngineCore._sample_deferred
+    monkeypatch.setattr(EngineCore, "_sample_deferred", lambda self: overlapped.append(bool(self._inflight)) or
+                        original(self))
     runs = []
     for overlap in (True, False):
-        llm = LLM(path, device="cpu", max_model_len=128, max_num_seqs=8, num_kv_blocks=64, async_scheduling=overlap,
-                  show_progress=False)
-        outs = llm.generate(["a", "b", "c", "d"], params, use_tqdm=False)
-        runs.append([[c.token_ids for c in o.outputs] for o in outs])
-        texts = [[c.text for c in o.outputs] for o in outs]
-        llm.close()
-        assert re.fullmatch("(ab|c)+d", texts[0][0]) or len(runs[-1][0][0]) == 40
-        assert all(t in ("xy", "z") for t in texts[2])
+        overlapped.clear()
+        with LLM(str(tiny_model_dirs["qwen3"]), device="cpu", max_model_len=128, max_num_seqs=8, num_kv_blocks=64,
+                 async_scheduling=overlap, show_progress=False) as llm:
+            ids, texts = constrained_mix(llm)
+        runs.append(ids)
+        assert re.fullmatch("(ab|c)+d", texts[0][0]) or len(ids[0][0]) == 40
+        assert all(t in ("xy", "z") for t in texts[2]) and re.fullmatch("[a-c]{5,30}", texts[4][0])
+        assert (sum(overlapped) > len(overlapped) // 2) if overlap else (overlapped and not any(overlapped))
     assert runs[0] == runs[1]
+
+
+def test_tensor_parallel_ranks_apply_the_same_masks(tiny_model_dirs):
+    """Two gloo ranks: the deferred sampler and its bitmask reach the worker, which samples the same tokens."""
+    from tests.runner.test_tensor_parallel import last_tokens
+
+    options = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8, num_kv_blocks=64,
+                   show_progress=False)
+    with LLM(str(tiny_model_dirs["llama"]), **options) as llm:
+        want = constrained_mix(llm)
+    with LLM(str(tiny_model_dirs["llama"]), tensor_parallel_size=2, **options) as llm:
+        got = constrained_mix(llm)
+        per_rank = llm.engine.model_runner.on_every_rank(last_tokens)
+    assert got == want and per_rank[0] == per_rank[1]

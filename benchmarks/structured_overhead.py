@@ -51,17 +51,17 @@ def synthetic_tokenizer(vocab_size: int, eos_id: int, directory: Path) -> Path:
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    byte_chars = list(bytes_to_unicode().values())
+    byte_char = bytes_to_unicode()
     rng, letters = random.Random(0), "etaoinshrdlucmfwypvbgkjqxz"
-    vocab: dict[str, int] = {c: i for i, c in enumerate(byte_chars)}
+    vocab: dict[str, int] = {c: i for i, c in enumerate(byte_char.values())}
     words = [p for p in PIECES] + [str(n) for n in range(1000)]
     while len(vocab) + len(words) < vocab_size * 2:
         words.append("".join(rng.choices(letters, weights=range(26, 0, -1), k=rng.randint(2, 10))))
-    space = bytes_to_unicode()[ord(" ")]
+    space = byte_char[ord(" ")]
     for w in words:
         if len(vocab) >= vocab_size - 1:
             break
-        encoded = "".join(bytes_to_unicode()[b] for b in w.encode())
+        encoded = "".join(byte_char[b] for b in w.encode())
         for piece in (encoded, space + encoded):
             if piece not in vocab and len(vocab) < vocab_size - 1:
                 vocab[piece] = len(vocab)

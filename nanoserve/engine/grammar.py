@@ -98,6 +98,7 @@ class Grammars:
         self._pool = ThreadPoolExecutor(GRAMMAR_COMPILE_THREADS, thread_name_prefix="nanoserve-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         bitmask = self._xgr.allocate_token_bitmask(max_rows, vocab_size)  # [rows, ceil(vocab / 32)] int32
+        self._batch = self._xgr.BatchGrammarMatcher()
         self._bitmask = bitmask.pin_memory() if pin_memory else bitmask
 
     def compile(self, so: StructuredOutputsParams) -> Future:
@@ -113,13 +114,17 @@ class Grammars:
         return future
 
     def _compile(self, so: StructuredOutputsParams):
+        return self._the_compiler().compile_grammar(grammar_of(so))
+
+    def _the_compiler(self):
+        """Made by the first compilation (the others wait for it); compilations then run in parallel."""
         with self._lock:
             if self._compiler is None:
                 xgr = self._xgr
                 info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self._vocab_size,
                                                           stop_token_ids=self._stop_ids)
                 self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # cached here, by key
-        return self._compiler.compile_grammar(grammar_of(so))
+            return self._compiler
 
     def matcher(self, compiled):
         return self._xgr.GrammarMatcher(compiled)
@@ -130,8 +135,10 @@ class Grammars:
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
             return None
-        for i in rows:
-            seqs[i].grammar.fill_next_token_bitmask(self._bitmask, i)
+        if len(rows) == 1:
+            seqs[rows[0]].grammar.fill_next_token_bitmask(self._bitmask, rows[0])
+        else:  # xgrammar's threads fill the rows in parallel
+            self._batch.batch_fill_next_token_bitmask([seqs[i].grammar for i in rows], self._bitmask, indices=rows)
         return np.array(rows, np.int32), self._bitmask[:len(seqs)]
 
     def close(self) -> None:

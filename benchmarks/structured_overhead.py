@@ -9,16 +9,20 @@ cover a realistic number of tokens. Prompts are random token ids (ignore_eos: ev
 Modes, each on b rows of the same prompt length:
   * free        - unconstrained, async loop on (the default engine);
   * constrained - every row under a JSON schema (an array of >= 200 {name, age, tags} objects: it cannot end within
-                  max_tokens, so the batch keeps its size), async loop on (the engine turns overlap off while
-                  constrained rows run: engine/grammar.py says why);
-  * free_sync   - unconstrained with async_scheduling=False: the part of the overhead that is the lost overlap.
-Compile: the tokenizer info once, then the benchmark schema, JSON mode and a regex (cold, then cached), and the
-mask fill per row (xgrammar's fill_next_token_bitmask) inside a JSON string and between properties.
+                  max_tokens, so the batch keeps its size), async loop on: each step's forward is launched before
+                  the host reads the previous step and fills the masks, then its sampler (engine/grammar.py);
+  * free_sync   - unconstrained with async_scheduling=False: what losing the overlap altogether would cost.
+"decode" holds per b the median run of each mode and constrained_over_free (the issue's ratio, target <= 1.10).
+Compile: the tokenizer info once, then the benchmark schema, JSON mode and a regex (cold), and the mask fill of one
+row (xgrammar's fill_next_token_bitmask) inside a JSON string and between properties.
 
-Writes $OUT/structured_overhead.json (or --out). GPU (the lead):
+Writes $OUT/structured_overhead.json (or --out). On the GPU (the lead; the image lacks xgrammar, apache-tvm-ffi,
+msgspec and pydantic: they are in benchmarks/serve_gpu_wheels.txt, whose header says how to fetch the wheels):
+    pip install -q --no-index --no-deps --find-links wheels -r benchmarks/serve_gpu_wheels.txt
     python benchmarks/structured_overhead.py --out $OUT/structured_overhead.json
 CPU smoke check (tiny shape, seconds):
-    python benchmarks/structured_overhead.py --model tiny --device cpu --batch-sizes 1 4 --max-tokens 16 --out /tmp/so.json
+    python benchmarks/structured_overhead.py --model tiny --device cpu --batch-sizes 1 4 --max-tokens 16 \
+        --out /tmp/so.json
 """
 from __future__ import annotations
 
@@ -105,7 +109,7 @@ def timed_run(llm, b: int, args, constrained: bool) -> dict:
     rng = random.Random(b)
     vocab = llm.engine.vocab_size
     prompts = [[rng.randrange(1000, vocab - 1) for _ in range(args.prompt_len)] for _ in range(b)]
-    params = SamplingParams(temperature=1.0, seed=0, max_tokens=args.max_tokens, ignore_eos=True,
+    params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True,  # unseeded: no per-row RNG
                             structured_outputs={"json": SCHEMA} if constrained else None)
     before = llm.engine.stats
     start = time.perf_counter()

@@ -192,3 +192,58 @@ def test_tensor_parallel_ranks_apply_the_same_masks(tiny_model_dirs):
         got = constrained_mix(llm)
         per_rank = llm.engine.model_runner.on_every_rank(last_tokens)
     assert got == want and per_rank[0] == per_rank[1]
+
+
+def test_sampler_masks_only_the_grammar_rows_and_the_padding(tiny_model_dirs):
+    """Logits wider than the tokenizer (padding columns given the largest logits): the grammar row takes the best
+    token whose text fits, found here by decoding the whole vocabulary; the other rows sample as without it."""
+    import torch
+
+    from nanoserve.engine.batching import sampling_batch
+    from nanoserve.engine.grammar import Grammars
+    from nanoserve.engine.sequence import Sequence
+    from nanoserve.model.loader import load_tokenizer
+    from nanoserve.runner.sampler import Sampler, SamplingTensors
+
+    tok = load_tokenizer(tiny_model_dirs["qwen3"])
+    width = len(tok) + 40
+    grammars = Grammars(lambda: tok, width, [tok.eos_token_id], 3, pin_memory=False)
+    logits = torch.randn(3, width, generator=torch.Generator().manual_seed(0))
+    logits[:, len(tok):] = 50.0
+
+    def sample(constrained: bool) -> list[int]:
+        seqs = [Sequence(str(i), [1], SamplingParams(temperature=t, seed=3)) for i, t in enumerate((0, 0, 1.0))]
+        for i, s in enumerate(seqs):
+            s.slot, s.num_pending, s.generator = i, 1, s.params.make_generator("cpu")
+        if constrained:
+            seqs[1].grammar = grammars.matcher(grammars.compile(Constraint(regex="[0-9]+")).result())
+        batch = sampling_batch(seqs, [tok.eos_token_id])
+        mask = grammars.bitmask(seqs)
+        if mask is not None:
+            batch.grammar_rows, batch.grammar_bitmask = mask
+        params = SamplingTensors(*(torch.from_numpy(a) for a in (batch.temperature, batch.top_p, batch.top_k,
+                                                                   batch.min_p)))
+        last, slots = torch.zeros(3, dtype=torch.int32), torch.arange(3, dtype=torch.int32)
+        return Sampler(3, torch.device("cpu"))(logits.clone(), batch, params, last, slots).result().token_ids
+
+    free, held = sample(False), sample(True)
+    digits = [t for t in range(len(tok)) if re.fullmatch("[0-9]+", tok.decode([t]))]
+    assert digits and held[1] == max(digits, key=lambda t: logits[1, t].item())
+    assert held[0] == free[0] == free[1] >= len(tok) and held[2] == free[2]  # padding wins where nothing masks it
+    grammars.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_graph_replays_mask_and_keep_the_synchronous_tokens(tiny_model_dirs):
+    """CUDA graphs, the pinned bitmask copied without blocking and xgrammar's Triton kernel: the outputs fit, and
+    the split launch gives the synchronous loop's tokens."""
+    runs = []
+    for overlap in (True, False):
+        with LLM(str(tiny_model_dirs["qwen3"]), device="cuda", dtype="float32", max_model_len=128, max_num_seqs=8,
+                 async_scheduling=overlap, show_progress=False) as llm:
+            ids, texts = constrained_mix(llm)
+            assert llm.engine.stats.decode_steps_graph > 0
+        runs.append(ids)
+        assert all(t in ("xy", "z") for t in texts[2]) and re.fullmatch("[a-c]{5,30}", texts[4][0])
+    assert runs[0] == runs[1]

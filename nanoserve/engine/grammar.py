@@ -11,14 +11,14 @@ grammar is complete and a stop token was accepted) finishes its sequence with "s
 How the mask of step N+1 is ready in time: a row's mask depends on its token of step N, which the host learns one
 step late (the loop runs ahead: step N+1 is launched before step N is read). A step with grammar rows is launched in
 two parts (EngineCore.step): its forward at once, its sampler deferred. The next call of the loop reads step N while
-the device runs that forward, advances the matchers, fills step N+1's bitmask (its grammar rows only; pinned) and
-launches the sampler, then schedules step N+2 and launches its forward, so the device has queued work while the
-host reads, masks, schedules and turns tokens into text. The mask travels with the batch (SamplingBatch.grammar_rows
-/ grammar_bitmask; to every tensor-parallel rank too) and is applied on the device by xgrammar's kernel on those
-rows only. The sampler of N+1 is queued before the forward of N+2, which reads its tokens. The device idles only if
-the host's work for one step (now with the mask fills) outlasts a forward; unconstrained batches carry no mask and
-take the sampler's paths unchanged. The bitmask buffer is refilled only after the step that copied it was read.
-benchmarks/structured_overhead.py measures the cost.
+the device runs that forward, advances the matchers, fills step N+1's bitmask (pinned; the rows without a grammar
+allow every token) and launches the sampler, then schedules step N+2 and launches its forward, so the device has
+queued work while the host reads, masks, schedules and turns tokens into text. The mask travels with the batch
+(SamplingBatch.grammar_rows / grammar_bitmask; to every tensor-parallel rank too), is copied to the device without a
+sync and applied there by xgrammar's kernel. The sampler of N+1 is queued before the forward of N+2, which reads its
+tokens. The device idles only if the host's work for one step (now with the mask fills) outlasts a forward;
+unconstrained batches carry no mask and take the sampler's paths unchanged. The bitmask buffer is refilled only
+after the step that copied it was read. benchmarks/structured_overhead.py measures the cost.
 
 Validation: `check()` builds the constraint's grammar without a tokenizer (fast), so front ends refuse a bad
 schema, regex or grammar with a ValueError naming the problem before anything reaches the core.
@@ -130,11 +130,13 @@ class Grammars:
         return self._xgr.GrammarMatcher(compiled)
 
     def bitmask(self, seqs: list) -> tuple[np.ndarray, torch.Tensor] | None:
-        """The sampled rows that have a matcher, and the bitmask of every row (only theirs filled), or None. The buffer
-        is reused by the next constrained step, which fills it only after reading this one."""
+        """The sampled rows that have a matcher, and the bitmask of every row (the others allow every token), or None.
+        The buffer is reused by the next constrained step, which fills it only after reading this one."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
             return None
+        if len(rows) < len(seqs):  # so the kernel masks all rows and needs no row indices (a pageable copy)
+            self._bitmask[[i for i, s in enumerate(seqs) if s.grammar is None]] = -1
         if len(rows) == 1:
             seqs[rows[0]].grammar.fill_next_token_bitmask(self._bitmask, rows[0])
         else:  # xgrammar's threads fill the rows in parallel

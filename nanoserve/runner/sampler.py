@@ -127,11 +127,11 @@ class Sampler:
 
     def _apply_grammar(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
         """Structured outputs: the grammar rows' disallowed tokens (padding columns beyond the tokenizer's vocabulary
-        included) to -inf, by xgrammar's kernel for the device; the other rows are left alone."""
+        included) to -inf, by xgrammar's kernel for the device. The other rows' masks allow everything: the kernel
+        runs over all rows, with no row indices to copy (the bitmask comes from pinned memory, without a sync)."""
         import xgrammar as xgr  # only a constrained step gets here; the engine core checked it is installed
 
-        bitmask = batch.grammar_bitmask.to(self.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=batch.grammar_rows.tolist())
+        xgr.apply_token_bitmask_inplace(logits, batch.grammar_bitmask.to(self.device, non_blocking=True))
 
     def _add_logit_bias(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
         """logit_bias: logits[row, token] += bias, on the device (ids beyond the logits' width are dropped)."""

@@ -11,7 +11,7 @@ WHEELS=${WHEELS:-wheels}
 part=${1:-all}
 
 install() {
-    python -c "import fastapi, uvicorn, zmq, msgspec, openai" 2>/dev/null && return 0
+    python -c "import fastapi, uvicorn, zmq, msgspec, openai, xgrammar" 2>/dev/null && return 0
     python -m pip install -q --no-index --no-deps --find-links "$WHEELS" -r benchmarks/serve_gpu_wheels.txt \
         > "$OUT/pip.log" 2>&1 || { echo "installing the wheels failed:"; tail -5 "$OUT/pip.log"; exit 1; }
 }

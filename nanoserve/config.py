@@ -46,6 +46,13 @@ MAX_STOP_STRING_LEN = 1024
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 TOOL_CALL_PARSER_CHOICES = ("auto", "none", *TOOL_CALL_PARSERS)
 
+# Structured outputs (engine/grammar.py): JSON may hold whitespace between tokens (as vLLM's default allows), at most
+# this many characters in a row, so a small model cannot loop on blanks; compiled grammars kept per engine core
+# (least recently used dropped); threads that compile them
+STRUCTURED_JSON_MAX_WHITESPACE = 16
+GRAMMAR_CACHE_SIZE = 256
+GRAMMAR_COMPILE_THREADS = 2
+
 
 @dataclass
 class EngineConfig:

@@ -2,6 +2,7 @@
 The sampler that applies them on the device is runner/sampler.py."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -56,10 +57,28 @@ class StructuredOutputsParams:
         _check(self.json_object in (None, True, False), "structured_outputs.json_object", "a bool", self.json_object)
         if self.choice is not None:
             self.choice = list(self.choice)
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json must be a JSON schema, and its text is not JSON: {e}") \
+                    from None
 
     @property
     def kind(self) -> str:
         return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text), the same for equal constraints (a schema as an object or as text, spaced any way; its key
+        order is kept, as it orders the output's properties): compiled grammars are cached by it."""
+        kind = self.kind
+        if kind == "json":
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            return kind, json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        if kind == "choice":
+            return kind, json.dumps(self.choice, ensure_ascii=False)
+        return kind, "" if kind == "json_object" else getattr(self, kind)
 
 
 @dataclass
@@ -114,6 +133,10 @@ class SamplingParams:
                "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
         self.logit_bias = _logit_bias(self.logit_bias)
         if isinstance(self.structured_outputs, dict):
+            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_KINDS))
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown fields {unknown}; it takes one of "
+                                 f"{', '.join(STRUCTURED_KINDS)}")
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", "None or a StructuredOutputsParams", self.structured_outputs)

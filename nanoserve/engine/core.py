@@ -7,7 +7,10 @@ samples, read on the device. The host learns tokens one step late: a sequence th
 were freed when step N was read (the device runs the steps in order, so nothing is reused under it).
 Lengths are known on the host, so max_tokens never produces an extra token. Penalties need each row's
 token history, so while any request uses them the loop waits for each step before the next (same
-tokens, no overlap).
+tokens, no overlap). A structured output's token bitmask needs its sequence's previous token: a step
+with such rows launches its forward only; the next call reads the step before it (the device runs
+the forward meanwhile), fills the masks and launches its sampler, then schedules and launches the
+step after (engine/grammar.py).
 
 The core deals in token ids only; text, stop strings and n > 1 fan-out are the front end's
 (engine/output.py), in the API process or in-process for the offline LLM.
@@ -17,21 +20,26 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.batching import build_batch
 from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.grammar import Grammars
 from nanoserve.engine.messages import EngineRequest, EngineStats, SeqOutput
 from nanoserve.engine.preflight import check_engine_config
 from nanoserve.engine.scheduler import ScheduledStep, Scheduler
-from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.model.loader import eos_token_ids, load_tokenizer
 from nanoserve.runner.bucket_plan import chunk_caps
 from nanoserve.runner.group import WorkerError, create_runner
+from nanoserve.runner.batch import SamplingBatch
 from nanoserve.runner.sampler import SampleHandle
 
 logger = logging.getLogger("nanoserve")
+
+GRAMMAR_WAIT_S = 0.01  # an idle loop with only grammars compiling waits this long for one, not spinning
 
 
 @dataclass
@@ -55,7 +63,10 @@ class EngineCore:
         self.scheduler.prompt_token_caps = self._prompt_token_caps()
         self.sequences: dict[str, Sequence] = {}
         self._inflight: deque[_InFlight] = deque()
-        self._num_penalty_seqs = 0
+        self._deferred: tuple[_InFlight, SamplingBatch] | None = None  # a forward launched, its sampler not yet
+        self._num_penalty_seqs = self._num_grammar_seqs = 0
+        self._grammars: Grammars | None = None  # made by the first structured-output request
+        self._compiling: dict[str, Future] = {}  # request id → its grammar, compiling; the sequence waits for it
         self._prompt_tokens = self._generation_tokens = self._mixed_steps = 0
         logger.info("%s", self._ready_line(hf_config, time.perf_counter() - start))
 
@@ -107,12 +118,48 @@ class EngineCore:
         bad = [t for t in (*ids, *params.stop_token_ids, *(params.logit_bias or ())) if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        so = params.structured_outputs
+        grammar = None if so is None else self._grammar_store().compile(so)
         seq = Sequence(rid, list(ids), params)
         seq.generator = params.make_generator(self.runner.device)
         self.sequences[rid] = seq
-        self.scheduler.add(seq)
+        if grammar is None:
+            self.scheduler.add(seq)
+        else:  # scheduled once compiled (_admit_compiled)
+            self._compiling[rid] = grammar
         self._num_penalty_seqs += params.uses_penalties
         self._prompt_tokens += len(ids)
+
+    def _grammar_store(self) -> Grammars:
+        if self._grammars is None:
+            if self.config.skip_tokenizer_init:
+                raise ValueError("structured outputs need the tokenizer, and this engine runs without one "
+                                 "(skip_tokenizer_init)")
+            c = self.config
+            self._grammars = Grammars(lambda: load_tokenizer(c.tokenizer or c.model), self.vocab_size,
+                                      self.eos_token_ids, c.max_num_seqs, self.runner.device.type == "cuda")
+        return self._grammars
+
+    def _admit_compiled(self) -> list[SeqOutput]:
+        """Schedule the sequences whose grammar is ready, each with a matcher of its own; a failed compilation
+        finishes its sequence with an error."""
+        outputs = []
+        for rid, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            seq = self.sequences[rid]
+            try:
+                matcher = self._grammars.matcher(future.result())
+            except Exception as e:  # the front ends validate first: this is a grammar xgrammar fails to compile
+                del self.sequences[rid]
+                self._finish(seq, "error")
+                outputs.append(SeqOutput(rid, [], finish_reason="error", error=f"cannot compile the grammar: {e}"))
+                continue
+            del self._compiling[rid]
+            seq.grammar = matcher
+            self.scheduler.add(seq)
+            self._num_grammar_seqs += 1
+        return outputs
 
     def abort_requests(self, request_ids) -> None:
         """Stop and free these sequences now (unknown or finished ids are ignored); no output follows."""
@@ -122,13 +169,15 @@ class EngineCore:
                 self._finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.sequences) or bool(self._inflight)
+        return bool(self.sequences) or bool(self._inflight) or self._deferred is not None
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
         """Schedule and launch a step; return what the previous one (or, synchronously, this one) produced."""
-        outputs: list[SeqOutput] = []
+        outputs: list[SeqOutput] = self._admit_compiled() if self._compiling else []
         overlap = self.config.async_scheduling and self._num_penalty_seqs == 0
+        if self._deferred is not None:
+            outputs += self._sample_deferred()
         if self._inflight and not overlap:
             outputs += self._complete(self._inflight.popleft())
         step = self.scheduler.schedule()
@@ -136,9 +185,32 @@ class EngineCore:
             batch = build_batch(step, self.config.block_size, self.eos_token_ids)
             self._mixed_steps += not step.is_decode
             sampled = [s for s, samples in zip(step.seqs, step.samples) if samples]
-            self._inflight.append(_InFlight(step, sampled, self.runner.execute(batch)))
+            if self._num_grammar_seqs and any(s.grammar is not None for s in sampled):
+                self.runner.execute(batch, defer_sampling=True)  # its sampler waits for the masks
+                self._deferred = (_InFlight(step, sampled, None), batch.sampling)
+                if not overlap:
+                    outputs += self._sample_deferred()
+            else:
+                self._inflight.append(_InFlight(step, sampled, self.runner.execute(batch)))
+        elif not self._inflight and self._compiling:  # nothing to run until a grammar is ready
+            wait(self._compiling.values(), GRAMMAR_WAIT_S, FIRST_COMPLETED)
         while len(self._inflight) > (1 if overlap and step else 0):
             outputs += self._complete(self._inflight.popleft())
+        return outputs
+
+    def _sample_deferred(self) -> list[SeqOutput]:
+        """Launch the sampler of the step whose forward runs: first read the steps before it (their tokens advance
+        the matchers) while the device runs that forward, then fill its grammar rows' masks. It comes before any
+        later step's forward, which reads the tokens it samples. Returns the outputs of the steps read."""
+        (pending, sampling), self._deferred = self._deferred, None
+        outputs = []
+        while self._inflight:
+            outputs += self._complete(self._inflight.popleft())
+        mask = self._grammars.bitmask(pending.sampled)  # (rows finished meanwhile have no matcher: token discarded)
+        if mask is not None:
+            sampling.grammar_rows, sampling.grammar_bitmask = mask
+        pending.handle = self.runner.sample_deferred(sampling)
+        self._inflight.append(pending)
         return outputs
 
     def _complete(self, done: _InFlight) -> list[SeqOutput]:
@@ -154,6 +226,9 @@ class EngineCore:
             if seq.is_finished:  # finished or aborted after this step was launched: the token is discarded
                 continue
             token = result.token_ids[i]
+            if seq.grammar is not None and not seq.grammar.accept_token(token):
+                outputs.append(self._grammar_dead_end(seq, token))
+                continue
             seq.output_token_ids.append(token)
             self._generation_tokens += 1
             self.block_manager.register_full_blocks(seq, seq.num_computed_tokens)
@@ -172,8 +247,19 @@ class EngineCore:
             outputs.append(out)
         return outputs
 
+    def _grammar_dead_end(self, seq: Sequence, token: int) -> SeqOutput:
+        """The grammar allowed no token the sampler could take (min_tokens banned the stop tokens the grammar
+        ended with): the sequence ends where its grammar did, without the token."""
+        logger.warning("request %s: token %d does not fit its grammar (min_tokens=%d outlasts it); it ends here",
+                       seq.request_id, token, seq.params.min_tokens)
+        self.sequences.pop(seq.request_id, None)
+        self._finish(seq, "stop")
+        return SeqOutput(seq.request_id, [], finish_reason="stop")
+
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p, num_out = seq.params, len(seq.output_token_ids)
+        if seq.grammar is not None and seq.grammar.is_terminated():  # the grammar is complete: nothing may follow
+            return "stop"
         if num_out >= p.min_tokens:  # (earlier tokens could not be stop tokens: the sampler banned them)
             if token in p.stop_token_ids:
                 seq.stop_reason = token
@@ -185,18 +271,30 @@ class EngineCore:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        if not seq.is_finished:
+        if seq.is_finished:
+            return
+        if self._compiling.pop(seq.request_id, None) is not None:  # never scheduled: its grammar was compiling
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        else:
             self.scheduler.finish(seq, reason)
-            self._num_penalty_seqs -= seq.params.uses_penalties
+        self._num_penalty_seqs -= seq.params.uses_penalties
+        if seq.grammar is not None:
+            self._num_grammar_seqs -= 1
+            seq.grammar = None
 
     def close(self) -> None:
         """Finish what is in flight, write the batch histogram (cudagraph_plan), drop the device state."""
         try:
+            if self._deferred is not None:
+                self._sample_deferred()
             while self._inflight:
                 self._complete(self._inflight.popleft())
         except WorkerError:  # a tensor-parallel rank died: what was in flight died with it
             self._inflight.clear()
+            self._deferred = None
         self.abort_requests(list(self.sequences))
+        if self._grammars is not None:
+            self._grammars.close()
         if self.runner is not None:
             self.runner.save_batch_histogram()
             self.runner.close()
@@ -207,7 +305,8 @@ class EngineCore:
     def stats(self) -> EngineStats:
         r = self.runner
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self._compiling),  # (a grammar compiling: waiting too)
             kv_blocks_total=self.block_manager.num_blocks, kv_blocks_used=self.block_manager.num_used_blocks,
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
             decode_steps_graph=r.decode_steps_graph, decode_steps_eager=r.decode_steps_eager,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine import grammar
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.messages import EngineStats
 from nanoserve.engine.output import OutputProcessor, RequestOutput
@@ -58,6 +59,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if len(self.core.scheduler.waiting) >= self.config.max_waiting_requests:
             raise QueueFullError(f"{len(self.core.scheduler.waiting)} requests are already waiting; try again later")
+        grammar.check(params.structured_outputs)  # a bad schema, regex or grammar: a ValueError naming it
         text, ids = tokenize(self.tokenizer, prompt, self.vocab_size, self.config.max_model_len)
         core_requests = self.output_processor.add_request(request_id, text, ids, params, stream)
         try:

@@ -40,6 +40,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache once the scheduled steps have run
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at the last allocation
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    grammar: object | None = None  # params.structured_outputs: its xgrammar GrammarMatcher (engine/grammar.py)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | None = None  # the stop token id that ended it
     prompt_logprobs: list = field(default_factory=list)  # params.prompt_logprobs: (logprob, top) per prompt token 1..

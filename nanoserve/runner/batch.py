@@ -47,6 +47,9 @@ class SamplingBatch:
     bias_rows: np.ndarray = field(default_factory=_empty)  # logit_bias: logits[bias_rows[i], bias_tokens[i]] ...
     bias_tokens: np.ndarray = field(default_factory=_empty)
     bias_values: np.ndarray = field(default_factory=lambda: _empty(np.float32))  # ... += bias_values[i]
+    grammar_rows: np.ndarray | None = None  # structured outputs: these rows may only sample what ...
+    grammar_bitmask: torch.Tensor | None = None  # ... this [n, ceil(V / 32)] int32 xgrammar bitmask allows (host;
+    # the other rows' masks allow every token)
 
     def __len__(self) -> int:
         return len(self.slots)

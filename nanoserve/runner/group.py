@@ -2,9 +2,10 @@
 
 Rank 0 is a ModelRunner in this (the engine-core) process; ranks 1..N-1 are worker processes
 (runner/worker.py, torch.multiprocessing spawn) joined to it by the engine's own torch.distributed group.
-Each call that runs the model (execute, decode_logits, dummy_decode_batch) is pickled once here and queued
-for a sender thread that writes it to every worker's pipe, then made on rank 0: one message per step, and
-rank 0 never waits for a worker to read it, so async scheduling keeps its overlap. Only rank 0's
+Each call that runs the model (execute, sample_deferred, decode_logits, dummy_decode_batch) is pickled once here
+and queued for a sender thread that writes it to every worker's pipe, then made on rank 0: one message per step
+(two when a structured-output step defers its sampler), and rank 0 never waits for a worker to read it, so async
+scheduling keeps its overlap. Only rank 0's
 SampleHandles are read; every other attribute the core reads (counters, graph sizes, KV blocks) is rank 0's.
 
 A dead worker becomes a WorkerError in the core, never a hang. A thread watches the workers' process
@@ -32,7 +33,7 @@ import torch.multiprocessing as torch_mp
 from nanoserve.config import EngineConfig
 from nanoserve.runner.distributed import TIMEOUT, connect, disconnect, rank_device
 from nanoserve.runner.model_runner import ModelRunner
-from nanoserve.runner.worker import portable, recv, run_worker
+from nanoserve.runner.worker import portable, portable_sampling, recv, run_worker
 
 logger = logging.getLogger("nanoserve")
 
@@ -119,11 +120,16 @@ class RunnerGroup:
                 raise RuntimeError(f"rank {w.rank} planned {blocks} KV blocks, rank 0 {self.runner.num_kv_blocks}")
 
     # -- ModelRunner's API ------------------------------------------------------------------------
-    def execute(self, batch):
+    def execute(self, batch, defer_sampling: bool = False):
         """Every rank runs the step; rank 0's SampleHandle (None when nothing is sampled) comes back."""
-        self._broadcast(("execute", *portable(batch)))
-        handle = self._guarded(self.runner.execute, batch)
+        self._broadcast(("execute", *portable(batch), defer_sampling))
+        handle = self._guarded(self.runner.execute, batch, defer_sampling)
         return None if handle is None else _CheckedHandle(handle, self)
+
+    def sample_deferred(self, sampling):
+        """Every rank launches the sampler it deferred, with this sampling batch (seeds, grammar bitmask)."""
+        self._broadcast(("sample", *portable_sampling(sampling)))
+        return _CheckedHandle(self._guarded(self.runner.sample_deferred, sampling), self)
 
     def decode_logits(self, batch, use_graph: bool = True):
         return self._on_all(ModelRunner.decode_logits, batch, use_graph)

@@ -25,7 +25,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.model.loader import load_model
 from nanoserve.model.parallel import TensorParallel
 from nanoserve.runner import graph_setup
-from nanoserve.runner.batch import DecodeBatch, PrefillBatch
+from nanoserve.runner.batch import DecodeBatch, PrefillBatch, SamplingBatch
 from nanoserve.runner.bucket_plan import BatchDistribution
 from nanoserve.runner.cuda_graph import GraphRunner
 from nanoserve.runner.batch import BlockUpdates
@@ -92,6 +92,7 @@ class ModelRunner:
         self.token_forward = TokenForward(self.model, self.state, StepPacker(dev), token_inputs,
                                           logprob_chunk=cfg.max_num_seqs)
         self.sampler = Sampler(cfg.max_num_seqs, dev, self.rng)
+        self._deferred = None  # execute(defer_sampling=True): (logits, sampling tensors, slots, prompt logprobs)
 
     @torch.inference_mode()
     def _warm_up_logits(self) -> None:
@@ -241,8 +242,10 @@ class ModelRunner:
 
     # -- one step ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: DecodeBatch | PrefillBatch) -> SampleHandle | None:
-        """Launch the step and its sampling; None when the batch samples nothing (a mid-prompt chunk)."""
+    def execute(self, batch: DecodeBatch | PrefillBatch, defer_sampling: bool = False) -> SampleHandle | None:
+        """Launch the step and its sampling; None when the batch samples nothing (a mid-prompt chunk).
+        defer_sampling: launch the forward only and keep its logits; sample_deferred() launches the sampler (the
+        engine fills the grammar bitmask in between). Nothing else may run on this runner before it."""
         prompt = None
         if isinstance(batch, PrefillBatch):
             logits, params, slots, prompt = self._prefill(batch)
@@ -255,7 +258,20 @@ class ModelRunner:
             slots = views.slots[:b]
         if batch.sampling is None or not len(batch.sampling):
             return None if prompt is None else SampleHandle.empty(prompt)
-        handle = self.sampler(logits, batch.sampling, params, self.state.last_tokens, slots)
+        if defer_sampling:
+            self._deferred = (logits, params, slots, prompt)
+            return None
+        return self._sample(batch.sampling, logits, params, slots, prompt)
+
+    @torch.inference_mode()
+    def sample_deferred(self, sampling: SamplingBatch) -> SampleHandle:
+        """Launch the sampler of the step execute(defer_sampling=True) ran, with this (now complete) SamplingBatch."""
+        logits, params, slots, prompt = self._deferred
+        self._deferred = None
+        return self._sample(sampling, logits, params, slots, prompt)
+
+    def _sample(self, sampling: SamplingBatch, logits, params, slots, prompt) -> SampleHandle:
+        handle = self.sampler(logits, sampling, params, self.state.last_tokens, slots)
         handle.prompt_logprobs = prompt
         return handle
 

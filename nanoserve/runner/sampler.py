@@ -93,12 +93,14 @@ class Sampler:
             raise ValueError(f"got {logits.shape[0]} logit rows for {len(batch)} sampled rows")
         top_k = batch.max_logprobs
         simple = batch.all_greedy and top_k is None and batch.penalties is None and not len(batch.banned_rows) \
-            and not len(batch.bias_rows)
+            and not len(batch.bias_rows) and batch.grammar_rows is None
         raw_logprobs = None
         if simple:
             tokens = logits.argmax(dim=-1)
         else:
             logits = logits.float() if logits.dtype != torch.float32 else logits.clone()  # masked in place below
+            if batch.grammar_rows is not None:  # before the logprobs, as vLLM: they cover the allowed tokens
+                self._apply_grammar(logits, batch)
             if top_k is not None:
                 raw_logprobs = torch.log_softmax(logits, dim=-1)
             tokens = self._sample(logits, batch, params)
@@ -122,6 +124,14 @@ class Sampler:
             sampled = sample_rows(logits, batch, params, self.generator)
             tokens = sampled if tokens is None else torch.where(params.temperature <= 0, tokens, sampled)
         return tokens
+
+    def _apply_grammar(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
+        """Structured outputs: the grammar rows' disallowed tokens (padding columns beyond the tokenizer's vocabulary
+        included) to -inf, by xgrammar's kernel for the device. The other rows' masks allow everything: the kernel
+        runs over all rows, with no row indices to copy (the bitmask comes from pinned memory, without a sync)."""
+        import xgrammar as xgr  # only a constrained step gets here; the engine core checked it is installed
+
+        xgr.apply_token_bitmask_inplace(logits, batch.grammar_bitmask.to(self.device, non_blocking=True))
 
     def _add_logit_bias(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
         """logit_bias: logits[row, token] += bias, on the device (ids beyond the logits' width are dropped)."""

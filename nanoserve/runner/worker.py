@@ -5,8 +5,9 @@ runner call down this process's pipe, in order, and the worker makes the same ca
 batch, same graph bucket, same sampling seeds, so the collectives inside each forward line up and every
 rank samples the same tokens into its own per-slot state. Its SampleHandles are never read (rank 0's are).
 
-Messages in: ("execute", batch, generator states) | ("call", fn, args, reply) | ("close",). Out: ("joining",)
-before the rendezvous, ("ready", num_kv_blocks) after start-up, ("result", value) for a call that wants one,
+Messages in: ("execute", batch, generator states, defer_sampling) | ("sample", sampling batch, generator states)
+(the deferred sampler, with the step's complete sampling batch) | ("call", fn, args, reply) | ("close",).
+Out: ("joining",) before the rendezvous, ("ready", num_kv_blocks) after start-up, ("result", value) for a call that wants one,
 ("error", traceback) before exiting on any failure. A failed call leaves the ranks out of step, so the worker
 exits rather than carry on; it also exits when the engine process dies, so no worker outlives its engine.
 """
@@ -25,7 +26,7 @@ from multiprocessing.connection import wait
 
 import torch
 
-from nanoserve.runner.batch import DecodeBatch, PrefillBatch
+from nanoserve.runner.batch import DecodeBatch, PrefillBatch, SamplingBatch
 from nanoserve.runner.distributed import connect, disconnect
 from nanoserve.runner.model_runner import ModelRunner
 
@@ -39,21 +40,33 @@ def recv(conn):
 
 
 def portable(batch: DecodeBatch | PrefillBatch) -> tuple[DecodeBatch | PrefillBatch, list | None]:
-    """The batch without its torch.Generators, and their states: a seeded row's generator lives in the engine
-    core, so each step ships the state it is about to sample from (taken before rank 0 samples)."""
-    sb = batch.sampling
-    if sb is None or sb.generators is None:
-        return batch, None
-    states = [None if g is None else g.get_state() for g in sb.generators]
-    return dataclasses.replace(batch, sampling=dataclasses.replace(sb, generators=None)), states
+    """The batch as it is pickled to the workers (portable_sampling), and its generators' states."""
+    sb, states = portable_sampling(batch.sampling)
+    return (batch if sb is batch.sampling else dataclasses.replace(batch, sampling=sb)), states
+
+
+def portable_sampling(sb: SamplingBatch | None) -> tuple[SamplingBatch | None, list | None]:
+    """The sampling batch without its torch.Generators, and their states: a seeded row's generator lives in the
+    engine core, so each step ships the state it is about to sample from (taken before rank 0 samples). A grammar
+    bitmask is a view of rank 0's buffer: its rows are copied, so the pickle holds them alone."""
+    if sb is None or (sb.generators is None and sb.grammar_bitmask is None):
+        return sb, None
+    states = None if sb.generators is None else [None if g is None else g.get_state() for g in sb.generators]
+    bitmask = None if sb.grammar_bitmask is None else sb.grammar_bitmask.clone()
+    return dataclasses.replace(sb, generators=None, grammar_bitmask=bitmask), states
 
 
 def restore(batch: DecodeBatch | PrefillBatch, states: list | None, device: torch.device):
     """The batch with generators rebuilt on this rank's device from rank 0's states."""
     if states is None:
         return batch
-    generators = [None if s is None else _generator(s, device) for s in states]
-    return dataclasses.replace(batch, sampling=dataclasses.replace(batch.sampling, generators=generators))
+    return dataclasses.replace(batch, sampling=restore_sampling(batch.sampling, states, device))
+
+
+def restore_sampling(sb: SamplingBatch, states: list | None, device: torch.device) -> SamplingBatch:
+    if states is None:
+        return sb
+    return dataclasses.replace(sb, generators=[None if s is None else _generator(s, device) for s in states])
 
 
 def _generator(state: torch.Tensor, device: torch.device) -> torch.Generator:
@@ -96,7 +109,9 @@ def _serve(conn, runner: ModelRunner) -> None:
         message = recv(conn)
         kind = message[0]
         if kind == "execute":
-            runner.execute(restore(message[1], message[2], runner.device))
+            runner.execute(restore(message[1], message[2], runner.device), message[3])
+        elif kind == "sample":
+            runner.sample_deferred(restore_sampling(message[1], message[2], runner.device))
         elif kind == "call":
             _, fn, args, reply = message
             result = fn(runner, *args)

@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from nanoserve.config import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+from nanoserve.engine import grammar
 from nanoserve.engine.prompts import QueueFullError, as_prompt_list, check_max_tokens
 from nanoserve.engine.stop_matcher import StopMatcher
 from nanoserve.sampling import SamplingParams
@@ -148,6 +149,20 @@ class OpenAIServer:
                                 f"(--max-stop-string-len={length}).", param="stop")
         return await asyncio.to_thread(StopMatcher.of, params.stop)
 
+    async def check_structured_outputs(self, params: SamplingParams, body, param: str | None = None) -> None:
+        """The output constraint compiles, checked off the event loop: an invalid schema, regex or grammar is a 400
+        naming the problem, and never reaches the engine core. param: the field it came from, when not the body's
+        response_format / structured_outputs (tool_choice's schema comes from `tools`)."""
+        if params.structured_outputs is None:
+            return
+        param = param or body.structured_outputs_param
+        where = {"response_format": "response_format.json_schema.schema",
+                 "tools": "tools[].function.parameters"}.get(param)
+        try:
+            await asyncio.to_thread(grammar.check, params.structured_outputs, where)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
+
     def check_capacity(self, num_seqs: int) -> None:
         limit = self.client.max_waiting_requests
         if num_seqs > limit:
@@ -208,6 +223,7 @@ class OpenAIServer:
         params = self.sampling_params({**body.sampling_kwargs(), "max_tokens": 1 if echo_only else body.max_tokens,
                                        "logprobs": body.logprobs,
                                        "prompt_logprobs": body.logprobs if body.echo else None})
+        await self.check_structured_outputs(params, body)
         stops = await self.stop_matcher(params)  # noqa: F841 (held until submitted)
         self.check_capacity(len(prompts) * params.n)
         if body.echo and self.token_texts.tokenizer is None:
@@ -264,6 +280,7 @@ class OpenAIServer:
         params = self.sampling_params({**body.sampling_kwargs(), "max_tokens": max_tokens,
                                        "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
                                        **self.tool_constraint(body, tools)}, names)
+        await self.check_structured_outputs(params, body, "tools" if tools.structured_outputs is not None else None)
         stops = await self.stop_matcher(params)  # noqa: F841 (held until submitted)
         self.check_capacity(params.n)
         ids = await self.preprocessor.chat_prompt([m.for_template() for m in body.messages],

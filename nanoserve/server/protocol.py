@@ -54,19 +54,35 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """response_format.json_schema: OpenAI's {name, description, schema, strict} (strict is what xgrammar does
+    anyway: the output always follows the schema)."""
+
+    name: str
+    description: str | None = None
+    json_schema: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    """OpenAI's response_format: "text" is what every request gets; structured outputs are not built yet, and say so
-    (rather than the generic unknown-argument 400)."""
+    """OpenAI's response_format: "text" (what every request gets), "json_object" (JSON mode: any object) or
+    "json_schema" (an object following the schema); the last two become structured outputs."""
 
     type: str
+    json_schema: JSONSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _text_only(self):
-        if self.type in ("json_object", "json_schema"):
-            raise ValueError(f"type: structured outputs ({self.type}) are not supported yet; only \"text\" is")
-        if self.type != "text":
+    def _known_type(self):
+        if self.type not in ("text", "json_object", "json_schema"):
             raise ValueError(f"type: must be \"text\", \"json_object\" or \"json_schema\", got {self.type!r}")
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("json_schema: type \"json_schema\" needs json_schema.schema, the JSON schema to follow")
         return self
+
+    def structured_outputs(self) -> dict | None:
+        if self.type == "json_object":
+            return {"json_object": True}
+        return {"json": self.json_schema.json_schema} if self.type == "json_schema" else None
 
 
 class _SamplingRequest(_Strict):
@@ -94,6 +110,8 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as an end-user id is only for abuse tracking
     logit_bias: dict[str, float] | None = None  # JSON keys are text: token ids as strings, as OpenAI sends them
+    # vLLM's (extra_body): one of json, regex, choice, grammar, json_object (checked by SamplingParams)
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -110,12 +128,31 @@ class _SamplingRequest(_Strict):
         names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                  "skip_special_tokens", "logit_bias")
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        kwargs = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        structured = self.structured_outputs
+        if structured is None and self.response_format is not None:
+            structured = self.response_format.structured_outputs()
+        if structured is not None:
+            kwargs["structured_outputs"] = structured
+        return kwargs
+
+    @property
+    def structured_outputs_param(self) -> str:
+        """The request field the output constraint came from (where a 400 about it points)."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: Stream options can only be defined when `stream=True`.")
+        return self
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if self.structured_outputs is not None and self.response_format is not None and \
+                self.response_format.type != "text":
+            raise ValueError(f"structured_outputs: both it and response_format ({self.response_format.type}) "
+                             "constrain the output; give one")
         return self
 
     @property

@@ -75,6 +75,8 @@ def post_chat(live, **body) -> httpx.Response:
      "tools.0.function.parameters"),
     ({"tools": [WEATHER, WEATHER]}, "tools", "'get_weather' is given twice"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "parallel_tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools", "tools[].function.parameters"),  # the constraint's schema does not compile
 ])
 def test_bad_tool_requests_are_400_naming_the_problem(live, body, param, words):
     r = post_chat(live, **body)

@@ -1,0 +1,150 @@
+"""Structured outputs in the engine core: xgrammar grammars compiled off the loop, one matcher per sequence, and
+each step's token bitmask.
+
+A constrained request's grammar is compiled on a thread pool by one xgrammar GrammarCompiler for the engine's
+tokenizer (its vocabulary as wide as the model's logits, the core's EOS ids as stop tokens). Compiled grammars are
+cached by the constraint's normalised key, so the n > 1 children of a request and repeated schemas compile once. The
+sequence waits outside the scheduler until its grammar is ready; the others keep running meanwhile. Each sequence
+then has its own GrammarMatcher; every token the host learns is accepted by it, and a matcher that terminates (the
+grammar is complete and a stop token was accepted) finishes its sequence with "stop".
+
+How the mask of step N+1 is ready in time: a row's mask depends on its token of step N, which the host learns one
+step late (the loop runs ahead: step N+1 is launched before step N is read). A step with grammar rows is launched in
+two parts (EngineCore.step): its forward at once, its sampler deferred. The next call of the loop reads step N while
+the device runs that forward, advances the matchers, fills step N+1's bitmask (pinned; the rows without a grammar
+allow every token) and launches the sampler, then schedules step N+2 and launches its forward, so the device has
+queued work while the host reads, masks, schedules and turns tokens into text. The mask travels with the batch
+(SamplingBatch.grammar_rows / grammar_bitmask; to every tensor-parallel rank too), is copied to the device without a
+sync and applied there by xgrammar's kernel. The sampler of N+1 is queued before the forward of N+2, which reads its
+tokens. The device idles only if the host's work for one step (now with the mask fills) outlasts a forward;
+unconstrained batches carry no mask and take the sampler's paths unchanged. The bitmask buffer is refilled only
+after the step that copied it was read. benchmarks/structured_overhead.py measures the cost.
+
+Validation: `check()` builds the constraint's grammar without a tokenizer (fast), so front ends refuse a bad
+schema, regex or grammar with a ValueError naming the problem before anything reaches the core.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from nanoserve.config import GRAMMAR_CACHE_SIZE, GRAMMAR_COMPILE_THREADS, STRUCTURED_JSON_MAX_WHITESPACE
+from nanoserve.sampling import StructuredOutputsParams
+
+_JSON_OPTIONS = {"any_whitespace": True, "max_whitespace_cnt": STRUCTURED_JSON_MAX_WHITESPACE}
+_ANY_OBJECT = '{"type": "object"}'  # json_object: OpenAI's JSON mode asks for an object
+# xgrammar's errors start with a timestamp, a source location and sometimes the failed check: not the user's concern
+_NOISE = re.compile(r"^\[[\d:]+\] [^:]+:\d+: (Check failed: .*? is false: )?")
+
+
+def xgrammar():
+    """The xgrammar module, imported on first use (only constrained requests need it)."""
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        raise ValueError("structured outputs need xgrammar: pip install xgrammar") from None
+    return xgr
+
+
+def grammar_of(so: StructuredOutputsParams, where: str | None = None):
+    """The constraint as an xgrammar Grammar (no tokenizer needed); a ValueError naming what is wrong, said of
+    `where` (the field it came from; structured_outputs.<kind> by default)."""
+    xgr = xgrammar()
+    kind, text = so.key
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(text, **_JSON_OPTIONS)
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema(_ANY_OBJECT, **_JSON_OPTIONS)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(text)
+        if kind == "choice":  # EBNF string literals take JSON's escapes
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice))
+        # grammar: EBNF (GBNF-style `root ::= ...`), or Lark as vLLM also accepts
+        return xgr.Grammar.from_ebnf(text) if "::=" in text else xgr.Grammar.from_lark(text)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(f"{where or 'structured_outputs.' + kind}: {_reason(e)}") from None
+
+
+def _reason(e: Exception) -> str:
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return _NOISE.sub("", lines[0]) if lines else type(e).__name__
+
+
+def check(so: StructuredOutputsParams | None, where: str | None = None) -> None:
+    """Raise ValueError if the constraint cannot be compiled (an invalid schema, regex or grammar)."""
+    if so is not None:
+        grammar_of(so, where)
+
+
+class Grammars:
+    """The engine core's grammars: compiled on a thread pool, cached by key, one matcher per sequence, and the bitmask
+    buffer each constrained step fills."""
+
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, stop_token_ids: list[int],
+                 max_rows: int, pin_memory: bool):
+        """load_tokenizer: called once, on the pool, by the first compilation (the tokenizer info takes a while)."""
+        self._xgr = xgrammar()
+        self._load_tokenizer, self._vocab_size, self._stop_ids = load_tokenizer, vocab_size, list(stop_token_ids)
+        self._compiler = None
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(GRAMMAR_COMPILE_THREADS, thread_name_prefix="nanoserve-grammar")
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        bitmask = self._xgr.allocate_token_bitmask(max_rows, vocab_size)  # [rows, ceil(vocab / 32)] int32
+        self._batch = self._xgr.BatchGrammarMatcher()
+        self._bitmask = bitmask.pin_memory() if pin_memory else bitmask
+
+    def compile(self, so: StructuredOutputsParams) -> Future:
+        """The compiled grammar of this constraint, as a future (done at once when cached)."""
+        key = so.key
+        future = self._cache.get(key)
+        if future is not None:
+            self._cache.move_to_end(key)
+            return future
+        future = self._cache[key] = self._pool.submit(self._compile, so)
+        if len(self._cache) > GRAMMAR_CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return future
+
+    def _compile(self, so: StructuredOutputsParams):
+        return self._the_compiler().compile_grammar(grammar_of(so))
+
+    def _the_compiler(self):
+        """Made by the first compilation (the others wait for it); compilations then run in parallel."""
+        with self._lock:
+            if self._compiler is None:
+                xgr = self._xgr
+                info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self._vocab_size,
+                                                          stop_token_ids=self._stop_ids)
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # cached here, by key
+            return self._compiler
+
+    def matcher(self, compiled):
+        return self._xgr.GrammarMatcher(compiled)
+
+    def bitmask(self, seqs: list) -> tuple[np.ndarray, torch.Tensor] | None:
+        """The sampled rows that have a matcher, and the bitmask of every row (the others allow every token), or None.
+        The buffer is reused by the next constrained step, which fills it only after reading this one."""
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if not rows:
+            return None
+        if len(rows) < len(seqs):  # so the kernel masks all rows and needs no row indices (a pageable copy)
+            self._bitmask[[i for i, s in enumerate(seqs) if s.grammar is None]] = -1
+        if len(rows) == 1:
+            seqs[rows[0]].grammar.fill_next_token_bitmask(self._bitmask, rows[0])
+        else:  # xgrammar's threads fill the rows in parallel
+            self._batch.batch_fill_next_token_bitmask([seqs[i].grammar for i in rows], self._bitmask, indices=rows)
+        return np.array(rows, np.int32), self._bitmask[:len(seqs)]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["Grammars", "check", "grammar_of", "xgrammar"]

@@ -4,6 +4,7 @@
 #   bash benchmarks/prefill_graphs_gpu.sh tests   # pytest -m gpu, the whole suite
 #   bash benchmarks/prefill_graphs_gpu.sh bench   # TTFT both shapes, nano-vllm workload with/without the graphs
 #   bash benchmarks/prefill_graphs_gpu.sh retest  # the GPU tests of the runner and demos, then bench
+#   bash benchmarks/prefill_graphs_gpu.sh structured # GPU tests of runner/engine/sampler + structured outputs' cost
 #   bash benchmarks/prefill_graphs_gpu.sh pool    # the graph pool: recorded growth vs the allocator's segments
 #   bash benchmarks/prefill_graphs_gpu.sh profile # TTFT both shapes, + GPU time by kernel kind per length
 #   bash benchmarks/prefill_graphs_gpu.sh serve [TOKENS]  # serving benchmark, Qwen3-0.6B shape; TOKENS: the
@@ -35,6 +36,10 @@ case ${1:-quick} in
     bench)
         python3 benchmarks/prompt_latency.py --out "$OUT/prompt_latency.json" 2>&1 | grep -v Warning | tail -8
         python3 benchmarks/throughput.py --variants async async-no-prefill-graphs --out "$OUT" 2>&1 | tail -8 ;;
+    structured)  # issue 18's GPU run: the GPU tests of runner, engine and sampler, then structured outputs' overhead
+        python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/runner tests/engine tests/test_sampling.py 2>&1 \
+            | tee "$OUT/gpu_tests_structured.log" | tail -4
+        python3 benchmarks/structured_overhead.py --out "$OUT/structured_overhead.json" 2>&1 | grep -v INFO | tail -12 ;;
     pool)
         python3 benchmarks/graph_pool.py --out "$OUT/graph_pool.json" 2>&1 | tail -8 ;;
     profile)

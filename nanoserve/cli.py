@@ -64,7 +64,13 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"nanoserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_serve, _add_generate, _add_bench, _add_make_tiny_model):
+        add(sub)
+    return parser
 
+
+def _add_serve(sub) -> None:
+    """`nanoserve serve`: the server's own options, then the engine's."""
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server", usage="nanoserve serve MODEL [options]")
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the same as --model")
     serve.add_argument("--model", default=None, help=FIELD_HELP["model"])
@@ -93,6 +99,9 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="accepted for vLLM command lines: tool_choice \"auto\" is always on here")
     _add_engine_flags(serve)
 
+
+def _add_generate(sub) -> None:
+    """`nanoserve generate`."""
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("--model", required=True, help=FIELD_HELP["model"])
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
@@ -104,6 +113,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     _add_engine_flags(gen)
 
+
+def _add_bench(sub) -> None:
+    """`nanoserve bench` and `nanoserve bench graphs`."""
     bench = sub.add_parser("bench", help="offline throughput: random token prompts, fixed output length "
                            "(`bench graphs`: the CUDA-graph size report)")
     bench.add_argument("--model", default=None, help=FIELD_HELP["model"] + " (required)")
@@ -126,11 +138,13 @@ def _build_parser() -> argparse.ArgumentParser:
     graphs.add_argument("--json", default=None, metavar="PATH", help="write the whole report as JSON")
     _add_engine_flags(graphs)
 
+
+def _add_make_tiny_model(sub) -> None:
+    """`nanoserve make-tiny-model`."""
     tiny = sub.add_parser("make-tiny-model", help="write a small random model folder (no download needed)")
     tiny.add_argument("dir", help="folder to write (created if missing)")
     tiny.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="qwen3", help="(default: %(default)s)")
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

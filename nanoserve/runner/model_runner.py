@@ -25,10 +25,9 @@ from nanoserve.config import EngineConfig
 from nanoserve.model.loader import load_model
 from nanoserve.model.parallel import TensorParallel
 from nanoserve.runner import graph_setup
-from nanoserve.runner.batch import DecodeBatch, PrefillBatch, SamplingBatch
+from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch, SamplingBatch
 from nanoserve.runner.bucket_plan import BatchDistribution
 from nanoserve.runner.cuda_graph import GraphRunner
-from nanoserve.runner.batch import BlockUpdates
 from nanoserve.runner.forward import DecodeForward, TokenForward
 from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker, TokenInputs
 from nanoserve.runner.kv_cache import KVCacheSpec

@@ -18,6 +18,7 @@ Either key, "arguments" or "parameters", is accepted in every JSON form.
 """
 from __future__ import annotations
 
+import abc
 import json
 import secrets
 import string
@@ -200,7 +201,7 @@ def _json_string(text: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """One completion's incremental parse. Subclasses scan self._buf (text fed, not yet decided) in _scan."""
 
     def __init__(self):
@@ -224,8 +225,9 @@ class ToolParser:
         """A whole completion at once: exactly what feeding it in any pieces and finishing gives."""
         return self.feed(text).merge(self.finish())
 
+    @abc.abstractmethod
     def _scan(self, final: bool) -> None:
-        raise NotImplementedError
+        """Move what self._buf has decided into self._out (final: the completion has ended)."""
 
     def _take(self) -> ParsedDelta:
         out, self._out = self._out, ParsedDelta()

@@ -9,6 +9,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.messages import EngineRequest
@@ -197,8 +198,6 @@ def test_tensor_parallel_ranks_apply_the_same_masks(tiny_model_dirs):
 def test_sampler_masks_only_the_grammar_rows_and_the_padding(tiny_model_dirs):
     """Logits wider than the tokenizer (padding columns given the largest logits): the grammar row takes the best
     token whose text fits, found here by decoding the whole vocabulary; the other rows sample as without it."""
-    import torch
-
     from nanoserve.engine.batching import sampling_batch
     from nanoserve.engine.grammar import Grammars
     from nanoserve.engine.sequence import Sequence
@@ -234,7 +233,7 @@ def test_sampler_masks_only_the_grammar_rows_and_the_padding(tiny_model_dirs):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_graph_replays_mask_and_keep_the_synchronous_tokens(tiny_model_dirs):
     """CUDA graphs, the pinned bitmask copied without blocking and xgrammar's Triton kernel: the outputs fit, and
     the split launch gives the synchronous loop's tokens."""

@@ -6,7 +6,6 @@ The end-to-end test of "required" on the real SmolLM2 GGUF runs where structured
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 
 import httpx
@@ -300,12 +299,7 @@ def test_auto_and_none_leave_the_output_unconstrained(live, scripted, hermes):
         assert seen[-1].structured_outputs is None
 
 
-# -- end to end: "required" on the real SmolLM2 GGUF, where the engine enforces structured outputs -----------------
-GRAMMAR_ENFORCED = importlib.util.find_spec("nanoserve.engine.grammar") is not None
-
-
-@pytest.mark.skipif(not GRAMMAR_ENFORCED, reason="structured outputs are not enforced on this branch "
-                                                 "(no nanoserve.engine.grammar)")
+# -- end to end: "required" and named choices on the real SmolLM2 GGUF, enforced by the engine's grammar ----------
 def test_required_and_named_give_valid_calls_on_smollm2(smollm2_gguf, serve_app):
     import openai
 

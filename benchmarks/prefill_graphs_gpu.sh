@@ -5,6 +5,7 @@
 #   bash benchmarks/prefill_graphs_gpu.sh bench   # TTFT both shapes, nano-vllm workload with/without the graphs
 #   bash benchmarks/prefill_graphs_gpu.sh retest  # the GPU tests of the runner and demos, then bench
 #   bash benchmarks/prefill_graphs_gpu.sh structured # GPU tests of runner/engine/sampler + structured outputs' cost
+#   bash benchmarks/prefill_graphs_gpu.sh tiles   # attention GPU tests + the prefill kernel's tilings + Qwen3 TTFT
 #   bash benchmarks/prefill_graphs_gpu.sh pool    # the graph pool: recorded growth vs the allocator's segments
 #   bash benchmarks/prefill_graphs_gpu.sh profile # TTFT both shapes, + GPU time by kernel kind per length
 #   bash benchmarks/prefill_graphs_gpu.sh serve [TOKENS]  # serving benchmark, Qwen3-0.6B shape; TOKENS: the
@@ -40,6 +41,11 @@ case ${1:-quick} in
         python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/runner tests/engine tests/test_sampling.py 2>&1 \
             | tee "$OUT/gpu_tests_structured.log" | tail -4
         python3 benchmarks/structured_overhead.py --out "$OUT/structured_overhead.json" 2>&1 | grep -v INFO | tail -12 ;;
+    tiles)
+        python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention.py 2>&1 | tee "$OUT/gpu_tests_attention.log" | tail -3
+        python3 benchmarks/prefill_attention_tiles.py --out "$OUT/prefill_attention_tiles.json" 2>&1 | grep -v Warning | tail -60
+        python3 benchmarks/prompt_latency.py --models qwen3-0.6b --profile --out "$OUT/prompt_latency_qwen3.json" 2>&1 \
+            | grep -v Warning | tail -6 ;;
     pool)
         python3 benchmarks/graph_pool.py --out "$OUT/graph_pool.json" 2>&1 | tail -8 ;;
     profile)

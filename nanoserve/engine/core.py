@@ -29,6 +29,7 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.grammar import Grammars
 from nanoserve.engine.messages import EngineRequest, EngineStats, SeqOutput
 from nanoserve.engine.preflight import check_engine_config
+from nanoserve.engine.prompts import check_token_ids
 from nanoserve.engine.scheduler import ScheduledStep, Scheduler
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.model.loader import eos_token_ids, load_tokenizer
@@ -115,9 +116,8 @@ class EngineCore:
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.config.max_model_len} "
                              "(the prompt must leave room for at least one generated token)")
-        bad = [t for t in (*ids, *params.stop_token_ids, *(params.logit_bias or ())) if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        check_token_ids(ids, self.vocab_size)
+        check_token_ids([*params.stop_token_ids, *(params.logit_bias or ())], self.vocab_size)
         so = params.structured_outputs
         grammar = None if so is None else self._grammar_store().compile(so)
         seq = Sequence(rid, list(ids), params)

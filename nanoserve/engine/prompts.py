@@ -12,7 +12,9 @@ class QueueFullError(RuntimeError):
 
 
 def is_token_ids(value) -> bool:
-    return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    """A list or tuple of plain ints (not bools). Set of types, not a per-item isinstance loop: this runs on every
+    prompt, and a 1024-token one took ~0.4 ms that way."""
+    return isinstance(value, (list, tuple)) and set(map(type, value)) <= {int}
 
 
 def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -39,15 +41,20 @@ def tokenize(tokenizer, prompt: Prompt, vocab_size: int, max_model_len: int,
         text, ids = prompt, tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     elif is_token_ids(prompt):
         text, ids = None, list(prompt)
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        check_token_ids(ids, vocab_size)
     else:
         _bad(prompt)
     if not ids:
         raise ValueError("the prompt is empty")
     check_prompt_length(len(ids), max_model_len)
     return text, ids
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """ValueError naming the first id outside [0, vocab_size) (min / max first: they run in C)."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def check_prompt_length(num_tokens: int, max_model_len: int) -> None:

@@ -62,6 +62,7 @@ DECODE_NUM_WARPS = 4
 # K/V tiles of at most this many bytes (64 tokens of bf16 at head_dim 128): larger ones spill registers.
 KV_TILE_BYTES = 16384
 MAX_BLOCK_N = 64
+PREFILL_NUM_STAGES = 3  # Triton's default on sm_90
 
 
 @jit
@@ -134,19 +135,26 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, end, last_key, kv_head, dims, dim_ok,
                  qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 DOT_UPCAST: tl.constexpr):
+                 DOT_UPCAST: tl.constexpr, MASKED: tl.constexpr = True):
     """Fold keys [start, start + BLOCK_N) ∩ [0, end) of one paged context into the running (max, sum, acc) of
     the rows of q (log2-domain online softmax); row r attends only to keys <= last_key[r]. Every tile holds a
-    key each row may see (the decode partition's first, or key 0 for prefill), so the running max stays finite."""
+    key each row may see (the decode partition's first, or key 0 for prefill), so the running max stays finite.
+    MASKED=False: the caller knows every row sees every key of the tile (a tile below the causal diagonal), so
+    neither the loads nor the scores are masked."""
     keys = start + tl.arange(0, BLOCK_N)
-    key_ok = keys < end
-    block_ids = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
     offsets = keys % BLOCK_SIZE
-    kv_mask = key_ok[:, None] & dim_ok[None, :]
+    if MASKED:
+        key_ok = keys < end
+        block_ids = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+    else:
+        block_ids = tl.load(table + keys // BLOCK_SIZE).to(tl.int64)
+        kv_mask = dim_ok[None, :]
     k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_kt
                 + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
     scores = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
-    scores = tl.where(key_ok[None, :] & (keys[None, :] <= last_key[:, None]), scores, float("-inf"))
+    if MASKED:
+        scores = tl.where(key_ok[None, :] & (keys[None, :] <= last_key[:, None]), scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
@@ -371,8 +379,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-    work = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)  # the heads of one tile launch together, and the work list is longest first
+    work = tl.program_id(1)
     seq = tl.load(work_seq_ptr + work)  # -1: an unused entry of a fixed-size (graph) work list
     if seq >= 0:
         first = tl.load(work_start_ptr + work)
@@ -394,11 +402,18 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
         # Padding rows see the whole context, which keeps their softmax finite; they are never stored.
         q_pos = tl.where(row_ok, context_len - q_len + tokens, context_len - 1)
         kv_end = tl.minimum(context_len, context_len - q_len + tl.minimum(first + Q_PER_TILE, q_len))
+        # Keys below the tile's first query position are seen by every row: whole tiles of them go unmasked.
+        full_end = (context_len - q_len + first + 1) // BLOCK_N * BLOCK_N
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         table = block_tables_ptr + tl.load(table_rows_ptr + seq).to(tl.int64) * stride_bt
-        for start in range(0, kv_end, BLOCK_N):
+        for start in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_end, q_pos,
+                                         kv_head, dims, dim_ok, qk_scale, stride_kb, stride_kt, stride_kh,
+                                         stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+                                         DOT_UPCAST, MASKED=False)
+        for start in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_end, q_pos,
                                          kv_head, dims, dim_ok, qk_scale, stride_kb, stride_kt, stride_kh,
                                          stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
@@ -410,19 +425,24 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
 
 def prefill_q_per_tile(num_heads: int, num_kv_heads: int, head_dim: int, element_size: int) -> int:
     """Query tokens per program of the paged prefill kernel: the unit of its work list (prefill_work)."""
-    group = num_heads // num_kv_heads
-    block_m, _, _ = _prefill_tiles(max(16, next_power_of_2(head_dim)), element_size, group)
-    return block_m // group
+    return prefill_tiles(num_heads // num_kv_heads, head_dim, element_size).q_per_tile
 
 
-def prefill_work(query_lens, q_per_tile: int) -> tuple[np.ndarray, np.ndarray]:
+def prefill_work(query_lens, q_per_tile: int, context_lens=None) -> tuple[np.ndarray, np.ndarray]:
     """The paged prefill kernel's work list (host, vectorised): one (sequence, first query token) per tile of
-    q_per_tile tokens. Its length is at most prefill_work_capacity(sum(query_lens), len(query_lens), q_per_tile)."""
+    q_per_tile tokens. Its length is at most prefill_work_capacity(sum(query_lens), len(query_lens), q_per_tile).
+    With context_lens the list is ordered by the keys each tile reads, most first: the GPU starts the longest
+    programs first, so a long prompt's last tiles do not start after the short ones and finish alone."""
     q = np.asarray(query_lens, dtype=np.int64)
     tiles = -(-q // q_per_tile)
     seq = np.repeat(np.arange(len(q), dtype=np.int32), tiles)
-    within = np.arange(len(seq), dtype=np.int64) - np.repeat(np.cumsum(tiles) - tiles, tiles)
-    return seq, (within * q_per_tile).astype(np.int32)
+    start = (np.arange(len(seq), dtype=np.int64) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * q_per_tile
+    if context_lens is not None and len(seq) > 1:
+        ctx = np.asarray(context_lens, dtype=np.int64)[seq]
+        keys = ctx - q[seq] + np.minimum(start + q_per_tile, q[seq])
+        order = np.argsort(-keys, kind="stable")
+        seq, start = seq[order], start[order]
+    return seq, start.astype(np.int32)
 
 
 def prefill_work_capacity(num_tokens: int, max_seqs: int, q_per_tile: int) -> int:
@@ -431,13 +451,15 @@ def prefill_work_capacity(num_tokens: int, max_seqs: int, q_per_tile: int) -> in
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                            meta: AttentionMetadata, scale: float, tiles: PrefillTiles | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context (cached prefix included).
 
     q [num_new_tokens, num_heads, head_dim]; the new tokens' k/v must already be in the cache.
     One launch over (work tile, kv head): meta.work_seq / work_start list the tiles (a fixed-size list whose
     unused entries are -1 under CUDA graphs; built here from the host lengths when absent), so the grid depends
     on no sequence length and the launch can be captured; meta.table_rows maps sequences to block-table rows.
+    tiles: another tiling than prefill_tiles' (benchmarks/prefill_attention_tiles.py; a given work list must have
+    been built with its q_per_tile).
     """
     num_tokens, num_heads, head_dim = q.shape
     _num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -450,24 +472,23 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_tokens == 0:
         return out
     _require_unit_last_stride(prefill_attention=(q, k_cache, v_cache, meta.block_tables))
-    group = num_heads // num_kv_heads
-    block_m, block_n, num_warps = _prefill_tiles(max(16, next_power_of_2(head_dim)), k_cache.element_size(), group)
-    q_per_tile = block_m // group  # rows are (token, head) pairs; a non-power-of-two group leaves a few idle
+    tiles = tiles or prefill_tiles(num_heads // num_kv_heads, head_dim, k_cache.element_size())
     work_seq, work_start = meta.work_seq, meta.work_start
     if work_seq is None:
         lens = meta.query_lens_host or torch.diff(meta.cu_seqlens_q).tolist()
-        work_seq, work_start = (torch.from_numpy(a).to(q.device) for a in prefill_work(lens, q_per_tile))
+        ctx = meta.context_lens_host or meta.context_lens.tolist()
+        work_seq, work_start = (torch.from_numpy(a).to(q.device) for a in prefill_work(lens, tiles.q_per_tile, ctx))
     rows = meta.table_rows
     if rows is None:
         rows = torch.arange(meta.num_seqs, dtype=torch.int32, device=q.device)
-    _prefill_kernel[(work_seq.shape[0], num_kv_heads)](
+    _prefill_kernel[(num_kv_heads, work_seq.shape[0])](
         q, k_cache, v_cache, meta.block_tables, rows, meta.context_lens, meta.cu_seqlens_q, work_seq, work_start,
         out, scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
-        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, Q_PER_TILE=q_per_tile, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, next_power_of_2(head_dim)), **_dot_args(q.device, k_cache.dtype),
-        num_warps=num_warps, **pdl_args(q.device))
+        BLOCK_SIZE=block_size, GROUP=tiles.group, HEAD_DIM=head_dim, Q_PER_TILE=tiles.q_per_tile,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, **_dot_args(q.device, k_cache.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(q.device))
     return out
 
 
@@ -521,11 +542,30 @@ def _kv_tile_tokens(block_d: int, element_size: int) -> int:
     return max(16, min(MAX_BLOCK_N, KV_TILE_BYTES // (block_d * element_size)))
 
 
-def _prefill_tiles(block_d: int, element_size: int, group: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) that compile without register spills on sm_90 (checked with ptxas)."""
+@dataclass(frozen=True)
+class PrefillTiles:
+    """One tiling of the paged prefill kernel. Rows are (query token, head of the group) pairs: a tile of block_m
+    rows holds q_per_tile tokens of all `group` heads that share a kv head, and reads block_n keys at a time."""
+
+    group: int
+    block_d: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def q_per_tile(self) -> int:
+        return self.block_m // self.group  # a non-power-of-two group leaves a few rows idle
+
+
+def prefill_tiles(group: int, head_dim: int, element_size: int) -> PrefillTiles:
+    """The tiling that compiles without register spills on sm_90 (checked with ptxas) for this head shape."""
+    block_d = max(16, next_power_of_2(head_dim))
     block_m = 32 if element_size >= 4 and block_d >= 256 else 64
     num_warps = 4 if element_size <= 2 and block_d <= 128 else 8
-    return max(block_m, next_power_of_2(group)), _kv_tile_tokens(block_d, element_size), num_warps
+    return PrefillTiles(group, block_d, max(block_m, next_power_of_2(group)), _kv_tile_tokens(block_d, element_size),
+                        num_warps, PREFILL_NUM_STAGES)
 
 
 def _dot_args(device: torch.device, dtype: torch.dtype) -> dict:

@@ -200,8 +200,9 @@ class StepArrays:
         np.cumsum(batch.query_lens, out=cu_q[1:])
         sample_token_rows = (cu_q[1:][batch.sample_rows] - 1).astype(np.int32)
         sampling = sampling_arrays(batch.sampling) if batch.sampling is not None else []
-        return cls(positions.astype(np.int32), np.repeat(batch.slots, batch.query_lens), cu_q,
-                   (batch.starts + batch.query_lens).astype(np.int32), *prefill_work(batch.query_lens, q_per_tile),
+        context_lens = (batch.starts + batch.query_lens).astype(np.int32)
+        return cls(positions.astype(np.int32), np.repeat(batch.slots, batch.query_lens), cu_q, context_lens,
+                   *prefill_work(batch.query_lens, q_per_tile, context_lens),
                    [sample_token_rows, batch.slots[batch.sample_rows], *updates_arrays(batch.block_updates),
                     batch.prompt_logprob_rows, batch.prompt_logprob_targets, *sampling])
 

@@ -235,6 +235,29 @@ def test_prefill_work_list_lists_every_tile_once():
     assert len(seq) <= tk.prefill_work_capacity(74, 5, 16)
 
 
+def test_prefill_work_list_longest_first():
+    """With context lengths the tiles are ordered by the keys they read, most first; still each tile once."""
+    lens, ctx = [1, 16, 17, 40], [1, 116, 17, 40]  # the second sequence has a 100-token cached prefix
+    seq, start = tk.prefill_work(lens, 16, ctx)
+    keys = [ctx[s] - lens[s] + min(f + 16, lens[s]) for s, f in zip(seq.tolist(), start.tolist())]
+    assert keys == sorted(keys, reverse=True) and keys[0] == 116
+    plain = tk.prefill_work(lens, 16)
+    assert sorted(zip(seq.tolist(), start.tolist())) == sorted(zip(*(a.tolist() for a in plain)))
+
+
+@pytest.mark.parametrize("block_m,block_n", [(32, 16), (128, 32)])
+def test_prefill_other_tilings(block_m, block_n):
+    """Tilings the tile benchmark tries (benchmarks/prefill_attention_tiles.py) give the oracle's output too,
+    with tiles below the causal diagonal (unmasked) and on it."""
+    cached, new = [0, 40, 3], [90, 30, 1]
+    q, k, v, batch, meta = prefill_case(cached, new, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                                        dtype=torch.float32, seed=4)
+    tiles = tk.PrefillTiles(group=2, block_d=32, block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
+    out = tk.paged_prefill_attention(q, batch.k_cache, batch.v_cache, meta, 0.3, tiles)
+    ref = torch_ref.prefill_attention(q, k, v, batch.k_cache, batch.v_cache, meta, 0.3)
+    assert_close(out, ref, torch.float32)
+
+
 def test_prefill_fixed_work_list_and_table_rows_as_a_graph_sees_them():
     """The capturable form: a work list padded with -1 to its capacity, padded (empty) sequences, query rows past
     the last sequence, and block-table rows reached through table_rows — same output as the plain call."""

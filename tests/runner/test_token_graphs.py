@@ -45,8 +45,8 @@ def test_static_token_inputs_pad_tokens_sequences_and_work():
     assert v.token_slots.tolist() == [2, 0, 0, 0] + [4] * 4 and v.slots.tolist() == [2, 0, 4, 4]
     assert v.context_lens.tolist() == [10, 7, 0, 0] and v.cu_seqlens_q.tolist() == [0, 1, 4, 4, 4]
     capacity = prefill_work_capacity(8, 4, 2)
-    assert v.work_seq.tolist() == [0, 1, 1] + [-1] * (capacity - 3)
-    assert v.work_start.tolist() == [0, 0, 2] + [-1] * (capacity - 3)
+    assert v.work_seq.tolist() == [0, 1, 1] + [-1] * (capacity - 3)  # tiles reading the most keys first
+    assert v.work_start.tolist() == [0, 2, 0] + [-1] * (capacity - 3)
     rows, sampled_slots, us, uc, ub = (t.tolist() for t in tail[:5])
     assert rows == [0, 3] and sampled_slots == [2, 0] and (us, uc, ub) == ([0], [1], [4])
     assert inputs.device_buf.data_ptr() == address and inputs.views(8) is v

@@ -6,6 +6,7 @@
 #   bash benchmarks/prefill_graphs_gpu.sh retest  # the GPU tests of the runner and demos, then bench
 #   bash benchmarks/prefill_graphs_gpu.sh structured # GPU tests of runner/engine/sampler + structured outputs' cost
 #   bash benchmarks/prefill_graphs_gpu.sh tiles   # attention GPU tests + the prefill kernel's tilings + Qwen3 TTFT
+#   bash benchmarks/prefill_graphs_gpu.sh ttft    # one streamed request's timeline in serve, then TTFT both shapes
 #   bash benchmarks/prefill_graphs_gpu.sh pool    # the graph pool: recorded growth vs the allocator's segments
 #   bash benchmarks/prefill_graphs_gpu.sh profile # TTFT both shapes, + GPU time by kernel kind per length
 #   bash benchmarks/prefill_graphs_gpu.sh serve [TOKENS]  # serving benchmark, Qwen3-0.6B shape; TOKENS: the
@@ -46,6 +47,9 @@ case ${1:-quick} in
         python3 benchmarks/prefill_attention_tiles.py --out "$OUT/prefill_attention_tiles.json" 2>&1 | grep -v Warning | tail -60
         python3 benchmarks/prompt_latency.py --models qwen3-0.6b --profile --out "$OUT/prompt_latency_qwen3.json" 2>&1 \
             | grep -v Warning | tail -6 ;;
+    ttft)
+        python3 benchmarks/serve_timeline.py --out "$OUT/serve_timeline.json" 2>&1 | grep -v Warning | tail -4
+        "$0" profile ;;
     pool)
         python3 benchmarks/graph_pool.py --out "$OUT/graph_pool.json" 2>&1 | tail -8 ;;
     profile)

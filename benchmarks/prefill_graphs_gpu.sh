@@ -7,6 +7,7 @@
 #   bash benchmarks/prefill_graphs_gpu.sh structured # GPU tests of runner/engine/sampler + structured outputs' cost
 #   bash benchmarks/prefill_graphs_gpu.sh tiles   # attention GPU tests + the prefill kernel's tilings + Qwen3 TTFT
 #   bash benchmarks/prefill_graphs_gpu.sh ttft    # one streamed request's timeline in serve, then TTFT both shapes
+#   bash benchmarks/prefill_graphs_gpu.sh serveab # serving at 2048 tokens per step, chunk_time_ratio 2.5 vs 0, one run
 #   bash benchmarks/prefill_graphs_gpu.sh pool    # the graph pool: recorded growth vs the allocator's segments
 #   bash benchmarks/prefill_graphs_gpu.sh profile # TTFT both shapes, + GPU time by kernel kind per length
 #   bash benchmarks/prefill_graphs_gpu.sh serve [TOKENS]  # serving benchmark, Qwen3-0.6B shape; TOKENS: the
@@ -50,6 +51,11 @@ case ${1:-quick} in
     ttft)
         python3 benchmarks/serve_timeline.py --out "$OUT/serve_timeline.json" 2>&1 | grep -v Warning | tail -4
         "$0" profile ;;
+    serveab)
+        for ratio in 2.5 0; do
+            python3 benchmarks/serve.py --model qwen3-0.6b --out "$OUT/serve_qwen3_ratio$ratio.json" \
+                --server-arg=--chunk-time-ratio=$ratio 2>&1 | grep -E "server c=|offline c=|MISSED|met " | tail -24
+        done ;;
     pool)
         python3 benchmarks/graph_pool.py --out "$OUT/graph_pool.json" 2>&1 | tail -8 ;;
     profile)

@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect
 
 from nanoserve.config import (MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, REQUEST_BODY_TIMEOUT_S, SHUTDOWN_TIMEOUT_S,
                               TOOL_CALL_PARSER_CHOICES, EngineConfig)
+from nanoserve.engine.core_process import freeze_heap
 from nanoserve.engine.preflight import check_engine_config
 from nanoserve.hub import resolve_config
 from nanoserve.model.loader import load_tokenizer
@@ -267,6 +268,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
 
     client.add_death_callback(stop)
     logger.info("serving %s on http://%s:%d/v1", app.state.server.model_name, host, port)
+    freeze_heap()
     server.run()
     if client.is_dead:
         logger.error("exiting: the engine core is gone")

@@ -167,6 +167,15 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     echo: bool = False  # the prompt in front of each choice (server/echo.py); with max_tokens 0: the prompt alone
 
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _token_ids_first(cls, value, handler):
+        """One list of token ids (what benchmarks and tokenizing clients send) is checked with one C-level pass
+        over its types; the union's member-by-member validation took ~0.2 ms for 1024 ids."""
+        if type(value) is list and value and set(map(type, value)) <= {int}:
+            return value
+        return handler(value)
+
 
 class TextPart(_Strict):
     type: Literal["text"]

@@ -21,8 +21,10 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # offline (LLM, generate, bench): through
 # 1024 cuts little more (36 ms) and loses 10% of the tok/s. 2048 is also the largest token-count graph.
 SERVE_MAX_NUM_BATCHED_TOKENS = 2048
 # `nanoserve serve`'s chunk_time_ratio: a step that carries prompt tokens beside decode rows may take this many
-# decode steps' time (measured curves), so the decoding streams' ITL p99 stays within ~3x its p50 (issue 16's target).
-SERVE_CHUNK_TIME_RATIO = 2.5
+# decode steps' time (measured curves). Measured at 2048 tokens per step (benchmarks/results/serve_qwen3_ratio*_h200
+# .json): 4 keeps ITL p99 <= 3x p50 at 1-256 streams with TTFT p99 2.9x p50 at 16; 2.5 costs TTFT (4.5x at 16),
+# 0 (off) lets ITL p99 reach 3.1x / 3.6x at 16 / 256 streams.
+SERVE_CHUNK_TIME_RATIO = 4.0
 MAX_DEFAULT_MODEL_LEN = 32768
 SCHEDULING_POLICIES = ("mixed", "alternate")
 CAPTURE_SIZE_MODES = ("auto", "pow2")

@@ -8,7 +8,7 @@ the capture-time and pool budgets; the missing sizes are captured and unused pro
 captured size is then replayed once against the eager forward on the same inputs (unless
 skip_graph_check): a mismatch beyond the dtype's tolerance fails start-up, naming the size. Token-count graphs
 (prefill_graph_sizes="auto") follow the same steps over token counts: probes, a fitted curve, sizes chosen among
-multiples of PREFILL_GRAPH_TOKEN_STEP for a uniform token count, each checked on a mixed step.
+multiples of PREFILL_GRAPH_TOKEN_STEP for a uniform token count (the probes kept), each checked on a mixed step.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from nanoserve.runner.cuda_graph import GraphRunner
 logger = logging.getLogger("nanoserve")
 
 PROBE_SIZES = (1, 8, 32, 64, 128)  # plus max_num_seqs
-TOKEN_PROBE_SIZES = (16, 64, 256, 512, 1024)  # plus the largest token count
+TOKEN_PROBE_SIZES = (16, 64, 128, 256, 512, 1024)  # plus the largest token count
 TIMED_REPLAYS = 10
 CHECK_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}  # max |Δ logit| / max |logit|
 
@@ -43,14 +43,17 @@ def token_probe_sizes(max_tokens: int) -> list[int]:
 
 
 def plan_tokens(curve: StepCurve, max_tokens: int, capture_budget_s: float, pool_budget_bytes: float) -> list[int]:
-    """Token counts for the prompt / mixed graphs (a uniform token count up to max_tokens); the largest alone when
-    even the cheapest plan is over the budgets."""
+    """Token counts for the prompt / mixed graphs (a uniform token count up to max_tokens), plus the probes the curve
+    was measured at: they are captured already and share the pool, so keeping them costs nothing, and between
+    probes the fitted curve cannot see that a GEMM padded to the next planned size (Llama-3.1-8B: 128 tokens replayed
+    at 176) runs slower than the chord says. The largest alone when even the cheapest plan is over the budgets."""
     step = PREFILL_GRAPH_TOKEN_STEP
     try:
-        return plan_buckets(curve, BatchDistribution.uniform(max_tokens), max_tokens, capture_budget_s,
-                            pool_budget_bytes, candidates=range(step, max_tokens + 1, step))
+        planned = plan_buckets(curve, BatchDistribution.uniform(max_tokens), max_tokens, capture_budget_s,
+                               pool_budget_bytes, candidates=range(step, max_tokens + 1, step))
     except ValueError:
         return [max_tokens]
+    return sorted(set(planned) | set(curve.rows))
 
 
 def measure_curve(gr: GraphRunner, load: Callable[[int], None], sizes: list[int]) -> StepCurve:

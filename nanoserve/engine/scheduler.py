@@ -4,8 +4,8 @@ Every step has a budget of max_num_batched_tokens. Running sequences come first,
 decoding sequence costs one token, a sequence part-way through its prompt gets the next chunk that fits.
 Waiting sequences are then admitted first-come first-served into what is left, each starting with a
 chunk of its prompt (after any prefix-cache hit). A step whose every row is one decode token replays a
-CUDA graph; a step with any prefill chunk runs eagerly, and the decode rows ride along in it ("mixed"
-policy), or — "alternate" policy — prefill and decode steps take turns.
+batch-size CUDA graph; a step with prefill chunks replays a token-count graph (or runs eagerly above the largest),
+and the decode rows ride along in it ("mixed" policy), or — "alternate" policy — prefill and decode steps take turns.
 
 With prompt_token_caps (the engine sets them from the measured step-time curves when chunk_time_ratio is on), a
 step that decodes d rows carries at most caps[d] prompt tokens, so the decoding streams are not held up by a

@@ -8,6 +8,7 @@
 #   bash benchmarks/prefill_graphs_gpu.sh tiles   # attention GPU tests + the prefill kernel's tilings + Qwen3 TTFT
 #   bash benchmarks/prefill_graphs_gpu.sh ttft    # one streamed request's timeline in serve, then TTFT both shapes
 #   bash benchmarks/prefill_graphs_gpu.sh serveab # serving at 2048 tokens per step, chunk_time_ratio 2.5 vs 0, one run
+#   bash benchmarks/prefill_graphs_gpu.sh close   # the whole GPU suite, structured outputs' cost, TTFT (graphs only)
 #   bash benchmarks/prefill_graphs_gpu.sh pool    # the graph pool: recorded growth vs the allocator's segments
 #   bash benchmarks/prefill_graphs_gpu.sh profile # TTFT both shapes, + GPU time by kernel kind per length
 #   bash benchmarks/prefill_graphs_gpu.sh serve [TOKENS]  # serving benchmark, Qwen3-0.6B shape; TOKENS: the
@@ -56,6 +57,10 @@ case ${1:-quick} in
             python3 benchmarks/serve.py --model qwen3-0.6b --out "$OUT/serve_qwen3_ratio$ratio.json" \
                 --server-arg=--chunk-time-ratio=$ratio 2>&1 | grep -E "server c=|offline c=|MISSED|met " | tail -24
         done ;;
+    close)
+        "$0" tests
+        python3 benchmarks/structured_overhead.py --out "$OUT/structured_overhead.json" 2>&1 | grep -v INFO | tail -8
+        python3 benchmarks/prompt_latency.py --variants graphs --out "$OUT/prompt_latency.json" 2>&1 | grep -v Warning | tail -4 ;;
     pool)
         python3 benchmarks/graph_pool.py --out "$OUT/graph_pool.json" 2>&1 | tail -8 ;;
     profile)

@@ -10,7 +10,7 @@ import pytest
 
 from nanoserve import __version__
 from nanoserve.cli import _build_parser, main
-from nanoserve.config import FIELD_HELP, EngineConfig
+from nanoserve.config import FIELD_HELP, SERVE_CHUNK_TIME_RATIO, SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 
 
 def run_cli(*args, timeout=180):
@@ -108,8 +108,10 @@ def test_serve_refuses_a_busy_port_before_loading_the_model(capsys):
     assert err.count("\n") == 1
 
 
-@pytest.mark.parametrize("flag, expected", [([], (2048, 2.5)), (["--max-num-batched-tokens", "8192"], (8192, 2.5)),
-                                            (["--chunk-time-ratio", "0"], (2048, 0.0))])
+@pytest.mark.parametrize("flag, expected", [
+    ([], (SERVE_MAX_NUM_BATCHED_TOKENS, SERVE_CHUNK_TIME_RATIO)),
+    (["--max-num-batched-tokens", "8192"], (8192, SERVE_CHUNK_TIME_RATIO)),
+    (["--chunk-time-ratio", "0"], (SERVE_MAX_NUM_BATCHED_TOKENS, 0.0))])
 def test_serve_defaults_to_the_serving_token_budget(monkeypatch, flag, expected):
     """`serve` sizes its steps for the streams' ITL (config.SERVE_MAX_NUM_BATCHED_TOKENS, SERVE_CHUNK_TIME_RATIO);
     a given flag wins."""

@@ -9,10 +9,15 @@ cover a realistic number of tokens. Prompts are random token ids (ignore_eos: ev
 Modes, each on b rows of the same prompt length:
   * free        - unconstrained, async loop on (the default engine);
   * constrained - every row under a JSON schema (an array of >= 200 {name, age, tags} objects: it cannot end within
-                  max_tokens, so the batch keeps its size), async loop on: each step's forward is launched before
-                  the host reads the previous step and fills the masks, then its sampler (engine/grammar.py);
+                  max_tokens, so the batch keeps its size), async loop on: each step's forward is launched at once,
+                  the next step is scheduled and built, then the step before is read, the masks filled and the
+                  sampler launched, then the next forward (engine/grammar.py);
   * free_sync   - unconstrained with async_scheduling=False: what losing the overlap altogether would cost.
 "decode" holds per b the median run of each mode and constrained_over_free (the issue's ratio, target <= 1.10).
+The breakdown (on unless --no-breakdown) adds one run per mode and b with the loop's phases timed (PHASES:
+schedule, build, read with its wait on the device, mask fill, the two launches, the front end; ms per step) and,
+on CUDA, a short run under torch.profiler giving the GPU's busy time per step: busy well under the wall time per
+step means the device idles, and the phases say for what.
 Compile: the tokenizer info once, then the benchmark schema, JSON mode and a regex (cold), and the mask fill of one
 row (xgrammar's fill_next_token_bitmask) inside a JSON string and between properties.
 
@@ -27,6 +32,7 @@ CPU smoke check (tiny shape, seconds):
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -34,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: nanoserve, benchmarks.common
@@ -89,6 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=256, help="decode steps per timed run")
     p.add_argument("--runs", type=int, default=3, help="timed runs per mode and batch size (median reported)")
+    p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                   help="skip the extra run per mode and batch size that times the loop's phases (and, on CUDA, "
+                        "the device's busy time under torch.profiler)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "structured_overhead.json"))
     return p.parse_args(argv)
 
@@ -130,11 +140,9 @@ def measure_modes(model_dir: Path, tokenizer: Path, args) -> dict:
     for mode, async_scheduling in (("free", True), ("constrained", True), ("free_sync", False)):
         llm = make_llm(model_dir, tokenizer, args, async_scheduling)
         for b in args.batch_sizes:
-            timed_run(llm, b, args, mode == "constrained")  # warm-up: compile, kernels, allocator
-            runs = [timed_run(llm, b, args, mode == "constrained") for _ in range(args.runs)]
-            best = sorted(runs, key=lambda r: r["ms_per_step"])[len(runs) // 2]
-            results.setdefault(f"b{b}", {})[mode] = dict(best, runs_ms_per_step=[r["ms_per_step"] for r in runs])
-            print(f"b={b:3d} {mode:12s} {best['ms_per_step']:8.3f} ms/step {best['tok_per_s']:10.1f} tok/s", flush=True)
+            results.setdefault(f"b{b}", {})[mode] = best = measure_one(llm, b, args, mode == "constrained")
+            print(f"b={b:3d} {mode:12s} {best['ms_per_step']:8.3f} ms/step {best['tok_per_s']:10.1f} tok/s "
+                  f"{best.get('phases_ms_per_step', '')} busy {best.get('device_busy_ms_per_step', '-')}", flush=True)
         llm.close()
         del llm
         release_cuda_memory()
@@ -142,6 +150,80 @@ def measure_modes(model_dir: Path, tokenizer: Path, args) -> dict:
         row["constrained_over_free"] = row["constrained"]["ms_per_step"] / row["free"]["ms_per_step"]
         row["sync_over_free"] = row["free_sync"]["ms_per_step"] / row["free"]["ms_per_step"]
     return results
+
+
+def measure_one(llm, b: int, args, constrained: bool) -> dict:
+    """The median of the timed runs; with the breakdown, one more run's phase times and the device's busy time."""
+    timed_run(llm, b, args, constrained)  # warm-up: compile, kernels, allocator
+    runs = [timed_run(llm, b, args, constrained) for _ in range(args.runs)]
+    best = dict(sorted(runs, key=lambda r: r["ms_per_step"])[len(runs) // 2],
+                runs_ms_per_step=[r["ms_per_step"] for r in runs])
+    if args.breakdown:
+        with timed_phases() as seconds:
+            run = timed_run(llm, b, args, constrained)
+        best["phases_ms_per_step"] = {k: round(1e3 * v / run["steps"], 4) for k, v in seconds.items()}
+        best["phases_run_ms_per_step"] = run["ms_per_step"]
+        if llm.engine.model_runner.device.type == "cuda":
+            best["device_busy_ms_per_step"] = device_busy(llm, b, args, constrained)
+    return best
+
+
+# The loop's phases, each a function wrapped by a timer for one run. Nested: "read" (EngineCore._complete) includes
+# "wait" (a SampleHandle's result: the host blocked on the device, then the copy's unpacking); the rest are disjoint.
+PHASES = [("schedule", "nanoserve.engine.scheduler", "Scheduler", "schedule"),
+          ("build", "nanoserve.engine.core", None, "build_batch"),
+          ("read", "nanoserve.engine.core", "EngineCore", "_complete"),
+          ("wait", "nanoserve.runner.sampler", "SampleHandle", "result"),
+          ("mask", "nanoserve.engine.grammar", "Grammars", "bitmask"),
+          ("launch_forward", "nanoserve.runner.model_runner", "ModelRunner", "execute"),
+          ("launch_sampler", "nanoserve.runner.model_runner", "ModelRunner", "sample_deferred"),
+          ("front_end", "nanoserve.engine.output", "OutputProcessor", "process")]
+
+
+@contextmanager
+def timed_phases():
+    """Seconds spent in each of PHASES while the block runs (the functions are put back after it)."""
+    seconds = dict.fromkeys((name for name, *_ in PHASES), 0.0)
+    saved = []
+    for name, module, cls, attr in PHASES:
+        owner = importlib.import_module(module)
+        owner = getattr(owner, cls) if cls else owner
+        fn = owner.__dict__[attr] if cls else getattr(owner, attr)
+
+        def timed(*a, _fn=fn, _name=name, **k):
+            start = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                seconds[_name] += time.perf_counter() - start
+
+        saved.append((owner, attr, fn))
+        setattr(owner, attr, timed)
+    try:
+        yield seconds
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+
+
+def device_busy(llm, b: int, args, constrained: bool, steps: int = 64) -> dict | str:
+    """A short run under torch.profiler: the time per step with any kernel or copy running on the GPU (merged
+    intervals) against that run's wall time per step (the profiler's own host cost included)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run = timed_run(llm, b, argparse.Namespace(**dict(vars(args), max_tokens=steps)), constrained)
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == DeviceType.CUDA)
+    except Exception as e:  # a diagnostic: never lose the run for it
+        return f"not measured: {type(e).__name__}: {e}"
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return {"busy_ms_per_step": busy / 1e3 / run["steps"], "wall_ms_per_step": run["ms_per_step"]}
 
 
 def measure_compile(tokenizer_dir: Path, vocab_size: int, eos_ids: list[int]) -> dict:

@@ -7,10 +7,21 @@ samples, read on the device. The host learns tokens one step late: a sequence th
 were freed when step N was read (the device runs the steps in order, so nothing is reused under it).
 Lengths are known on the host, so max_tokens never produces an extra token. Penalties need each row's
 token history, so while any request uses them the loop waits for each step before the next (same
-tokens, no overlap). A structured output's token bitmask needs its sequence's previous token: a step
-with such rows launches its forward only; the next call reads the step before it (the device runs
-the forward meanwhile), fills the masks and launches its sampler, then schedules and launches the
-step after (engine/grammar.py).
+tokens, no overlap).
+
+A structured output's token bitmask needs its sequence's previous token. A step with such rows launches its
+forward only, its sampler deferred. With step N+1 so launched, the next call first schedules and builds step
+N+2 (the scheduler is then two steps ahead of these rows' tokens: they count as pending, so lengths,
+max_tokens, min_tokens and block counts stay exact), then reads step N, whose tokens arrive as forward N+1
+starts, advances the matchers, fills step N+1's masks (engine/grammar.py) and launches its sampler while
+forward N+1 runs, then launches forward N+2, which reads the tokens that sampler writes. So the mask for step
+N+1 is ready before its forward ends whenever the matchers and the mask fill take less than a forward: they
+and two launches are all the host does between the tokens' arrival and the next launch. A sequence that
+step N finishes (EOS, a stop id, its grammar's end) was already scheduled in steps N+1 and N+2: both tokens
+are discarded, and its blocks and slot are freed before step N+2 launches, which still writes them. That is
+safe because nothing is allocated between that free and that launch, and whatever a later schedule
+allocates runs on the device after it. A sequence preempted while building N+2 keeps its pending tokens and
+rejoins once they are read.
 
 The core deals in token ids only; text, stop strings and n > 1 fan-out are the front end's
 (engine/output.py), in the API process or in-process for the offline LLM.
@@ -173,28 +184,42 @@ class EngineCore:
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
-        """Schedule and launch a step; return what the previous one (or, synchronously, this one) produced."""
+        """Schedule and launch a step; return what the steps read meanwhile (or, synchronously, this one)
+        produced. With overlap the step is scheduled and built before the host waits for any token: a constrained
+        step before it (its forward running) is then read, masked and sampled, and this one launched."""
         outputs: list[SeqOutput] = self._admit_compiled() if self._compiling else []
         overlap = self.config.async_scheduling and self._num_penalty_seqs == 0
-        if self._deferred is not None:
-            outputs += self._sample_deferred()
-        if self._inflight and not overlap:
-            outputs += self._complete(self._inflight.popleft())
+        if not overlap:  # every token known before scheduling
+            outputs += self._read_all()
         step = self.scheduler.schedule()
+        batch = build_batch(step, self.config.block_size, self.eos_token_ids) if step else None
+        if self._deferred is not None:  # (overlap only) read, mask and sample the step before it: see the docstring
+            outputs += self._sample_deferred()
+            if step and all(s.is_finished for s in step.seqs):  # every row ended in that read: nothing to run
+                step = None
         if step:
-            batch = build_batch(step, self.config.block_size, self.eos_token_ids)
-            self._mixed_steps += not step.is_decode
-            sampled = [s for s, samples in zip(step.seqs, step.samples) if samples]
-            if self._num_grammar_seqs and any(s.grammar is not None for s in sampled):
-                self.runner.execute(batch, defer_sampling=True)  # its sampler waits for the masks
-                self._deferred = (_InFlight(step, sampled, None), batch.sampling)
-                if not overlap:
-                    outputs += self._sample_deferred()
-            else:
-                self._inflight.append(_InFlight(step, sampled, self.runner.execute(batch)))
+            outputs += self._launch(step, batch, overlap)
         elif not self._inflight and self._compiling:  # nothing to run until a grammar is ready
             wait(self._compiling.values(), GRAMMAR_WAIT_S, FIRST_COMPLETED)
         while len(self._inflight) > (1 if overlap and step else 0):
+            outputs += self._complete(self._inflight.popleft())
+        return outputs
+
+    def _launch(self, step: ScheduledStep, batch, overlap: bool) -> list[SeqOutput]:
+        """Launch a built step: whole, or (grammar rows still running) its forward only, its sampler deferred."""
+        self._mixed_steps += not step.is_decode
+        sampled = [s for s, samples in zip(step.seqs, step.samples) if samples]
+        if self._num_grammar_seqs and any(s.grammar is not None for s in sampled):
+            self.runner.execute(batch, defer_sampling=True)  # its sampler waits for the masks
+            self._deferred = (_InFlight(step, sampled, None), batch.sampling)
+            return [] if overlap else self._sample_deferred()
+        self._inflight.append(_InFlight(step, sampled, self.runner.execute(batch)))
+        return []
+
+    def _read_all(self) -> list[SeqOutput]:
+        """Launch the deferred sampler, if any, and read every step in flight."""
+        outputs = self._sample_deferred() if self._deferred is not None else []
+        while self._inflight:
             outputs += self._complete(self._inflight.popleft())
         return outputs
 
@@ -285,10 +310,7 @@ class EngineCore:
     def close(self) -> None:
         """Finish what is in flight, write the batch histogram (cudagraph_plan), drop the device state."""
         try:
-            if self._deferred is not None:
-                self._sample_deferred()
-            while self._inflight:
-                self._complete(self._inflight.popleft())
+            self._read_all()
         except WorkerError:  # a tensor-parallel rank died: what was in flight died with it
             self._inflight.clear()
             self._deferred = None

@@ -10,15 +10,16 @@ grammar is complete and a stop token was accepted) finishes its sequence with "s
 
 How the mask of step N+1 is ready in time: a row's mask depends on its token of step N, which the host learns one
 step late (the loop runs ahead: step N+1 is launched before step N is read). A step with grammar rows is launched in
-two parts (EngineCore.step): its forward at once, its sampler deferred. The next call of the loop reads step N while
-the device runs that forward, advances the matchers, fills step N+1's bitmask (pinned; the rows without a grammar
-allow every token) and launches the sampler, then schedules step N+2 and launches its forward, so the device has
-queued work while the host reads, masks, schedules and turns tokens into text. The mask travels with the batch
-(SamplingBatch.grammar_rows / grammar_bitmask; to every tensor-parallel rank too), is copied to the device without a
-sync and applied there by xgrammar's kernel. The sampler of N+1 is queued before the forward of N+2, which reads its
-tokens. The device idles only if the host's work for one step (now with the mask fills) outlasts a forward;
-unconstrained batches carry no mask and take the sampler's paths unchanged. The bitmask buffer is refilled only
-after the step that copied it was read. benchmarks/structured_overhead.py measures the cost.
+two parts (EngineCore.step): its forward at once, its sampler deferred. The next call of the loop first schedules and
+builds step N+2, then reads step N (its tokens arrive as forward N+1 starts), advances the matchers, fills step N+1's
+bitmask (pinned; the rows without a grammar allow every token) and launches its sampler while forward N+1 runs, then
+launches forward N+2 at once: between the tokens and the next launch the host only matches, fills and launches. The
+mask travels with the batch (SamplingBatch.grammar_rows / grammar_bitmask; to every tensor-parallel rank too), is
+copied to the device without a sync and applied there by xgrammar's kernel. The sampler of N+1 is queued before the
+forward of N+2, which reads its tokens. The device idles only if the matchers and the mask fill outlast a forward (or
+the host's whole step outlasts forward plus sampler); unconstrained batches carry no mask and take the sampler's paths
+unchanged. The bitmask buffer is refilled only after the step that copied it was read.
+benchmarks/structured_overhead.py measures the cost.
 
 Validation: `check()` builds the constraint's grammar without a tokenizer (fast), so front ends refuse a bad
 schema, regex or grammar with a ValueError naming the problem before anything reaches the core.

@@ -32,8 +32,9 @@ def check_blocks(engine) -> None:
     assert all(not s.block_table for s in engine.scheduler.waiting)
 
 
-def run_churn(engine, steps: int, seed: int = 0, max_requests: int = 300):
-    """→ ({request id: (token ids, finish reason)} of every request that was not aborted, final stats)."""
+def run_churn(engine, steps: int, seed: int = 0, max_requests: int = 300, params=random_params):
+    """→ ({request id: (token ids, finish reason)} of every request that was not aborted, final stats).
+    params(rng, vocab): each request's SamplingParams."""
     rng = random.Random(seed)
     vocab = engine.vocab_size
     tokens: dict[str, list[int]] = {}
@@ -55,7 +56,7 @@ def run_churn(engine, steps: int, seed: int = 0, max_requests: int = 300):
                 rid = str(next_id)
                 next_id += 1
                 prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 48))]
-                engine.add_request(rid, prompt, random_params(rng, vocab))
+                engine.add_request(rid, prompt, params(rng, vocab))
                 tokens[rid] = []
         if next_id and rng.random() < 0.05:  # the choice must not depend on timing: any id, live or not
             rid = str(rng.randrange(next_id))

@@ -25,7 +25,9 @@ class Switches:
     fuse_silu: bool = True  # SiLU-and-mul in the prologue of the down projection
     # q/k RMSNorm + RoPE + KV-cache store in the epilogue of the qkv GEMV. Off: one head per output tile leaves
     # the qkv GEMV with N / head_dim programs (32 for Qwen3-0.6B, 48 for Llama-3.1-8B) and no split-K, too few to
-    # stream the weights; on the H200 the fused path made b=1 slower (Llama-3.1-8B 5.43 ms vs 4.26 before it).
+    # stream the weights; on the H200 it made b=1 slower (Llama-3.1-8B 5.694 ms with it vs 5.400 without,
+    # benchmarks/results/profile_decode_h200.json; the 5.43 vs 4.26 ms of notes/PERF.md round 3 is every fusion at
+    # up to 64 rows against the previous round, not this switch).
     fuse_rope: bool = False
     fuse_merge: bool = True  # the split-K decode attention's merge in the prologue of the o_proj GEMV
     # Rows up to which the fused prologues run. Each program of a prologue-fused GEMV re-reads (and re-normalises)

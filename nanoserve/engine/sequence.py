@@ -89,4 +89,5 @@ class Sequence:
         further token may be scheduled; pending=False (a token's result): the known tokens end the sequence."""
         num_out = len(self.output_token_ids) + (self.num_pending if pending else 0)
         max_tokens = self.params.max_tokens
-        return (max_tokens is not None and num_out >= max_tokens) or self.num_prompt_tokens + num_out >= max_model_len
+        return ((max_tokens is not None and num_out >= max_tokens)
+                or len(self.prompt_token_ids) + num_out >= max_model_len)

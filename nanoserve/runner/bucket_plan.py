@@ -377,6 +377,6 @@ def _is_count(c) -> bool:
     return isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c >= 0
 
 
-__all__ = ["LinearCost", "StepCurve", "BatchDistribution", "plan_buckets", "chunk_caps", "bucket_for", "buckets", "expected_padded_ms",
-           "expected_unpadded_ms", "expected_waste", "average_padded_rows", "MIN_RELATIVE_GAIN",
+__all__ = ["LinearCost", "StepCurve", "BatchDistribution", "plan_buckets", "chunk_caps", "bucket_for", "buckets",
+           "expected_padded_ms", "expected_unpadded_ms", "expected_waste", "average_padded_rows", "MIN_RELATIVE_GAIN",
            "DEFAULT_CAPTURE_BUDGET_S", "DEFAULT_POOL_BUDGET_BYTES"]

@@ -103,7 +103,7 @@ print("all compiled")
 '''
 
 
-@pytest.mark.skipif(not RUN, reason="compiles ~26 kernels for sm_90 offline (about two minutes on 2 cores); "
+@pytest.mark.skipif(not RUN, reason="compiles ~20 kernels for sm_90 offline (about two minutes on 2 cores); "
                                     "NANOSERVE_COMPILE_SM90=1 runs it (machines without a GPU should)")
 def test_decode_kernels_compile_for_hopper_with_pdl():
     root = Path(__file__).resolve().parents[2]
@@ -111,4 +111,4 @@ def test_decode_kernels_compile_for_hopper_with_pdl():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0 and "all compiled" in proc.stdout, (proc.stdout[-3000:], proc.stderr[-3000:])
-    assert proc.stdout.count("compiled _gemv_kernel") == 9 + 9  # bf16, then fp8 weights
+    assert proc.stdout.count("compiled _gemv_kernel") == 6 + 6  # bf16, then fp8 weights

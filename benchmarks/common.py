@@ -260,7 +260,9 @@ def kv_blocks_needed(num_seqs: int, tokens_per_seq: int, block_size: int, spare:
     (the engine reserves one dummy block for padded graph rows)."""
     if num_seqs <= 0 or tokens_per_seq <= 0 or block_size <= 0:
         raise ValueError(f"need positive sizes, got {num_seqs=}, {tokens_per_seq=}, {block_size=}")
-    return num_seqs * math.ceil(tokens_per_seq / block_size) + spare
+    from nanoserve.kernels.paging import blocks_for
+
+    return num_seqs * blocks_for(tokens_per_seq, block_size) + spare
 
 
 def fit_batch_sizes(cfg: dict, batch_sizes: list[int], tokens_per_seq: int, block_size: int,
@@ -280,7 +282,7 @@ def fit_batch_sizes(cfg: dict, batch_sizes: list[int], tokens_per_seq: int, bloc
 
 def bucket_for(batch_size: int, capture_sizes: list[int]) -> int | None:
     """The graph a batch of batch_size rows replays (the engine's own rule)."""
-    from nanoserve.runner.cuda_graph import bucket_for as engine_bucket_for
+    from nanoserve.runner.bucket_plan import bucket_for as engine_bucket_for
 
     return engine_bucket_for(sorted(capture_sizes), batch_size)
 
@@ -299,7 +301,7 @@ def power_of_two_sizes(max_size: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Timing and bandwidth
+# Timing and bandwidth (time_ms: the package's one timing loop, nanoserve/runner/timing.py)
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -310,31 +312,10 @@ def synchronize(device: torch.device | str) -> None:
 
 
 def time_ms(fn: Callable[[], object], device: torch.device | str, warmup: int = 5, iters: int = 30) -> list[float]:
-    """Per-call times in ms. On CUDA: synchronize, record an event, call, record an event —
-    each sample covers one call's host launch work plus its GPU execution, as in a real step.
-    On CPU: perf_counter."""
-    device = torch.device(device)
-    on_cuda = device.type == "cuda"
-    for _ in range(warmup):
-        fn()
-        if on_cuda:  # like the timed calls: a host buffer is never rewritten while a copy reads it
-            torch.cuda.synchronize(device)
-    samples: list[float] = []
-    if on_cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(iters):
-            torch.cuda.synchronize(device)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return samples
+    """Per-call times in ms: the package's timing loop (CUDA events after a synchronize; perf_counter on CPU)."""
+    from nanoserve.runner.timing import time_ms as package_time_ms
+
+    return package_time_ms(fn, device, warmup, iters)
 
 
 def summarize_ms(samples: list[float]) -> dict:

@@ -27,7 +27,7 @@ from benchmarks.common import read_json, stage  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # (model, switch sets): Llama-3.1-8B is bandwidth-bound and slow to set up, so it measures fewer sets.
-ALL_SETS = ["all", "no_pdl", "no_fuse_norm", "no_fuse_silu", "no_fuse_rope", "no_fuse_merge", "none"]
+ALL_SETS = ["all", "no_pdl", "no_fuse_norm", "no_fuse_silu", "no_fuse_merge", "none"]
 PROFILES = [("qwen3-0.6b", ALL_SETS, 100), ("smollm2-135m", ALL_SETS, 90),
             ("llama-3.1-8b", ["all", "no_pdl", "none"], 110)]  # (model, switch sets, time limit s)
 TARGETS_MS = {("qwen3-0.6b", 1): 0.60, ("qwen3-0.6b", 32): 1.00, ("llama-3.1-8b", 1): 3.85,

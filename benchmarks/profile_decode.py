@@ -38,14 +38,12 @@ from nanoserve.kernels.switches import SWITCHES, switched  # noqa: E402
 
 SWITCH_SETS: dict[str, dict[str, bool | int]] = {
     "all": {},  # the defaults (kernels/switches.py)
-    "rope": {"fuse_rope": True},  # + q/k norm, RoPE and KV store in the qkv GEMV's epilogue
-    "wide": {"fuse_max_m": 64, "fuse_rope": True},  # every fusion for up to 64 rows
+    "wide": {"fuse_max_m": 64},  # every fusion for up to 64 rows
     "no_pdl": {"pdl": False},
     "no_fuse_norm": {"fuse_norm": False},
     "no_fuse_silu": {"fuse_silu": False},
-    "no_fuse_rope": {"fuse_rope": False},
     "no_fuse_merge": {"fuse_merge": False},
-    "none": {"pdl": False, "fuse_norm": False, "fuse_silu": False, "fuse_rope": False, "fuse_merge": False,
+    "none": {"pdl": False, "fuse_norm": False, "fuse_silu": False, "fuse_merge": False,
              "fuse_max_m": 0},
 }
 KINDS = ("gemv", "attention", "attention merge", "norm", "rotary", "lm_head", "other")

@@ -15,7 +15,6 @@ import contextlib
 import datetime
 import gc
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 from nanoserve import LLM, __version__
 from nanoserve.config import EngineConfig, default_capture_sizes
+from nanoserve.kernels.paging import blocks_for
 from nanoserve.runner.bucket_plan import (
     DEFAULT_CAPTURE_BUDGET_S,
     DEFAULT_POOL_BUDGET_BYTES,
@@ -31,11 +31,13 @@ from nanoserve.runner.bucket_plan import (
     LinearCost,
     StepCurve,
     average_padded_rows,
+    buckets,
     expected_padded_ms,
     expected_unpadded_ms,
     expected_waste,
     plan_buckets,
 )
+from nanoserve.runner.timing import time_ms
 
 MiB = 2**20
 SET_NAMES = {"powers_of_two": "powers of two", "plan": "plan"}
@@ -50,11 +52,11 @@ def report_engine_options(model: str, options: dict, context: int) -> tuple[Engi
     opts.setdefault("show_progress", False)
     config = EngineConfig.from_kwargs(model, **opts)
     block = config.block_size
-    opts.setdefault("max_model_len", max(1024, math.ceil((context + 1) / block) * block))
+    opts.setdefault("max_model_len", max(1024, blocks_for(context + 1, block) * block))
     if context >= opts["max_model_len"]:
         raise ValueError(f"--context {context} must be below max_model_len={opts['max_model_len']}")
-    opts.setdefault("num_kv_blocks", config.max_num_seqs * math.ceil(context / block)
-                    + math.ceil(opts["max_model_len"] / block))
+    opts.setdefault("num_kv_blocks", config.max_num_seqs * blocks_for(context, block)
+                    + blocks_for(opts["max_model_len"], block))
     return config, opts
 
 
@@ -161,8 +163,8 @@ class _Probe:
     def _time(self, runner, rows: int, use_graph: bool) -> float:
         batch = runner.dummy_decode_batch(rows, self.context)
         with torch.inference_mode():
-            return _median_ms(lambda: runner.decode_logits(batch, use_graph=use_graph), runner.device,
-                              self.warmup, self.iters)
+            return float(np.median(time_ms(lambda: runner.decode_logits(batch, use_graph=use_graph), runner.device,
+                                           self.warmup, self.iters)))
 
     def step_ms(self, rows: int) -> float:
         """The step time the report uses for rows: the graph replay, or eager without graphs."""
@@ -233,30 +235,6 @@ def _release() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-
-
-def _median_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
-    """Median ms of one call, host work included (CUDA events after a synchronize; perf_counter on CPU)."""
-    on_cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
-    for _ in range(warmup):
-        fn()
-        sync()
-    samples = []
-    for _ in range(iters):
-        sync()
-        if on_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(samples))
 
 
 @contextlib.contextmanager
@@ -336,8 +314,8 @@ def _plot_one(ax, report: dict) -> None:
     step = {r["rows"]: r["replay_ms"] if graphs else r["eager_ms"] for r in report["sizes"]}
     ax.plot(rows, curve(rows), color="0.6", lw=1, label="fitted step time t(b)")
     for (key, v), color in zip(report["sets"].items(), ("tab:red", "tab:blue")):
-        sizes = np.array(v["sizes"])
-        padded = [step[int(s)] for s in sizes[np.searchsorted(sizes, rows)]]
+        sizes = v["sizes"]
+        padded = [step[int(s)] for s in buckets(sizes, n)]
         ax.step(rows, padded, where="pre", color=color, lw=1.4,
                 label=f"{SET_NAMES[key]} ({len(sizes)} sizes): waste {v['waste_pct']:.1f}%")
         ax.plot(sizes, [step[int(s)] for s in sizes], "o", color=color, ms=4)

@@ -33,6 +33,11 @@ PREFILL_GRAPH_MODES = ("auto", "off")
 # max_num_batched_tokens); larger prompt steps are GPU-bound enough to run eagerly.
 PREFILL_GRAPH_MAX_TOKENS = 2048
 PREFILL_GRAPH_TOKEN_STEP = 16
+# Planned ("auto") graphs: the capture time and graph-pool memory they may take (flags of the same names)
+CUDAGRAPH_CAPTURE_BUDGET_S = 5.0
+CUDAGRAPH_POOL_BUDGET_MIB = 1024
+# Top logprobs a request may ask for per token (logprobs / prompt_logprobs; the sampler's buffers hold this many)
+MAX_LOGPROBS = 20
 QUANTIZATIONS = ("fp8",)  # weight formats model/quantization.py can make at load
 
 # `nanoserve serve` limits (flags of the same names): the drain on SIGTERM/SIGINT, then streams still open end
@@ -78,8 +83,8 @@ class EngineConfig:
     cudagraph_capture_sizes: list[int] | str = "auto"  # "auto": planned from measurements; "pow2"; sizes; []: none
     prefill_graph_sizes: list[int] | str = "auto"  # token counts of prompt / mixed steps that get a graph
     cudagraph_plan: str | None = None  # batch-size histogram file: read by "auto" at start, written on shutdown
-    cudagraph_capture_budget_s: float = 5.0  # "auto": capture time the planned sizes may take
-    cudagraph_pool_budget_mib: int = 1024  # "auto": graph-pool memory the planned sizes may take
+    cudagraph_capture_budget_s: float = CUDAGRAPH_CAPTURE_BUDGET_S  # "auto": capture time the planned sizes may take
+    cudagraph_pool_budget_mib: int = CUDAGRAPH_POOL_BUDGET_MIB  # "auto": graph-pool memory the planned sizes may take
     skip_graph_check: bool = False  # skip replaying every captured size against the eager forward at start-up
     enable_prefix_caching: bool = True
     async_scheduling: bool = True  # the host schedules step N+1 while the device runs step N

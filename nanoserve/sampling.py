@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.config import MAX_LOGPROBS
+
 GREEDY_EPS = 1e-5  # like vLLM: temperature below this means greedy
-MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's bound); each bias is clamped to [-100, 100]
 LOGIT_BIAS_LIMIT = 100.0
@@ -162,10 +163,10 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    @property
-    def max_stop_len(self) -> int:
-        """Longest stop string: streamed text keeps back this many chars minus one until it cannot match."""
-        return max((len(s) for s in self.stop), default=0)
+    def reached_min_tokens(self, num_output_tokens: int) -> bool:
+        """min_tokens: an output of num_output_tokens tokens may end in a stop (EOS, stop_token_ids, a stop string).
+        The sampler asks it of the tokens before the one it samples: stop tokens are banned until then."""
+        return num_output_tokens >= self.min_tokens
 
     def make_generator(self, device: torch.device | str, index: int = 0) -> torch.Generator | None:
         """Per-sequence RNG for seeded requests; completion `index` of n uses seed + index (as vLLM does)."""

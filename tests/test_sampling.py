@@ -56,8 +56,6 @@ def test_normalisation():
     p = SamplingParams(stop="###", stop_token_ids=(7, 8), top_k=-1, temperature=0, max_tokens=None)
     assert p.stop == ["###"] and p.stop_token_ids == [7, 8] and p.top_k == 0 and p.greedy
     assert isinstance(p.temperature, float) and p.max_tokens is None
-    assert SamplingParams(stop=["a", "abcd", "xy"]).max_stop_len == 4
-    assert SamplingParams().max_stop_len == 0
     assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-3).greedy
 
 

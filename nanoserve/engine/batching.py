@@ -6,6 +6,7 @@ import numpy as np
 
 from nanoserve.engine.scheduler import ScheduledStep
 from nanoserve.engine.sequence import Sequence
+from nanoserve.kernels.paging import kv_slots
 from nanoserve.runner.batch import BlockUpdates, DecodeBatch, Penalties, PrefillBatch, SamplingBatch
 
 
@@ -21,8 +22,7 @@ def build_batch(step: ScheduledStep, block_size: int, eos_token_ids: list[int]) 
 def _decode_batch(step: ScheduledStep, bs: int, sampling) -> DecodeBatch:
     n = len(step.seqs)
     positions = np.array(step.starts, dtype=np.int32)
-    slot_mapping = np.fromiter((s.block_table[p // bs] * bs + p % bs for s, p in zip(step.seqs, step.starts)),
-                               dtype=np.int32, count=n)
+    slot_mapping = kv_slots([s.block_table for s in step.seqs], positions, bs)
     slots = np.fromiter((s.slot for s in step.seqs), dtype=np.int32, count=n)
     cols, ids = np.full(n, -1, np.int32), np.zeros(n, np.int32)
     for i, seq in enumerate(step.seqs):
@@ -38,11 +38,10 @@ def _prefill_batch(step: ScheduledStep, bs: int, updates: BlockUpdates, sampling
     for seq, start, n, decode in zip(step.seqs, step.starts, step.num_new_tokens, step.decode_rows):
         if decode:  # its input is the token it sampled last, on the device
             token_ids.append(np.array([-1], np.int32))
-            slot_mapping.append(np.array([seq.block_table[start // bs] * bs + start % bs], np.int32))
+            slot_mapping.append(kv_slots([seq.block_table], [start], bs))
         else:
             token_ids.append(np.array(seq.tokens_between(start, start + n), np.int32))
-            p = np.arange(start, start + n)
-            slot_mapping.append((np.asarray(seq.block_table, np.int32)[p // bs] * bs + p % bs).astype(np.int32))
+            slot_mapping.append(kv_slots(seq.block_table, np.arange(start, start + n), bs))
     sample_rows = np.flatnonzero(step.samples).astype(np.int32)
     batch = PrefillBatch(
         slots=np.fromiter((s.slot for s in step.seqs), dtype=np.int32, count=len(step.seqs)),
@@ -102,7 +101,8 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: list[int]) -> SamplingBa
         batch.generators = [s.generator for s in seqs]
     if any(p.logprobs is not None for p in params):
         batch.num_logprobs = [p.logprobs for p in params]
-    _ban_stop_tokens(batch, seqs, eos_token_ids)
+    if any(p.min_tokens for p in params):
+        _ban_stop_tokens(batch, seqs, eos_token_ids)
     if any(p.logit_bias for p in params):
         _logit_bias(batch, params)
     if any(p.uses_penalties for p in params):
@@ -119,7 +119,7 @@ def _ban_stop_tokens(batch: SamplingBatch, seqs: list[Sequence], eos_token_ids: 
     rows, tokens = [], []
     for i, seq in enumerate(seqs):
         p = seq.params
-        if seq.num_output_tokens - 1 < p.min_tokens:  # this step's token is output number num_output_tokens
+        if not p.reached_min_tokens(seq.num_output_tokens - 1):  # this step's token is output num_output_tokens
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             rows += [i] * len(banned)
             tokens += sorted(banned)

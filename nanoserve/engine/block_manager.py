@@ -13,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from nanoserve.engine.sequence import Sequence
+from nanoserve.kernels.paging import blocks_for
 
 
 @dataclass
@@ -44,7 +45,7 @@ class BlockManager:
         return self.num_blocks - self.num_free_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     # -- allocation -------------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> bool:

@@ -40,7 +40,7 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.grammar import Grammars
 from nanoserve.engine.messages import EngineRequest, EngineStats, SeqOutput
 from nanoserve.engine.preflight import check_engine_config
-from nanoserve.engine.prompts import check_token_ids
+from nanoserve.engine.prompts import check_prompt_length, check_token_ids
 from nanoserve.engine.scheduler import ScheduledStep, Scheduler
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.model.loader import eos_token_ids, load_tokenizer
@@ -122,11 +122,7 @@ class EngineCore:
             raise ValueError(f"request id {rid!r} is already in use")
         if params.n != 1:
             raise ValueError(f"the engine core runs single sequences (n=1), got n={params.n}")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= self.config.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.config.max_model_len} "
-                             "(the prompt must leave room for at least one generated token)")
+        check_prompt_length(len(ids), self.config.max_model_len)
         check_token_ids(ids, self.vocab_size)
         check_token_ids([*params.stop_token_ids, *(params.logit_bias or ())], self.vocab_size)
         so = params.structured_outputs
@@ -282,16 +278,16 @@ class EngineCore:
         return SeqOutput(seq.request_id, [], finish_reason="stop")
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p, num_out = seq.params, len(seq.output_token_ids)
+        p = seq.params
         if seq.grammar is not None and seq.grammar.is_terminated():  # the grammar is complete: nothing may follow
             return "stop"
-        if num_out >= p.min_tokens:  # (earlier tokens could not be stop tokens: the sampler banned them)
+        if p.reached_min_tokens(len(seq.output_token_ids)):  # (earlier tokens could not be stop tokens: banned)
             if token in p.stop_token_ids:
                 seq.stop_reason = token
                 return "stop"
             if token in self.eos_token_ids and not p.ignore_eos:
                 return "stop"
-        if (p.max_tokens is not None and num_out >= p.max_tokens) or seq.num_known_tokens >= self.config.max_model_len:
+        if seq.reached_length_limit(self.config.max_model_len, pending=False):
             return "length"
         return None
 

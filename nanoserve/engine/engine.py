@@ -14,7 +14,7 @@ from nanoserve.engine import grammar
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.messages import EngineStats
 from nanoserve.engine.output import OutputProcessor, RequestOutput
-from nanoserve.engine.prompts import Prompt, QueueFullError, tokenize
+from nanoserve.engine.prompts import Prompt, QueueFullError, check_queue, tokenize  # noqa: F401 (re-exported)
 from nanoserve.model.loader import load_tokenizer
 from nanoserve.sampling import SamplingParams
 
@@ -57,8 +57,7 @@ class LLMEngine:
                     stream: bool = True) -> None:
         """Queue a request. stream=False: step() reports it only once finished (with its whole text)."""
         params = params or SamplingParams()
-        if len(self.core.scheduler.waiting) >= self.config.max_waiting_requests:
-            raise QueueFullError(f"{len(self.core.scheduler.waiting)} requests are already waiting; try again later")
+        check_queue(len(self.core.scheduler.waiting), params.n, self.config.max_waiting_requests)
         grammar.check(params.structured_outputs)  # a bad schema, regex or grammar: a ValueError naming it
         text, ids = tokenize(self.tokenizer, prompt, self.vocab_size, self.config.max_model_len)
         core_requests = self.output_processor.add_request(request_id, text, ids, params, stream)

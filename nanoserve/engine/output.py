@@ -120,7 +120,7 @@ class _Completion:
             self.stop_state, end, stop = self.stops.feed(self.stop_state, self.text, end)
             if stop is None:
                 return False
-            if len(self.token_ids) >= self.params.min_tokens:
+            if self.params.reached_min_tokens(len(self.token_ids)):
                 break
         at = end - len(stop)
         self.text = self.text[:at + len(stop)] if self.params.include_stop_str_in_output else self.text[:at]

@@ -11,6 +11,17 @@ class QueueFullError(RuntimeError):
     """Too many requests are already waiting (the server answers 503)."""
 
 
+def check_queue(num_waiting: int, num_new: int, max_waiting_requests: int) -> None:
+    """max_waiting_requests, for the offline engine and the server alike: ValueError when num_new sequences could
+    never wait at once (split the request), QueueFullError when they do not fit beside the num_waiting ones."""
+    if num_new > max_waiting_requests:
+        raise ValueError(f"The request needs {num_new} sequences (prompts × n), more than the waiting queue can ever "
+                         f"hold (max_waiting_requests={max_waiting_requests}); split it.")
+    if num_waiting + num_new > max_waiting_requests:
+        raise QueueFullError(f"{num_waiting} sequences are already waiting "
+                             f"(max_waiting_requests={max_waiting_requests})")
+
+
 def is_token_ids(value) -> bool:
     """A list or tuple of plain ints (not bools). Set of types, not a per-item isinstance loop: this runs on every
     prompt, and a 1024-token one took ~0.4 ms that way."""
@@ -44,8 +55,6 @@ def tokenize(tokenizer, prompt: Prompt, vocab_size: int, max_model_len: int,
         check_token_ids(ids, vocab_size)
     else:
         _bad(prompt)
-    if not ids:
-        raise ValueError("the prompt is empty")
     check_prompt_length(len(ids), max_model_len)
     return text, ids
 
@@ -58,6 +67,9 @@ def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
 
 
 def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
+    """ValueError for an empty prompt or one that leaves no room to generate."""
+    if not num_tokens:
+        raise ValueError("the prompt is empty")
     if num_tokens >= max_model_len:
         raise ValueError(f"the prompt has {num_tokens} tokens; max_model_len is {max_model_len} "
                          "(the prompt must leave room for at least one generated token)")

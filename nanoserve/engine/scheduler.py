@@ -65,9 +65,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     # -- one step ---------------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()

@@ -84,7 +84,10 @@ class Sequence:
             return self.output_token_ids[start - n:end - n]
         return prompt[start:] + self.output_token_ids[:end - n]
 
-    def reached_length_limit(self, max_model_len: int) -> bool:
-        """No further token may be scheduled: max_tokens or max_model_len is reached (pending tokens count)."""
+    def reached_length_limit(self, max_model_len: int, pending: bool = True) -> bool:
+        """max_tokens or max_model_len is reached. pending=True (the scheduler): the device's tokens count, no
+        further token may be scheduled; pending=False (a token's result): the known tokens end the sequence."""
+        num_out = len(self.output_token_ids) + (self.num_pending if pending else 0)
         max_tokens = self.params.max_tokens
-        return (max_tokens is not None and self.num_output_tokens >= max_tokens) or self.num_tokens >= max_model_len
+        return ((max_tokens is not None and num_out >= max_tokens)
+                or len(self.prompt_token_ids) + num_out >= max_model_len)

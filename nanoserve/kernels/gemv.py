@@ -25,15 +25,12 @@ The kernel (`_gemv_kernel`):
     own: residual add + RMSNorm (norm_linear; every program first takes the rows' norms over all of
     K), SiLU-and-mul of [gate | up] (silu_mul_linear), or the merge of split-K decode attention's
     partials, one head per K tile (attention_out_linear);
-  * an epilogue may replace the plain store: for the qkv projection with BLOCK_N = head_dim each
-    output tile is one head, which is normalised (Qwen3), rotated and written into q or the paged
-    KV cache (norm_qkv_rope; rotary_kv.qkv_tile_epilogue);
   * with programmatic dependent launch (see _triton.py) each program loads its first weight tile
     before gdc_wait, so the weights stream while the previous kernel finishes;
   * FP8 weights (W8A16, kernels/fp8.py): the tile is read as float8_e4m3fn (half the bytes), converted to
     the activation dtype in registers, accumulated in fp32 like the rest, and each output is multiplied
     by its channel's fp32 scale once, before the bias (and before the split-K sum is stored). FP8 weights
-    have dispatch tables of their own (FP8_GEMV_TABLE, FP8_ROPE_TABLE): a tile of the same bytes spans
+    have a dispatch table of their own (FP8_GEMV_TABLE): a tile of the same bytes spans
     twice the K.
 
 Everything is CUDA-graph capturable: no host syncs, fixed-size allocations only.
@@ -51,7 +48,7 @@ from nanoserve.kernels import fp8, fused
 from nanoserve.kernels.attention import DecodePartials, merge_partials, merged_head
 from nanoserve.kernels._triton import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, jit, next_power_of_2,
                                        num_sms, pdl_args, prev_power_of_2, tl)
-from nanoserve.kernels.rotary_kv import QKVRope, qkv_tile_epilogue
+from nanoserve.kernels.rotary_kv import QKVRope
 from nanoserve.kernels.switches import SWITCHES
 
 MAX_M = 64  # rows handled by the kernel; more rows are a GEMM, left to cuBLAS
@@ -204,9 +201,6 @@ FP8_GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
     16: ((8, "dot 64x256 w4 st4 p0", TRITON), (None, "dot 64x256 w4 st4 p1", TRITON)),
     64: ((None, "dot 64x256 w4 st3 p1", TRITON),),
 }
-# The qkv + rope variants (block_n becomes head_dim: one head per tile), by rows bucket.
-ROPE_TABLE: dict[int, str] = {4: "fma 128x64 w4 st3 p2", 64: "dot 128x64 w4 st3 p1"}
-FP8_ROPE_TABLE: dict[int, str] = {4: "fma 128x128 w8 st3 p2", 64: "dot 128x128 w4 st3 p1"}
 # The o_proj + attention-merge variant (block_k becomes head_dim: one head per K tile), and the most fp32
 # partials its programs may re-read in all (n_tiles x rows x heads x splits x head_dim x 4 bytes, an upper
 # bound: splits past a sequence's context are not read); above it the reduce kernel merges them once.
@@ -230,8 +224,6 @@ def _parsed_table(table: dict, name: str = "GEMV_TABLE") -> dict[int, tuple[tupl
 
 _TABLE = _parsed_table(GEMV_TABLE)
 _FP8_TABLE = _parsed_table(FP8_GEMV_TABLE, "FP8_GEMV_TABLE")
-_ROPE = {rows: GemvConfig.parse(cfg) for rows, cfg in sorted(ROPE_TABLE.items())}
-_FP8_ROPE = {rows: GemvConfig.parse(cfg) for rows, cfg in sorted(FP8_ROPE_TABLE.items())}
 
 
 def _bucket(m: int, keys) -> int:
@@ -250,12 +242,6 @@ def choose(m: int, n: int, k: int, element_size: int) -> tuple[GemvConfig, bool]
         if weight_bytes <= limit:
             return cfg, triton_wins
     raise AssertionError("unreachable: the last entry takes any size")
-
-
-def rope_config(m: int, head_dim: int, element_size: int = 2) -> GemvConfig:
-    """The qkv + rope variant for m rows: one head per tile."""
-    table = _FP8_ROPE if element_size == 1 else _ROPE
-    return dataclasses.replace(table[_bucket(m, table)], block_n=head_dim)
 
 
 def merge_config(head_dim: int) -> GemvConfig:
@@ -421,41 +407,18 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return _launch(gate_up, weight, bias, k, cfg, _SILU_MUL, weight_scale=weight_scale)
 
 
-def _rope_fuses(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                weight_scale: torch.Tensor | None, rope: QKVRope) -> bool:
-    d = rope.head_dim
-    return (_fuses(SWITCHES.fuse_rope, x, weight, bias, weight_scale) and 16 <= d <= 128 and not d & (d - 1)
-            and (residual is None or residual.stride(-1) == 1)
-            and weight.shape[0] == rope.width and rope.k_cache.is_contiguous() and rope.v_cache.is_contiguous()
-            and rope.k_cache.dtype == x.dtype == rope.v_cache.dtype)
-
-
 def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                   weight: torch.Tensor, bias: torch.Tensor | None, rope: QKVRope, *,
-                  weight_scale: torch.Tensor | None = None, force_triton: bool = False,
-                  config: GemvConfig | None = None):
+                  weight_scale: torch.Tensor | None = None):
     """The attention input of a decoder layer: (q, k, v, new residual) after rms_norm(x + residual) → qkv
-    projection → q/k RMSNorm (Qwen3) + RoPE, with k and v stored in the paged cache.
-
-    With SWITCHES.fuse_rope the rope + store run in the qkv GEMV's epilogue (with fuse_norm, the norm in its
-    prologue too); k and v then live only in the cache and come back as None. config (block_n = head_dim)
-    overrides ROPE_TABLE's variant."""
-    if not (force_triton or _rope_fuses(x, residual, weight, bias, weight_scale, rope)):
-        qkv, residual = norm_linear(x, residual, norm_weight, eps, weight, bias, weight_scale=weight_scale)
-        q, k, v = rope.split(qkv)
-        q, k = rope.apply(q, k, v)
-        return q, k, v, residual
-    cfg = config or rope_config(x.shape[0], rope.head_dim, weight.element_size())
-    if SWITCHES.fuse_norm:
-        new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
-        q = _launch(x, weight, bias, x.shape[1], cfg, _NORM, norm=(residual, new_residual, norm_weight, eps),
-                    rope=rope, weight_scale=weight_scale)
-        return q, None, None, new_residual
-    if residual is None:
-        normed, residual = fused.rms_norm(x, norm_weight, eps), x
-    else:
-        normed, residual = fused.rms_norm(x, norm_weight, eps, residual)
-    return _launch(normed, weight, bias, x.shape[1], cfg, rope=rope, weight_scale=weight_scale), None, None, residual
+    projection (norm_linear) → q/k RMSNorm (Qwen3) + RoPE with k and v stored in the paged cache (one kernel,
+    rotary_kv.qk_norm_rope). A qkv-epilogue variant (one head per output tile) was removed: it left the qkv
+    GEMV N / head_dim programs and no split-K, and the H200 measured it slower (Llama-3.1-8B b=1 5.694 ms
+    vs 5.400 without)."""
+    qkv, residual = norm_linear(x, residual, norm_weight, eps, weight, bias, weight_scale=weight_scale)
+    q, k, v = rope.split(qkv)
+    q, k = rope.apply(q, k, v)
+    return q, k, v, residual
 
 
 def _merge_fuses(attn: DecodePartials, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -502,10 +465,10 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     return merge.dtype if merge is not None else x.dtype
 
 
-def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, rope: QKVRope | None = None,
-            merge: DecodePartials | None = None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, merge: DecodePartials | None = None,
+            weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One kernel launch. norm = (residual | None, residual_out, norm_weight, eps) for the RMSNorm prologue;
-    with rope the output is q [M, H, D] (k and v go into the cache); with merge, x is merge.acc viewed [M, -1]."""
+    with merge, x is merge.acc viewed [M, -1]."""
     if not HAS_TRITON:
         raise RuntimeError("the Triton GEMV was requested but triton is not installed")
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
@@ -524,13 +487,7 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, rope: QKVRop
     counters = _counters_for(x.device) if p.split_k > 1 else None
     if p.split_k > 1 and counters is None:  # first use inside a capture: take the unsplit variant
         p = plan(dataclasses.replace(config, split_k=1), m, n, k, 1, *sizes)
-    if rope is not None:
-        if p.block_n != rope.head_dim or n != rope.width:
-            raise ValueError(f"the rope epilogue needs one head per tile: block_n {p.block_n}, head_dim "
-                             f"{rope.head_dim}, N {n} vs {rope.width}")
-        out = torch.empty(m, rope.num_heads, rope.head_dim, dtype=dtype, device=x.device)
-    else:
-        out = torch.empty(m, n, dtype=dtype, device=x.device)
+    out = torch.empty(m, n, dtype=dtype, device=x.device)
     if merge is not None and (p.block_k != merge.head_dim or not p.use_dot):
         raise ValueError(f"the merge prologue needs a dot variant with one head per K tile, got {config.short()}")
     if p.split_k > 1:
@@ -539,14 +496,12 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, rope: QKVRop
         partials = torch.empty(1, dtype=torch.float32, device=x.device)
         counters = torch.empty(1, dtype=torch.int32, device=x.device)
     residual, residual_out, norm_weight, eps = norm if norm is not None else (None, x, x, 0.0)
-    heads = (rope.num_heads, rope.num_kv_heads) if rope is not None else (
-        (merge.num_heads, 1) if merge is not None else (1, 1))
+    num_heads = merge.num_heads if merge is not None else 1
     ml, ctx, attn_splits = (merge.ml, merge.context_lens, merge.num_splits) if merge is not None else (x, x, 1)
     _gemv_kernel[p.grid](
         x, weight, weight_scale if weight_scale is not None else partials, bias if bias is not None else out, out,
         partials, counters,
-        residual if residual is not None else x, residual_out, norm_weight, eps, *_rope_args(rope, x), *heads,
-        ml, ctx, attn_splits,
+        residual if residual is not None else x, residual_out, norm_weight, eps, num_heads, ml, ctx, attn_splits,
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, residual_out.stride(0),
         out.stride(0), p.k_per_split,
         BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
@@ -555,20 +510,9 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, rope: QKVRop
         REDUCE_CHUNK=p.reduce_chunk,
         LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_IN_FP32=not x.is_cuda,  # the interpreter (CPU tensors) multiplies bf16 bit patterns as integers
-        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, ROPE=rope is not None,
-        HAS_QK_NORM=rope is not None and rope.q_norm_weight is not None,
-        ATTN_BLOCK_N=merge.block_n if merge is not None else 16,
+        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, ATTN_BLOCK_N=merge.block_n if merge is not None else 16,
         num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x.device))
     return out
-
-
-def _rope_args(rope: QKVRope | None, placeholder: torch.Tensor) -> tuple:
-    """(k_cache, v_cache, slots, positions, cos_sin, q_norm_w, k_norm_w, eps) for the rope epilogue."""
-    if rope is None:
-        return (placeholder,) * 7 + (0.0,)
-    qw = rope.q_norm_weight if rope.q_norm_weight is not None else rope.cos_sin_cache
-    kw = rope.k_norm_weight if rope.k_norm_weight is not None else rope.cos_sin_cache
-    return (rope.k_cache, rope.v_cache, rope.slot_mapping, rope.positions, rope.cos_sin_cache, qw, kw, rope.eps)
 
 
 @jit
@@ -659,37 +603,26 @@ def _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_p
 
 
 @jit
-def _store_tile(acc, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, tile,
-                k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps,
-                num_heads, num_kv_heads, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_SCALE: tl.constexpr,
-                HAS_BIAS: tl.constexpr, ROPE: tl.constexpr, HAS_QK_NORM: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] fp32 (· the fp8 channel scales, + bias, in fp32) → out[m, n] rounded once, or
-    through the rope epilogue."""
+def _store_tile(acc, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om,
+                HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] fp32 (· the fp8 channel scales, + bias, in fp32) → out[m, n] rounded once."""
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-    if ROPE:
-        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        qkv_tile_epilogue(y, tile, offs_m, M, out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr,
-                          qw_ptr, kw_ptr, qk_eps, num_heads, num_kv_heads, BLOCK_N, BLOCK_M, HAS_QK_NORM)
-    else:
-        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@jit(do_not_specialize=["M", "num_heads", "num_kv_heads", "attn_splits"])  # one compiled kernel for every batch and head count
+@jit(do_not_specialize=["M", "num_heads", "attn_splits"])  # one compiled kernel for every batch and head count
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-                 res_ptr, res_out_ptr, norm_w_ptr, eps,
-                 k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps,
-                 num_heads, num_kv_heads, ml_ptr, ctx_ptr, attn_splits,
+                 res_ptr, res_out_ptr, norm_w_ptr, eps, num_heads, ml_ptr, ctx_ptr, attn_splits,
                  M, N, K, stride_xm, stride_rm, stride_rom, stride_om, k_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
                  USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                  REDUCE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 ROPE: tl.constexpr, HAS_QK_NORM: tl.constexpr, ATTN_BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+                 ATTN_BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -729,9 +662,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
         acc = tl.sum(acc_wide, axis=1)[:, None]
 
     if num_splits == 1:
-        _store_tile(acc, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, pid_n, k_cache_ptr,
-                    v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps, num_heads, num_kv_heads,
-                    BLOCK_N, BLOCK_M, HAS_SCALE, HAS_BIAS, ROPE, HAS_QK_NORM)
+        _store_tile(acc, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, HAS_SCALE, HAS_BIAS)
     else:
         out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
         tile = offs_m[None, :] * N + offs_n[:, None]  # partials are [split, M, N] fp32
@@ -747,7 +678,5 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
                                 mask=(s < num_splits)[:, None, None] & out_mask[None, :, :], other=0.0,
                                 cache_modifier=".cg")  # from L2: other SMs wrote them
                 total += tl.sum(parts, axis=0)
-            _store_tile(total, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, pid_n, k_cache_ptr,
-                        v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qk_eps, num_heads,
-                        num_kv_heads, BLOCK_N, BLOCK_M, HAS_SCALE, HAS_BIAS, ROPE, HAS_QK_NORM)
+            _store_tile(total, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, HAS_SCALE, HAS_BIAS)
             tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call / graph replay

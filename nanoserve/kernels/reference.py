@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels.metadata import AttentionMetadata
+from nanoserve.kernels.paging import blocks_for
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -23,8 +24,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
     """The first context_len tokens of one sequence, [context_len, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
-    num_blocks = (context_len + block_size - 1) // block_size
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:context_len]
+    return cache[block_table[:blocks_for(context_len, block_size)].long()].flatten(0, 1)[:context_len]
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

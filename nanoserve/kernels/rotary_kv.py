@@ -1,7 +1,7 @@
-"""Per-head q/k RMSNorm + rotary embedding + KV-cache store: one kernel for all heads of a step, or the
-epilogue of the qkv GEMV (gemv.norm_qkv_rope), which then writes q and the cache directly.
+"""Per-head q/k RMSNorm + rotary embedding + KV-cache store: one kernel for all heads of a step, after the qkv
+GEMV (gemv.norm_qkv_rope).
 
-qk_norm_rope_ref is the plain-PyTorch reference (HF semantics) both are tested against.
+qk_norm_rope_ref is the plain-PyTorch reference (HF semantics) it is tested against.
 """
 from __future__ import annotations
 
@@ -145,43 +145,3 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr,
             tl.store(k_cache_ptr + cache_at, out, mask=token_ok)
             v = tl.load(v_ptr + tokens * stride_vt + kv_head * stride_vh + dims, mask=token_ok)
             tl.store(v_cache_ptr + cache_at, v, mask=token_ok)
-
-
-@jit
-def qkv_tile_epilogue(y, tile, offs_m, M, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr,
-                      qw_ptr, kw_ptr, eps, num_heads, num_kv_heads,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_NORM: tl.constexpr):
-    """One head of the qkv product for every row m < M (y [HEAD_DIM, BLOCK_M], fp32 holding model-dtype values;
-    tile = the head's index among q, k, v heads): q heads are normalised and rotated into q_out [M, H, D], k heads
-    normalised, rotated and stored in the paged cache, v heads stored. Same rounding as _qk_norm_rope_kernel."""
-    dtype = q_out_ptr.dtype.element_ty
-    half: tl.constexpr = HEAD_DIM // 2
-    row_ok = (offs_m < M)[None, :]
-    slot = tl.load(slot_ptr + offs_m, mask=offs_m < M, other=0).to(tl.int64)[None, :]
-    if tile >= num_heads + num_kv_heads:  # a v head: into the cache as it is
-        dims = tl.arange(0, HEAD_DIM)[:, None]
-        v_at = (slot * num_kv_heads + (tile - num_heads - num_kv_heads)) * HEAD_DIM + dims
-        tl.store(v_cache_ptr + v_at, y.to(dtype), mask=row_ok)
-    else:
-        # The two halves of the head: rotate-half pairs element d with d + HEAD_DIM / 2.
-        x1, x2 = tl.split(tl.permute(tl.reshape(y, (2, half, BLOCK_M)), (1, 2, 0)))
-        hd = tl.arange(0, half)[:, None]
-        if HAS_NORM:
-            if tile < num_heads:
-                w_ptr = qw_ptr
-            else:
-                w_ptr = kw_ptr
-            inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)[None, :]
-            x1 = (tl.load(w_ptr + hd).to(tl.float32) * (x1 * inv_rms).to(dtype).to(tl.float32)).to(dtype)
-            x2 = (tl.load(w_ptr + half + hd).to(tl.float32) * (x2 * inv_rms).to(dtype).to(tl.float32)).to(dtype)
-            x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-        pos = tl.load(pos_ptr + offs_m, mask=offs_m < M, other=0).to(tl.int64)[None, :]
-        row = cos_sin_ptr + pos * 2 * HEAD_DIM + hd  # [cos, cos, -sin, sin]
-        out1 = (x1 * tl.load(row).to(tl.float32) + x2 * tl.load(row + HEAD_DIM).to(tl.float32)).to(dtype)
-        out2 = (x2 * tl.load(row + half).to(tl.float32) + x1 * tl.load(row + HEAD_DIM + half).to(tl.float32)).to(dtype)
-        if tile < num_heads:
-            dst = q_out_ptr + (offs_m[None, :] * num_heads + tile) * HEAD_DIM + hd
-        else:
-            dst = k_cache_ptr + (slot * num_kv_heads + (tile - num_heads)) * HEAD_DIM + hd
-        tl.store(dst, out1, mask=row_ok)
-        tl.store(dst + half, out2, mask=row_ok)

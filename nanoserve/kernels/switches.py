@@ -1,7 +1,7 @@
 """On/off switches of the decode kernels: programmatic dependent launch and each fusion.
 
 Read once from the environment at import (NANOSERVE_PDL=0 turns PDL off; NANOSERVE_FUSE_NORM,
-NANOSERVE_FUSE_SILU, NANOSERVE_FUSE_ROPE, NANOSERVE_FUSE_MERGE = 0 turn a fusion off), so a benchmark can measure each
+NANOSERVE_FUSE_SILU, NANOSERVE_FUSE_MERGE = 0 turn a fusion off), so a benchmark can measure each
 one's worth: kernels read SWITCHES when they launch, so `switched(pdl=False)` followed by a fresh
 capture gives graphs without it, in the same process. Every switch only chooses between two paths
 that compute the same result (the tests check each fused path against the unfused one).
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 _ENV = {"pdl": "NANOSERVE_PDL", "fuse_norm": "NANOSERVE_FUSE_NORM", "fuse_silu": "NANOSERVE_FUSE_SILU",
-        "fuse_rope": "NANOSERVE_FUSE_ROPE", "fuse_merge": "NANOSERVE_FUSE_MERGE", "fuse_max_m": "NANOSERVE_FUSE_MAX_M"}
+        "fuse_merge": "NANOSERVE_FUSE_MERGE", "fuse_max_m": "NANOSERVE_FUSE_MAX_M"}
 
 
 @dataclass
@@ -23,15 +23,11 @@ class Switches:
     pdl: bool = True  # programmatic dependent launch between consecutive kernels (Hopper and newer)
     fuse_norm: bool = True  # residual add + RMSNorm in the prologue of the GEMV that follows
     fuse_silu: bool = True  # SiLU-and-mul in the prologue of the down projection
-    # q/k RMSNorm + RoPE + KV-cache store in the epilogue of the qkv GEMV. Off: one head per output tile leaves
-    # the qkv GEMV with N / head_dim programs (32 for Qwen3-0.6B, 48 for Llama-3.1-8B) and no split-K, too few to
-    # stream the weights; on the H200 the fused path made b=1 slower (Llama-3.1-8B 5.43 ms vs 4.26 before it).
-    fuse_rope: bool = False
     fuse_merge: bool = True  # the split-K decode attention's merge in the prologue of the o_proj GEMV
     # Rows up to which the fused prologues run. Each program of a prologue-fused GEMV re-reads (and re-normalises)
     # all its rows' activations, which is free for one row and costs as much as the weights by tens of rows: with
     # 64 the H200 ran Llama-3.1-8B's b=32 step in 14.4 ms against 5.35 ms unfused (benchmarks/results/
-    # decode_latency_fused64_h200.json).
+    # experiments/decode_latency_fused64_h200.json).
     fuse_max_m: int = 1
 
     @classmethod

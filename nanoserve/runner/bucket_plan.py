@@ -10,6 +10,7 @@ and a graph-pool budget. The runner measures; this module decides.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -19,12 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
+from nanoserve.config import CUDAGRAPH_CAPTURE_BUDGET_S, CUDAGRAPH_POOL_BUDGET_MIB
+
 # Stop adding sizes once one more would cut the expected padded step time by less than this
 # fraction (0.1%). Each graph costs ~0.2 s of start-up and some pool memory; below 0.1% the gain
 # is inside run-to-run timing noise, so a flat curve ends with 1-2 sizes and a steep one with tens.
 MIN_RELATIVE_GAIN = 1e-3
-DEFAULT_CAPTURE_BUDGET_S = 5.0
-DEFAULT_POOL_BUDGET_BYTES = 512 * 2**20
+DEFAULT_CAPTURE_BUDGET_S = CUDAGRAPH_CAPTURE_BUDGET_S
+DEFAULT_POOL_BUDGET_BYTES = CUDAGRAPH_POOL_BUDGET_MIB * 2**20
 
 StepTime = Callable[[np.ndarray], np.ndarray]  # rows → ms per decode step
 
@@ -285,12 +288,19 @@ def chunk_caps(token_curve: StepTime, decode_curve: StepTime, max_rows: int, max
     return [max_tokens] + [int(c) for c in caps]
 
 
+def bucket_for(capture_sizes: list[int], batch_size: int) -> int | None:
+    """The bucket a batch of batch_size rows replays: the smallest captured size ≥ batch_size (sizes ascending);
+    None when it is larger than every bucket (it then runs eagerly)."""
+    i = bisect.bisect_left(capture_sizes, batch_size)
+    return capture_sizes[i] if i < len(capture_sizes) else None
+
+
 def buckets(sizes: Iterable[int], max_num_seqs: int) -> np.ndarray:
-    """bucket(b) for b = 1..max_num_seqs: the smallest size ≥ b (sizes must reach max_num_seqs)."""
-    ordered = np.array(sorted(set(sizes)), dtype=np.int64)
-    if len(ordered) == 0 or ordered[0] < 1 or ordered[-1] < max_num_seqs:
-        raise ValueError(f"capture sizes {ordered.tolist()} must be positive and include max_num_seqs={max_num_seqs}")
-    return ordered[np.searchsorted(ordered, np.arange(1, max_num_seqs + 1))]
+    """bucket(b) for b = 1..max_num_seqs (sizes must reach max_num_seqs)."""
+    ordered = sorted({int(s) for s in sizes})
+    if not ordered or ordered[0] < 1 or ordered[-1] < max_num_seqs:
+        raise ValueError(f"capture sizes {ordered} must be positive and include max_num_seqs={max_num_seqs}")
+    return np.array([bucket_for(ordered, b) for b in range(1, max_num_seqs + 1)], dtype=np.int64)
 
 
 def expected_padded_ms(sizes: Iterable[int], curve: StepTime, distribution: BatchDistribution) -> float:
@@ -367,6 +377,6 @@ def _is_count(c) -> bool:
     return isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c >= 0
 
 
-__all__ = ["LinearCost", "StepCurve", "BatchDistribution", "plan_buckets", "chunk_caps", "buckets", "expected_padded_ms",
-           "expected_unpadded_ms", "expected_waste", "average_padded_rows", "MIN_RELATIVE_GAIN",
+__all__ = ["LinearCost", "StepCurve", "BatchDistribution", "plan_buckets", "chunk_caps", "bucket_for", "buckets",
+           "expected_padded_ms", "expected_unpadded_ms", "expected_waste", "average_padded_rows", "MIN_RELATIVE_GAIN",
            "DEFAULT_CAPTURE_BUDGET_S", "DEFAULT_POOL_BUDGET_BYTES"]

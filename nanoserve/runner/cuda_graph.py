@@ -11,7 +11,6 @@ nothing but those outputs outlives a replay.
 """
 from __future__ import annotations
 
-import bisect
 import functools
 import logging
 import time
@@ -19,6 +18,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 from tqdm import tqdm
+
+from nanoserve.runner.bucket_plan import bucket_for
 
 logger = logging.getLogger("nanoserve")
 
@@ -28,13 +29,6 @@ def _warm_up_stream(device: int) -> torch.cuda.Stream:
     """The one side stream every capture warms up on. cuBLAS keeps a workspace (32 MiB on Hopper) per stream it
     has run on, for the life of the process: a fresh stream per capture cost 32 MiB of memory per graph."""
     return torch.cuda.Stream(device)
-
-
-def bucket_for(capture_sizes: list[int], batch_size: int) -> int | None:
-    """The bucket a batch of batch_size rows replays: the smallest captured size ≥ batch_size (sizes ascending);
-    None when it is larger than every bucket (it then runs eagerly)."""
-    i = bisect.bisect_left(capture_sizes, batch_size)
-    return capture_sizes[i] if i < len(capture_sizes) else None
 
 
 class GraphRunner:

@@ -21,6 +21,7 @@ import torch
 from nanoserve.config import PREFILL_GRAPH_TOKEN_STEP
 from nanoserve.runner.bucket_plan import BatchDistribution, StepCurve, plan_buckets
 from nanoserve.runner.cuda_graph import GraphRunner
+from nanoserve.runner.timing import time_ms
 
 logger = logging.getLogger("nanoserve")
 
@@ -69,16 +70,8 @@ def measure_curve(gr: GraphRunner, load: Callable[[int], None], sizes: list[int]
 
 def _replay_ms(gr: GraphRunner, load: Callable[[int], None], rows: int) -> float:
     load(rows)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    gr.replay(rows)
-    times = []
-    for _ in range(TIMED_REPLAYS):
-        start.record()
-        gr.replay(rows)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    times = sorted(time_ms(lambda: gr.replay(rows), torch.cuda.current_device(), warmup=1, iters=TIMED_REPLAYS))
+    return times[len(times) // 2]
 
 
 def plan(curve: StepCurve, max_num_seqs: int, histogram: str | None, capture_budget_s: float,

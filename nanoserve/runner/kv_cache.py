@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.kernels.paging import blocks_for
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -35,7 +37,7 @@ class KVCacheSpec:
         return self.block_size * self.bytes_per_token
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def allocate(self, model, num_blocks: int, device: torch.device) -> torch.Tensor:
         """One tensor [2, layers, num_blocks + 1, block_size, kv_heads, head_dim] (the extra block is the dummy

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import MAX_LOGPROBS, EngineConfig
+from nanoserve.kernels.paging import kv_slots
 from nanoserve.runner.batch import BlockUpdates, PrefillBatch, SamplingBatch
 from nanoserve.runner.cuda_graph import GraphRunner
 from nanoserve.runner.forward import DecodeForward, TokenForward
 from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker, TokenInputs
 from nanoserve.runner.kv_cache import KVCacheSpec
-from nanoserve.runner.sampler import MAX_LOGPROBS, Sampler, SamplingTensors
+from nanoserve.runner.sampler import Sampler, SamplingTensors
 
 logger = logging.getLogger("nanoserve")
 
@@ -110,9 +111,7 @@ def _probe_prefill(model, state, num_seqs, seq_len, per_seq, device, block_size)
     for start, end in ((0, half), (half, seq_len)):
         if end <= start:
             continue
-        positions = np.tile(np.arange(start, end), num_seqs)
-        slot_mapping = (tables[np.repeat(slots, end - start), positions // block_size] * block_size
-                        + positions % block_size).astype(np.int32)
+        slot_mapping = kv_slots(tables, np.arange(start, end), block_size).reshape(-1)  # row after row
         cols = np.tile(np.arange(per_seq, dtype=np.int32), num_seqs)
         updates = BlockUpdates(np.repeat(slots, per_seq), cols, tables.reshape(-1))
         batch = PrefillBatch(slots, np.full(num_seqs, start, np.int32), np.full(num_seqs, end - start, np.int32),

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.kernels.paging import kv_slots
 from nanoserve.model.loader import load_model
 from nanoserve.model.parallel import TensorParallel
 from nanoserve.runner import graph_setup
@@ -182,8 +183,7 @@ class ModelRunner:
         self.state.last_tokens[:len(specs)].random_(0, self.vocab_size, generator=self.rng)
         bs, token_ids, slot_mapping = self.config.block_size, [], []
         for i, (start, n) in enumerate(specs):
-            p = np.arange(start, start + n)
-            slot_mapping.append(tables[i, p // bs] * bs + p % bs)
+            slot_mapping.append(kv_slots(tables[i], np.arange(start, start + n), bs))
             token_ids.append(np.full(1, -1) if n == 1 else torch.randint(0, self.vocab_size, (n,),
                                                                          generator=self.host_rng).numpy())
         starts, lens = (np.array(x, np.int32) for x in zip(*specs))
@@ -320,7 +320,6 @@ class ModelRunner:
         tables = np.arange(batch_size * per_seq, dtype=np.int32).reshape(batch_size, per_seq)
         self.state.write_tables(slots, tables)
         position = context_len - 1
-        bs = self.config.block_size
-        slot_mapping = (tables[:, position // bs] * bs + position % bs).astype(np.int32)
+        slot_mapping = kv_slots(tables, position, self.config.block_size)
         full = lambda v: np.full(batch_size, v, dtype=np.int32)  # noqa: E731
         return DecodeBatch(slots, full(position), slot_mapping, full(context_len), full(-1), full(0), None)

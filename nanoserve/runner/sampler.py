@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanoserve.config import MAX_LOGPROBS
 from nanoserve.runner.batch import Penalties, SampledTokens, SamplingBatch
 
-MAX_LOGPROBS = 20
 
 
 @dataclass

@@ -32,7 +32,7 @@ from nanoserve.engine.core_process import (AbortRequests, AddRequests, CoreFaile
                                            Shutdown, run_engine_core)
 from nanoserve.engine.messages import EngineStats, SeqOutput
 from nanoserve.engine.output import OutputProcessor, RequestOutput
-from nanoserve.engine.prompts import QueueFullError
+from nanoserve.engine.prompts import check_queue
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.collector import EngineDeadError, EngineStoppedError, RequestCollector
 
@@ -71,7 +71,6 @@ class EngineClient:
             receiver.close()
         self.config: EngineConfig = ready.config
         self.vocab_size: int = ready.vocab_size
-        self.eos_token_ids: list[int] = ready.eos_token_ids
         self.stats: EngineStats = ready.stats  # as of the core's latest message
         self.max_waiting_requests = self.config.max_waiting_requests
         self.output_processor = OutputProcessor(tokenizer)
@@ -170,9 +169,7 @@ class EngineClient:
         if not self.is_running or self._ended is not None:
             raise EngineStoppedError(self._dead_reason or self._ended or "the engine is not running")
         num_seqs = len(prompts) * params.n
-        if len(self._unstarted) + num_seqs > self.max_waiting_requests:
-            raise QueueFullError(f"{len(self._unstarted)} sequences are already waiting "
-                                 f"(max_waiting_requests={self.max_waiting_requests})")
+        check_queue(len(self._unstarted), num_seqs, self.max_waiting_requests)
         base = f"{prefix}-{uuid.uuid4().hex}"
         request_ids = [f"{base}-{i}" for i in range(len(prompts))]
         collector = RequestCollector(request_ids, [ids for _, ids in prompts], params.n, self._close, observer)

@@ -89,10 +89,6 @@ class RequestCollector:
         return not self._unfinished
 
     @property
-    def unfinished_request_ids(self) -> list[str]:
-        return [self.request_ids[i] for i in sorted(self._unfinished)]
-
-    @property
     def num_prompt_tokens(self) -> int:
         return sum(len(ids) for ids in self.prompt_token_ids)
 

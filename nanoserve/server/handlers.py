@@ -19,7 +19,7 @@ from fastapi.responses import Response
 
 from nanoserve.config import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 from nanoserve.engine import grammar
-from nanoserve.engine.prompts import QueueFullError, as_prompt_list, check_max_tokens
+from nanoserve.engine.prompts import QueueFullError, as_prompt_list, check_max_tokens, check_queue
 from nanoserve.engine.stop_matcher import StopMatcher
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.client import EngineClient
@@ -164,10 +164,10 @@ class OpenAIServer:
             raise APIError(400, str(e), param=param) from None
 
     def check_capacity(self, num_seqs: int) -> None:
-        limit = self.client.max_waiting_requests
-        if num_seqs > limit:
-            raise APIError(400, f"The request needs {num_seqs} sequences (prompts × n), more than the waiting "
-                                f"queue can ever hold (max_waiting_requests={limit}); split it.", param="n")
+        try:
+            check_queue(0, num_seqs, self.client.max_waiting_requests)
+        except ValueError as e:
+            raise APIError(400, str(e), param="n") from None
 
     def check_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
         try:

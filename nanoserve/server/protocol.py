@@ -16,7 +16,7 @@ from typing import Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from nanoserve.sampling import MAX_LOGPROBS
+from nanoserve.config import MAX_LOGPROBS
 
 # a \uD800-\uDFFF escape that is not half of a pair (after an even run of backslashes, so a real escape)
 _LONE_SURROGATE = re.compile(

@@ -11,10 +11,9 @@ import torch.nn.functional as F
 from nanoserve.kernels import attention, fp8, fused, gemv
 from nanoserve.kernels._triton import HAS_TRITON
 from nanoserve.kernels.gemv import GemvConfig
-from nanoserve.kernels.rotary_kv import QKVRope
 from nanoserve.kernels.switches import switched
 from tests.kernels.test_gemv import (DEVICE, DOT_SPLIT, DOT_WHOLE_K, FMA_SPLIT, FMA_WHOLE_K, make, merge_case,
-                                     norm_case, rope_case, rope_reference, tol)
+                                     norm_case, tol)
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 E4M3_RELATIVE = 2.0 ** -4  # half a unit in the last place of a 3-bit mantissa, relative to the value
@@ -171,37 +170,6 @@ def test_fp8_silu_mul_prologue(m, config, dtype):
     check_fp8(out, fused.silu_and_mul_ref(gate_up), w_ref, None, dtype)
 
 
-def check_fp8_rope(m, dtype, qk_norm, bias, config=None):
-    x, residual, norm_w, w, b, make_rope = rope_case(m, dtype, qk_norm, bias)
-    q8, s, w_ref = quantized(w.float())
-    ref_rope = make_rope()
-    rope = QKVRope(**{**ref_rope.__dict__, "k_cache": ref_rope.k_cache.clone(), "v_cache": ref_rope.v_cache.clone()})
-    q_ref, residual_ref = rope_reference(x, residual, norm_w, w_ref.to(dtype), b, ref_rope)
-    q, k, v, new_residual = gemv.norm_qkv_rope(x, residual, norm_w, 1e-6, q8, b, rope, weight_scale=s,
-                                               force_triton=True, config=config)
-    assert k is None and v is None and q.dtype == dtype
-    # bf16: the reference's weight is Q · s rounded to bf16 (the kernel's is exact), and the k norm scales that
-    # difference up in a head of small norm: 1.5x the plain bf16 tolerance
-    close = tol(dtype) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
-    torch.testing.assert_close(q, q_ref, **close)
-    torch.testing.assert_close(rope.k_cache, ref_rope.k_cache, **close)
-    torch.testing.assert_close(rope.v_cache, ref_rope.v_cache, **close)
-    torch.testing.assert_close(new_residual, residual_ref, **tol(dtype))
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("qk_norm,bias", [(True, False), (False, True)], ids=["qwen3", "qwen2"])
-@pytest.mark.parametrize("m", [1, 3, 20])
-def test_fp8_qkv_rope_epilogue(m, qk_norm, bias, dtype):
-    check_fp8_rope(m, dtype, qk_norm, bias)
-
-
-@needs_triton
-def test_fp8_qkv_rope_epilogue_after_split_k():
-    check_fp8_rope(3, torch.float32, True, True, GemvConfig(32, 16, split_k=3))
-
-
 def check_fp8_merge(m, dtype):
     partials, w, b = merge_case(m, dtype)
     q, s, w_ref = quantized(w.float())
@@ -226,7 +194,6 @@ def test_fp8_pdl_path_in_the_interpreter():
         x, w, b = make(m, 37, 64 if config.use_dot else 200, torch.float32, True, seed=m)
         q, s, w_ref = quantized(w)
         check_fp8(gemv.linear(x, q, b, weight_scale=s, force_triton=True, config=config), x, w_ref, b, torch.float32)
-    check_fp8_rope(3, torch.float32, True, True, GemvConfig(32, 16, split_k=3))
     check_fp8_merge(3, torch.float32)
 
 
@@ -256,8 +223,6 @@ def test_gpu_fp8_fused_paths(m, pdl):
     with switched(pdl=pdl):
         test_fp8_norm_prologue(m, None, torch.bfloat16)
         test_fp8_silu_mul_prologue(m, None, torch.bfloat16)
-        check_fp8_rope(m, torch.bfloat16, True, False)
-        check_fp8_rope(m, torch.bfloat16, False, True)
         check_fp8_merge(m, torch.bfloat16)
 
 

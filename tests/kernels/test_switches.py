@@ -8,8 +8,8 @@ from nanoserve.kernels.switches import SWITCHES, Switches, switched
 
 def test_from_env():
     assert Switches.from_env({}) == Switches()  # everything on by default
-    s = Switches.from_env({"NANOSERVE_PDL": "0", "NANOSERVE_FUSE_ROPE": "0", "NANOSERVE_FUSE_NORM": "1"})
-    assert (s.pdl, s.fuse_rope, s.fuse_norm, s.fuse_silu, s.fuse_merge) == (False, False, True, True, True)
+    s = Switches.from_env({"NANOSERVE_PDL": "0", "NANOSERVE_FUSE_SILU": "0", "NANOSERVE_FUSE_NORM": "1"})
+    assert (s.pdl, s.fuse_norm, s.fuse_silu, s.fuse_merge) == (False, True, False, True)
     assert not Switches.from_env({"NANOSERVE_FUSE_MERGE": "0"}).fuse_merge
     with pytest.raises(ValueError, match="NANOSERVE_PDL must be 0 or 1"):
         Switches.from_env({"NANOSERVE_PDL": "off"})

@@ -147,15 +147,14 @@ def test_prefill_then_decode_matches_hf(arch, tiny_model_dirs, hf_models):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @torch.inference_mode()
 def test_fused_kernel_paths_match_hf_in_the_interpreter(arch, tiny_model_dirs, hf_models, monkeypatch):
-    """Every fusion on (RMSNorm and SiLU-mul in the GEMV prologue, q/k norm + RoPE + KV store in the qkv GEMV's
-    epilogue, the split-K attention merge in the o_proj GEMV's prologue), with the Triton attention kernels, run
+    """Every fusion on (RMSNorm and SiLU-mul in the GEMV prologue, the split-K attention merge in the o_proj GEMV's
+    prologue), with the Triton attention kernels, run
     by the CPU interpreter: prefill and decode logits still equal HF's."""
     pytest.importorskip("triton")
     from nanoserve.kernels import attention, gemv
     from nanoserve.kernels.switches import SWITCHES
 
-    monkeypatch.setattr(SWITCHES, "fuse_rope", True)  # every fusion on, for any row count (defaults are narrower)
-    monkeypatch.setattr(SWITCHES, "fuse_max_m", gemv.MAX_M)
+    monkeypatch.setattr(SWITCHES, "fuse_max_m", gemv.MAX_M)  # every fusion on, for any row count
 
     def cpu_applies(x, weight, bias, weight_scale=None):  # the kernel's own checks, minus "CUDA and half precision"
         return x.dim() == 2 and 1 <= x.shape[0] <= gemv.MAX_M and x.shape[1] % 16 == 0 == weight.shape[1] % 16
@@ -166,8 +165,8 @@ def test_fused_kernel_paths_match_hf_in_the_interpreter(arch, tiny_model_dirs, h
     monkeypatch.setattr(attention, "decode_num_splits", lambda *shape: 2)  # partials to merge
     calls = []
     launch = gemv._launch
-    monkeypatch.setattr(gemv, "_launch", lambda *a, **k: calls.append((a[5] if len(a) > 5 else k.get("prologue", 0),
-                                                                       k.get("rope") is not None)) or launch(*a, **k))
+    monkeypatch.setattr(gemv, "_launch", lambda *a, **k: calls.append(a[5] if len(a) > 5 else k.get("prologue", 0))
+                        or launch(*a, **k))
     model = ours(tiny_model_dirs[arch])
     for layer in model.attention_layers():
         layer.backend = "triton"
@@ -187,11 +186,10 @@ def test_fused_kernel_paths_match_hf_in_the_interpreter(arch, tiny_model_dirs, h
         logits = model.compute_logits(model(ids, pos, meta))
         for i, p in enumerate(positions):
             torch.testing.assert_close(logits[i], refs[i][p], **TOL)
-    assert calls.count((3, False)) == model.num_layers * num_decode  # merge prologue: o_proj
+    assert calls.count(3) == model.num_layers * num_decode  # merge prologue: o_proj
     layers = model.num_layers * (1 + num_decode)
-    assert calls.count((1, True)) == layers  # norm prologue + rope epilogue: the qkv projection
-    assert calls.count((1, False)) == layers  # norm prologue: gate_up
-    assert calls.count((2, False)) == layers  # SiLU-mul prologue: down
+    assert calls.count(1) == 2 * layers  # norm prologue: the qkv projection and gate_up
+    assert calls.count(2) == layers  # SiLU-mul prologue: down
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -402,7 +400,7 @@ def test_gpu_fused_and_pdl_paths_equal_the_unfused_model(arch, tiny_model_dirs):
     seqs = random_seqs([9, 3, 17, 5], model.vocab_size, seed=6)
     results = []
     for on in (True, False):
-        with switched(pdl=on, fuse_norm=on, fuse_silu=on, fuse_rope=on):
+        with switched(pdl=on, fuse_norm=on, fuse_silu=on):
             kv = PagedKV(model, 32, 4, device=device)
             for attn in model.attention_layers():
                 attn.k_cache, attn.v_cache = attn.k_cache.bfloat16(), attn.v_cache.bfloat16()

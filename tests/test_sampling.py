@@ -346,3 +346,48 @@ def test_cuda_seeded_and_greedy():
     greedy = sampler(logits, seqs_of(SamplingParams(temperature=0), 3), [0]).token_ids
     assert greedy == logits.float().argmax(-1).tolist()
     assert math.isfinite(a.logprobs[0])
+
+
+# ---------------------------------------------------------------- a deferred step: begun with the forward, masked later
+
+
+def deferred(logits: torch.Tensor, seqs: list[Sequence], allowed: list[int]) -> list[int]:
+    """One deferred step (Sampler.begin at the forward, the grammar mask, Sampler.finish) of rows allowed `allowed`."""
+    for i, s in enumerate(seqs):
+        s.slot, s.num_pending = i, 1
+    batch = sampling_batch(seqs, [])
+    params = SamplingTensors(*(torch.from_numpy(a) for a in (batch.temperature, batch.top_p, batch.top_k,
+                                                              batch.min_p)))
+    last, slots = torch.zeros(len(seqs), dtype=torch.int32), torch.arange(len(seqs), dtype=torch.int32)
+    s = Sampler(len(seqs), torch.device("cpu"))
+    begun = s.begin(logits, batch, params)
+    bits = torch.zeros(logits.shape[1], dtype=torch.bool)
+    bits[allowed] = True
+    words = torch.zeros(len(seqs), -(-logits.shape[1] // 32), dtype=torch.int64)
+    for t in allowed:
+        words[:, t // 32] |= 1 << (t % 32)
+    batch.grammar_rows = torch.arange(len(seqs)).numpy()
+    batch.grammar_bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return s.finish(begun, batch, params, last, slots).result().token_ids
+
+
+@pytest.mark.parametrize("gap", [0.0, 300.0])  # 300: the allowed tokens' full-softmax probabilities underflow
+def test_deferred_rows_sample_the_allowed_tokens_by_their_probabilities(gap):
+    """A row without top-k/p samples its masked argmax of logits / T + Gumbel noise: each allowed token comes with
+    its probability among the allowed ones, however unlikely they all are among every token."""
+    logits = torch.zeros(40)
+    allowed = [5, 9, 33]
+    logits[allowed] = torch.tensor([0.0, 1.0, 2.0]) - gap
+    n = 30000
+    tokens = torch.tensor(deferred(logits.expand(n, -1).contiguous(), seqs_of(SamplingParams(), n), allowed))
+    empirical = torch.bincount(tokens, minlength=40).float()[allowed] / n
+    assert set(tokens.tolist()) <= set(allowed)
+    assert (empirical - torch.softmax(torch.tensor([0.0, 1.0, 2.0]), -1)).abs().max().item() < 0.015
+
+
+def test_deferred_greedy_and_filtered_rows_mask_first():
+    """Greedy rows take the best allowed token; a top-k row is masked before its filter (k of the allowed tokens)."""
+    logits = torch.arange(40.0).expand(2, -1).contiguous()
+    allowed = [3, 7, 20]
+    seqs = [Seq(SamplingParams(temperature=0)), Seq(SamplingParams(top_k=1))]
+    assert deferred(logits, seqs, allowed) == [20, 20]

@@ -10,13 +10,13 @@ token history, so while any request uses them the loop waits for each step befor
 tokens, no overlap).
 
 A structured output's token bitmask needs its sequence's previous token. A step with such rows launches its
-forward only, its sampler deferred. With step N+1 so launched, the next call first schedules and builds step
-N+2 (the scheduler is then two steps ahead of these rows' tokens: they count as pending, so lengths,
-max_tokens, min_tokens and block counts stay exact), then reads step N, whose tokens arrive as forward N+1
-starts, advances the matchers, fills step N+1's masks (engine/grammar.py) and launches its sampler while
-forward N+1 runs, then launches forward N+2, which reads the tokens that sampler writes. So the mask for step
-N+1 is ready before its forward ends whenever the matchers and the mask fill take less than a forward: they
-and two launches are all the host does between the tokens' arrival and the next launch. A sequence that
+forward with the part of its sampler that needs no mask (runner/sampler.py: Sampler.begin), the rest deferred.
+With step N+1 so launched, the next call first reads step N, whose tokens arrive as forward N+1 starts, advances
+the matchers and starts filling step N+1's masks (engine/grammar.py: on the mask thread from a few rows on), then,
+while they fill, schedules and builds step N+2 (the scheduler is then two steps ahead of these rows' tokens: they
+count as pending, so lengths, max_tokens, min_tokens and block counts stay exact) and completes step N's outputs,
+then launches N+1's masked argmax and forward N+2, which reads the tokens it writes. So the mask for step N+1 is
+ready before its forward ends whenever reading, matching and the fill take less than a forward. A sequence that
 step N finishes (EOS, a stop id, its grammar's end) was already scheduled in steps N+1 and N+2: both tokens
 are discarded, and its blocks and slot are freed before step N+2 launches, which still writes them. That is
 safe because nothing is allocated between that free and that launch, and whatever a later schedule
@@ -44,7 +44,7 @@ from nanoserve.engine.prompts import check_prompt_length, check_token_ids
 from nanoserve.engine.scheduler import ScheduledStep, Scheduler
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.model.loader import eos_token_ids, load_tokenizer
-from nanoserve.runner.batch import SamplingBatch
+from nanoserve.runner.batch import SampledTokens, SamplingBatch
 from nanoserve.runner.bucket_plan import chunk_caps
 from nanoserve.runner.group import WorkerError, create_runner
 from nanoserve.runner.sampler import SampleHandle
@@ -181,16 +181,18 @@ class EngineCore:
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
         """Schedule and launch a step; return what the steps read meanwhile (or, synchronously, this one)
-        produced. With overlap the step is scheduled and built before the host waits for any token: a constrained
-        step before it (its forward running) is then read, masked and sampled, and this one launched."""
+        produced. With overlap the step is scheduled and built before the host waits for any token, except that a
+        constrained step before it (its forward running) first has the step before that read and its own masks
+        started: they fill while this one is scheduled and built; then its sampler and this step are launched."""
         outputs: list[SeqOutput] = self._admit_compiled() if self._compiling else []
         overlap = self.config.async_scheduling and self._num_penalty_seqs == 0
         if not overlap:  # every token known before scheduling
             outputs += self._read_all()
+        started = self._start_deferred() if self._deferred is not None else None
         step = self.scheduler.schedule()
         batch = build_batch(step, self.config.block_size, self.eos_token_ids) if step else None
-        if self._deferred is not None:  # (overlap only) read, mask and sample the step before it: see the docstring
-            outputs += self._sample_deferred()
+        if started is not None:  # (overlap only) the step before it read, masked and sampled: see the docstring
+            outputs += self._sample_deferred(started)
             if step and all(s.is_finished for s in step.seqs):  # every row ended in that read: nothing to run
                 step = None
         if step:
@@ -198,7 +200,7 @@ class EngineCore:
         elif not self._inflight and self._compiling:  # nothing to run until a grammar is ready
             wait(self._compiling.values(), GRAMMAR_WAIT_S, FIRST_COMPLETED)
         while len(self._inflight) > (1 if overlap and step else 0):
-            outputs += self._complete(self._inflight.popleft())
+            outputs += self._complete(*self._read(self._inflight.popleft()))
         return outputs
 
     def _launch(self, step: ScheduledStep, batch, overlap: bool) -> list[SeqOutput]:
@@ -216,29 +218,47 @@ class EngineCore:
         """Launch the deferred sampler, if any, and read every step in flight."""
         outputs = self._sample_deferred() if self._deferred is not None else []
         while self._inflight:
-            outputs += self._complete(self._inflight.popleft())
+            outputs += self._complete(*self._read(self._inflight.popleft()))
         return outputs
 
-    def _sample_deferred(self) -> list[SeqOutput]:
-        """Launch the sampler of the step whose forward runs: first read the steps before it (their tokens advance
-        the matchers) while the device runs that forward, then fill its grammar rows' masks. It comes before any
-        later step's forward, which reads the tokens it samples. Returns the outputs of the steps read."""
-        (pending, sampling), self._deferred = self._deferred, None
+    def _start_deferred(self):
+        """Read the steps before the deferred one (their tokens advance the matchers; the device runs the deferred
+        forward meanwhile) and start filling its masks (engine/grammar.py: on a thread from a few rows on). Rows whose
+        grammar ended or refused a token in those reads are left unmasked: they end, their token is discarded."""
+        reads = [self._read(self._inflight.popleft()) for _ in range(len(self._inflight))]
+        ending = {id(done.sampled[i]) for done, result, accepted in reads if accepted is not None
+                  for i, ok in enumerate(accepted) if not ok or result.token_ids[i] in self._grammars.stop_token_ids}
+        rows = [None if id(s) in ending else s.grammar for s in self._deferred[0].sampled]
+        return reads, self._grammars.start_fill(rows)
+
+    def _sample_deferred(self, started=None) -> list[SeqOutput]:
+        """Launch the sampler of the step whose forward runs, once its masks are filled (started: _start_deferred's
+        reads and fill; None: start them now). It comes before any later step's forward, which reads the tokens it
+        samples. Returns the outputs of the steps read."""
+        reads, fill = started if started is not None else self._start_deferred()
         outputs = []
-        while self._inflight:
-            outputs += self._complete(self._inflight.popleft())
-        mask = self._grammars.bitmask(pending.sampled)  # (rows finished meanwhile have no matcher: token discarded)
-        if mask is not None:
-            sampling.grammar_rows, sampling.grammar_bitmask = mask
+        for read in reads:  # (the mask fill runs meanwhile)
+            outputs += self._complete(*read)
+        (pending, sampling), self._deferred = self._deferred, None
+        if fill is not None:
+            sampling.grammar_rows, sampling.grammar_bitmask = fill.result()
         pending.handle = self.runner.sample_deferred(sampling)
         self._inflight.append(pending)
         return outputs
 
-    def _complete(self, done: _InFlight) -> list[SeqOutput]:
-        """Read a step's sampled tokens; append, register full blocks, finish; the deltas of live sequences."""
+    def _read(self, done: _InFlight) -> tuple[_InFlight, SampledTokens | None, list[bool] | None]:
+        """Wait for a step's sampled tokens and advance its rows' matchers by them (one batched call): the step, its
+        tokens, and per row whether the token fitted its grammar (None without grammar rows)."""
         if done.handle is None:
-            return []
+            return done, None, None
         result = done.handle.result()
+        accepted = self._grammars.accept(done.sampled, result.token_ids) if self._num_grammar_seqs else None
+        return done, result, accepted
+
+    def _complete(self, done: _InFlight, result: SampledTokens | None, accepted: list[bool] | None) -> list[SeqOutput]:
+        """Append a read step's tokens, register full blocks, finish; the deltas of live sequences."""
+        if result is None:
+            return []
         if result.prompt_logprobs is not None:
             _distribute_prompt_logprobs(done.step, result.prompt_logprobs)
         outputs = []
@@ -247,7 +267,7 @@ class EngineCore:
             if seq.is_finished:  # finished or aborted after this step was launched: the token is discarded
                 continue
             token = result.token_ids[i]
-            if seq.grammar is not None and not seq.grammar.accept_token(token):
+            if accepted is not None and not accepted[i]:
                 outputs.append(self._grammar_dead_end(seq, token))
                 continue
             seq.output_token_ids.append(token)
@@ -279,8 +299,8 @@ class EngineCore:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if seq.grammar is not None and seq.grammar.is_terminated():  # the grammar is complete: nothing may follow
-            return "stop"
+        if seq.grammar is not None and token in self._grammars.stop_token_ids and seq.grammar.is_terminated():
+            return "stop"  # the grammar is complete: nothing may follow (a matcher ends by accepting a stop token)
         if p.reached_min_tokens(len(seq.output_token_ids)):  # (earlier tokens could not be stop tokens: banned)
             if token in p.stop_token_ids:
                 seq.stop_reason = token

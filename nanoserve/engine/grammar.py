@@ -9,17 +9,17 @@ then has its own GrammarMatcher; every token the host learns is accepted by it, 
 grammar is complete and a stop token was accepted) finishes its sequence with "stop".
 
 How the mask of step N+1 is ready in time: a row's mask depends on its token of step N, which the host learns one
-step late (the loop runs ahead: step N+1 is launched before step N is read). A step with grammar rows is launched in
-two parts (EngineCore.step): its forward at once, its sampler deferred. The next call of the loop first schedules and
-builds step N+2, then reads step N (its tokens arrive as forward N+1 starts), advances the matchers, fills step N+1's
-bitmask (pinned; the rows without a grammar allow every token) and launches its sampler while forward N+1 runs, then
-launches forward N+2 at once: between the tokens and the next launch the host only matches, fills and launches. The
-mask travels with the batch (SamplingBatch.grammar_rows / grammar_bitmask; to every tensor-parallel rank too), is
-copied to the device without a sync and applied there by xgrammar's kernel. The sampler of N+1 is queued before the
-forward of N+2, which reads its tokens. The device idles only if the matchers and the mask fill outlast a forward (or
-the host's whole step outlasts forward plus sampler); unconstrained batches carry no mask and take the sampler's paths
-unchanged. The bitmask buffer is refilled only after the step that copied it was read.
-benchmarks/structured_overhead.py measures the cost.
+step late (the loop runs ahead: step N+1 is launched before step N is read). A step with grammar rows launches its
+forward and the part of its sampler that needs no mask (Sampler.begin: the scores whose masked argmax is the
+token); the rest waits (EngineCore.step). The next call of the loop reads step N (its tokens arrive as forward N+1
+starts), advances the matchers, and starts filling step N+1's bitmask (pinned; the rows without a grammar allow
+every token). From GRAMMAR_FILL_THREAD_MIN_ROWS rows the fill runs on the mask thread, inside xgrammar (its own
+threads, the GIL released), while the core schedules and builds step N+2; then the core launches N+1's masked
+argmax (one kernel, kernels/logit_mask.py) and forward N+2, which reads its tokens. The mask travels with the
+batch (SamplingBatch.grammar_rows / grammar_bitmask; to every tensor-parallel rank too) and is copied to the
+device without a sync. The device idles only if reading, matching and the fill outlast a forward. Unconstrained
+batches carry no mask and take the sampler's paths unchanged. The bitmask buffer is refilled only after the step
+that copied it was read. benchmarks/structured_overhead.py measures the cost.
 
 Validation: `check()` builds the constraint's grammar without a tokenizer (fast), so front ends refuse a bad
 schema, regex or grammar with a ValueError naming the problem before anything reaches the core.
@@ -27,6 +27,7 @@ schema, regex or grammar with a ValueError naming the problem before anything re
 from __future__ import annotations
 
 import json
+import queue
 import re
 import threading
 from collections import OrderedDict
@@ -36,7 +37,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from nanoserve.config import GRAMMAR_CACHE_SIZE, GRAMMAR_COMPILE_THREADS, STRUCTURED_JSON_MAX_WHITESPACE
+from nanoserve.config import (GRAMMAR_CACHE_SIZE, GRAMMAR_COMPILE_THREADS, GRAMMAR_FILL_THREAD_MIN_ROWS,
+                              STRUCTURED_JSON_MAX_WHITESPACE)
 from nanoserve.sampling import StructuredOutputsParams
 
 _JSON_OPTIONS = {"any_whitespace": True, "max_whitespace_cnt": STRUCTURED_JSON_MAX_WHITESPACE}
@@ -94,9 +96,12 @@ class Grammars:
         """load_tokenizer: called once, on the pool, by the first compilation (the tokenizer info takes a while)."""
         self._xgr = xgrammar()
         self._load_tokenizer, self._vocab_size, self._stop_ids = load_tokenizer, vocab_size, list(stop_token_ids)
+        self.stop_token_ids = frozenset(stop_token_ids)  # a matcher ends (terminates) when it accepts one
         self._compiler = None
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(GRAMMAR_COMPILE_THREADS, thread_name_prefix="nanoserve-grammar")
+        self._mask_jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._mask_thread, name="nanoserve-mask", daemon=True).start()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         bitmask = self._xgr.allocate_token_bitmask(max_rows, vocab_size)  # [rows, ceil(vocab / 32)] int32
         self._batch = self._xgr.BatchGrammarMatcher()
@@ -130,22 +135,75 @@ class Grammars:
     def matcher(self, compiled):
         return self._xgr.GrammarMatcher(compiled)
 
-    def bitmask(self, seqs: list) -> tuple[np.ndarray, torch.Tensor] | None:
-        """The sampled rows that have a matcher, and the bitmask of every row (the others allow every token), or None.
-        The buffer is reused by the next constrained step, which fills it only after reading this one."""
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    def accept(self, seqs: list, tokens: list[int]) -> list[bool] | None:
+        """Advance the matchers of the rows that have one by their tokens; per row, whether its token fitted (rows
+        without a matcher: True). None when no row has a matcher. (A loop of accept_token: xgrammar's batch call
+        measured slower for 64 rows, its result converted in Python.)"""
+        if not any(s.grammar is not None for s in seqs):
+            return None
+        return [s.grammar is None or s.grammar.accept_token(t) for s, t in zip(seqs, tokens)]
+
+    def start_fill(self, matchers: list) -> "MaskFill | None":
+        """Start filling the bitmask of a step's sampled rows, given each row's matcher or None: the rows with one by
+        xgrammar (its threads), the others with every token allowed; None when no row has a matcher. From
+        GRAMMAR_FILL_THREAD_MIN_ROWS rows the fill runs on the mask thread while the caller goes on: the caller waits
+        only until that thread is inside xgrammar, which releases the GIL (else the thread would wait for the GIL
+        until the caller blocks). The buffer is reused by the next constrained step, which fills it only after
+        reading this one."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
-        if len(rows) < len(seqs):  # so the kernel masks all rows and needs no row indices (a pageable copy)
-            self._bitmask[[i for i, s in enumerate(seqs) if s.grammar is None]] = -1
+        if len(rows) < len(matchers):  # so the kernel masks all rows and needs no row indices (a pageable copy)
+            self._bitmask[[i for i, m in enumerate(matchers) if m is None]] = -1
+        fill = MaskFill(np.array(rows, np.int32), self._bitmask[:len(matchers)])
+        matchers = [matchers[i] for i in rows]
+        if len(rows) < GRAMMAR_FILL_THREAD_MIN_ROWS:
+            self._fill(matchers, rows)
+            return fill
+        fill.done = threading.Event()
+        inside = threading.Event()
+        self._mask_jobs.put((fill, matchers, rows, inside))
+        inside.wait()
+        return fill
+
+    def _fill(self, matchers: list, rows: list[int]) -> None:
         if len(rows) == 1:
-            seqs[rows[0]].grammar.fill_next_token_bitmask(self._bitmask, rows[0])
+            matchers[0].fill_next_token_bitmask(self._bitmask, rows[0])
         else:  # xgrammar's threads fill the rows in parallel
-            self._batch.batch_fill_next_token_bitmask([seqs[i].grammar for i in rows], self._bitmask, indices=rows)
-        return np.array(rows, np.int32), self._bitmask[:len(seqs)]
+            self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, indices=rows)
+
+    def _mask_thread(self) -> None:
+        """Fills masks handed over by start_fill, until close() sends None."""
+        while (job := self._mask_jobs.get()) is not None:
+            fill, matchers, rows, inside = job
+            inside.set()
+            try:
+                self._fill(matchers, rows)
+            except BaseException as e:  # (raised to the core by MaskFill.result)
+                fill.error = e
+            fill.done.set()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._mask_jobs.put(None)
 
 
-__all__ = ["Grammars", "check", "grammar_of", "xgrammar"]
+class MaskFill:
+    """A step's bitmask, being filled (by Grammars.start_fill)."""
+
+    done: threading.Event | None = None  # set by the mask thread; None when filled on the caller's thread
+    error: BaseException | None = None
+
+    def __init__(self, rows: np.ndarray, bitmask: torch.Tensor):
+        self.rows, self.bitmask = rows, bitmask
+
+    def result(self) -> tuple[np.ndarray, torch.Tensor]:
+        """The rows that have a matcher, and the bitmask of every row, once filled."""
+        if self.done is not None:
+            self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.rows, self.bitmask
+
+
+__all__ = ["Grammars", "MaskFill", "check", "grammar_of", "xgrammar"]

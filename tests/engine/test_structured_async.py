@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import threading
 
 import pytest
 
@@ -46,8 +47,19 @@ def pending_seen(monkeypatch) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("num_kv_blocks", [400, 60], ids=["roomy", "preempting"])
-def test_constrained_churn_async_equals_sync(tiny_model_dirs, pending_seen, num_kv_blocks):
+@pytest.mark.parametrize("num_kv_blocks, fill_thread_rows", [(400, None), (60, None), (400, 1)],
+                         ids=["roomy", "preempting", "every-fill-on-its-thread"])
+def test_constrained_churn_async_equals_sync(tiny_model_dirs, pending_seen, num_kv_blocks, fill_thread_rows,
+                                             monkeypatch):
+    """fill_thread_rows: the fewest grammar rows whose masks fill on the mask thread (None: config's)."""
+    from nanoserve.engine import grammar
+
+    if fill_thread_rows is not None:
+        monkeypatch.setattr(grammar, "GRAMMAR_FILL_THREAD_MIN_ROWS", fill_thread_rows)
+    on_thread = []
+    original_fill = grammar.Grammars._fill
+    monkeypatch.setattr(grammar.Grammars, "_fill", lambda self, m, rows: on_thread.append(
+        threading.current_thread().name == "nanoserve-mask") or original_fill(self, m, rows))
     runs = {}
     for overlap in (True, False):
         pending_seen.clear()
@@ -62,6 +74,8 @@ def test_constrained_churn_async_equals_sync(tiny_model_dirs, pending_seen, num_
     assert {"stop", "length"} <= {reason for _, reason in got.values()}
     if num_kv_blocks == 60:
         assert stats.preemptions > 0
+    if fill_thread_rows == 1:
+        assert on_thread and all(on_thread)
 
 
 def _launched_rows(monkeypatch) -> dict[str, int]:

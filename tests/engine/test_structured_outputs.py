@@ -165,8 +165,8 @@ def test_async_loop_gives_the_synchronous_tokens(tiny_model_dirs, monkeypatch):
     from nanoserve.engine.core import EngineCore
 
     overlapped = []
-    original = EngineCore._sample_deferred
-    monkeypatch.setattr(EngineCore, "_sample_deferred", lambda self: overlapped.append(bool(self._inflight)) or
+    original = EngineCore._start_deferred
+    monkeypatch.setattr(EngineCore, "_start_deferred", lambda self: overlapped.append(bool(self._inflight)) or
                         original(self))
     runs = []
     for overlap in (True, False):
@@ -217,9 +217,9 @@ def test_sampler_masks_only_the_grammar_rows_and_the_padding(tiny_model_dirs):
         if constrained:
             seqs[1].grammar = grammars.matcher(grammars.compile(Constraint(regex="[0-9]+")).result())
         batch = sampling_batch(seqs, [tok.eos_token_id])
-        mask = grammars.bitmask(seqs)
-        if mask is not None:
-            batch.grammar_rows, batch.grammar_bitmask = mask
+        fill = grammars.start_fill([s.grammar for s in seqs])
+        if fill is not None:
+            batch.grammar_rows, batch.grammar_bitmask = fill.result()
         params = SamplingTensors(*(torch.from_numpy(a) for a in (batch.temperature, batch.top_p, batch.top_k,
                                                                    batch.min_p)))
         last, slots = torch.zeros(3, dtype=torch.int32), torch.arange(3, dtype=torch.int32)

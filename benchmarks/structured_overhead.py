@@ -96,8 +96,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=256, help="decode steps per timed run")
     p.add_argument("--runs", type=int, default=3, help="timed runs per mode and batch size (median reported)")
-    p.add_argument("--mask-first", action="store_true",
-                   help="also run the constrained loop with its whole sampler after the mask (constrained_mask_first)")
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                    help="skip the extra run per mode and batch size that times the loop's phases (and, on CUDA, "
                         "the device's busy time under torch.profiler)")
@@ -139,12 +137,10 @@ def timed_run(llm, b: int, args, constrained: bool) -> dict:
 
 def measure_modes(model_dir: Path, tokenizer: Path, args) -> dict:
     results: dict = {}
-    modes = [("free", True), ("constrained", True), ("free_sync", False)]
-    for mode, async_scheduling in modes + ([("constrained_mask_first", True)] if args.mask_first else []):
+    for mode, async_scheduling in (("free", True), ("constrained", True), ("free_sync", False)):
         llm = make_llm(model_dir, tokenizer, args, async_scheduling)
         for b in args.batch_sizes:
-            with mask_first(mode == "constrained_mask_first"):
-                results.setdefault(f"b{b}", {})[mode] = best = measure_one(llm, b, args, mode.startswith("constrained"))
+            results.setdefault(f"b{b}", {})[mode] = best = measure_one(llm, b, args, mode == "constrained")
             print(f"b={b:3d} {mode:12s} {best['ms_per_step']:8.3f} ms/step {best['tok_per_s']:10.1f} tok/s "
                   f"{best.get('phases_ms_per_step', '')} busy {best.get('device_busy_ms_per_step', '-')}", flush=True)
         llm.close()
@@ -152,25 +148,8 @@ def measure_modes(model_dir: Path, tokenizer: Path, args) -> dict:
         release_cuda_memory()
     for row in results.values():
         row["constrained_over_free"] = row["constrained"]["ms_per_step"] / row["free"]["ms_per_step"]
-        if "constrained_mask_first" in row:
-            row["mask_first_over_free"] = row["constrained_mask_first"]["ms_per_step"] / row["free"]["ms_per_step"]
         row["sync_over_free"] = row["free_sync"]["ms_per_step"] / row["free"]["ms_per_step"]
     return results
-
-
-@contextmanager
-def mask_first(on: bool):
-    """The comparison --mask-first asks for: every deferred step keeps its logits and runs its whole sampler after
-    the mask (Sampler.begin begins nothing), as before the sampler was split around the fill."""
-    from nanoserve.runner.sampler import Begun, Sampler
-
-    original = Sampler.begin
-    if on:
-        Sampler.begin = lambda self, logits, batch, params: Begun(logits, None)
-    try:
-        yield
-    finally:
-        Sampler.begin = original
 
 
 def measure_one(llm, b: int, args, constrained: bool) -> dict:

@@ -10,12 +10,12 @@ token history, so while any request uses them the loop waits for each step befor
 tokens, no overlap).
 
 A structured output's token bitmask needs its sequence's previous token. A step with such rows launches its
-forward with the part of its sampler that needs no mask (runner/sampler.py: Sampler.begin), the rest deferred.
+forward only, its sampler deferred.
 With step N+1 so launched, the next call first reads step N, whose tokens arrive as forward N+1 starts, advances
 the matchers and starts filling step N+1's masks (engine/grammar.py: on the mask thread from a few rows on), then,
 while they fill, schedules and builds step N+2 (the scheduler is then two steps ahead of these rows' tokens: they
 count as pending, so lengths, max_tokens, min_tokens and block counts stay exact) and completes step N's outputs,
-then launches N+1's masked argmax and forward N+2, which reads the tokens it writes. So the mask for step N+1 is
+then launches N+1's sampler and forward N+2, which reads the tokens it writes. So the mask for step N+1 is
 ready before its forward ends whenever reading, matching and the fill take less than a forward. A sequence that
 step N finishes (EOS, a stop id, its grammar's end) was already scheduled in steps N+1 and N+2: both tokens
 are discarded, and its blocks and slot are freed before step N+2 launches, which still writes them. That is

@@ -10,12 +10,12 @@ grammar is complete and a stop token was accepted) finishes its sequence with "s
 
 How the mask of step N+1 is ready in time: a row's mask depends on its token of step N, which the host learns one
 step late (the loop runs ahead: step N+1 is launched before step N is read). A step with grammar rows launches its
-forward and the part of its sampler that needs no mask (Sampler.begin: the scores whose masked argmax is the
-token); the rest waits (EngineCore.step). The next call of the loop reads step N (its tokens arrive as forward N+1
+forward; its sampler waits (EngineCore.step). The next call of the loop reads step N (its tokens arrive as forward N+1
 starts), advances the matchers, and starts filling step N+1's bitmask (pinned; the rows without a grammar allow
 every token). From GRAMMAR_FILL_THREAD_MIN_ROWS rows the fill runs on the mask thread, inside xgrammar (its own
-threads, the GIL released), while the core schedules and builds step N+2; then the core launches N+1's masked
-argmax (one kernel, kernels/logit_mask.py) and forward N+2, which reads its tokens. The mask travels with the
+threads, the GIL released), while the core schedules and builds step N+2; then the core launches N+1's sampler (the
+mask applied with the float32 copy of the logits, one kernel: kernels/logit_mask.py) and forward N+2, which reads
+its tokens. The mask travels with the
 batch (SamplingBatch.grammar_rows / grammar_bitmask; to every tensor-parallel rank too) and is copied to the
 device without a sync. The device idles only if reading, matching and the fill outlast a forward. Unconstrained
 batches carry no mask and take the sampler's paths unchanged. The bitmask buffer is refilled only after the step

@@ -4,8 +4,7 @@ The sampler works on a float32 copy of the logits; a constrained step also sets 
 -inf. xgrammar's apply_token_bitmask_inplace does that in place, but its Python wrapper costs ~0.18 ms of host time
 a call (H200 host, 64 rows: device-property lookups and a generic launch), on the critical path of a loop that is
 host-bound at that batch size. One kernel here reads the logits and the packed mask once and writes the masked
-float32 copy; another takes a deferred step's tokens as the masked argmax of its scores and stores them in their
-slots' last-token cells (the next step's inputs), in one launch instead of five. The mask is xgrammar's layout: [rows, ceil(vocab / 32)] int32, bit j of word w allows token 32w + j.
+float32 copy. The mask is xgrammar's layout: [rows, ceil(vocab / 32)] int32, bit j of word w allows token 32w + j.
 """
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import torch
 from nanoserve.kernels._triton import HAS_TRITON, cdiv, jit, tl
 
 BLOCK = 2048  # tokens per program: 64 rows of a 152k vocabulary are ~4.8k programs
-ARGMAX_BLOCK = 4096  # tokens per iteration of the argmax (one program per row)
 
 
 def masked_float_logits_ref(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -52,47 +50,3 @@ def _masked_float_logits_kernel(logits_ptr, mask_ptr, out_ptr, vocab, stride_log
     allowed = ((words >> (cols % 32)) & 1) != 0
     tl.store(out_ptr + row * vocab + cols, tl.where(allowed, x, float("-inf")), mask=inside)
 
-
-def masked_argmax_ref(scores: torch.Tensor, bitmask: torch.Tensor, last_tokens: torch.Tensor,
-                      slots: torch.Tensor) -> torch.Tensor:
-    tokens = masked_float_logits_ref(scores, bitmask).argmax(dim=-1).to(torch.int32)
-    last_tokens.index_copy_(0, slots.long(), tokens)
-    return tokens
-
-
-def masked_argmax(scores: torch.Tensor, bitmask: torch.Tensor, last_tokens: torch.Tensor, slots: torch.Tensor,
-                  force_triton: bool = False) -> torch.Tensor:
-    """Per row, the first index of the largest score among the tokens its bits allow (0 when none is allowed, as
-    torch.argmax over -inf), as int32 [n]; also written to last_tokens[slots]."""
-    n, vocab = scores.shape
-    if bitmask.dtype != torch.int32 or bitmask.shape[0] != n or bitmask.shape[1] * 32 < vocab:
-        raise ValueError(f"a token bitmask for {n} rows of {vocab} tokens is int32 [{n}, >= {cdiv(vocab, 32)}], "
-                         f"got {bitmask.dtype} {list(bitmask.shape)}")
-    if not (force_triton or (HAS_TRITON and scores.is_cuda)):
-        return masked_argmax_ref(scores, bitmask, last_tokens, slots)
-    tokens = torch.empty(n, dtype=torch.int32, device=scores.device)
-    if n:
-        _masked_argmax_kernel[(n,)](scores, bitmask, slots, tokens, last_tokens, vocab, scores.stride(0),
-                                    bitmask.stride(0), BLOCK=ARGMAX_BLOCK)
-    return tokens
-
-
-@jit
-def _masked_argmax_kernel(scores_ptr, mask_ptr, slots_ptr, tokens_ptr, last_ptr, vocab, stride_scores, stride_mask,
-                          BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    best = -float("inf")
-    best_at = 0
-    for start in range(0, vocab, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        inside = cols < vocab
-        x = tl.load(scores_ptr + row * stride_scores + cols, mask=inside, other=0.0).to(tl.float32)
-        words = tl.load(mask_ptr + row * stride_mask + cols // 32, mask=inside, other=0)
-        x = tl.where(inside & (((words >> (cols % 32)) & 1) != 0), x, -float("inf"))
-        top = tl.max(x, axis=0)
-        at = start + tl.argmax(x, axis=0, tie_break_left=True)
-        better = top > best  # (ties: the earlier block's index stays, as torch.argmax keeps the first)
-        best_at = tl.where(better, at, best_at)
-        best = tl.where(better, top, best)
-    tl.store(tokens_ptr + row, best_at.to(tl.int32))
-    tl.store(last_ptr + tl.load(slots_ptr + row), best_at.to(tl.int32))

@@ -92,7 +92,7 @@ class ModelRunner:
         self.token_forward = TokenForward(self.model, self.state, StepPacker(dev), token_inputs,
                                           logprob_chunk=cfg.max_num_seqs)
         self.sampler = Sampler(cfg.max_num_seqs, dev, self.rng)
-        self._deferred = None  # execute(defer_sampling=True): (its Sampler.begin, sampling tensors, slots, prompt logprobs)
+        self._deferred = None  # execute(defer_sampling=True): (logits, sampling tensors, slots, prompt logprobs)
 
     @torch.inference_mode()
     def _warm_up_logits(self) -> None:
@@ -257,18 +257,17 @@ class ModelRunner:
             slots = views.slots[:b]
         if batch.sampling is None or not len(batch.sampling):
             return None if prompt is None else SampleHandle.empty(prompt)
-        if defer_sampling:  # the part of its sampler that needs no grammar mask is launched with the forward
-            self._deferred = (self.sampler.begin(logits, batch.sampling, params), params, slots, prompt)
+        if defer_sampling:
+            self._deferred = (logits, params, slots, prompt)
             return None
         return self._sample(batch.sampling, logits, params, slots, prompt)
 
+    @torch.inference_mode()
     def sample_deferred(self, sampling: SamplingBatch) -> SampleHandle:
-        """Launch the rest of the sampler of the step execute(defer_sampling=True) ran, with this (now complete)
-        SamplingBatch."""
-        (begun, params, slots, prompt), self._deferred = self._deferred, None
-        handle = self.sampler.finish(begun, sampling, params, self.state.last_tokens, slots)
-        handle.prompt_logprobs = prompt
-        return handle
+        """Launch the sampler of the step execute(defer_sampling=True) ran, with this (now complete) SamplingBatch."""
+        logits, params, slots, prompt = self._deferred
+        self._deferred = None
+        return self._sample(sampling, logits, params, slots, prompt)
 
     def _sample(self, sampling: SamplingBatch, logits, params, slots, prompt) -> SampleHandle:
         handle = self.sampler(logits, sampling, params, self.state.last_tokens, slots)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from nanoserve.config import MAX_LOGPROBS
-from nanoserve.kernels.logit_mask import masked_argmax, masked_float_logits
+from nanoserve.kernels.logit_mask import masked_float_logits
 from nanoserve.runner.batch import Penalties, SampledTokens, SamplingBatch
 
 
@@ -111,16 +111,6 @@ class Sampler:
         return self._to_host(tokens, raw_logprobs, top_k, batch.num_logprobs)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors) -> torch.Tensor:
-        self._adjust(logits, batch)
-        greedy_rows = batch.temperature <= 0
-        tokens = logits.argmax(dim=-1) if greedy_rows.any() else None
-        if not greedy_rows.all():
-            sampled = sample_rows(logits, batch, params, self.generator)
-            tokens = sampled if tokens is None else torch.where(params.temperature <= 0, tokens, sampled)
-        return tokens
-
-    def _adjust(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
-        """logit_bias, bans (min_tokens) and penalties, in place on float32 logits."""
         if len(batch.bias_rows):  # before the bans: a banned token stays banned whatever its bias
             self._add_logit_bias(logits, batch)
         if len(batch.banned_rows):
@@ -130,49 +120,18 @@ class Sampler:
             logits[rows, cols] = -math.inf
         if batch.penalties is not None:
             apply_penalties(logits, batch.penalties)
-
-    # -- a deferred step (structured outputs): launched in two parts around the mask fill ---------------------------
-    @torch.inference_mode()
-    def begin(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors) -> "Begun":
-        """The part of a deferred step's sampling that needs no grammar mask, launched with its forward (so its host
-        work is off the path from the mask to the next forward). Rows without top-k, top-p, min-p and logprobs take
-        their token as the argmax, over the tokens the mask allows, of a score computed now: the logits (greedy) or
-        logits / T + Gumbel noise (-log E, E ~ Exp(1)), which picks a token with its probability among the allowed
-        ones (the exponential race of sample_rows, in log space so that no allowed token's chance underflows).
-        Otherwise the logits are kept and masked first (top-k/p and logprobs are of the allowed tokens)."""
-        if logits.shape[0] != len(batch):
-            raise ValueError(f"got {logits.shape[0]} logit rows for {len(batch)} sampled rows")
-        if batch.max_logprobs is not None or _filters(batch, logits.shape[1]):
-            return Begun(logits, None)
-        scores = logits.float() if logits.dtype != torch.float32 else logits.clone()
-        self._adjust(scores, batch)
         greedy_rows = batch.temperature <= 0
+        tokens = logits.argmax(dim=-1) if greedy_rows.any() else None
         if not greedy_rows.all():
-            temperature = torch.where(params.temperature > 0, params.temperature, 1.0)
-            noise = race_noise(scores, batch, self.generator).clamp_min_(1e-10).log_()
-            race = (scores / temperature[:, None]).sub_(noise)
-            scores = race if not greedy_rows.any() else torch.where(params.temperature[:, None] <= 0, scores, race)
-        return Begun(None, scores)
-
-    @torch.inference_mode()
-    def finish(self, begun: "Begun", batch: SamplingBatch, params: SamplingTensors, last_tokens: torch.Tensor,
-               slots: torch.Tensor) -> SampleHandle:
-        """The rest of a deferred step's sampling, once batch carries its grammar mask (if any row still has one)."""
-        if begun.scores is None:
-            return self(begun.logits, batch, params, last_tokens, slots)
-        if batch.grammar_rows is None:  # (every grammar row ended meanwhile)
-            tokens = begun.scores.argmax(dim=-1).to(torch.int32)
-            last_tokens.index_copy_(0, slots.long(), tokens)
-        else:
-            bitmask = batch.grammar_bitmask.to(self.device, non_blocking=True)
-            tokens = masked_argmax(begun.scores, bitmask, last_tokens, slots)
-        return self._to_host(tokens, None, None, batch.num_logprobs)
+            sampled = sample_rows(logits, batch, params, self.generator)
+            tokens = sampled if tokens is None else torch.where(params.temperature <= 0, tokens, sampled)
+        return tokens
 
     def _masked(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Structured outputs: the float32 logits with the grammar rows' disallowed tokens (padding columns beyond the
-        tokenizer's vocabulary included) at -inf (kernels/logit_mask.py). The other rows' masks allow everything:
-        the kernel runs over all rows, with no row indices to copy (the bitmask comes from pinned memory, without a
-        sync)."""
+        tokenizer's vocabulary included) at -inf, in one kernel (kernels/logit_mask.py). The other rows' masks allow
+        everything: the kernel runs over all rows, with no row indices to copy (the bitmask comes from pinned
+        memory, without a sync)."""
         return masked_float_logits(logits, batch.grammar_bitmask.to(self.device, non_blocking=True))
 
     def _add_logit_bias(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -232,31 +191,11 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch, params: SamplingTens
         floor = logits.max(dim=-1, keepdim=True).values + log_min_p[:, None]
         logits = logits.masked_fill(logits < floor, -math.inf)
     probs = logits.softmax(dim=-1)
-    return probs.div_(race_noise(probs, batch, generator).clamp_min_(1e-10)).argmax(dim=-1)
-
-
-def race_noise(like: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None) -> torch.Tensor:
-    """E ~ Exp(1) shaped like `like`: unseeded rows from `generator`, seeded (sampled) rows from their own."""
-    noise = torch.empty_like(like).exponential_(generator=generator)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
     for i, g in enumerate(batch.generators or ()):
         if g is not None and batch.temperature[i] > 0:
             noise[i].exponential_(generator=g)
-    return noise
-
-
-def _filters(batch: SamplingBatch, vocab: int) -> bool:
-    """Whether any row uses top-k, top-p or min-p."""
-    return bool(((batch.top_k > 0) & (batch.top_k < vocab)).any() or (batch.top_p < 1).any() or
-                (batch.min_p > 0).any())
-
-
-@dataclass
-class Begun:
-    """A deferred step's sampling, begun: its logits (to be masked first), or the scores whose masked argmax are its
-    tokens."""
-
-    logits: torch.Tensor | None
-    scores: torch.Tensor | None
+    return probs.div_(noise.clamp_min_(1e-10)).argmax(dim=-1)
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:

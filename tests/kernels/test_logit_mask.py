@@ -45,19 +45,3 @@ def test_a_mask_too_narrow_is_refused():
     with pytest.raises(ValueError, match=r"int32 \[2, >= 4\]"):
         logit_mask.masked_float_logits(torch.zeros(2, 100), torch.zeros(2, 3, dtype=torch.int32))
 
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows, vocab", [(1, 100), (4, 2 * logit_mask.ARGMAX_BLOCK + 77)])
-def test_masked_argmax_equals_reference(dtype, rows, vocab):
-    scores, bitmask = random_case(rows, vocab, dtype, seed=vocab + 1)
-    scores[:, ::7] = 1.5  # ties: the first allowed one wins
-    bitmask[-1] = 0  # a row that allows nothing: token 0, as torch.argmax over -inf
-    scores, bitmask = scores.to(DEVICE), bitmask.to(DEVICE)
-    slots = torch.arange(rows, dtype=torch.int32, device=DEVICE).flip(0) * 2
-    got_last = torch.full((2 * rows,), -1, dtype=torch.int32, device=DEVICE)
-    want_last = got_last.clone()
-    got = logit_mask.masked_argmax(scores, bitmask, got_last, slots, force_triton=True)
-    want = logit_mask.masked_argmax_ref(scores, bitmask, want_last, slots)
-    assert got.dtype == torch.int32 and torch.equal(got, want) and torch.equal(got_last, want_last)
-    assert want[-1].item() == 0

@@ -67,7 +67,7 @@ def _add_serve_parser(kinds) -> None:
     serve = kinds.add_parser("serve", help="TTFT / TPOT / ITL / E2EL and throughput against a running server",
                              epilog=EPILOG, description="Streams the completions API of a running OpenAI-compatible "
                              "server (nanoserve serve, vllm serve, ...) from several client processes.")
-    serve.add_argument("--base-url", default=None, help="the server, e.g. http://host:8000 (default: from --host/--port)")
+    serve.add_argument("--base-url", default=None, help="the server, e.g. http://host:8000 (default: --host, --port)")
     serve.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     serve.add_argument("--endpoint", default="/v1/completions", help="(default: %(default)s)")

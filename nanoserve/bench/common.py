@@ -41,8 +41,8 @@ def random_requests(rng: random.Random, count: int, input_len: int, output_len: 
     return [BenchRequest([rng.randrange(vocab) for _ in range(input_len)], input_len, output_len) for _ in range(count)]
 
 
-def load_sharegpt(path: str | Path, tokenizer, count: int, output_len: int | None = None, max_model_len: int | None = None,
-                  seed: int = 0) -> list[BenchRequest]:
+def load_sharegpt(path: str | Path, tokenizer, count: int, output_len: int | None = None,
+                  max_model_len: int | None = None, seed: int = 0) -> list[BenchRequest]:
     """`count` requests from a ShareGPT-format JSON file (a list of {"conversations": [{"from": "human", "value": ...},
     {"from": "gpt", "value": ...}, ...]}): the prompt is the first human turn, the output length the tokenized length
     of the gpt reply that follows it (or `output_len`). Conversations are shuffled with `seed` (as `vllm bench`

@@ -29,11 +29,11 @@ def sampling(output_len: int, temperature: float = 1.0):
 
 
 def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters: int = 30,
-                num_iters_warmup: int = 10, seed: int = 0, log=print) -> dict:
+                num_iters_warmup: int = 10, seed: int = 0, temperature: float = 1.0, log=print) -> dict:
     """Seconds per end-to-end batch over num_iters runs: avg_latency, latencies, percentiles (10 … 99)."""
     if batch_size < 1 or num_iters < 1 or num_iters_warmup < 0:
         raise ValueError("--batch-size and --num-iters must be positive, --num-iters-warmup not negative")
-    rng, vocab, params = random.Random(seed), vocab_size(llm), sampling(output_len)
+    rng, vocab, params = random.Random(seed), vocab_size(llm), sampling(output_len, temperature)
     latencies = []
     for i in range(num_iters_warmup + num_iters):
         prompts = [r.prompt for r in random_requests(rng, batch_size, input_len, output_len, vocab)]

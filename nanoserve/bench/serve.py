@@ -219,9 +219,6 @@ def format_summary(result: dict) -> str:
     return "\n".join(lines)
 
 
-
-
-
 # ---- the command ------------------------------------------------------------------------------------------
 
 
@@ -242,9 +239,21 @@ def run_serve_command(args) -> dict:
     records, start, client_cpu, processes = run_load(base_url, model, requests, args.max_concurrency,
                                                      args.request_rate, args.seed, args.client_processes, args.endpoint)
     result = summarize(records, start)
-    result.update(num_prompts=len(requests), client_cpu_s=client_cpu, client_processes=processes)
+    result.update(num_prompts=len(requests), client_cpu_s=client_cpu, client_processes=processes,
+                  serving_stack=serving_stack())
     print(format_summary(result))
     return result
+
+
+def serving_stack() -> dict:
+    """Versions of the HTTP / IPC stack here (None: not installed; uvicorn then runs asyncio's loop and h11)."""
+    stack = {}
+    for name in ("fastapi", "uvicorn", "httpx", "zmq", "msgspec", "uvloop", "httptools"):
+        try:
+            stack[name] = __import__(name).__version__
+        except Exception:
+            stack[name] = None
+    return stack
 
 
 def served_model(base_url: str, model: str | None) -> str:
@@ -260,30 +269,44 @@ def served_model(base_url: str, model: str | None) -> str:
     try:
         return response.json()["data"][0]["id"]
     except (ValueError, KeyError, IndexError, TypeError):
-        raise ValueError(f"{base_url}/v1/models answered {response.status_code} without a model; give --model") from None
+        raise ValueError(f"{base_url}/v1/models answered {response.status_code} without a model: give --model") \
+            from None
 
 
 def serve_requests(args, model: str) -> list[BenchRequest]:
-    """Random token ids below the tokenizer's vocabulary, or the dataset's conversations."""
+    """Random token ids below the model's vocabulary, or the dataset's conversations (lengths by its tokenizer)."""
     import random
 
     from nanoserve.bench.common import load_sharegpt, random_requests
 
-    tokenizer = _tokenizer(args.tokenizer or args.model or model)
+    source = args.tokenizer or args.model or model
     if args.dataset_path:
-        return load_sharegpt(args.dataset_path, tokenizer, args.num_prompts, args.output_len, seed=args.seed)
+        return load_sharegpt(args.dataset_path, _tokenizer(source), args.num_prompts, args.output_len, seed=args.seed)
     return random_requests(random.Random(args.seed), args.num_prompts, args.input_len,
-                           args.output_len or args.default_output_len, len(tokenizer))
+                           args.output_len or args.default_output_len, _vocab_size(source))
 
 
 def _tokenizer(source: str):
-    from nanoserve.model.loader import load_tokenizer
+    from nanoserve.model import load_tokenizer
 
     try:
         return load_tokenizer(source)
     except Exception as e:  # a served name that is not a path, a folder without one: say what to give
         raise ValueError(f"cannot load a tokenizer from {source!r} ({type(e).__name__}: {e}); give --tokenizer "
                          "(a model folder, .gguf file or hub id)") from None
+
+
+def _vocab_size(source: str) -> int:
+    """Random ids need only the vocabulary's size: the tokenizer's, else the model config's (a folder without one)."""
+    from nanoserve.model import load_hf_config
+
+    try:
+        return len(_tokenizer(source))
+    except ValueError as no_tokenizer:
+        try:
+            return int(load_hf_config(source).vocab_size)
+        except Exception:
+            raise no_tokenizer from None
 
 
 __all__ = ["RequestRecord", "run_load", "summarize", "format_summary", "run_serve_command", "COMPLETIONS"]

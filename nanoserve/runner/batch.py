@@ -96,7 +96,8 @@ class DecodeBatch:
         return len(self.slots)
 
 
-def disjoint_decode_batch(rows: int, context_len: int, block_size: int, num_blocks: int) -> tuple[DecodeBatch, np.ndarray]:
+def disjoint_decode_batch(rows: int, context_len: int, block_size: int,
+                          num_blocks: int) -> tuple[DecodeBatch, np.ndarray]:
     """A forward-only decode batch (sampling None) of `rows` rows in slots 0..rows-1, each one token after
     context_len - 1 cached ones, over disjoint blocks; and the block tables [rows, blocks per row] that the
     runner's PersistentState must hold for it (write_tables). The runner's start-up probes run it; so do the

@@ -6,7 +6,8 @@ connections and importing what a first request would otherwise pay (~70-100 ms t
 8 at one stream) before a barrier; the clock starts when every process is past it. Requests are sent at their
 arrival times (all at once, or a seeded Poisson process for --request-rate), at most --max-concurrency streams
 at a time in all. A request fails on an HTTP or transport error; it is dropped when its stream ends without
-[DONE] or without every token asked for (every request sets ignore_eos, so its length is known). ITL is per
+[DONE] or without every token asked for (every request sets ignore_eos, so its length is known). A server
+started with --api-key is sent OPENAI_API_KEY. ITL is per
 streamed chunk, as in vllm bench serve: a server that falls behind merges tokens into fewer chunks
 (tokens_per_chunk shows it) rather than queueing them.
 """
@@ -109,7 +110,8 @@ async def _client_main(share: _Share, barrier) -> dict:
     import msgspec  # noqa: F401 (imported before the clock starts)
 
     limits = httpx.Limits(max_connections=share.streams + 4, max_keepalive_connections=share.streams + 4)
-    async with httpx.AsyncClient(base_url=share.base_url, limits=limits, timeout=httpx.Timeout(1800.0)) as client:
+    async with httpx.AsyncClient(base_url=share.base_url, limits=limits, timeout=httpx.Timeout(1800.0),
+                                 headers=api_key_header()) as client:
         semaphore = asyncio.Semaphore(share.streams)
 
         async def send(request: BenchRequest, offset: float, t0: float) -> RequestRecord:
@@ -130,6 +132,12 @@ async def _client_main(share: _Share, barrier) -> dict:
 
 def _client_process(share: _Share, barrier, results) -> None:
     results.put(asyncio.run(_client_main(share, barrier)))
+
+
+def api_key_header() -> dict:
+    """Authorization for a server started with --api-key: OPENAI_API_KEY, as OpenAI's clients read it."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def default_client_processes(streams: int) -> int:
@@ -261,7 +269,7 @@ def served_model(base_url: str, model: str | None) -> str:
     import httpx
 
     try:
-        response = httpx.get(base_url + "/v1/models", timeout=30)
+        response = httpx.get(base_url + "/v1/models", timeout=30, headers=api_key_header())
     except httpx.HTTPError as e:
         raise ValueError(f"cannot reach {base_url} (is the server up? --base-url, --host, --port): {e}") from None
     if model is not None:

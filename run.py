@@ -130,11 +130,8 @@ def gpu_demo(args: argparse.Namespace) -> int:
               f"graph pool {gr.pool_bytes / 2**20:.1f} MiB; KV cache {llm.engine.stats.kv_blocks_total} blocks × 16 "
               f"tokens ({kv_gib:.2f} GiB); start-up {startup:.1f} s in all")
 
-        eager_llm = LLM(str(model_dir), dtype=args.dtype, num_kv_blocks=blocks, enforce_eager=True,
-                        **{k: v for k, v in options.items() if k != "cudagraph_capture_sizes"})
-        failures += bucket_table(runner, eager_llm.engine.model_runner, gr.capture_sizes, args)
-        eager_llm = None
-        release_cuda_memory()
+        failures += timing_table(runner, LLM(str(model_dir), dtype=args.dtype, num_kv_blocks=blocks,
+                                             enforce_eager=True, **_without_sizes(options)), args)
         print()
         try:
             failures += generation_check(llm, LLM, model_dir, cfg, args.dtype, options, max_model_len)
@@ -165,11 +162,11 @@ def gpu_demo(args: argparse.Namespace) -> int:
 
 
 def _fit_max_num_seqs(cfg: dict, wanted: int, tokens_per_seq: int, dtype_bytes: int) -> int:
-    """Largest max_num_seqs ≤ wanted whose KV (plus the weights) fits comfortably in free memory."""
+    """Largest max_num_seqs ≤ wanted whose KV (plus the weights) fits twice in free memory (graph and eager engine)."""
     free, _ = torch.cuda.mem_get_info()
     weights = param_counts(cfg).total * dtype_bytes
     n = wanted
-    while n > 1 and weights + n * tokens_per_seq * kv_bytes_per_token(cfg, dtype_bytes) > 0.6 * free:
+    while n > 1 and weights + n * tokens_per_seq * kv_bytes_per_token(cfg, dtype_bytes) > 0.4 * free:
         n //= 2
     if n != wanted:
         print(f"(free GPU memory {free / 2**30:.1f} GiB: using max_num_seqs {n} instead of {wanted})")
@@ -180,6 +177,19 @@ def _fits(cfg: dict, copies: int, tokens: int, dtype_bytes: int) -> bool:
     free, _ = torch.cuda.mem_get_info()
     need = copies * (param_counts(cfg).total * dtype_bytes + 2 * tokens * kv_bytes_per_token(cfg, dtype_bytes))
     return need < 0.8 * free
+
+
+def _without_sizes(options: dict) -> dict:
+    return {k: v for k, v in options.items() if k != "cudagraph_capture_sizes"}
+
+
+def timing_table(runner, eager_llm, args: argparse.Namespace) -> list[str]:
+    """bucket_table against an enforce_eager engine of the same shape, released afterwards."""
+    try:
+        return bucket_table(runner, eager_llm.engine.model_runner, runner.graph_runner.capture_sizes, args)
+    finally:
+        eager_llm = None  # noqa: F841
+        release_cuda_memory()
 
 
 def bucket_table(runner, eager_runner, buckets: list[int], args: argparse.Namespace) -> list[str]:
@@ -232,7 +242,7 @@ def generation_check(llm, llm_cls, model_dir: Path, cfg: dict, dtype: str, optio
     own = llm is None
     graph_llm = llm_cls(str(model_dir), dtype=dtype, num_kv_blocks=blocks, **options) if own else llm
     eager_llm = llm_cls(str(model_dir), dtype=dtype, num_kv_blocks=blocks, enforce_eager=True,
-                        **{k: v for k, v in options.items() if k != "cudagraph_capture_sizes"})
+                        **_without_sizes(options))
     copied = _copy_weights(graph_llm, eager_llm)
     before = graph_llm.engine.stats
     graph_out = graph_llm.generate(prompts, params, use_tqdm=False)

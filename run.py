@@ -162,7 +162,7 @@ def gpu_demo(args: argparse.Namespace) -> int:
 
 
 def _fit_max_num_seqs(cfg: dict, wanted: int, tokens_per_seq: int, dtype_bytes: int) -> int:
-    """Largest max_num_seqs ≤ wanted whose KV (plus the weights) fits twice in free memory (graph and eager engine)."""
+    """Largest max_num_seqs ≤ wanted whose KV and weights fit twice in free memory (graph and eager engine)."""
     free, _ = torch.cuda.mem_get_info()
     weights = param_counts(cfg).total * dtype_bytes
     n = wanted

@@ -8,6 +8,7 @@ come from the package (nanoserve.bench).
 """
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,20 +19,15 @@ from nanoserve.bench.common import release_memory as release_cuda_memory, write_
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 SHAPES_DIR = REPO_ROOT / "benchmarks" / "shapes"
-MODEL_CONFIGS = sorted(p.name for p in SHAPES_DIR.iterdir() if (p / "config.json").is_file())
+MODEL_CONFIGS = {p.parent.name: json.loads(p.read_text()) for p in sorted(SHAPES_DIR.glob("*/config.json"))}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def shape_dir(name: str) -> Path:
-    """benchmarks/shapes/NAME, a config.json folder (KeyError lists the known names)."""
-    if name.lower() not in MODEL_CONFIGS:
-        raise KeyError(f"unknown model {name!r}; known: {MODEL_CONFIGS}")
-    return SHAPES_DIR / name.lower()
-
-
 def model_config(name: str) -> dict:
-    """A fresh copy of a named real-shape config."""
-    return json.loads((shape_dir(name) / "config.json").read_text())
+    """A fresh copy of a named real-shape config (KeyError lists the known names)."""
+    if name.lower() not in MODEL_CONFIGS:
+        raise KeyError(f"unknown model {name!r}; known: {sorted(MODEL_CONFIGS)}")
+    return copy.deepcopy(MODEL_CONFIGS[name.lower()])
 
 
 def write_model_dir(config: dict | str, directory: str | Path) -> Path:

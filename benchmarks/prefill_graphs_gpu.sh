@@ -6,11 +6,11 @@
 #   bash benchmarks/prefill_graphs_gpu.sh retest  # the GPU tests of the runner and demos, then bench
 #   bash benchmarks/prefill_graphs_gpu.sh structured # GPU tests of runner/engine/sampler + structured outputs' cost
 #   bash benchmarks/prefill_graphs_gpu.sh tiles   # attention GPU tests + the prefill kernel's tilings + Qwen3 TTFT
-#   bash benchmarks/prefill_graphs_gpu.sh ttft    # one streamed request at a time through serve vs offline, then profile
+#   bash benchmarks/prefill_graphs_gpu.sh ttft    # one stream at a time through serve vs offline prefill, then profile
 #   bash benchmarks/prefill_graphs_gpu.sh serveab # serving at 2048 tokens per step, chunk_time_ratio 2.5 vs 0, one run
 #   bash benchmarks/prefill_graphs_gpu.sh close   # the whole GPU suite, structured outputs' cost, TTFT (graphs only)
-#   bash benchmarks/prefill_graphs_gpu.sh pool    # `nanoserve bench graphs`, Qwen3-0.6B shape: pool MiB and capture s per size
-#   bash benchmarks/prefill_graphs_gpu.sh cli     # each `nanoserve bench` command once on the Qwen3-0.6B shape
+#   bash benchmarks/prefill_graphs_gpu.sh pool    # `nanoserve bench graphs`, Qwen3-0.6B shape: pool MiB, capture s
+#   bash benchmarks/prefill_graphs_gpu.sh cli     # `nanoserve bench latency|throughput|serve` on the Qwen3-0.6B shape
 #   bash benchmarks/prefill_graphs_gpu.sh profile # TTFT both shapes, + GPU time by kernel kind per length
 #   bash benchmarks/prefill_graphs_gpu.sh serve [TOKENS]  # serving benchmark, Qwen3-0.6B shape; TOKENS: the
 #                                                 # server's --max-num-batched-tokens (default: the engine's)
@@ -75,10 +75,11 @@ case ${1:-quick} in
         python3 -m nanoserve serve benchmarks/shapes/qwen3-0.6b --load-format dummy --skip-tokenizer-init \
             --served-model-name qwen3 --port 8011 > "$OUT/serve_cli.log" 2>&1 &
         server=$!
-        until curl -sf localhost:8011/health > /dev/null; do sleep 1; kill -0 $server || break; done
-        python3 -m nanoserve bench serve --port 8011 --model qwen3 --tokenizer benchmarks/shapes/qwen3-0.6b 2>&1 | tail -3
-        kill -INT $server; wait $server
-        "$0" pool ;;
+        until python3 -c "import httpx; httpx.get('http://127.0.0.1:8011/health').raise_for_status()" 2>/dev/null
+        do sleep 2; kill -0 $server || break; done
+        python3 -m nanoserve bench serve --port 8011 --model qwen3 --tokenizer benchmarks/shapes/qwen3-0.6b \
+            --output-json "$OUT/bench_serve.json" 2>&1 | tail -28
+        kill -INT $server; wait $server ;;
     profile)
         python3 benchmarks/prompt_latency.py --profile --out "$OUT/prompt_latency.json" 2>&1 | grep -v Warning | tail -8 ;;
     serve)

@@ -6,12 +6,11 @@
 For each model (random bf16 weights, real shapes) the engine captures graphs for the given batch sizes
 (context 512). Then, for each switch set (kernels/switches.py: PDL and each fusion on or off; see
 SWITCH_SETS), the graphs are captured again under those switches and, per batch size:
-  * replay_ms: median graph replay of one decode step (model_runner.decode_logits, as decode_latency.py);
+  * replay_ms: median graph replay of one decode step (nanoserve.bench.decode_step, as `nanoserve bench graphs`);
   * kernels per step and GPU time per kernel kind (gemv, attention, attention merge, norm, rotary, lm_head,
     other), from torch.profiler over one replay: sum_us adds kernel durations (with PDL a kernel starts
     early and its duration includes its wait), busy_us gives each stretch of the timeline to the kernel
     that ends it, so the kinds' busy_us add up to the time the GPU was busy;
-  * replay == eager: the same step run eagerly, logits compared (the same kernels, so equal);
   * the graph's edges (benchmarks/graph_edges.py): with PDL on, every Triton kernel that follows a kernel
     must hang on a programmatic edge; a graph that lost them runs, only slower.
 Writes one JSON (--json) and prints a summary table.
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import (env_info, model_config, release_cuda_memory, time_ms, write_json,  # noqa: E402
+from benchmarks.common import (env_info, model_config, release_cuda_memory, write_json,  # noqa: E402
                                write_model_dir)
 from nanoserve.kernels.switches import SWITCHES, switched  # noqa: E402
 
@@ -43,8 +42,7 @@ SWITCH_SETS: dict[str, dict[str, bool | int]] = {
     "no_fuse_norm": {"fuse_norm": False},
     "no_fuse_silu": {"fuse_silu": False},
     "no_fuse_merge": {"fuse_merge": False},
-    "none": {"pdl": False, "fuse_norm": False, "fuse_silu": False, "fuse_merge": False,
-             "fuse_max_m": 0},
+    "none": {"pdl": False, "fuse_norm": False, "fuse_silu": False, "fuse_merge": False, "fuse_max_m": 0},
 }
 KINDS = ("gemv", "attention", "attention merge", "norm", "rotary", "lm_head", "other")
 _NAMED_KINDS = {"_gemv_kernel": "gemv", "_decode_kernel": "attention", "_prefill_kernel": "attention",
@@ -130,23 +128,16 @@ def graph_edges(graph_runner, sizes: list[int]) -> dict:
 
 
 def measure_bucket(runner, b: int, context: int) -> dict:
-    batch = runner.dummy_decode_batch(b, context)
-    rec: dict = {}
-    with torch.inference_mode():
-        rec["replay_ms"] = sorted(time_ms(partial(runner.decode_logits, batch), "cuda", warmup=5, iters=50))[25]
-        graph = runner.decode_logits(batch, use_graph=True).float().clone()
-        torch.cuda.synchronize()
-        eager = runner.decode_logits(batch, use_graph=False).float()
-        torch.cuda.synchronize()
-        rec["replay_vs_eager_max_abs"] = (graph - eager).abs().max().item()
-        rec["replay_equals_eager"] = bool(torch.equal(graph, eager))
-        rec["argmax_agree"] = (graph.argmax(-1) == eager.argmax(-1)).float().mean().item()
-        kernels = profile_step(partial(runner.decode_logits, batch, use_graph=True))
-        rec["profile_source"] = "graph replay"
-        if not any(name in _NAMED_KINDS for name, _, _ in kernels):  # this profiler does not see into graphs
-            kernels = profile_step(partial(runner.decode_logits, batch, use_graph=False))
-            rec["profile_source"] = "eager forward"
-        rec.update(kind_table(kernels))
+    """Replay time and GPU time by kernel kind of one decode step of b rows (nanoserve.bench.decode_step)."""
+    from nanoserve.bench.decode_step import decode_batch, run_decode_step, time_decode_step
+
+    batch = decode_batch(runner, b, context)
+    rec: dict = {"replay_ms": sorted(time_decode_step(runner, batch, warmup=5, iters=50))[25]}
+    kernels = profile_step(partial(run_decode_step, runner, batch))
+    rec["profile_source"] = "graph replay"
+    if not any(name in _NAMED_KINDS for name, _, _ in kernels):
+        rec["profile_source"] = "graph replay (this profiler does not see into graphs: no kernel kinds)"
+    rec.update(kind_table(kernels))
     return rec
 
 
@@ -198,8 +189,7 @@ def print_set(model: str, set_name: str, rec: dict) -> None:
                if "programmatic_edges" in edges else f"edges: {edges.get('error', '-')}")
         kinds = "  ".join(f"{k} {v['count']}x {v['busy_us']:.0f}" for k, v in r["kinds"].items() if v["count"])
         print(f"== {model} b={b} [{set_name}]: replay {r['replay_ms']:.3f} ms, {r['kernels']} kernels, busy "
-              f"{r['busy_us'] / 1000:.3f} ms ({r['profile_source']}), replay==eager {r['replay_equals_eager']} "
-              f"(max {r['replay_vs_eager_max_abs']:.3g}); {pdl}\n     busy µs by kind: {kinds}", flush=True)
+              f"{r['busy_us'] / 1000:.3f} ms ({r['profile_source']}); {pdl}\n     busy µs: {kinds}", flush=True)
 
 
 def summary_rows(report: dict) -> list[dict]:
@@ -218,21 +208,17 @@ def summary_rows(report: dict) -> list[dict]:
             edges = all_set.get("edges", {}).get(str(b), {})
             row["pdl_edges_ok"] = bool(edges.get("programmatic_edges")) and not edges.get(
                 "pdl_kernels_without_programmatic_edge") if "programmatic_edges" in edges else None
-            row["replay_equals_eager"] = all(s.get("buckets", {}).get(str(b), {}).get("argmax_agree", 0) == 1.0
-                                             for s in sets.values() if "buckets" in s)
             rows.append(row)
     return rows
 
 
 def print_summary(rows: list[dict], sets: list[str]) -> None:
     print("\nreplay ms per decode step (context 512) by switch set; kernels per step; checks")
-    print(f"{'model':<14}{'b':>4} " + "".join(f"{s:>13}" for s in sets)
-          + f"{'kernels':>12} {'PDL edges':>10} {'==eager':>8}")
+    print(f"{'model':<14}{'b':>4} " + "".join(f"{s:>13}" for s in sets) + f"{'kernels':>12} {'PDL edges':>10}")
     for r in rows:
         cells = "".join(f"{r['replay_ms'][s]:13.3f}" if s in r["replay_ms"] else f"{'-':>13}" for s in sets)
         kernels = f"{r['kernels'].get('all', '-')}/{r['kernels'].get('none', '-')}"
-        print(f"{r['model']:<14}{r['b']:>4} {cells}{kernels:>12} {str(r['pdl_edges_ok']):>10} "
-              f"{str(r['replay_equals_eager']):>8}")
+        print(f"{r['model']:<14}{r['b']:>4} {cells}{kernels:>12} {str(r['pdl_edges_ok']):>10}")
 
 
 def main() -> int:

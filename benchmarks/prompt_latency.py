@@ -1,7 +1,7 @@
 """One prompt's time to first token through the public API, with and without the token-count graphs.
 
-`LLM.generate([prompt], max_tokens=1)` wall time, median of 5 fresh random-id prompts per length (no prefix-cache
-hit), after one warm-up of each length; random bf16 weights with real shapes (load_format="dummy"). Also records
+`nanoserve bench latency`'s run (LLM.generate([prompt], max_tokens=1) wall time), median of 5 fresh random-id
+prompts per length (no prefix-cache hit) after one warm-up each; random bf16 weights, real shapes. Also records
 the start-up plan: token counts captured, capture seconds and the graph pool (decode + token-count graphs).
 Each (model, variant) runs in a process of its own: an engine built after another in one process measured its
 eager prompts 2x slower than a fresh one (round 4's first run).
@@ -24,14 +24,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, env_info, model_config, write_json, write_model_dir  # noqa: E402
+from benchmarks.common import RESULTS_DIR, env_info, write_json, write_model_dir  # noqa: E402
 
 VARIANTS = {"graphs": {}, "no-prefill-graphs": {"prefill_graph_sizes": "off"}}
 REPEATS = 5
 
 
 def measure(model_dir: str, lengths: list[int], options: dict, profile: bool = False) -> dict:
-    from nanoserve import LLM, SamplingParams
+    """The start-up plan, then per length `nanoserve bench latency --batch-size 1 --output-len 1` (greedy):
+    REPEATS fresh prompts after one warm-up."""
+    from nanoserve import LLM
+    from nanoserve.bench.offline import run_latency
 
     start = time.perf_counter()
     llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
@@ -42,32 +45,28 @@ def measure(model_dir: str, lengths: list[int], options: dict, profile: bool = F
            "token_sizes": tg.capture_sizes if tg else [],
            "capture_s": (dg.capture_seconds if dg else 0) + (tg.capture_seconds if tg else 0),
            "pool_mib": ((dg.pool_bytes if dg else 0) + (tg.pool_bytes if tg else 0)) / 2**20, "ttft_ms": {}}
-    gen = torch.Generator().manual_seed(0)
-    one = SamplingParams(max_tokens=1, temperature=0.0)
-    for n in lengths:
-        samples, graphed = [], runner.prefill_steps_graph
-        for i in range(REPEATS + 1):
-            prompt = torch.randint(0, 10000, (n,), generator=gen).tolist()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            llm.generate([prompt], one, use_tqdm=False)
-            if i:  # the first of each length warms up (compiles what this length needs)
-                samples.append((time.perf_counter() - t0) * 1e3)
+    for seed, n in enumerate(lengths):
+        graphed = runner.prefill_steps_graph
+        result = run_latency(llm, 1, n, 1, num_iters=REPEATS, num_iters_warmup=1, seed=seed, temperature=0.0,
+                             log=lambda line: None)
+        samples = [s * 1e3 for s in result["latencies"]]
         rec["ttft_ms"][str(n)] = {"median": statistics.median(samples), "min": min(samples), "samples": samples,
                                   "graphed_steps": runner.prefill_steps_graph - graphed}
         if profile:
-            rec.setdefault("profile", {})[str(n)] = _profile(llm, one, n, gen)
+            rec.setdefault("profile", {})[str(n)] = _profile(llm, n, seed)
     llm.close()
     return rec
 
 
-def _profile(llm, params, n: int, gen: torch.Generator) -> dict:
+def _profile(llm, n: int, seed: int) -> dict:
     """GPU time by kernel kind over one more fresh prompt of n tokens (profile_decode.py's table; a graph replay's
     kernels are seen one by one)."""
     from benchmarks.profile_decode import kind_table, profile_step
+    from nanoserve import SamplingParams
 
-    prompt = torch.randint(0, 10000, (n,), generator=gen).tolist()
-    return kind_table(profile_step(lambda: llm.generate([prompt], params, use_tqdm=False)))
+    prompt = torch.randint(0, 10000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return kind_table(profile_step(lambda: llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0),
+                                                        use_tqdm=False)))
 
 
 def _in_own_process(name: str, variant: str, lengths: list[int], profile: bool) -> dict:
@@ -90,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.one:
         with tempfile.TemporaryDirectory() as tmp:
-            model_dir = str(write_model_dir(model_config(args.one[0]), tmp))
+            model_dir = str(write_model_dir(args.one[0], tmp))
             print("RESULT " + json.dumps(measure(model_dir, args.lengths, VARIANTS[args.one[1]], args.profile)))
         return 0
     if not torch.cuda.is_available():

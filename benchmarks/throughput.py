@@ -5,6 +5,7 @@ lengths randint(100, 1024); then per prompt SamplingParams(temperature=0.6, igno
 max_tokens=randint(100, 1024)); max_model_len 4096; output tok/s = Σ max_tokens / wall time of one
 LLM.generate call (after a warm-up request).
 
+The run itself is `nanoserve bench throughput`'s (nanoserve/bench/offline.py: one LLM.generate, timed).
 Roofline: every decode step must read all weights once plus the K/V of every running sequence (its
 prompt + what it generated so far), at the copy bandwidth measured in this run; every prompt token costs
 2 × parameters FLOPs at the bf16 matmul rate measured in this run. KV bytes per token come from the
@@ -18,7 +19,6 @@ import argparse
 import random
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (  # noqa: E402
-    RESULTS_DIR, env_info, measure_copy_bandwidth, model_config, release_cuda_memory, write_json, write_model_dir)
+from benchmarks.common import (RESULTS_DIR, back_to_back_seconds, env_info, measure_copy_bandwidth,  # noqa: E402
+                               release_cuda_memory, write_json, write_model_dir)
 
 VARIANTS = {  # engine options per variant
     "async": dict(async_scheduling=True),
@@ -48,27 +48,15 @@ def nano_vllm_workload(num_seqs: int = 256, max_input_len: int = 1024, max_outpu
 
 
 def measure_matmul_flops(device: str = "cuda", n: int = 8192, iters: int = 10) -> float:
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        a @ b
-    end.record()
-    end.synchronize()
-    return 2 * n ** 3 * iters / (start.elapsed_time(end) / 1e3)
+    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
+    return 2 * n ** 3 * iters / back_to_back_seconds(lambda: a @ b, iters)
 
 
 def weight_bytes_read_per_step(model) -> int:
     """All parameters once, except an untied embedding table (a decode step reads only its b rows)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if model.lm_head is not None:
-        emb = model.model.embed_tokens.weight
-        total -= emb.numel() * emb.element_size()
-    return total
+    emb = model.model.embed_tokens.weight
+    return total - (emb.numel() * emb.element_size() if model.lm_head is not None else 0)
 
 
 def roofline_seconds(prompts, params, weight_bytes: int, kv_bytes_per_token: int, num_params: int,
@@ -85,73 +73,36 @@ def roofline_seconds(prompts, params, weight_bytes: int, kv_bytes_per_token: int
 
 
 def run_variant(model_dir: str, prompts, params, options: dict) -> dict:
-    """One LLM.generate-equivalent run (the engine's own loop, so each step's wall time and rows are recorded)."""
+    """One `nanoserve bench throughput` run (nanoserve.bench.offline.run_throughput) after nano-vllm's warm-up."""
     from nanoserve import LLM, SamplingParams
+    from nanoserve.bench.common import BenchRequest
+    from nanoserve.bench.offline import run_throughput
 
     llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
               show_progress=False, **options)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, as nano-vllm does
-    engine = llm.engine
-    runner = engine.model_runner
+    runner = llm.engine.model_runner
     rec = {"kv_blocks": runner.num_kv_blocks, "capture_sizes": runner.config.cudagraph_capture_sizes,
            "weight_bytes_per_step": weight_bytes_read_per_step(runner.model),
            "kv_bytes_per_token": runner.kv.bytes_per_token,
            "num_params": sum(p.numel() for p in runner.model.parameters())}
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), prompt, p, stream=False)
-    generated, trace, mixed_ms, last = 0, {}, [], time.perf_counter()
-    allocator = torch.cuda.memory_stats()
-    seen = (runner.prefill_steps_graph, runner.prefill_steps_eager)
-    while engine.has_unfinished_requests():
-        rows = len(engine.scheduler.running)
-        outs = engine.step()
-        generated += sum(len(o.token_ids) for o in outs)
-        now = time.perf_counter()
-        key = _step_kind(runner, seen, rows)
-        if key.startswith("mixed"):
-            mixed_ms.append(round((now - last) * 1e3, 1))
-        seen = (runner.prefill_steps_graph, runner.prefill_steps_eager)
-        steps, ms = trace.get(key, (0, 0.0))
-        trace[key] = (steps + 1, ms + (now - last) * 1e3)
-        last = now
-    seconds = time.perf_counter() - t0
-    after = torch.cuda.memory_stats()
-    rec["allocator"] = {k: after.get(k, 0) - allocator.get(k, 0) for k in
-                        ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")}
-    rec["mixed_step_ms"] = mixed_ms
-    stats = engine.stats
-    rec.update(seconds=seconds, output_tokens=generated, output_tokens_per_s=generated / seconds,
-               stats={f: getattr(stats, f) for f in stats.__struct_fields__},
-               step_trace={k: {"steps": n, "ms": round(ms, 1), "ms_per_step": round(ms / n, 3)}
-                           for k, (n, ms) in sorted(trace.items(), key=lambda kv: str(kv[0]))})
+    requests = [BenchRequest(prompt, len(prompt), p.max_tokens) for prompt, p in zip(prompts, params)]
+    result = run_throughput(llm, requests, params, warmup=False, log=lambda line: None)
+    stats = llm.engine.stats
+    rec.update(seconds=result["elapsed_time"], output_tokens=result["total_output_tokens"],
+               output_tokens_per_s=result["output_tokens_per_second"], bench=result,
+               stats={f: getattr(stats, f) for f in stats.__struct_fields__})
+    llm.close()
     return rec
 
 
-def _step_kind(runner, seen: tuple[int, int], rows: int) -> str:
-    """What the step just run was: a prompt / mixed step (graph or eager) or a decode step of so many rows.
-    The core runs one step ahead, so the host time of step N is attributed to the step launched during it."""
-    if runner.prefill_steps_graph > seen[0]:
-        return "mixed graph"
-    if runner.prefill_steps_eager > seen[1]:
-        return "mixed eager"
-    return "decode " + _rows_bucket(rows)
-
-
-def _rows_bucket(rows: int) -> str:
-    """Running rows in ranges of 32, for the per-step trace."""
-    low = (max(rows - 1, 0) // 32) * 32
-    return f"rows {low + 1:3d}-{low + 32:3d}"
-
-
 def measure_model(name: str, variants: list[str], bandwidth: float, flops: float) -> dict:
-    cfg = model_config(name)
     prompts, params = nano_vllm_workload()
     result = {"model": name, "num_seqs": len(prompts), "prompt_tokens": sum(map(len, prompts)),
               "output_tokens_expected": sum(p.max_tokens for p in params), "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(write_model_dir(cfg, tmp))
+        model_dir = str(write_model_dir(name, tmp))
         for variant in variants:
             try:
                 rec = run_variant(model_dir, prompts, params, VARIANTS[variant])

@@ -1,4 +1,4 @@
-"""Command line: nanoserve serve | generate | bench | make-tiny-model.
+"""Command line: nanoserve serve | generate | bench latency|throughput|serve|graphs | make-tiny-model.
 
 Engine options are derived from EngineConfig's fields, so every option has exactly one flag
 (--max-num-seqs, --enforce-eager, …) and the CLI can never drift from the config. Nothing heavy (torch,
@@ -12,12 +12,10 @@ import dataclasses
 import json
 import socket
 import sys
-import time
 
 from nanoserve import __version__
-from nanoserve.config import (FIELD_HELP, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, REQUEST_BODY_TIMEOUT_S,
-                              SERVE_CHUNK_TIME_RATIO, SERVE_MAX_NUM_BATCHED_TOKENS, SHUTDOWN_TIMEOUT_S,
-                              TOOL_CALL_PARSER_CHOICES, EngineConfig)
+from nanoserve.config import (FIELD_HELP, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, REQUEST_BODY_TIMEOUT_S, SERVE_DEFAULTS,
+                              SHUTDOWN_TIMEOUT_S, TOOL_CALL_PARSER_CHOICES, EngineConfig)
 
 _ENGINE_FIELDS = [f for f in dataclasses.fields(EngineConfig) if f.name != "model"]
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
@@ -32,11 +30,14 @@ def parse_bool(text: str) -> bool:
 _ALIASES = {"tensor_parallel_size": ["-tp"]}  # vLLM's short flag
 
 
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+def _add_engine_flags(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    """One flag per EngineConfig field. defaults: a command's own defaults for some fields (serve's), shown in its
+    --help; a flag left out passes None, so EngineConfig's default (or the command's) applies."""
     group = parser.add_argument_group("engine options")
     for f in _ENGINE_FIELDS:
         flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, [])]
-        text = FIELD_HELP[f.name] + ("" if f.default is None else f" (default: {_shown(f.default)})")
+        default = (defaults or {}).get(f.name, f.default)
+        text = FIELD_HELP[f.name] + ("" if default is None else f" (default: {_shown(default)})")
         if "bool" in str(f.type):  # `--flag` alone means true
             group.add_argument(*flags, type=parse_bool, nargs="?", const=True, default=None, metavar="BOOL", help=text)
         elif f.name == "cudagraph_capture_sizes":  # auto | pow2 | N N ...: EngineConfig checks the words
@@ -49,6 +50,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(*flags, type=float, default=None, metavar="X", help=text)
         else:
             group.add_argument(*flags, type=str, default=None, help=text)
+    parser.set_defaults(**(defaults or {}))
 
 
 def _shown(default) -> str:
@@ -56,8 +58,7 @@ def _shown(default) -> str:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    options = {f.name: getattr(args, f.name) for f in _ENGINE_FIELDS if getattr(args, f.name) is not None}
-    return EngineConfig.from_kwargs(args.model, **options)
+    return EngineConfig.from_kwargs(args.model, **_engine_options(args))
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -97,7 +98,7 @@ def _add_serve(sub) -> None:
                             "or a parser (default: %(default)s)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM command lines: tool_choice \"auto\" is always on here")
-    _add_engine_flags(serve)
+    _add_engine_flags(serve, SERVE_DEFAULTS)
 
 
 def _add_generate(sub) -> None:
@@ -115,28 +116,10 @@ def _add_generate(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    """`nanoserve bench` and `nanoserve bench graphs`."""
-    bench = sub.add_parser("bench", help="offline throughput: random token prompts, fixed output length "
-                           "(`bench graphs`: the CUDA-graph size report)")
-    bench.add_argument("--model", default=None, help=FIELD_HELP["model"] + " (required)")
-    bench.add_argument("--num-prompts", type=int, default=64, help="(default: %(default)s)")
-    bench.add_argument("--input-len", type=int, default=128, help="prompt tokens each (default: %(default)s)")
-    bench.add_argument("--output-len", type=int, default=128, help="generated tokens each (default: %(default)s)")
-    _add_engine_flags(bench)
-    graphs = bench.add_subparsers(dest="bench_command", metavar="graphs").add_parser(
-        "graphs", help="per CUDA-graph size: replay/eager ms and pool MiB; padding of powers of two vs the plan",
-        description="Measures the powers of two, plans sizes from their step-time curve, measures the plan "
-        "(the report chooses its own capture sizes; unless given, --max-model-len is max(1024, context) and "
-        "--num-kv-blocks what max_num_seqs rows of --context tokens need, so its engines fit side by side).")
-    graphs.add_argument("--model", required=True)
-    graphs.add_argument("--distribution", default="uniform", metavar="uniform|FILE",
-                        help="batch sizes to plan for: uniform over 1..max_num_seqs, or a recorded histogram")
-    graphs.add_argument("--context", type=int, default=512, help="tokens in the KV cache per row")
-    graphs.add_argument("--warmup", type=int, default=3, help="untimed calls before each timing")
-    graphs.add_argument("--iters", type=int, default=20, help="timed calls per size (median reported)")
-    graphs.add_argument("--png", default=None, metavar="PATH", help="plot step time against rows with the sizes")
-    graphs.add_argument("--json", default=None, metavar="PATH", help="write the whole report as JSON")
-    _add_engine_flags(graphs)
+    """`nanoserve bench latency | throughput | serve | graphs` (nanoserve/bench/cli.py)."""
+    from nanoserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, _add_engine_flags)
 
 
 def _add_make_tiny_model(sub) -> None:
@@ -179,45 +162,9 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    import random
+    from nanoserve.bench.cli import run_bench
 
-    from nanoserve import LLM, SamplingParams
-
-    if args.bench_command == "graphs":
-        return _cmd_bench_graphs(args)
-    if args.model is None:
-        raise ValueError("bench needs --model DIR")
-    llm = LLM(args.model, **_engine_options(args))
-    rng = random.Random(0)
-    vocab = llm.engine.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    generated = sum(len(o.token_ids) for o in outs)
-    print(json.dumps({"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-                      "seconds": round(seconds, 3), "output_tokens_per_s": round(generated / seconds, 1),
-                      "total_tokens_per_s": round((generated + args.num_prompts * args.input_len) / seconds, 1)}))
-    return 0
-
-
-def _cmd_bench_graphs(args) -> int:
-    from nanoserve.bench_graphs import format_report, plot_reports, run_graphs_report
-
-    if args.context < 1 or args.iters < 1 or args.warmup < 0:
-        raise ValueError("--context and --iters must be positive, --warmup not negative")
-    report = run_graphs_report(args.model, _engine_options(args), distribution=args.distribution,
-                               context=args.context, warmup=args.warmup, iters=args.iters,
-                               log=lambda line: print(line, file=sys.stderr, flush=True))
-    print(format_report(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
-    if args.png:
-        print(f"wrote {plot_reports([report], args.png)}")
-    return 0
+    return run_bench(args, _engine_options(args))
 
 
 def _serve_model_argument(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -230,10 +177,6 @@ def _serve_model_argument(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 
 def _cmd_serve(args) -> int:
-    if args.max_num_batched_tokens is None:  # a server's steps are sized for its streams' ITL, not throughput
-        args.max_num_batched_tokens = SERVE_MAX_NUM_BATCHED_TOKENS
-    if args.chunk_time_ratio is None:
-        args.chunk_time_ratio = SERVE_CHUNK_TIME_RATIO
     config = engine_config_from_args(args)  # option errors before anything is imported or loaded
     check_port_free(args.host, args.port)  # before the model load: a busy port should not cost a minute
     from nanoserve.server.app import serve
@@ -271,7 +214,7 @@ def _cmd_make_tiny_model(args) -> int:
 
 
 def _engine_options(args) -> dict:
-    return {f.name: getattr(args, f.name) for f in _ENGINE_FIELDS if getattr(args, f.name) is not None}
+    return {f.name: getattr(args, f.name) for f in _ENGINE_FIELDS if getattr(args, f.name, None) is not None}
 
 
 _COMMANDS = {"serve": _cmd_serve, "generate": _cmd_generate, "bench": _cmd_bench, "make-tiny-model": _cmd_make_tiny_model}

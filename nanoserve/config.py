@@ -25,6 +25,9 @@ SERVE_MAX_NUM_BATCHED_TOKENS = 2048
 # .json): 4 keeps ITL p99 <= 3x p50 at 1-256 streams with TTFT p99 2.9x p50 at 16; 2.5 costs TTFT (4.5x at 16),
 # 0 (off) lets ITL p99 reach 3.1x / 3.6x at 16 / 256 streams.
 SERVE_CHUNK_TIME_RATIO = 4.0
+# The EngineConfig fields whose `nanoserve serve` default differs (its --help shows these): a server's steps are
+# sized for its streams' ITL, not throughput.
+SERVE_DEFAULTS = {"max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS, "chunk_time_ratio": SERVE_CHUNK_TIME_RATIO}
 MAX_DEFAULT_MODEL_LEN = 32768
 SCHEDULING_POLICIES = ("mixed", "alternate")
 CAPTURE_SIZE_MODES = ("auto", "pow2")

@@ -13,13 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from benchmarks import graphs as graphs_benchmark  # noqa: E402
-from nanoserve.bench_graphs import format_report, report_engine_options, run_graphs_report  # noqa: E402
-from nanoserve.runner.bucket_plan import BatchDistribution  # noqa: E402
+from nanoserve.bench.graphs import format_report, report_engine_options, run_graphs_report
+from nanoserve.runner.bucket_plan import BatchDistribution
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -98,13 +93,11 @@ def test_bad_distribution_file_is_one_clear_line(tiny_model_dirs, tmp_path):
     assert "not a nanoserve batch histogram" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
 
 
-def test_plain_bench_still_runs_and_still_needs_a_model(tiny_model_dirs):
-    proc = run_cli("bench", "--model", str(tiny_model_dirs["llama"]), "--device", "cpu", "--num-prompts", "2",
-                   "--input-len", "4", "--output-len", "2", "--max-model-len", "64")
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["num_prompts"] == 2
+def test_bench_needs_a_kind_and_a_model():
     missing = run_cli("bench")
-    assert missing.returncode == 2 and "bench needs --model DIR" in missing.stderr
+    assert missing.returncode == 2 and "latency|throughput|serve|graphs" in missing.stderr
+    no_model = run_cli("bench", "graphs")
+    assert no_model.returncode == 2 and "--model" in no_model.stderr
 
 
 @gpu
@@ -125,8 +118,8 @@ def test_report_on_cuda_measures_graphs(tiny_model_dirs):
 def test_graph_bookkeeping_runs_on_cpu(tiny_model_dirs, monkeypatch):
     """The GPU branch's bookkeeping (engines per size and per set, curve with costs, summaries) on a CPU
     engine that stands in for a graph engine: its stand-in graph runner reports the sizes asked for and no
-    bucket, so decode_logits(use_graph=True) runs eagerly. The numbers are CPU timings, not graph ones."""
-    import nanoserve.bench_graphs as bg
+    bucket, so its decode steps run eagerly. The numbers are CPU timings, not graph ones."""
+    import nanoserve.bench.graphs as bg
 
     real_build, built = bg._build, []
 
@@ -151,18 +144,3 @@ def test_graph_bookkeeping_runs_on_cpu(tiny_model_dirs, monkeypatch):
         assert v["capture_s"] is not None and v["predicted_capture_s"] is not None
     assert report["curve"]["extra_pool_bytes"] is not None
     assert "plan" in format_report(report)
-
-
-def test_benchmark_target_lines_and_no_gpu_exit():
-    plan = {"waste_pct": 2.71, "num_sizes": 22, "capture_s": 4.2, "predicted_capture_s": 4.5, "pool_mib": 600.0,
-            "predicted_pool_mib": 180.0}
-    pow2 = {"waste_pct": 21.0, "num_sizes": 9}
-    lines = graphs_benchmark.target_lines({"sets": {"plan": plan, "powers_of_two": pow2},
-                                           "settings": {"max_num_seqs": 256}})
-    assert lines[0].startswith("PASS") and "plan 2.71% (22 sizes; powers of two 21.00%, 9 sizes)" in lines[0]
-    assert lines[1].startswith("PASS") and "4.20 s" in lines[1]
-    assert lines[2].startswith("FAIL") and "600 MiB" in lines[2] and "target ≤ 512 MiB" in lines[2]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "benchmarks/graphs.py"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 1 and "needs a GPU" in proc.stdout

@@ -10,7 +10,8 @@ import pytest
 
 from nanoserve import __version__
 from nanoserve.cli import _build_parser, main
-from nanoserve.config import FIELD_HELP, SERVE_CHUNK_TIME_RATIO, SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from nanoserve.config import (FIELD_HELP, SERVE_CHUNK_TIME_RATIO, SERVE_DEFAULTS, SERVE_MAX_NUM_BATCHED_TOKENS,
+                              EngineConfig)
 
 
 def run_cli(*args, timeout=180):
@@ -60,12 +61,15 @@ def test_a_broken_gguf_is_one_clear_line(tmp_path):
 def test_every_engine_field_has_help_and_shows_its_default():
     assert set(FIELD_HELP) == {f.name for f in dataclasses.fields(EngineConfig)}
     commands = _build_parser()._subparsers._group_actions[0].choices  # argparse keeps subparsers here
-    for command in ("serve", "generate", "bench"):
-        helps = {a.dest: a.help for a in commands[command]._actions}
+    bench = commands["bench"]._subparsers._group_actions[0].choices
+    for command, parser in [(c, commands[c]) for c in ("serve", "generate")] + [
+            ("bench " + c, bench[c]) for c in ("latency", "throughput", "graphs")]:
+        helps = {a.dest: a.help for a in parser._actions}
         for f in dataclasses.fields(EngineConfig):
             assert helps[f.name].startswith(FIELD_HELP[f.name]), (command, f.name)
-            if f.default not in (None, dataclasses.MISSING):
-                shown = str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+            default = SERVE_DEFAULTS.get(f.name, f.default) if command == "serve" else f.default
+            if default not in (None, dataclasses.MISSING):
+                shown = str(default).lower() if isinstance(default, bool) else str(default)
                 assert helps[f.name].endswith(f"(default: {shown})"), (command, f.name)
     usage = commands["generate"].format_help()
     assert "(default: 256)" in usage and "(default: true)" in usage

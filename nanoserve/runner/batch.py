@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from nanoserve.kernels.paging import blocks_for, kv_slots
+
 
 def _empty(dtype=np.int32) -> np.ndarray:
     return np.zeros(0, dtype)
@@ -92,6 +94,24 @@ class DecodeBatch:
     @property
     def size(self) -> int:
         return len(self.slots)
+
+
+def disjoint_decode_batch(rows: int, context_len: int, block_size: int,
+                          num_blocks: int) -> tuple[DecodeBatch, np.ndarray]:
+    """A forward-only decode batch (sampling None) of `rows` rows in slots 0..rows-1, each one token after
+    context_len - 1 cached ones, over disjoint blocks; and the block tables [rows, blocks per row] that the
+    runner's PersistentState must hold for it (write_tables). The runner's start-up probes run it; so do the
+    benchmarks that time one decode step (nanoserve/bench/decode_step.py). No request may be running."""
+    per_row = blocks_for(context_len, block_size)
+    if rows * per_row > num_blocks:
+        raise ValueError(f"{rows} rows of {context_len} tokens do not fit in {num_blocks} KV blocks")
+    slots = np.arange(rows, dtype=np.int32)
+    tables = np.arange(rows * per_row, dtype=np.int32).reshape(rows, per_row)
+    position = context_len - 1
+    full = lambda v: np.full(rows, v, dtype=np.int32)  # noqa: E731
+    batch = DecodeBatch(slots, full(position), kv_slots(tables, position, block_size), full(context_len), full(-1),
+                        full(0), None)
+    return batch, tables
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Rank 0 is a ModelRunner in this (the engine-core) process; ranks 1..N-1 are worker processes
 (runner/worker.py, torch.multiprocessing spawn) joined to it by the engine's own torch.distributed group.
-Each call that runs the model (execute, sample_deferred, decode_logits, dummy_decode_batch) is pickled once here
+Each call that runs the model (execute, sample_deferred) is pickled once here
 and queued for a sender thread that writes it to every worker's pipe, then made on rank 0: one message per step
 (two when a structured-output step defers its sampler), and rank 0 never waits for a worker to read it, so async
 scheduling keeps its overlap. Only rank 0's
@@ -131,12 +131,6 @@ class RunnerGroup:
         self._broadcast(("sample", *portable_sampling(sampling)))
         return _CheckedHandle(self._guarded(self.runner.sample_deferred, sampling), self)
 
-    def decode_logits(self, batch, use_graph: bool = True):
-        return self._on_all(ModelRunner.decode_logits, batch, use_graph)
-
-    def dummy_decode_batch(self, batch_size: int, context_len: int):
-        return self._on_all(ModelRunner.dummy_decode_batch, batch_size, context_len)
-
     def save_batch_histogram(self) -> None:
         self.runner.save_batch_histogram()  # rank 0 saw every batch the others did
 
@@ -156,10 +150,6 @@ class RunnerGroup:
         if inspect.ismethod(value):
             raise AttributeError(f"RunnerGroup does not run {name}() on every rank; use on_every_rank()")
         return value
-
-    def _on_all(self, fn, *args):
-        self._broadcast(("call", fn, args, False))
-        return self._guarded(fn, self.runner, *args)
 
     def _broadcast(self, message) -> None:
         self._check()

@@ -26,7 +26,7 @@ from nanoserve.kernels.paging import kv_slots
 from nanoserve.model.loader import load_model
 from nanoserve.model.parallel import TensorParallel
 from nanoserve.runner import graph_setup
-from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch, SamplingBatch
+from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch, SamplingBatch, disjoint_decode_batch
 from nanoserve.runner.bucket_plan import BatchDistribution
 from nanoserve.runner.cuda_graph import GraphRunner
 from nanoserve.runner.forward import DecodeForward, TokenForward
@@ -220,7 +220,9 @@ class ModelRunner:
         and the self-check; no request is running yet)."""
         per_row = self.num_kv_blocks // max(self.config.max_num_seqs, 1)
         longest = max(1, min(PROBE_CONTEXT, per_row * self.config.block_size, self.config.max_model_len))
-        batch = self.dummy_decode_batch(rows, min(context or longest, longest))
+        batch, tables = disjoint_decode_batch(rows, min(context or longest, longest), self.config.block_size,
+                                              self.num_kv_blocks)
+        self.state.write_tables(batch.slots, tables)
         self.state.last_tokens[:rows].random_(0, self.vocab_size, generator=self.rng)
         self.decode_inputs.load(batch, rows)
 
@@ -286,12 +288,12 @@ class ModelRunner:
         self.padding_tokens += tokens - n
         return self.token_forward.sample_logits(gr.replay(tokens), tail, batch)
 
-    def _decode(self, batch: DecodeBatch, use_graph: bool = True) -> tuple[torch.Tensor, int]:
+    def _decode(self, batch: DecodeBatch) -> tuple[torch.Tensor, int]:
         """Logits [b, vocab] of a decode batch and the rows the step ran (its bucket, or b when eager)."""
         b = batch.size
         self.batch_histogram.record(b)
         gr = self.graph_runner
-        rows = gr.bucket_for(b) if gr is not None and use_graph else None
+        rows = gr.bucket_for(b) if gr is not None else None
         if rows is not None:
             self.decode_steps_graph += 1
             self.padding_rows += rows - b
@@ -303,23 +305,3 @@ class ModelRunner:
         self.decode_inputs.load(batch, b)
         width = self.kv.blocks_for(int(batch.context_lens.max())) if b else 1  # read only the blocks in use
         return self.decode_forward(b, width), b
-
-    # -- benchmarks and tests ----------------------------------------------------------------------
-    @torch.inference_mode()
-    def decode_logits(self, batch: DecodeBatch, use_graph: bool = True) -> torch.Tensor:
-        """The decode forward alone: logits [b, vocab] (graph replay of the smallest bucket ≥ b, or eager)."""
-        return self._decode(batch, use_graph)[0]
-
-    def dummy_decode_batch(self, batch_size: int, context_len: int) -> DecodeBatch:
-        """A decode batch in slots 0..b-1 over disjoint real blocks (their block tables are written now); the
-        cache contents are whatever it holds."""
-        per_seq = self.kv.blocks_for(context_len)
-        if batch_size * per_seq > self.num_kv_blocks:
-            raise ValueError(f"{batch_size} × {context_len} tokens do not fit in {self.num_kv_blocks} KV blocks")
-        slots = np.arange(batch_size, dtype=np.int32)
-        tables = np.arange(batch_size * per_seq, dtype=np.int32).reshape(batch_size, per_seq)
-        self.state.write_tables(slots, tables)
-        position = context_len - 1
-        slot_mapping = kv_slots(tables, position, self.config.block_size)
-        full = lambda v: np.full(batch_size, v, dtype=np.int32)  # noqa: E731
-        return DecodeBatch(slots, full(position), slot_mapping, full(context_len), full(-1), full(0), None)

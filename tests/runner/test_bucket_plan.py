@@ -8,18 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from nanoserve.runner.bucket_plan import (
-    BatchDistribution,
-    LinearCost,
-    StepCurve,
-    average_padded_rows,
-    buckets,
-    chunk_caps,
-    expected_padded_ms,
-    expected_unpadded_ms,
-    expected_waste,
-    plan_buckets,
-)
+from nanoserve.bench.padding import average_padded_rows, buckets, expected_padded_ms, expected_unpadded_ms, expected_waste
+from nanoserve.runner.bucket_plan import BatchDistribution, LinearCost, StepCurve, chunk_caps, plan_buckets
 
 MiB = 2**20
 # Graph replay ms on the H200 (benchmarks/results/decode_latency.json, context 512, bf16).

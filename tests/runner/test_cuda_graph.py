@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.bench.decode_step import decode_batch, run_decode_step
 from nanoserve.config import EngineConfig, default_capture_sizes
 from nanoserve.kernels.step_inputs import prepare_decode
 from nanoserve.runner.batch import DecodeBatch, SamplingBatch
@@ -78,18 +79,22 @@ def _tiny_llm(path, **kw):
 @pytest.mark.gpu
 @gpu
 def test_every_bucket_replay_equals_eager(tiny_model_dirs):
-    llm = _tiny_llm(tiny_model_dirs["qwen3"], dtype="bfloat16")
-    runner = llm.engine.model_runner
-    gr = runner.graph_runner
+    """Per batch size (padded ones too), the first decode step's greedy token and logprob (a graph replay of the
+    bucket) equal an enforce_eager engine's on the same prompts of 257 tokens."""
+    path = tiny_model_dirs["qwen3"]
+    graphs, eager = _tiny_llm(path), _tiny_llm(path, enforce_eager=True)
+    gr = graphs.engine.model_runner.graph_runner
     assert gr.capture_sizes == [1, 2, 4, 8, 16] and set(gr.graphs) == set(gr.capture_sizes)
-    # fill the cache with real context first so attention reads meaningful values
-    llm.generate([[1 + i] * 300 for i in range(16)], SamplingParams(max_tokens=1), use_tqdm=False)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=0)
     for b in (1, 2, 3, 5, 8, 11, 16):
-        batch = runner.dummy_decode_batch(b, 257)
-        graph = runner.decode_logits(batch, use_graph=True).float().clone()
-        eager = runner.decode_logits(batch, use_graph=False).float()
-        torch.testing.assert_close(graph, eager, rtol=2e-2, atol=2e-2)
-        assert torch.equal(graph.argmax(-1), eager.argmax(-1))
+        prompts = [[(7 * i + j) % 400 + 3 for j in range(257)] for i in range(b)]
+        before = graphs.engine.stats.decode_steps_graph
+        got = graphs.generate(prompts, params, use_tqdm=False)
+        assert graphs.engine.stats.decode_steps_graph > before, b
+        for g, e in zip(got, eager.generate(prompts, params, use_tqdm=False)):
+            assert g.token_ids == e.token_ids, b
+            step = g.token_ids[1]
+            assert g.logprobs[1][step] == pytest.approx(e.logprobs[1][step], abs=1e-3), b
 
 
 @pytest.mark.gpu
@@ -123,7 +128,7 @@ def test_static_addresses_never_change(tiny_model_dirs):
 
     before = addresses()
     for b in [1, 16, 3, 9, 2, 16, 1] * 20:
-        runner.decode_logits(runner.dummy_decode_batch(b, 64))
+        run_decode_step(runner, decode_batch(runner, b, 64))
     llm.generate([[3, 4, 5]] * 5, SamplingParams(max_tokens=20), use_tqdm=False)
     assert addresses() == before
 
@@ -135,9 +140,9 @@ def test_padded_rows_never_touch_real_kv(tiny_model_dirs):
     runner = llm.engine.model_runner
     llm.generate([[5] * 100, [6] * 50], SamplingParams(max_tokens=1), use_tqdm=False)
     real = runner.kv_cache[:, :, :runner.num_kv_blocks].clone()
-    batch = runner.dummy_decode_batch(3, 40)  # bucket 4: one padded row
+    batch = decode_batch(runner, 3, 40)  # bucket 4: one padded row
     batch.slot_mapping[:] = runner.dummy_block * runner.config.block_size  # real rows also write only to the dummy block
-    runner.decode_logits(batch)
+    run_decode_step(runner, batch)
     assert runner.padding_rows >= 1
     assert torch.equal(runner.kv_cache[:, :, :runner.num_kv_blocks], real)
 

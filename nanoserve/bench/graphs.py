@@ -12,8 +12,6 @@ eager timings and graph costs are absent, so the code path still runs on a CPU.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import gc
 import logging
 import time
 from pathlib import Path
@@ -21,23 +19,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanoserve import LLM, __version__
+from nanoserve import LLM
+from nanoserve.bench.common import environment, release_memory
+from nanoserve.bench.decode_step import decode_batch, time_decode_step
+from nanoserve.bench.padding import (average_padded_rows, buckets, expected_padded_ms, expected_unpadded_ms,
+                                     expected_waste)
 from nanoserve.config import EngineConfig, default_capture_sizes
 from nanoserve.kernels.paging import blocks_for
-from nanoserve.runner.bucket_plan import (
-    DEFAULT_CAPTURE_BUDGET_S,
-    DEFAULT_POOL_BUDGET_BYTES,
-    BatchDistribution,
-    LinearCost,
-    StepCurve,
-    average_padded_rows,
-    buckets,
-    expected_padded_ms,
-    expected_unpadded_ms,
-    expected_waste,
-    plan_buckets,
-)
-from nanoserve.runner.timing import time_ms
+from nanoserve.runner.bucket_plan import (DEFAULT_CAPTURE_BUDGET_S, DEFAULT_POOL_BUDGET_BYTES, BatchDistribution,
+                                          LinearCost, StepCurve, plan_buckets)
 
 MiB = 2**20
 SET_NAMES = {"powers_of_two": "powers of two", "plan": "plan"}
@@ -90,7 +80,7 @@ def run_graphs_report(model: str, engine_options: dict, distribution: str = "uni
     sets = {name: _set_summary(name, sizes, probe, planning_curve, final_curve, dist)
             for name, sizes in (("powers_of_two", pow2), ("plan", plan))}
     return {
-        "report": "graphs", "environment": _environment(), "model": model,
+        "report": "graphs", "environment": environment(), "model": model,
         "settings": {"max_num_seqs": n, "context": context, "device": config.device, "graphs": with_graphs,
                      "distribution": distribution, "warmup": warmup, "iters": iters,
                      "capture_budget_s": capture_budget_s, "pool_budget_mib": pool_budget_bytes / MiB,
@@ -121,20 +111,20 @@ class _Probe:
         """The eager engine: built twice, the second time timed (the first pays one-off CUDA set-up)."""
         eager = dict(self.options, enforce_eager=True)
         _build(self.model, eager)
-        _release()
+        release_memory()
         self.eager_llm, self.base_seconds, self.base_bytes = _build(self.model, eager)
         self.log(f"eager engine: start-up {self.base_seconds:.2f} s, {self.base_bytes / MiB:.0f} MiB")
 
     def stop(self) -> None:
         self.eager_llm = None
-        _release()
+        release_memory()
 
     def measure_set(self, name: str, sizes: list[int]) -> None:
         new = [s for s in sizes if s not in self.sizes]
         self.set_sizes[name] = sorted(sizes)
         runner = self.eager_llm.engine.model_runner
         for s in new:  # eager timing first: it also compiles the kernels before any capture is timed
-            self.sizes[s] = {"eager_ms": self._time(runner, s, use_graph=False), "replay_ms": None,
+            self.sizes[s] = {"eager_ms": self._time(runner, s), "replay_ms": None,
                              "alone_capture_s": None, "alone_pool_mib": None}
         if not self.with_graphs:
             return
@@ -143,7 +133,7 @@ class _Probe:
             self.sizes[s].update(alone_capture_s=seconds - self.base_seconds,
                                  alone_pool_mib=(grown - self.base_bytes) / MiB)
             llm = None  # noqa: F841 — freed before the next engine is built
-            _release()
+            release_memory()
         self._measure_set_engine(name, sizes, new)
 
     def _measure_set_engine(self, name: str, sizes: list[int], new: list[int]) -> None:
@@ -153,18 +143,17 @@ class _Probe:
         if captured != sorted(sizes):
             raise RuntimeError(f"asked for graphs of {sorted(sizes)} rows, the engine captured {captured}")
         for s in new:
-            self.sizes[s]["replay_ms"] = self._time(runner, s, use_graph=True)
+            self.sizes[s]["replay_ms"] = self._time(runner, s)
         self.set_costs[name] = {"capture_s": seconds - self.base_seconds, "pool_mib": (grown - self.base_bytes) / MiB}
         self.log(f"{SET_NAMES[name]}: {len(sizes)} graphs, capture {self.set_costs[name]['capture_s']:.2f} s, "
                  f"pool {self.set_costs[name]['pool_mib']:.0f} MiB")
         runner = llm = None  # noqa: F841
-        _release()
+        release_memory()
 
-    def _time(self, runner, rows: int, use_graph: bool) -> float:
-        batch = runner.dummy_decode_batch(rows, self.context)
-        with torch.inference_mode():
-            return float(np.median(time_ms(lambda: runner.decode_logits(batch, use_graph=use_graph), runner.device,
-                                           self.warmup, self.iters)))
+    def _time(self, runner, rows: int) -> float:
+        """Median ms of one decode step of `rows` rows: the eager engine runs it eagerly, a graph engine replays."""
+        return float(np.median(time_decode_step(runner, decode_batch(runner, rows, self.context), self.warmup,
+                                                self.iters)))
 
     def step_ms(self, rows: int) -> float:
         """The step time the report uses for rows: the graph replay, or eager without graphs."""
@@ -229,14 +218,6 @@ def _build(model: str, options: dict):
     return llm, seconds, (torch.cuda.memory_reserved() - before if on_cuda else 0)
 
 
-def _release() -> None:
-    """After the last reference to an engine is dropped: collect it and return its memory."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
 @contextlib.contextmanager
 def _quiet_engine_logs():
     """The report builds dozens of engines; their start-up lines would bury its own."""
@@ -253,13 +234,6 @@ def _curve_json(curve: StepCurve) -> dict:
     costs = ("capture_seconds", "pool_bytes", "extra_capture_seconds", "extra_pool_bytes")
     return {"rows": list(curve.rows), "ms": list(curve.ms),
             **{k: None if getattr(curve, k) is None else vars(getattr(curve, k)) for k in costs}}
-
-
-def _environment() -> dict:
-    cuda = torch.cuda.is_available()
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "nanoserve": __version__, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "gpu": torch.cuda.get_device_name(0) if cuda else None}
 
 
 def format_report(report: dict) -> str:

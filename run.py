@@ -126,7 +126,7 @@ def gpu_demo(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         llm = LLM(str(model_dir), dtype=args.dtype, num_kv_blocks=blocks, **options)
         startup = time.perf_counter() - t0
-        runner = llm.engine.model_runner
+        runner = llm.engine.core.runner
         gr = runner.graph_runner
         if gr is None:
             print("this engine captured no graphs (enforce_eager?) — nothing to demonstrate")
@@ -336,7 +336,7 @@ def compare_tokens(graph_out, eager_out, tol: float) -> tuple[int, list[Divergen
 def _copy_weights(src_llm, dst_llm) -> bool:
     """Make the eager engine's weights bit-identical to the graph engine's (in place: graphs keep their addresses)."""
     try:
-        src, dst = src_llm.engine.model_runner.model, dst_llm.engine.model_runner.model
+        src, dst = src_llm.engine.core.runner.model, dst_llm.engine.core.runner.model
         with torch.inference_mode():
             dst.load_state_dict(src.state_dict(), strict=True)
         return True

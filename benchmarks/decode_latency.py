@@ -132,7 +132,7 @@ def check_quantized(llm, args: argparse.Namespace) -> None:
     """With --quantization the engine's model must hold fp8 weights (the runner passes the option to the loader)."""
     if not args.quantization:
         return
-    weight = llm.engine.model_runner.model.model.layers[0].mlp.down_proj.weight
+    weight = llm.engine.core.runner.model.model.layers[0].mlp.down_proj.weight
     if weight.dtype != torch.float8_e4m3fn:
         raise RuntimeError(f"--quantization {args.quantization} was given but the engine's weights are {weight.dtype}: "
                            "ModelRunner must pass config.quantization / quantize_lm_head to load_model")
@@ -190,7 +190,7 @@ def measure_e2e(llm, cfg: dict, b: int, args: argparse.Namespace) -> dict:
     from nanoserve import SamplingParams
 
     engine = llm.engine
-    device = engine.model_runner.device
+    device = engine.core.runner.device
     rec: dict = {"batch_size": b, "prompt_tokens": args.context}
     ids = [f"e2e-{b}-{i}" for i in range(b)]
     try:
@@ -202,7 +202,7 @@ def measure_e2e(llm, cfg: dict, b: int, args: argparse.Namespace) -> dict:
             engine.add_request(rid, prompt, params)
         t0 = time.perf_counter()
         prefill_steps = 0
-        scheduler = engine.scheduler  # until every prompt is prefilled (chunked prefill takes several steps)
+        scheduler = engine.core.scheduler  # until every prompt is prefilled (chunked prefill takes several steps)
         while scheduler.waiting or not all(s.decoding for s in scheduler.running):
             engine.step()
             prefill_steps += 1
@@ -274,7 +274,7 @@ def measure_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict
             llm = build_llm(model_dir, cfg, sizes, max_model_len, blocks, args)
             check_quantized(llm, args)
             result["startup_seconds"] = time.perf_counter() - t0
-            runner = llm.engine.model_runner
+            runner = llm.engine.core.runner
             gr = runner.graph_runner
             result["capture"] = None if gr is None else {
                 "sizes": list(gr.capture_sizes),

@@ -52,7 +52,7 @@ def prefill_step(quantization: str | None, out: Path) -> None:
                   num_kv_blocks=PREFILL_SEQS * PREFILL_LEN // 16 * 2 + 2, enforce_eager=True,
                   enable_prefix_caching=False, show_progress=False, quantization=quantization)
     engine = llm.engine
-    weight = engine.model_runner.model.model.layers[0].mlp.down_proj.weight
+    weight = engine.core.runner.model.model.layers[0].mlp.down_proj.weight
     if quantization and weight.dtype != torch.float8_e4m3fn:
         raise SystemExit(f"quantization={quantization} but the engine's weights are {weight.dtype}: ModelRunner must "
                          "pass config.quantization / quantize_lm_head to load_model")
@@ -69,7 +69,7 @@ def prefill_step(quantization: str | None, out: Path) -> None:
         synchronize("cuda")
         if run:
             samples.append((time.perf_counter() - t) * 1e3)
-        while engine.scheduler.waiting or engine.scheduler.running:
+        while engine.core.scheduler.waiting or engine.core.scheduler.running:
             engine.step()
     ms = statistics.median(samples)
     out.write_text(json.dumps({"model": PREFILL_MODEL, "quantization": quantization, "seqs": PREFILL_SEQS,

@@ -40,7 +40,7 @@ def measure(name: str, max_num_seqs: int) -> dict:
         llm = LLM(str(write_model_dir(model_config(name), tmp)), load_format="dummy", skip_tokenizer_init=True,
                   max_num_seqs=max_num_seqs, max_model_len=2048, show_progress=False)
         startup = time.perf_counter() - started
-        runner = llm.engine.model_runner
+        runner = llm.engine.core.runner
         gr = runner.graph_runner
         with torch.inference_mode():
             replay = {b: sorted(time_ms(partial(runner.decode_logits, runner.dummy_decode_batch(b, CONTEXT)), "cuda",

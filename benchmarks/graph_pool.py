@@ -42,7 +42,7 @@ def measure(model_dir: str) -> dict:
 
     llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
               show_progress=False)
-    runner = llm.engine.model_runner
+    runner = llm.engine.core.runner
     rec = {}
     for name, gr in (("decode", runner.graph_runner), ("tokens", runner.token_graphs)):
         if gr is not None:

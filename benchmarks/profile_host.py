@@ -67,7 +67,7 @@ def main() -> int:
             params = SamplingParams(max_tokens=args.steps + 20, temperature=0.0, ignore_eos=True)
             for i in range(b):
                 engine.add_request(f"d{b}-{i}", [3 + i % 1000] * 64, params)
-            while engine.scheduler.waiting or not all(s.decoding for s in engine.scheduler.running):
+            while engine.core.scheduler.waiting or not all(s.decoding for s in engine.core.scheduler.running):
                 engine.step()
             for _ in range(5):
                 engine.step()

@@ -92,7 +92,7 @@ def run_variant(model_dir: str, prompts, params, options: dict) -> dict:
               show_progress=False, **options)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, as nano-vllm does
     engine = llm.engine
-    runner = engine.model_runner
+    runner = engine.core.runner
     rec = {"kv_blocks": runner.num_kv_blocks, "capture_sizes": runner.config.cudagraph_capture_sizes,
            "weight_bytes_per_step": weight_bytes_read_per_step(runner.model),
            "kv_bytes_per_token": runner.kv.bytes_per_token,
@@ -105,7 +105,7 @@ def run_variant(model_dir: str, prompts, params, options: dict) -> dict:
     allocator = torch.cuda.memory_stats()
     seen = (runner.prefill_steps_graph, runner.prefill_steps_eager)
     while engine.has_unfinished_requests():
-        rows = len(engine.scheduler.running)
+        rows = len(engine.core.scheduler.running)
         outs = engine.step()
         generated += sum(len(o.token_ids) for o in outs)
         now = time.perf_counter()

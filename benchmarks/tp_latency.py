@@ -113,7 +113,7 @@ def measure_tp(model_dir: Path, tp: int, args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         llm = build(model_dir, tp, args)
         result["startup_seconds"] = time.perf_counter() - t0
-        runner = llm.engine.model_runner
+        runner = llm.engine.core.runner
         gr = runner.graph_runner
         result["capture"] = None if gr is None else {"sizes": list(gr.capture_sizes), "seconds": gr.capture_seconds,
                                                      "pool_mib_rank0": gr.pool_bytes / 2**20}

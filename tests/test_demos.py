@@ -321,7 +321,7 @@ def test_run_py_gpu_sections_on_cpu(tmp_path, capsys):
             super().__init__(model, device="cpu", dtype=dtype, **kw)
 
     llm = CpuLLM(str(model_dir), dtype="float32", num_kv_blocks=64, **options)
-    failures = run.bucket_table(llm.engine.model_runner, [1, 2, 4, 8],
+    failures = run.bucket_table(llm.engine.core.runner, [1, 2, 4, 8],
                                 SimpleNamespace(context=64, iters=2))
     assert failures == []
     table = capsys.readouterr().out

@@ -79,7 +79,7 @@ def _tiny_llm(path, **kw):
 @gpu
 def test_every_bucket_replay_equals_eager(tiny_model_dirs):
     llm = _tiny_llm(tiny_model_dirs["qwen3"], dtype="bfloat16")
-    runner = llm.engine.model_runner
+    runner = llm.engine.core.runner
     gr = runner.graph_runner
     assert gr.capture_sizes == [1, 2, 4, 8, 16] and set(gr.graphs) == set(gr.capture_sizes)
     # fill the cache with real context first so attention reads meaningful values
@@ -113,7 +113,7 @@ def test_greedy_tokens_identical_to_eager_for_each_bucket_over_64_steps(tiny_mod
 @gpu
 def test_static_addresses_never_change(tiny_model_dirs):
     llm = _tiny_llm(tiny_model_dirs["qwen2"])
-    runner = llm.engine.model_runner
+    runner = llm.engine.core.runner
     gr = runner.graph_runner
 
     def addresses():
@@ -132,7 +132,7 @@ def test_static_addresses_never_change(tiny_model_dirs):
 @gpu
 def test_padded_rows_never_touch_real_kv(tiny_model_dirs):
     llm = _tiny_llm(tiny_model_dirs["qwen3"])
-    runner = llm.engine.model_runner
+    runner = llm.engine.core.runner
     llm.generate([[5] * 100, [6] * 50], SamplingParams(max_tokens=1), use_tqdm=False)
     real = runner.kv_cache[:, :, :runner.num_kv_blocks].clone()
     batch = runner.dummy_decode_batch(3, 40)  # bucket 4: one padded row

@@ -7,8 +7,9 @@ vLLM's /version, /ping, /tokenize, /detokenize (server/tokenize_routes.py).
 Every error answers in OpenAI's format {"error": {"message", "type", "param", "code"}}: invalid
 requests 400 (unknown fields too, as api.openai.com does), wrong key 401, unknown model 404, body not
 received within --request-body-timeout 408, body too large 413, full waiting queue 503, engine failure
-500; a RequestError from the engine's checks is a 400 whose `param` is the field it carries. A client that goes away has its request aborted. If the engine core dies, requests in flight fail
-at once and `serve()` exits non-zero; SIGTERM/SIGINT drain (server/shutdown.py) and exit 0.
+500; a RequestError from the engine's checks is a 400 whose `param` is the field it carries. A client
+that goes away has its request aborted. If the engine core dies, requests in flight fail at once and
+`serve()` exits non-zero; SIGTERM/SIGINT drain (server/shutdown.py) and exit 0.
 """
 from __future__ import annotations
 

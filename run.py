@@ -119,7 +119,7 @@ def gpu_demo(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         llm = LLM(str(model_dir), dtype=args.dtype, num_kv_blocks=blocks, **options)
         startup = time.perf_counter() - t0
-        runner = llm.engine.model_runner
+        runner = llm.engine.core.runner
         gr = runner.graph_runner
         if gr is None:
             print("this engine captured no graphs (enforce_eager?) — nothing to demonstrate")
@@ -186,7 +186,7 @@ def _without_sizes(options: dict) -> dict:
 def timing_table(runner, eager_llm, args: argparse.Namespace) -> list[str]:
     """bucket_table against an enforce_eager engine of the same shape, released afterwards."""
     try:
-        return bucket_table(runner, eager_llm.engine.model_runner, runner.graph_runner.capture_sizes, args)
+        return bucket_table(runner, eager_llm.engine.core.runner, runner.graph_runner.capture_sizes, args)
     finally:
         eager_llm = None  # noqa: F841
         release_cuda_memory()
@@ -313,7 +313,7 @@ def compare_tokens(graph_out, eager_out, tol: float) -> tuple[int, list[Divergen
 def _copy_weights(src_llm, dst_llm) -> bool:
     """Make the eager engine's weights bit-identical to the graph engine's (in place: graphs keep their addresses)."""
     try:
-        src, dst = src_llm.engine.model_runner.model, dst_llm.engine.model_runner.model
+        src, dst = src_llm.engine.core.runner.model, dst_llm.engine.core.runner.model
         with torch.inference_mode():
             dst.load_state_dict(src.state_dict(), strict=True)
         return True

@@ -170,7 +170,7 @@ def measure_model(name: str, sizes: list[int], sets: list[str], context: int) ->
                   max_num_seqs=max(sizes), max_model_len=1024, cudagraph_capture_sizes=sizes,
                   num_kv_blocks=max(sizes) * (context // 16 + 1) + 64, enable_prefix_caching=False,
                   show_progress=False)
-        runner = llm.engine.model_runner
+        runner = llm.engine.core.runner
         for set_name in sets:
             result["sets"][set_name] = rec = measure_switch_set(runner, set_name, sizes, context)
             print_set(name, set_name, rec)

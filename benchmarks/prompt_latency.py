@@ -39,7 +39,7 @@ def measure(model_dir: str, lengths: list[int], options: dict, profile: bool = F
     start = time.perf_counter()
     llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
               show_progress=False, **options)
-    runner = llm.engine.model_runner
+    runner = llm.engine.core.runner
     tg, dg = runner.token_graphs, runner.graph_runner
     rec = {"start_up_s": time.perf_counter() - start, "decode_sizes": dg.capture_sizes if dg else [],
            "token_sizes": tg.capture_sizes if tg else [],

@@ -163,7 +163,7 @@ def measure_one(llm, b: int, args, constrained: bool) -> dict:
             run = timed_run(llm, b, args, constrained)
         best["phases_ms_per_step"] = {k: round(1e3 * v / run["steps"], 4) for k, v in seconds.items()}
         best["phases_run_ms_per_step"] = run["ms_per_step"]
-        if llm.engine.model_runner.device.type == "cuda":
+        if llm.engine.core.runner.device.type == "cuda":
             best["device_busy_ms_per_step"] = device_busy(llm, b, args, constrained)
     return best
 

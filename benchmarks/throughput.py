@@ -81,7 +81,7 @@ def run_variant(model_dir: str, prompts, params, options: dict) -> dict:
     llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
               show_progress=False, **options)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, as nano-vllm does
-    runner = llm.engine.model_runner
+    runner = llm.engine.core.runner
     rec = {"kv_blocks": runner.num_kv_blocks, "capture_sizes": runner.config.cudagraph_capture_sizes,
            "weight_bytes_per_step": weight_bytes_read_per_step(runner.model),
            "kv_bytes_per_token": runner.kv.bytes_per_token,

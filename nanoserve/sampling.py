@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.config import MAX_LOGPROBS
+from nanoserve.errors import RequestError
 
 GREEDY_EPS = 1e-5  # like vLLM: temperature below this means greedy
 MAX_N = 128
@@ -26,7 +27,7 @@ def _is_number(v) -> bool:
 
 def _check(ok: bool, name: str, allowed: str, value) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise RequestError.of_field(name, f"must be {allowed}, got {value!r}")
 
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -62,8 +63,8 @@ class StructuredOutputsParams:
             try:
                 json.loads(self.json)
             except ValueError as e:
-                raise ValueError(f"structured_outputs.json must be a JSON schema, and its text is not JSON: {e}") \
-                    from None
+                raise RequestError.of_field("structured_outputs.json",
+                                            f"must be a JSON schema, and its text is not JSON: {e}") from None
 
     @property
     def kind(self) -> str:
@@ -136,8 +137,8 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):
             unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_KINDS))
             if unknown:
-                raise ValueError(f"structured_outputs has unknown fields {unknown}; it takes one of "
-                                 f"{', '.join(STRUCTURED_KINDS)}")
+                raise RequestError.of_field("structured_outputs", f"has unknown fields {unknown}; it takes one of "
+                                            f"{', '.join(STRUCTURED_KINDS)}")
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", "None or a StructuredOutputsParams", self.structured_outputs)

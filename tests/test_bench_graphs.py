@@ -128,7 +128,7 @@ def test_graph_bookkeeping_runs_on_cpu(tiny_model_dirs, monkeypatch):
         sizes = options.get("cudagraph_capture_sizes")
         if sizes is not None:
             stand_in = SimpleNamespace(capture_sizes=sorted(sizes), bucket_for=lambda b: None)  # None → eager
-            llm.engine.model_runner.graph_runner = stand_in
+            llm.engine.core.runner.graph_runner = stand_in
         built.append(sizes)
         return llm, seconds, grown
 

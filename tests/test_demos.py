@@ -196,7 +196,7 @@ def test_run_py_gpu_sections_on_cpu(tmp_path, capsys):
             super().__init__(model, device="cpu", dtype=dtype, **kw)
 
     llm = CpuLLM(str(model_dir), dtype="float32", num_kv_blocks=64, **options)
-    runner = llm.engine.model_runner  # the "graph" engine is eager too on a CPU
+    runner = llm.engine.core.runner  # the "graph" engine is eager too on a CPU
     failures = run.bucket_table(runner, runner, [1, 2, 4, 8], SimpleNamespace(context=64, iters=2))
     assert failures == []
     table = capsys.readouterr().out

@@ -122,7 +122,7 @@ class _Probe:
     def measure_set(self, name: str, sizes: list[int]) -> None:
         new = [s for s in sizes if s not in self.sizes]
         self.set_sizes[name] = sorted(sizes)
-        runner = self.eager_llm.engine.model_runner
+        runner = self.eager_llm.engine.core.runner
         for s in new:  # eager timing first: it also compiles the kernels before any capture is timed
             self.sizes[s] = {"eager_ms": self._time(runner, s), "replay_ms": None,
                              "alone_capture_s": None, "alone_pool_mib": None}
@@ -138,7 +138,7 @@ class _Probe:
 
     def _measure_set_engine(self, name: str, sizes: list[int], new: list[int]) -> None:
         llm, seconds, grown = _build(self.model, dict(self.options, cudagraph_capture_sizes=sizes))
-        runner = llm.engine.model_runner
+        runner = llm.engine.core.runner
         captured = list(runner.graph_runner.capture_sizes)
         if captured != sorted(sizes):
             raise RuntimeError(f"asked for graphs of {sorted(sizes)} rows, the engine captured {captured}")

@@ -40,7 +40,7 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.grammar import Grammars
 from nanoserve.engine.messages import EngineRequest, EngineStats, SeqOutput
 from nanoserve.engine.preflight import check_engine_config
-from nanoserve.engine.prompts import check_prompt_length, check_token_ids
+from nanoserve.engine.prompts import check_params_token_ids, check_prompt_length, check_token_ids
 from nanoserve.engine.scheduler import ScheduledStep, Scheduler
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.model.loader import eos_token_ids, load_tokenizer
@@ -124,7 +124,7 @@ class EngineCore:
             raise ValueError(f"the engine core runs single sequences (n=1), got n={params.n}")
         check_prompt_length(len(ids), self.config.max_model_len)
         check_token_ids(ids, self.vocab_size)
-        check_token_ids([*params.stop_token_ids, *(params.logit_bias or ())], self.vocab_size)
+        check_params_token_ids(params, self.vocab_size)
         so = params.structured_outputs
         grammar = None if so is None else self._grammar_store().compile(so)
         seq = Sequence(rid, list(ids), params)

@@ -3,7 +3,7 @@
 The API process (server/client.py) sends EngineRequests and aborts; this process steps the core while
 it has work and sends back each step's SeqOutputs with the core's stats, only what the step added.
 When idle it blocks on its input socket, so an idle server burns no CPU. Every message is a msgspec
-struct encoded as msgpack (a tagged union per direction): no wire format is written by hand.
+struct of engine/messages.py encoded as msgpack.
 
 Start-up: the process binds its two sockets, builds the EngineCore and answers over a pipe with either
 CoreReady (the resolved config and limits the API needs) or CoreFailed (one line: why), then exits
@@ -26,57 +26,13 @@ import torch
 import zmq
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.messages import EngineRequest, EngineStats, SeqOutput
+from nanoserve.engine.core import EngineCore
+from nanoserve.engine.messages import (AbortRequests, AddRequests, CoreFailed, CoreInput, CoreOutput, CoreReady,
+                                       EngineDead, EngineRequest, EngineStats, SeqOutput, StepOutputs)
 
 logger = logging.getLogger("nanoserve")
 
 PARENT_CHECK_MS = 1000  # how often a blocked socket call looks whether the API process still exists
-
-
-# -- messages: API → core ---------------------------------------------------------------------------
-class AddRequests(msgspec.Struct, tag=True, array_like=True):
-    requests: list[EngineRequest]
-
-
-class AbortRequests(msgspec.Struct, tag=True, array_like=True):
-    request_ids: list[str]
-
-
-class Shutdown(msgspec.Struct, tag=True, array_like=True):
-    pass
-
-
-CoreInput = AddRequests | AbortRequests | Shutdown
-
-
-# -- messages: core → API ---------------------------------------------------------------------------
-class StepOutputs(msgspec.Struct, tag=True, array_like=True):
-    """What one loop iteration produced: the step's deltas (and refusals of new requests), then the stats."""
-
-    outputs: list[SeqOutput]
-    stats: EngineStats
-
-
-class EngineDead(msgspec.Struct, tag=True, array_like=True):
-    reason: str
-
-
-CoreOutput = StepOutputs | EngineDead
-
-
-# -- the start-up handshake (over a multiprocessing pipe) ----------------------------------------------
-class CoreReady(msgspec.Struct, tag=True):
-    config: EngineConfig  # resolved: max_model_len, device, dtype, ... as the core runs them
-    vocab_size: int
-    eos_token_ids: list[int]
-    stats: EngineStats
-
-
-class CoreFailed(msgspec.Struct, tag=True):
-    error: str
-
-
-Handshake = CoreReady | CoreFailed
 
 
 def one_line(e: BaseException) -> str:
@@ -186,8 +142,6 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     output_socket.bind(output_address)
     encoder = msgspec.msgpack.Encoder()
     try:
-        from nanoserve.engine.core import EngineCore  # here: the API process imports this module for its messages
-
         core = EngineCore(config, hf_config)
         if core.config.torch_device.type == "cpu":  # leave a core to the API process, which must stay responsive
             torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
@@ -196,7 +150,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             logger.exception("the engine core failed to start")
         handshake.send_bytes(encoder.encode(CoreFailed(one_line(e))))
         sys.exit(1)
-    handshake.send_bytes(encoder.encode(CoreReady(core.config, core.vocab_size, core.eos_token_ids, core.stats)))
+    handshake.send_bytes(encoder.encode(CoreReady(core.config, core.vocab_size, core.stats)))
     handshake.close()
     freeze_heap()
     try:
@@ -215,5 +169,4 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-__all__ = ["AddRequests", "AbortRequests", "Shutdown", "StepOutputs", "EngineDead", "CoreReady", "CoreFailed",
-           "CoreLoop", "run_engine_core", "freeze_heap"]
+__all__ = ["CoreLoop", "run_engine_core", "freeze_heap"]

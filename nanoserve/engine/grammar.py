@@ -39,6 +39,7 @@ import torch
 
 from nanoserve.config import (GRAMMAR_CACHE_SIZE, GRAMMAR_COMPILE_THREADS, GRAMMAR_FILL_THREAD_MIN_ROWS,
                               STRUCTURED_JSON_MAX_WHITESPACE)
+from nanoserve.errors import RequestError
 from nanoserve.sampling import StructuredOutputsParams
 
 _JSON_OPTIONS = {"any_whitespace": True, "max_whitespace_cnt": STRUCTURED_JSON_MAX_WHITESPACE}
@@ -73,7 +74,8 @@ def grammar_of(so: StructuredOutputsParams, where: str | None = None):
         # grammar: EBNF (GBNF-style `root ::= ...`), or Lark as vLLM also accepts
         return xgr.Grammar.from_ebnf(text) if "::=" in text else xgr.Grammar.from_lark(text)
     except (RuntimeError, ValueError, TypeError) as e:
-        raise ValueError(f"{where or 'structured_outputs.' + kind}: {_reason(e)}") from None
+        raise RequestError(f"{where or 'structured_outputs.' + kind}: {_reason(e)}", param="structured_outputs") \
+            from None
 
 
 def _reason(e: Exception) -> str:
@@ -82,7 +84,7 @@ def _reason(e: Exception) -> str:
 
 
 def check(so: StructuredOutputsParams | None, where: str | None = None) -> None:
-    """Raise ValueError if the constraint cannot be compiled (an invalid schema, regex or grammar)."""
+    """Raise RequestError (a ValueError) if the constraint cannot be compiled (an invalid schema, regex or grammar)."""
     if so is not None:
         grammar_of(so, where)
 

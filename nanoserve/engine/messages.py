@@ -1,13 +1,16 @@
-"""What crosses the engine core's boundary: requests in, per-step deltas and stats out.
+"""Every message that crosses the engine core's boundary: requests in, per-step deltas and stats out, and the
+envelopes and start-up handshake of the core in its own process (engine/core_process.py, engine/core_client.py).
 
 msgspec Structs, so the same objects are passed in-process (offline LLM) and encoded as msgpack between
-the API process and the engine-core process. The core deals in single sequences: a request with n > 1
-is fanned out into n core requests by the front end (engine/output.py), each with its own seed.
+the API process and the engine-core process (a tagged union per direction: no wire format is written by
+hand). The core deals in single sequences: a request with n > 1 is fanned out into n core requests by
+the front end (engine/output.py), each with its own seed.
 """
 from __future__ import annotations
 
 import msgspec
 
+from nanoserve.config import EngineConfig
 from nanoserve.sampling import SamplingParams
 
 
@@ -58,4 +61,50 @@ class EngineStats(msgspec.Struct):
     prefix_cache_hit_tokens: int = 0
 
 
-__all__ = ["EngineRequest", "SeqOutput", "EngineStats"]
+# -- envelopes: API process → core process ---------------------------------------------------------
+class AddRequests(msgspec.Struct, tag=True, array_like=True):
+    requests: list[EngineRequest]
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+CoreInput = AddRequests | AbortRequests | Shutdown
+
+
+# -- envelopes: core process → API process ---------------------------------------------------------
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    """What one loop iteration produced: the step's deltas (and refusals of new requests), then the stats."""
+
+    outputs: list[SeqOutput]
+    stats: EngineStats
+
+
+class EngineDead(msgspec.Struct, tag=True, array_like=True):
+    reason: str
+
+
+CoreOutput = StepOutputs | EngineDead
+
+
+# -- the start-up handshake (over a multiprocessing pipe) -------------------------------------------
+class CoreReady(msgspec.Struct, tag=True):
+    config: EngineConfig  # resolved: max_model_len, device, dtype, ... as the core runs them
+    vocab_size: int
+    stats: EngineStats
+
+
+class CoreFailed(msgspec.Struct, tag=True):
+    error: str
+
+
+Handshake = CoreReady | CoreFailed
+
+
+__all__ = ["EngineRequest", "SeqOutput", "EngineStats", "AddRequests", "AbortRequests", "Shutdown", "CoreInput",
+           "StepOutputs", "EngineDead", "CoreOutput", "CoreReady", "CoreFailed", "Handshake"]

@@ -82,6 +82,7 @@ class _Completion:
         self.stop_reason: int | str | None = None
         self.sent_tokens = self.sent_text = 0  # what earlier deltas reported
         self.end_reported = False
+        self.waiting = True  # no output from the core yet
         self.detok = None
         self.stops = StopMatcher.of(params.stop) if params.stop and tokenizer is not None else None
         self.stop_state = 0  # the stop matcher's state after self.text
@@ -172,6 +173,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, _Request] = {}
         self._children: dict[str, tuple[_Request, _Completion]] = {}
+        # core sequences submitted that have produced no output yet: what max_waiting_requests bounds (counted here,
+        # so the in-process and the out-of-process core are bounded alike, without asking the core)
+        self.num_waiting = 0
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                     stream: bool) -> list[EngineRequest]:
@@ -181,6 +185,7 @@ class OutputProcessor:
         completions = [_Completion(i, prompt_token_ids, params, self.tokenizer, stream) for i in range(params.n)]
         request = _Request(request_id, prompt, prompt_token_ids, completions, stream, num_unfinished=params.n)
         self.requests[request_id] = request
+        self.num_waiting += params.n
         core_requests = []
         for i, c in enumerate(completions):
             child = child_id(request_id, i)
@@ -197,6 +202,7 @@ class OutputProcessor:
         ids = [child_id(request_id, c.index) for c in request.completions]
         for child in ids:
             self._children.pop(child, None)
+        self.num_waiting -= sum(c.waiting for c in request.completions)
         return [child for child, c in zip(ids, request.completions) if not c.finished]
 
     def has_unfinished_requests(self) -> bool:
@@ -210,6 +216,9 @@ class OutputProcessor:
             if entry is None:  # aborted meanwhile, or ended by a stop string already
                 continue
             request, completion = entry
+            if completion.waiting:
+                completion.waiting = False
+                self.num_waiting -= 1
             if completion.append(out):
                 result.aborts.append(out.request_id)
             if out.num_cached_tokens:

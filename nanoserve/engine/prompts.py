@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from nanoserve.errors import RequestError
+from nanoserve.sampling import SamplingParams
+
 Prompt = str | list[int]
 
 
@@ -12,11 +15,12 @@ class QueueFullError(RuntimeError):
 
 
 def check_queue(num_waiting: int, num_new: int, max_waiting_requests: int) -> None:
-    """max_waiting_requests, for the offline engine and the server alike: ValueError when num_new sequences could
-    never wait at once (split the request), QueueFullError when they do not fit beside the num_waiting ones."""
+    """max_waiting_requests, for the offline engine and the server alike: RequestError when num_new sequences could
+    never wait at once (split the request; param n), QueueFullError when they do not fit beside the
+    num_waiting ones."""
     if num_new > max_waiting_requests:
-        raise ValueError(f"The request needs {num_new} sequences (prompts × n), more than the waiting queue can ever "
-                         f"hold (max_waiting_requests={max_waiting_requests}); split it.")
+        raise RequestError(f"The request needs {num_new} sequences (prompts × n), more than the waiting queue can "
+                           f"ever hold (max_waiting_requests={max_waiting_requests}); split it.", param="n")
     if num_waiting + num_new > max_waiting_requests:
         raise QueueFullError(f"{num_waiting} sequences are already waiting "
                              f"(max_waiting_requests={max_waiting_requests})")
@@ -40,15 +44,17 @@ def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 def _bad(prompt):
-    raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt")
 
 
 def tokenize(tokenizer, prompt: Prompt, vocab_size: int, max_model_len: int,
              add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
-    """(prompt text or None, token ids), or ValueError: empty, ids outside the vocabulary, no room to generate."""
+    """(prompt text or None, token ids), or RequestError (param "prompt"): empty, ids outside the vocabulary, no room
+    to generate."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError("this engine was started with skip_tokenizer_init: give prompts as token ids")
+            raise RequestError("this engine was started with skip_tokenizer_init: give prompts as token ids",
+                               param="prompt")
         text, ids = prompt, tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     elif is_token_ids(prompt):
         text, ids = None, list(prompt)
@@ -59,26 +65,34 @@ def tokenize(tokenizer, prompt: Prompt, vocab_size: int, max_model_len: int,
     return text, ids
 
 
-def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
-    """ValueError naming the first id outside [0, vocab_size) (min / max first: they run in C)."""
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
+    """RequestError naming the first id outside [0, vocab_size) (min / max first: they run in C); `param`: the field
+    the ids came from (named in the message unless it is the prompt)."""
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
         bad = next(t for t in ids if not 0 <= t < vocab_size)
-        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        where = "" if param == "prompt" else f"{param}: "
+        raise RequestError(f"{where}token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
+
+
+def check_params_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """SamplingParams' token ids (stop_token_ids, logit_bias' keys) within the vocabulary."""
+    check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+    check_token_ids(list(params.logit_bias or ()), vocab_size, "logit_bias")
 
 
 def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
-    """ValueError for an empty prompt or one that leaves no room to generate."""
+    """RequestError for an empty prompt or one that leaves no room to generate."""
     if not num_tokens:
-        raise ValueError("the prompt is empty")
+        raise RequestError("the prompt is empty", param="prompt")
     if num_tokens >= max_model_len:
-        raise ValueError(f"the prompt has {num_tokens} tokens; max_model_len is {max_model_len} "
-                         "(the prompt must leave room for at least one generated token)")
+        raise RequestError(f"the prompt has {num_tokens} tokens; max_model_len is {max_model_len} "
+                           "(the prompt must leave room for at least one generated token)", param="prompt")
 
 
 def check_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
     """The server's rule (vLLM's): prompt + max_tokens must fit max_model_len."""
     if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-        raise ValueError(
+        raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in the "
-            f"completion). Please reduce the length of the prompt or max_tokens.")
+            f"completion). Please reduce the length of the prompt or max_tokens.", param="max_tokens")

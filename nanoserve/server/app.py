@@ -7,8 +7,9 @@ vLLM's /version, /ping, /tokenize, /detokenize (server/tokenize_routes.py).
 Every error answers in OpenAI's format {"error": {"message", "type", "param", "code"}}: invalid
 requests 400 (unknown fields too, as api.openai.com does), wrong key 401, unknown model 404, body not
 received within --request-body-timeout 408, body too large 413, full waiting queue 503, engine failure
-500. A client that goes away has its request aborted. If the engine core dies, requests in flight fail
-at once and `serve()` exits non-zero; SIGTERM/SIGINT drain (server/shutdown.py) and exit 0.
+500; a RequestError from the engine's checks is a 400 whose `param` is the field it carries. A client
+that goes away has its request aborted. If the engine core dies, requests in flight fail at once and
+`serve()` exits non-zero; SIGTERM/SIGINT drain (server/shutdown.py) and exit 0.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from nanoserve.config import (MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, REQUEST_BOD
                               TOOL_CALL_PARSER_CHOICES, EngineConfig)
 from nanoserve.engine.core_process import freeze_heap
 from nanoserve.engine.preflight import check_engine_config
+from nanoserve.errors import RequestError
 from nanoserve.hub import resolve_config
 from nanoserve.model.loader import load_tokenizer
 from nanoserve.server.client import EngineClient
@@ -131,6 +133,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         response.headers["Connection"] = "close"
         return response
 
+    @app.exception_handler(RequestError)  # the engine's checks: the field at fault travels as data
+    async def _request_error(request: Request, exc: RequestError):
+        return _error_response(APIError(400, exc.message, param=exc.param))
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         message, param = validation_message(exc.errors())
@@ -193,7 +199,7 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
         sandbox = preprocessor.sandbox = TemplateSandbox(tokenizer_path, preprocessor.max_chars,
                                                          chat_template_timeout_s)
     metrics = ServerMetrics(client)
-    server = OpenAIServer(client, preprocessor, TokenTexts(client.output_processor.tokenizer),
+    server = OpenAIServer(client, preprocessor, TokenTexts(client.tokenizer),
                           served_model_name or client.config.model, metrics, trust_request_chat_template,
                           stop_limits=(max_stop_strings, max_stop_string_len), tool_call_parser=tool_call_parser)
 

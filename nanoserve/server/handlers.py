@@ -1,14 +1,15 @@
 """OpenAIServer: what /v1/completions and /v1/chat/completions do between the body and the response.
 
 parse and validate → SamplingParams → prompts tokenized off the loop (preprocess.py) → checked against
-the engine's limits → submitted through the EngineClient → a JSON answer once everything finished, or
-server-sent events as each completion grows. Each SSE write carries everything that arrived since the
-previous one (RequestCollector merges), so a slow client gets bigger chunks, never a backlog.
+the engine's limits → submitted through the EngineClient (the front end the offline LLM runs too) → a JSON
+answer once everything finished, or server-sent events as each completion grows. Each SSE write carries
+everything that arrived since the previous one (RequestCollector merges), so a slow client gets bigger
+chunks, never a backlog. A RequestError the engine's checks raise is answered 400 with its field as `param`
+(app.py); here it is only renamed where the request calls the field otherwise.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import mmap
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,12 +20,13 @@ from fastapi.responses import Response
 
 from nanoserve.config import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 from nanoserve.engine import grammar
-from nanoserve.engine.prompts import QueueFullError, as_prompt_list, check_max_tokens, check_queue
+from nanoserve.engine.output import RequestOutput
+from nanoserve.engine.prompts import QueueFullError, as_prompt_list, check_max_tokens
+from nanoserve.errors import RequestError
 from nanoserve.engine.stop_matcher import StopMatcher
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.client import EngineClient
-from nanoserve.server.collector import (Delta, EngineError, EngineStoppedError, RequestCollector,
-                                        RequestRejectedError)
+from nanoserve.server.collector import EngineError, EngineStoppedError, RequestCollector, RequestRejectedError
 from nanoserve.server.echo import echo_choices
 from nanoserve.server.logprobs import TokenTexts
 from nanoserve.server.metrics import ServerMetrics, Tracker
@@ -114,24 +116,15 @@ class OpenAIServer:
                            param="model", code="model_not_found")
 
     def sampling_params(self, kwargs: dict, names: dict[str, str] | None = None) -> SamplingParams:
-        """SamplingParams(**kwargs) fitted to this model; a ValueError becomes a 400 naming the request's own
-        field (`names` maps SamplingParams names to request names where they differ)."""
+        """SamplingParams(**kwargs) fitted to this model (the front end's check_params); a RequestError names the
+        request's own field (`names` maps SamplingParams names to request names where they differ; a field the
+        request did not send, such as structured_outputs.json, is named by none)."""
         try:
-            params = SamplingParams(**kwargs)
-        except ValueError as e:  # SamplingParams names the field first: "top_p must be ..."
-            field, _, rest = str(e).partition(" ")
-            if field not in kwargs:
-                raise APIError(400, str(e)) from None
-            field = (names or {}).get(field, field)
-            raise APIError(400, f"{field} {rest}", param=field) from None
-        vocab = self.client.vocab_size
-        for field, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise APIError(400, f"{field}: token id {bad} is outside the vocabulary [0, {vocab}).", param=field)
-        if params.top_k >= vocab:  # keeps every token: the same as off (and the sampler's int32 stays in range)
-            params = dataclasses.replace(params, top_k=0)
-        return params
+            return self.client.check_params(SamplingParams(**kwargs))
+        except RequestError as e:
+            if e.param not in kwargs:
+                raise RequestError(e.message) from None
+            raise e.renamed((names or {}).get(e.param, e.param)) from None
 
     async def stop_matcher(self, params: SamplingParams) -> StopMatcher | None:
         """The request's stop strings within --max-stop-strings / --max-stop-string-len (else 400), their automaton
@@ -160,20 +153,14 @@ class OpenAIServer:
                  "tools": "tools[].function.parameters"}.get(param)
         try:
             await asyncio.to_thread(grammar.check, params.structured_outputs, where)
-        except ValueError as e:
-            raise APIError(400, str(e), param=param) from None
-
-    def check_capacity(self, num_seqs: int) -> None:
-        try:
-            check_queue(0, num_seqs, self.client.max_waiting_requests)
-        except ValueError as e:
-            raise APIError(400, str(e), param="n") from None
+        except RequestError as e:
+            raise e.renamed(param) from None
 
     def check_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
         try:
             check_max_tokens(num_prompt_tokens, max_tokens, self.client.config.max_model_len)
-        except ValueError as e:
-            raise APIError(400, str(e), param=param) from None
+        except RequestError as e:
+            raise e.renamed(param) from None
 
     def submit(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
                prefix: str) -> tuple[RequestCollector, Tracker]:
@@ -191,7 +178,8 @@ class OpenAIServer:
         prompt, completion = collector.num_prompt_tokens, collector.num_completion_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def result(self, request: Request, collector: RequestCollector, tracker: Tracker) -> list[Delta]:
+    async def result(self, request: Request, collector: RequestCollector,
+                     tracker: Tracker) -> list[tuple[int, RequestOutput]]:
         """Everything, once finished; aborts the request if the client disconnects first."""
         task = asyncio.ensure_future(collector.result())
         watcher = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -225,7 +213,7 @@ class OpenAIServer:
                                        "prompt_logprobs": body.logprobs if body.echo else None})
         await self.check_structured_outputs(params, body)
         stops = await self.stop_matcher(params)  # noqa: F841 (held until submitted)
-        self.check_capacity(len(prompts) * params.n)
+        self.client.check_fits(len(prompts) * params.n)
         if body.echo and self.token_texts.tokenizer is None:
             raise APIError(400, "echo needs a tokenizer, and this server runs without one (skip_tokenizer_init).",
                            param="echo")
@@ -243,11 +231,12 @@ class OpenAIServer:
             events = self._events(collector, tracker, head, body, body.logprobs is not None, choice)
             return SSEResponse(events, on_close=lambda: _close(collector, tracker))
         choices = []
-        for d in await self.result(request, collector, tracker):
-            item = choice(d.prompt_index * params.n + d.output.index, d.output)
-            if body.return_token_ids:
-                item.update(prompt_token_ids=collector.prompt_token_ids[d.prompt_index], token_ids=d.output.token_ids)
-            choices.append(item)
+        for i, out in await self.result(request, collector, tracker):
+            for c in out.outputs:
+                item = choice(i * params.n + c.index, c)
+                if body.return_token_ids:
+                    item.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
+                choices.append(item)
         return json_response({**head, "choices": choices, "usage": self.usage(collector), "system_fingerprint": None})
 
     def _completion_choice(self, want_logprobs: bool) -> Callable:
@@ -282,7 +271,7 @@ class OpenAIServer:
                                        **self.tool_constraint(body, tools)}, names)
         await self.check_structured_outputs(params, body, "tools" if tools.structured_outputs is not None else None)
         stops = await self.stop_matcher(params)  # noqa: F841 (held until submitted)
-        self.check_capacity(params.n)
+        self.client.check_fits(params.n)
         ids = await self.preprocessor.chat_prompt([m.for_template() for m in body.messages],
                                                   body.add_generation_prompt, body.chat_template, body.template_tools())
         self.check_max_tokens(len(ids), params.max_tokens, names.get("max_tokens", "max_tokens"))
@@ -298,8 +287,7 @@ class OpenAIServer:
                                   body.logprobs, choice, role)
             return SSEResponse(events, on_close=lambda: _close(collector, tracker))
         choices = []
-        for d in await self.result(request, collector, tracker):
-            c = d.output
+        for c in [c for _, out in await self.result(request, collector, tracker) for c in out.outputs]:
             message, finish_reason = tools.message(c.text, c.finish_reason)
             item = {"index": c.index, "message": message,
                     "logprobs": self.token_texts.chat_logprobs(c.token_ids, c.logprobs or [], num_top)
@@ -362,20 +350,20 @@ class OpenAIServer:
                 yield b"".join(_sse({**head, **chunk, **extra}) for chunk in preamble)
             while True:
                 events = []
-                for d in await collector.get():
-                    c = d.output
-                    if not (c.text or c.finish_reason or (c.token_ids and (want_logprobs or with_ids))):
-                        continue
-                    index = d.prompt_index * n + c.index
-                    choice = choice_for(index, c)
-                    if choice is None:  # nothing to send yet
-                        continue
-                    if with_ids:
-                        choice["token_ids"] = c.token_ids
-                        if index in first_chunk:
-                            choice["prompt_token_ids"] = collector.prompt_token_ids[d.prompt_index]
-                    first_chunk.discard(index)
-                    events.append(_sse({**head, "choices": [choice], **extra}))
+                for i, out in await collector.get():
+                    for c in out.outputs:
+                        if not (c.text or c.finish_reason or (c.token_ids and (want_logprobs or with_ids))):
+                            continue
+                        index = i * n + c.index
+                        choice = choice_for(index, c)
+                        if choice is None:  # nothing to send yet
+                            continue
+                        if with_ids:
+                            choice["token_ids"] = c.token_ids
+                            if index in first_chunk:
+                                choice["prompt_token_ids"] = out.prompt_token_ids
+                        first_chunk.discard(index)
+                        events.append(_sse({**head, "choices": [choice], **extra}))
                 if events:
                     yield b"".join(events)
                 if collector.finished:

@@ -18,6 +18,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 
 from nanoserve.engine.prompts import Prompt, check_prompt_length, tokenize
+from nanoserve.errors import RequestError
 from nanoserve.server.protocol import APIError
 
 NORMALIZER_SLACK = 3  # characters a normalizer may merge into one (Hangul L+V+T jamo → one syllable)
@@ -66,12 +67,10 @@ class Preprocessor:
         return [self._tokenize(t) for t in texts]
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        try:
-            if not isinstance(prompt, str):  # the length first, before looking at every id
-                check_prompt_length(len(prompt), self.max_model_len)
-            return tokenize(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt") from None
+        """The front end's rule (engine/prompts.tokenize: RequestError on "prompt"), with this thread's tokenizer."""
+        if not isinstance(prompt, str):  # the length first, before looking at every id
+            check_prompt_length(len(prompt), self.max_model_len)
+        return tokenize(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
 
     def check_text_length(self, text: str, param: str) -> None:
         """The cheap refusal: a text too long to fit max_model_len whatever its tokens."""
@@ -112,8 +111,8 @@ class Preprocessor:
             raise APIError(400, "The chat prompt is empty.", param="messages")
         try:
             check_prompt_length(len(ids), self.max_model_len)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+        except RequestError as e:
+            raise e.renamed("messages") from None
         return ids
 
 

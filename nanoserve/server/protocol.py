@@ -17,6 +17,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from nanoserve.config import MAX_LOGPROBS
+from nanoserve.engine.prompts import is_token_ids
 
 # a \uD800-\uDFFF escape that is not half of a pair (after an even run of backslashes, so a real escape)
 _LONE_SURROGATE = re.compile(
@@ -172,7 +173,7 @@ class CompletionRequest(_SamplingRequest):
     def _token_ids_first(cls, value, handler):
         """One list of token ids (what benchmarks and tokenizing clients send) is checked with one C-level pass
         over its types; the union's member-by-member validation took ~0.2 ms for 1024 ids."""
-        if type(value) is list and value and set(map(type, value)) <= {int}:
+        if type(value) is list and value and is_token_ids(value):
             return value
         return handler(value)
 

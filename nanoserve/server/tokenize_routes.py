@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from pydantic import Field, model_validator
 
 from nanoserve import __version__
+from nanoserve.engine.prompts import check_token_ids
 from nanoserve.server.protocol import APIError, ChatMessage, ToolDefinition, _Strict, parse_body, tools_for_template
 
 
@@ -64,10 +65,7 @@ def add_tokenize_routes(app: FastAPI, server, max_body_bytes: int) -> None:
     async def detokenize(request: Request):
         body = parse_body(await _bounded_body(request, max_body_bytes), DetokenizeRequest)
         tokenizer = _tokenizer(server, body.model)
-        vocab = server.client.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {vocab}).", param="tokens")
+        check_token_ids(body.tokens, server.client.vocab_size, "tokens")  # a RequestError: 400 naming `tokens`
         return {"prompt": await server.preprocessor._run(tokenizer.decode, body.tokens)}
 
 

@@ -25,11 +25,11 @@ def random_params(rng: random.Random, vocab: int) -> SamplingParams:
 
 
 def check_blocks(engine) -> None:
-    bm = engine.block_manager
+    bm = engine.core.block_manager
     assert bm.num_used_blocks + bm.num_free_blocks == bm.num_blocks
-    held = {b for s in engine.scheduler.running for b in s.block_table}
+    held = {b for s in engine.core.scheduler.running for b in s.block_table}
     assert bm.num_used_blocks == len(held)
-    assert all(not s.block_table for s in engine.scheduler.waiting)
+    assert all(not s.block_table for s in engine.core.scheduler.waiting)
 
 
 def run_churn(engine, steps: int, seed: int = 0, max_requests: int = 300, params=random_params):
@@ -72,5 +72,5 @@ def run_churn(engine, steps: int, seed: int = 0, max_requests: int = 300, params
     assert not tokens, f"requests lost: {sorted(tokens)}"
     assert set(finished) | aborted == {str(i) for i in range(next_id)}
     finished = {rid: v for rid, v in finished.items() if rid not in aborted}
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.core.block_manager.num_used_blocks == 0
     return finished, engine.stats

@@ -22,7 +22,7 @@ def test_chunked_prompts_match_transformers(arch, policy, tiny_model_dirs):
     expected = hf_greedy(tiny_model_dirs[arch], prompts, 12)
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     assert llm.engine.stats.mixed_steps >= 7  # 1 + 1 + 2 + 4 chunks at most 16 tokens a step
-    assert llm.engine.block_manager.num_used_blocks == 0
+    assert llm.engine.core.block_manager.num_used_blocks == 0
 
 
 def test_decodes_continue_while_a_long_prompt_is_chunked(tiny_model_dirs):
@@ -39,7 +39,7 @@ def test_decodes_continue_while_a_long_prompt_is_chunked(tiny_model_dirs):
     assert produced >= 6
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.core.block_manager.num_used_blocks == 0
 
 
 def test_prefix_hits_inside_chunked_prefill(tiny_model_dirs):
@@ -52,7 +52,7 @@ def test_prefix_hits_inside_chunked_prefill(tiny_model_dirs):
     rest = llm.generate(prompts[1:], params, use_tqdm=False)
     assert llm.engine.stats.prefix_cache_hit_tokens >= 2 * 40
     assert [o.token_ids for o in first + rest] == hf_greedy(path, prompts, 8)
-    assert llm.engine.block_manager.num_used_blocks == 0
+    assert llm.engine.core.block_manager.num_used_blocks == 0
 
 
 def test_preemption_mid_prefill(tiny_model_dirs):
@@ -70,7 +70,7 @@ def test_preemption_mid_prefill(tiny_model_dirs):
         check_blocks(engine)
     assert engine.stats.preemptions > 0
     assert [done[str(i)] for i in range(len(prompts))] == hf_greedy(path, prompts, 20)
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.core.block_manager.num_used_blocks == 0
 
 
 def test_budget_below_max_model_len_is_legal(tiny_model_dirs):
@@ -86,7 +86,7 @@ def test_prompt_token_caps_bound_the_chunks_beside_decode_rows(tiny_model_dirs, 
     tokens stay transformers'."""
     path = tiny_model_dirs["qwen3"]
     llm = LLM(str(path), **{**OPTIONS, "max_num_batched_tokens": 64})
-    scheduler = llm.engine.scheduler
+    scheduler = llm.engine.core.scheduler
     scheduler.prompt_token_caps = [64] + [5] * 8
     steps = []
     schedule = scheduler.schedule

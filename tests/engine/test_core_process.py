@@ -12,9 +12,9 @@ zmq = pytest.importorskip("zmq")  # the server's dependency (the GPU image may l
 
 from nanoserve import LLM, EngineConfig, SamplingParams  # noqa: E402
 from nanoserve.engine.core import EngineCore  # noqa: E402
-from nanoserve.engine.core_process import (AbortRequests, AddRequests, CoreLoop, CoreOutput, EngineDead,  # noqa: E402
-                                           Shutdown, StepOutputs)
-from nanoserve.engine.messages import EngineRequest  # noqa: E402
+from nanoserve.engine.core_process import CoreLoop  # noqa: E402
+from nanoserve.engine.messages import (AbortRequests, AddRequests, CoreOutput, EngineDead, EngineRequest,  # noqa: E402
+                                       Shutdown, StepOutputs)
 
 OPTIONS = dict(device="cpu", max_num_seqs=4, max_model_len=64, num_kv_blocks=64, show_progress=False)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -48,7 +48,7 @@ def test_greedy_matches_transformers_and_batching_is_invisible(arch, engines, ti
     one_by_one = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
     assert one_by_one == expected
     assert len(set(map(tuple, expected))) > 1, "outputs should differ across prompts (a degenerate model proves little)"
-    assert llm.engine.block_manager.num_used_blocks == 0
+    assert llm.engine.core.block_manager.num_used_blocks == 0
 
 
 def test_text_prompts_and_detokenization(engines, tiny_model_dirs):
@@ -175,14 +175,14 @@ def test_preemption_completes_every_request_with_the_same_tokens(tiny_model_dirs
             if out.finished:
                 assert out.request_id not in done
                 done[out.request_id] = out.token_ids
-        bm = engine.block_manager
+        bm = engine.core.block_manager
         assert bm.num_used_blocks + bm.num_free_blocks == bm.num_blocks
-        live = list(engine.scheduler.running)
+        live = list(engine.core.scheduler.running)
         assert bm.num_used_blocks == sum(len(s.block_table) for s in live)
-        assert all(not s.block_table for s in engine.scheduler.waiting)
+        assert all(not s.block_table for s in engine.core.scheduler.waiting)
     assert engine.stats.preemptions > 0
     assert [done[str(i)] for i in range(len(prompts))] == expected
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.core.block_manager.num_used_blocks == 0
 
 
 def test_prefix_cache_hits_give_the_same_tokens(tiny_model_dirs):
@@ -205,11 +205,11 @@ def test_abort_frees_blocks(engines):
     engine.add_request("b", [1, 2, 3], SamplingParams(max_tokens=50, **GREEDY))
     for _ in range(3):
         engine.step()
-    assert engine.block_manager.num_used_blocks > 0
+    assert engine.core.block_manager.num_used_blocks > 0
     engine.abort_request("a")
     engine.abort_request("b")
     engine.abort_request("never-existed")
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.core.block_manager.num_used_blocks == 0
     assert not engine.has_unfinished_requests() and engine.step() == []
 
 
@@ -230,7 +230,7 @@ def test_bad_requests_raise_clear_errors(engines):
     engine.abort_request("dup")
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
         llm.generate([[1], [2], [3]], [SamplingParams(), SamplingParams()], use_tqdm=False)
-    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+    assert engine.core.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
 def test_engine_options_are_validated(tiny_model_dirs):

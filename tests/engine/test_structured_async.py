@@ -66,7 +66,7 @@ def test_constrained_churn_async_equals_sync(tiny_model_dirs, pending_seen, num_
         with LLM(str(tiny_model_dirs["qwen3"]), num_kv_blocks=num_kv_blocks, async_scheduling=overlap,
                  **OPTIONS) as llm:
             runs[overlap] = run_churn(llm.engine, steps=120, seed=num_kv_blocks, params=constrained_params)
-            bm = llm.engine.block_manager
+            bm = llm.engine.core.block_manager
             assert bm.num_free_blocks == bm.num_blocks and not llm.engine.core.has_unfinished_requests()
         assert max(pending_seen) == (3 if overlap else 1)
     (got, stats), (want, _) = runs[True], runs[False]
@@ -111,7 +111,7 @@ def _run(engine, requests: dict[str, tuple[list[int], SamplingParams]], abort: t
         check_blocks(engine)
     while engine.core.has_unfinished_requests():  # a step launched for rows that ended meanwhile
         assert not engine.step()
-    bm = engine.block_manager
+    bm = engine.core.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     return {rid: (tokens[rid], reasons.get(rid)) for rid in requests}, pending_at_abort
 
@@ -188,7 +188,7 @@ def test_generate_under_kv_pressure_async_equals_sync(tiny_model_dirs, monkeypat
             while llm.engine.core.has_unfinished_requests():
                 llm.engine.step()
             assert llm.engine.stats.preemptions > 0 and max(preempted_pending) == (2 if overlap else 0)
-            bm = llm.engine.block_manager
+            bm = llm.engine.core.block_manager
             assert bm.num_free_blocks == bm.num_blocks
         runs.append([[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs])
         for o, p in zip(outs, params):

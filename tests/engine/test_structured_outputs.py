@@ -59,7 +59,7 @@ def test_json_schema_greedy_and_sampled_n2(smol):
     sampled = SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=100,
                              structured_outputs={"json": json.dumps(SCHEMA)})
     outs = smol.generate([prompt, prompt], [greedy, sampled], use_tqdm=False)  # one batch: three matchers
-    assert outs[0].token_ids[-1] in smol.engine.eos_token_ids
+    assert outs[0].token_ids[-1] in smol.engine.core.eos_token_ids
     for c in outs[0].outputs + outs[1].outputs:
         assert c.finish_reason == "stop"
         check_person(c.text)
@@ -83,7 +83,7 @@ def test_masking_keeps_what_the_grammar_allows(smol):
     longer = smol.generate(prompt, SamplingParams(temperature=0, max_tokens=20, structured_outputs=constraint),
                            use_tqdm=False)[0]
     assert longer.token_ids == free.token_ids + [longer.token_ids[-1]] and longer.finish_reason == "stop"
-    assert longer.token_ids[-1] in smol.engine.eos_token_ids and longer.text == free.text
+    assert longer.token_ids[-1] in smol.engine.core.eos_token_ids and longer.text == free.text
 
 
 def test_regex_choice_and_the_rest_of_sampling(smol):
@@ -108,7 +108,7 @@ def test_min_tokens_past_the_grammar_ends_it_there(smol):
                                                                   structured_outputs={"regex": "[0-9]{2}"}),
                         use_tqdm=False)[0]
     assert re.fullmatch("[0-9]{2}", out.text) and out.finish_reason == "stop"
-    assert all(t not in smol.engine.eos_token_ids for t in out.token_ids)
+    assert all(t not in smol.engine.core.eos_token_ids for t in out.token_ids)
 
 
 def test_stream_concatenates_to_the_result(smol):
@@ -191,7 +191,7 @@ def test_tensor_parallel_ranks_apply_the_same_masks(tiny_model_dirs):
         want = constrained_mix(llm)
     with LLM(str(tiny_model_dirs["llama"]), tensor_parallel_size=2, **options) as llm:
         got = constrained_mix(llm)
-        per_rank = llm.engine.model_runner.on_every_rank(last_tokens)
+        per_rank = llm.engine.core.runner.on_every_rank(last_tokens)
     assert got == want and per_rank[0] == per_rank[1]
 
 

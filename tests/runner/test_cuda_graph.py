@@ -83,7 +83,7 @@ def test_every_bucket_replay_equals_eager(tiny_model_dirs):
     bucket) equal an enforce_eager engine's on the same prompts of 257 tokens."""
     path = tiny_model_dirs["qwen3"]
     graphs, eager = _tiny_llm(path), _tiny_llm(path, enforce_eager=True)
-    gr = graphs.engine.model_runner.graph_runner
+    gr = graphs.engine.core.runner.graph_runner
     assert gr.capture_sizes == [1, 2, 4, 8, 16] and set(gr.graphs) == set(gr.capture_sizes)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=0)
     for b in (1, 2, 3, 5, 8, 11, 16):
@@ -118,7 +118,7 @@ def test_greedy_tokens_identical_to_eager_for_each_bucket_over_64_steps(tiny_mod
 @gpu
 def test_static_addresses_never_change(tiny_model_dirs):
     llm = _tiny_llm(tiny_model_dirs["qwen2"])
-    runner = llm.engine.model_runner
+    runner = llm.engine.core.runner
     gr = runner.graph_runner
 
     def addresses():
@@ -137,7 +137,7 @@ def test_static_addresses_never_change(tiny_model_dirs):
 @gpu
 def test_padded_rows_never_touch_real_kv(tiny_model_dirs):
     llm = _tiny_llm(tiny_model_dirs["qwen3"])
-    runner = llm.engine.model_runner
+    runner = llm.engine.core.runner
     llm.generate([[5] * 100, [6] * 50], SamplingParams(max_tokens=1), use_tqdm=False)
     real = runner.kv_cache[:, :, :runner.num_kv_blocks].clone()
     batch = decode_batch(runner, 3, 40)  # bucket 4: one padded row

@@ -48,7 +48,7 @@ def _tiny_gpu_llm(path, **kw):
 @gpu
 def test_auto_plan_captures_within_budget_and_checks_every_size(tiny_model_dirs, tmp_path):
     llm = _tiny_gpu_llm(tiny_model_dirs["qwen3"], cudagraph_capture_budget_s=5.0)
-    runner = llm.engine.model_runner
+    runner = llm.engine.core.runner
     gr = runner.graph_runner
     assert gr.capture_sizes[-1] == 32 and runner.step_curve is not None
     assert gr.capture_seconds <= 5.0 + 1.0
@@ -60,7 +60,7 @@ def test_auto_plan_captures_within_budget_and_checks_every_size(tiny_model_dirs,
 @gpu
 def test_self_check_catches_a_replaced_static_buffer(tiny_model_dirs):
     llm = _tiny_gpu_llm(tiny_model_dirs["llama"], cudagraph_capture_sizes=[1, 4, 32])
-    runner = llm.engine.model_runner
+    runner = llm.engine.core.runner
     sizes = runner.graph_runner.capture_sizes
     assert self_check(sizes, runner._decode_check_pair, runner.dtype) < 5e-2
     inputs = runner.decode_inputs
@@ -75,7 +75,7 @@ def test_self_check_catches_a_replaced_static_buffer(tiny_model_dirs):
 @gpu
 def test_token_graph_self_check_catches_a_replaced_static_buffer(tiny_model_dirs):
     llm = _tiny_gpu_llm(tiny_model_dirs["qwen3"], prefill_graph_sizes=[16, 64, 256], dtype="bfloat16")
-    runner = llm.engine.model_runner
+    runner = llm.engine.core.runner
     sizes = runner.token_graphs.capture_sizes
     assert sizes == [16, 64, 256] and self_check(sizes, runner._token_check_pair, runner.dtype) < 5e-2
     inputs = runner.token_forward.inputs

@@ -60,7 +60,7 @@ def test_two_ranks_give_the_one_rank_tokens(arch, tiny_model_dirs):
         want = generate_all(llm)
     with LLM(path, tensor_parallel_size=2, **OPTIONS) as llm:
         got = generate_all(llm)
-        runner = llm.engine.model_runner
+        runner = llm.engine.core.runner
         per_rank = runner.on_every_rank(last_tokens)
         assert llm.engine.stats.mixed_steps > 0
         pids = runner.on_every_rank(process_id)
@@ -81,7 +81,7 @@ def test_a_killed_worker_is_a_clear_error_not_a_hang(tiny_model_dirs):
     llm = LLM(str(tiny_model_dirs["qwen2"]), tensor_parallel_size=2, **OPTIONS)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     llm.generate([[5, 6, 7]], params, use_tqdm=False)
-    os.kill(llm.engine.model_runner.on_every_rank(process_id)[1], signal.SIGKILL)
+    os.kill(llm.engine.core.runner.on_every_rank(process_id)[1], signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"tensor-parallel worker rank 1 died \(exit code -9\)"):
         llm.generate([[8, 9]], params, use_tqdm=False)
@@ -94,7 +94,7 @@ def test_a_killed_worker_is_a_clear_error_not_a_hang(tiny_model_dirs):
 def test_a_failed_worker_names_its_error(tiny_model_dirs):
     with LLM(str(tiny_model_dirs["qwen3"]), tensor_parallel_size=2, **OPTIONS) as llm:
         with pytest.raises(WorkerError, match="rank 1 failed: ZeroDivisionError: rank 1 was told to fail"):
-            llm.engine.model_runner.on_every_rank(fail_off_rank_zero)
+            llm.engine.core.runner.on_every_rank(fail_off_rank_zero)
 
 
 def test_a_start_up_error_is_raised_as_itself_and_leaves_no_worker(tiny_model_dirs):

@@ -77,7 +77,7 @@ def test_fp32_graph_tokens_equal_one_rank(arch, tiny_model_dirs):
     with LLM(path, tensor_parallel_size=2, **OPTIONS) as llm:
         got = greedy(llm)
         stats = llm.engine.stats
-        per_rank = llm.engine.model_runner.on_every_rank(last_tokens)
+        per_rank = llm.engine.core.runner.on_every_rank(last_tokens)
     assert got == want
     assert stats.decode_steps_graph > 0
     assert per_rank[0] == per_rank[1]
@@ -92,7 +92,7 @@ def test_rank_zero_graphs_hold_the_collectives(tiny_model_dirs):
         if not kept:
             pytest.skip("this torch's CUDAGraph has no keep_graph: the graph's nodes cannot be read")
         with LLM(str(tiny_model_dirs["qwen3"]), tensor_parallel_size=2, **OPTIONS) as llm:
-            runner = llm.engine.model_runner
+            runner = llm.engine.core.runner
             layers = runner.model.num_layers
             graphs = runner.graph_runner.graphs
             nccl = {b: sum("nccl" in n.lower() for n in kernel_names(g.raw_cuda_graph())) for b, g in graphs.items()}
@@ -115,7 +115,7 @@ def test_a_killed_worker_on_cuda_is_a_clear_error_not_a_hang(tiny_model_dirs):
             llm = LLM({str(tiny_model_dirs["qwen2"])!r}, tensor_parallel_size=2, **{OPTIONS!r})
             p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
             llm.generate([[5, 6, 7]], p, use_tqdm=False)
-            os.kill(llm.engine.model_runner.on_every_rank(pid)[1], signal.SIGKILL)
+            os.kill(llm.engine.core.runner.on_every_rank(pid)[1], signal.SIGKILL)
             start = time.monotonic()
             try:
                 for _ in range(3):

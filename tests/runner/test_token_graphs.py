@@ -24,7 +24,7 @@ OPTIONS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, m
 
 
 def _graphed_only(llm) -> None:
-    runner = llm.engine.model_runner
+    runner = llm.engine.core.runner
     assert runner.token_graphs.capture_sizes == SIZES
     assert runner.prefill_steps_graph > 0 and runner.prefill_steps_eager == 0
 
@@ -102,7 +102,7 @@ def test_prefix_hits_and_decode_rows_through_the_graph_path(tiny_model_dirs):
     while engine.has_unfinished_requests():
         done.update((o.request_id, o.token_ids) for o in engine.step())
         check_blocks(engine)
-    assert engine.stats.prefix_cache_hit_tokens >= 40 and engine.model_runner.padding_tokens > 0
+    assert engine.stats.prefix_cache_hit_tokens >= 40 and engine.core.runner.padding_tokens > 0
     expected = hf_greedy(path, prompts[:3], 8) + hf_greedy(path, prompts[3:], 30)
     assert [done[str(i)] for i in range(4)] == expected
     _graphed_only(llm)
@@ -145,15 +145,15 @@ def test_graphed_prompt_steps_equal_eager_ones(arch, tiny_model_dirs):
     params = SamplingParams(max_tokens=24, **GREEDY)
     got = [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
     assert got == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
-    r = graphs.engine.model_runner
-    assert r.prefill_steps_graph > 0 and r.padding_tokens > 0 and eager.engine.model_runner.prefill_steps_graph == 0
+    r = graphs.engine.core.runner
+    assert r.prefill_steps_graph > 0 and r.padding_tokens > 0 and eager.engine.core.runner.prefill_steps_graph == 0
 
 
 @pytest.mark.gpu
 @gpu
 def test_auto_token_sizes_are_planned_and_checked(tiny_model_dirs):
     llm = LLM(str(tiny_model_dirs["qwen3"]), dtype="bfloat16", **dict(GPU_OPTIONS, max_num_batched_tokens=512))
-    sizes = llm.engine.model_runner.token_graphs.capture_sizes
-    assert sizes[-1] == 512 and all(s % 16 == 0 for s in sizes) and llm.engine.model_runner.token_curve is not None
+    sizes = llm.engine.core.runner.token_graphs.capture_sizes
+    assert sizes[-1] == 512 and all(s % 16 == 0 for s in sizes) and llm.engine.core.runner.token_curve is not None
     outs = llm.generate([[5] * n for n in (10, 100, 300)], SamplingParams(max_tokens=4), use_tqdm=False)
     assert all(len(o.token_ids) == 4 for o in outs) and llm.engine.stats.prefill_steps_graph > 0

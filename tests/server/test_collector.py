@@ -1,5 +1,6 @@
-"""RequestCollector: deltas put faster than they are taken merge into one (text, ids, logprobs, finish);
-nothing is lost or duplicated; errors reach the taker; close() aborts only what is unfinished."""
+"""RequestCollector: the front end's RequestOutputs pass through as they are; deltas put faster than they are taken
+merge into one (text, ids, logprobs, finish); nothing is lost or duplicated; errors reach the taker; close() aborts
+only what is unfinished."""
 from __future__ import annotations
 
 import asyncio
@@ -27,10 +28,11 @@ def test_a_slow_taker_gets_one_merged_delta():
         col.put(0, delta("r-0", 0, "He", [5], logprobs=[{5: -0.1}]))
         col.put(0, delta("r-0", 0, "llo", [6, 7], logprobs=[{6: -0.2}, {7: -0.3}]))
         col.put(0, delta("r-0", 0, "!", [8], finish="length", logprobs=[{8: -0.4}], finished=True))
-        (d,) = await col.get()
-        assert (d.prompt_index, d.output.text, d.output.token_ids) == (0, "Hello!", [5, 6, 7, 8])
-        assert d.output.logprobs == [{5: -0.1}, {6: -0.2}, {7: -0.3}, {8: -0.4}]
-        assert d.output.finish_reason == "length" and col.finished
+        ((i, out),) = await col.get()
+        (c,) = out.outputs
+        assert (i, c.text, c.token_ids) == (0, "Hello!", [5, 6, 7, 8])
+        assert c.logprobs == [{5: -0.1}, {6: -0.2}, {7: -0.3}, {8: -0.4}]
+        assert c.finish_reason == "length" and out.finished and col.finished
         assert col.num_completion_tokens == 4 and col.num_prompt_tokens == 3
     asyncio.run(run())
 
@@ -52,8 +54,10 @@ def test_interleaved_put_and_take_loses_nothing():
 
         task = asyncio.create_task(producer())
         while True:
-            for d in await col.get():
-                pieces[d.prompt_index, d.output.index].append((d.output.text, d.output.token_ids))
+            for i, out in await col.get():
+                assert [c.index for c in out.outputs] == sorted(c.index for c in out.outputs)
+                for c in out.outputs:
+                    pieces[i, c.index].append((c.text, c.token_ids))
             if col.finished:
                 break
         await task
@@ -73,7 +77,7 @@ def test_result_waits_for_every_prompt():
         assert not waiter.done()
         col.put(0, delta("r-0", 0, "a", [1], "length", finished=True))
         got = await waiter
-        assert [(d.prompt_index, d.output.text) for d in got] == [(0, "a"), (1, "b")]
+        assert [(i, out.text) for i, out in got] == [(0, "a"), (1, "b")]
     asyncio.run(run())
 
 
@@ -101,4 +105,18 @@ def test_close_reports_unfinished_once():
         col.close()
         col.close()
         assert closed == [col]
+    asyncio.run(run())
+
+
+def test_an_output_taken_in_time_is_the_front_ends_own_object():
+    async def run():
+        col, _ = make()
+        first = delta("r-0", 0, "a", [1])
+        col.put(0, first)
+        ((_, out),) = await col.get()
+        assert out is first  # passed through, not unpacked and repacked
+        last = delta("r-0", 0, "b", [2], "stop", finished=True)
+        col.put(0, last)
+        ((_, out),) = await col.result()
+        assert out is last and out.text == "b"
     asyncio.run(run())

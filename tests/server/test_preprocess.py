@@ -11,6 +11,7 @@ import pytest
 
 from nanoserve.model.loader import load_tokenizer
 from nanoserve.server.preprocess import Preprocessor, chars_per_token_bound
+from nanoserve.errors import RequestError
 from nanoserve.server.protocol import APIError
 
 SAMPLES = ["The quick brown fox jumps over the lazy dog. " * 20, "héllo wörld ünïcödé " * 30, "日本語のテキスト" * 40,
@@ -80,7 +81,8 @@ def test_tokenization_runs_on_the_tokenizer_thread(tokenizer):
                                                                      tokenize=False, add_generation_prompt=True),
                                        add_special_tokens=False)
         assert spy.threads and all(name.startswith("nanoserve-tokenizer") for name in spy.threads)
-        with pytest.raises(APIError, match="vocabulary"):
+        with pytest.raises(RequestError, match="vocabulary") as err:  # the front end's rule, its field as data
             asyncio.run(pre.completion_prompts([[1, 10**6]]))
+        assert err.value.param == "prompt"
     finally:
         pre.close()

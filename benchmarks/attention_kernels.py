@@ -34,7 +34,7 @@ from triton.testing import do_bench  # noqa: E402
 from nanoserve.kernels import attention as tk  # noqa: E402
 from nanoserve.kernels import reference as torch_ref  # noqa: E402
 from nanoserve.kernels._triton import num_sms  # noqa: E402
-from nanoserve.kernels.metadata import AttentionMetadata  # noqa: E402
+from nanoserve.model.attention_metadata import AttentionMetadata  # noqa: E402
 
 PEAK_TBPS = 4.2  # achievable HBM3e bandwidth of an H200 (4.8 TB/s on paper)
 MODELS = {"qwen3-0.6b": (16, 8), "llama-3.1-8b": (32, 8)}  # (q heads, kv heads), head_dim 128
@@ -141,8 +141,7 @@ def prefill_inputs(cached: list[int], new: list[int], num_heads: int, dtype: tor
         is_prefill=True, slot_mapping=slots, context_lens=torch.tensor(ctx, dtype=torch.int32, device=DEV),
         block_tables=tables,
         cu_seqlens_q=torch.tensor([0] + new, device=DEV).cumsum(0).to(torch.int32),
-        cu_seqlens_k=torch.tensor([0] + ctx, device=DEV).cumsum(0).to(torch.int32),
-        max_seqlen_q=max(new), max_seqlen_k=max(ctx), has_cached_prefix=any(cached),
+        max_seqlen_q=max(new), has_cached_prefix=any(cached),
         query_lens_host=list(new), context_lens_host=ctx)
     tk.store_kv(k, v, k_cache, v_cache, slots)
     return q, k, v, k_cache, v_cache, meta

@@ -54,7 +54,8 @@ def decode_ms(generate, new_tokens: int) -> float:
 
 def gguf_load_seconds(path: Path) -> float:
     """What loading the file costs nanoserve: config, tokenizer and every tensor dequantized to float32."""
-    from nanoserve.model.loader import load_hf_config, load_model, load_tokenizer
+    from nanoserve.model.loader import load_model
+    from nanoserve.model_files import load_hf_config, load_tokenizer
 
     start = time.perf_counter()
     config = load_hf_config(path)
@@ -143,7 +144,7 @@ def main() -> None:
     path = args.gguf or find_gguf()
     load_before = os.getloadavg()
 
-    from nanoserve.model.loader import load_tokenizer
+    from nanoserve.model_files import load_tokenizer
 
     prompt_ids = load_tokenizer(path).encode(args.prompt)
     load_seconds = gguf_load_seconds(path)

@@ -191,8 +191,9 @@ def measure_model(name: str, load, prompts: list[list[int]], tokens: int, pad_id
 @torch.no_grad()
 def nanoserve_cross_check(model_dir: Path, prompt: list[int]) -> dict:
     """nanoserve's own fp8 model (load_model(quantization="fp8"), fp32 on CPU) vs the fake-quantized HF model."""
-    from nanoserve.kernels.metadata import AttentionMetadata
-    from nanoserve.model.loader import load_hf_config, load_model
+    from nanoserve.model.attention_metadata import AttentionMetadata
+    from nanoserve.model.loader import load_model
+    from nanoserve.model_files import load_hf_config
 
     ours = load_model(model_dir, load_hf_config(model_dir), torch.float32, "cpu", quantization="fp8")
     n, block = len(prompt), 16
@@ -200,9 +201,10 @@ def nanoserve_cross_check(model_dir: Path, prompt: list[int]) -> dict:
     for attn in ours.attention_layers():
         attn.k_cache = torch.zeros(blocks, block, ours.num_kv_heads, ours.head_dim)
         attn.v_cache = torch.zeros_like(attn.k_cache)
-    meta = AttentionMetadata(True, torch.arange(n), torch.tensor([n], dtype=torch.int32),
-                             torch.arange(blocks, dtype=torch.int32)[None], torch.tensor([0, n], dtype=torch.int32),
-                             torch.tensor([0, n], dtype=torch.int32), n, n, False, [n], [n])
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.arange(n),
+                             context_lens=torch.tensor([n], dtype=torch.int32), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32), max_seqlen_q=n, query_lens_host=[n],
+                             context_lens_host=[n])
     got = ours.compute_logits(ours(torch.tensor(prompt), torch.arange(n), meta))
     ref = hf_model(model_dir)
     fake_quantize(ref, None, False)

@@ -167,7 +167,7 @@ def test_param_counts_match_transformers(name):
 
 
 def test_written_config_loads_with_the_engine_loader(tmp_path):
-    from nanoserve.model.loader import load_hf_config, model_max_len
+    from nanoserve.model_files import load_hf_config, model_max_len
 
     for name, max_len, kv_heads, head_dim in (("qwen3-0.6b", 40960, 8, 128), ("llama-3.1-8b", 131072, 8, 128),
                                               ("smollm2-135m", 8192, 3, 64)):

@@ -15,7 +15,7 @@ from nanoserve.engine.core import EngineCore
 from nanoserve.engine.messages import EngineStats
 from nanoserve.engine.output import OutputProcessor, RequestOutput
 from nanoserve.engine.prompts import Prompt, QueueFullError, check_queue, tokenize  # noqa: F401 (re-exported)
-from nanoserve.model.loader import load_tokenizer
+from nanoserve.model_files import load_tokenizer
 from nanoserve.sampling import SamplingParams
 
 logger = logging.getLogger("nanoserve")

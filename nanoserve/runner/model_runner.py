@@ -24,7 +24,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.kernels.paging import kv_slots
 from nanoserve.model.loader import load_model
-from nanoserve.model.parallel import TensorParallel
+from nanoserve.model.communicator import TensorParallel
 from nanoserve.runner import graph_setup
 from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch, SamplingBatch
 from nanoserve.runner.bucket_plan import BatchDistribution

@@ -201,7 +201,7 @@ def test_sampler_masks_only_the_grammar_rows_and_the_padding(tiny_model_dirs):
     from nanoserve.engine.batching import sampling_batch
     from nanoserve.engine.grammar import Grammars
     from nanoserve.engine.sequence import Sequence
-    from nanoserve.model.loader import load_tokenizer
+    from nanoserve.model_files import load_tokenizer
     from nanoserve.runner.sampler import Sampler, SamplingTensors
 
     tok = load_tokenizer(tiny_model_dirs["qwen3"])

@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 from nanoserve.kernels import attention as tk  # noqa: E402
 from nanoserve.kernels import reference as torch_ref  # noqa: E402
 from nanoserve.kernels._triton import num_sms  # noqa: E402
-from nanoserve.kernels.metadata import AttentionMetadata  # noqa: E402
+from nanoserve.model.attention_metadata import AttentionMetadata  # noqa: E402
 from nanoserve.kernels.switches import switched  # noqa: E402
 
 if not torch.cuda.is_available() and type(tk._decode_kernel).__name__ != "InterpretedFunction":
@@ -94,12 +94,10 @@ def prefill_case(cached_lens, query_lens, num_heads, num_kv_heads, head_dim, blo
     v = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     slots = [s for i, (c, n) in enumerate(zip(cached_lens, query_lens)) for s in batch.slots(i, range(c, c + n))]
     cu_q = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    cu_k = torch.tensor([0] + context_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     meta = AttentionMetadata(
         is_prefill=True, slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
         context_lens=batch.context_lens, block_tables=batch.block_tables,
-        cu_seqlens_q=cu_q.to(DEVICE), cu_seqlens_k=cu_k.to(DEVICE),
-        max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens),
+        cu_seqlens_q=cu_q.to(DEVICE), max_seqlen_q=max(query_lens),
         has_cached_prefix=any(c > 0 for c in cached_lens),
         query_lens_host=list(query_lens), context_lens_host=context_lens)
     tk.store_kv(k, v, batch.k_cache, batch.v_cache, meta.slot_mapping)

@@ -14,8 +14,8 @@ import torch
 from gguf_files import F32, quantizable_types, quantized_copy, write_gguf
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.model.loader import (ModelLoadError, eos_token_ids, load_hf_config, load_model, load_tokenizer,
-                                    model_max_len)
+from nanoserve.model.loader import load_model
+from nanoserve.model_files import ModelLoadError, eos_token_ids, load_hf_config, load_tokenizer, model_max_len
 from nanoserve.tiny import make_tiny_model
 
 CPU = torch.device("cpu")

@@ -11,10 +11,11 @@ import math
 import pytest
 import torch
 
-from nanoserve.kernels.metadata import AttentionMetadata
-from nanoserve.model.layers import RMSNorm, RotaryEmbedding, rope_inv_freq, rope_parameters
+from nanoserve.model.attention_metadata import AttentionMetadata
+from nanoserve.model.layers import RMSNorm, RotaryEmbedding, rope_inv_freq
 from nanoserve.model.llama import LlamaForCausalLM
-from nanoserve.model.loader import ModelLoadError, load_hf_config, load_model
+from nanoserve.model.loader import load_model
+from nanoserve.model_files import ModelLoadError, load_hf_config, rope_parameters
 
 # fp32 rounding, amplified by the deliberately large random weights (logits reach ~35): measured worst
 # |ours - HF| is 1.9e-4 at |logit| 26; a real bug (wrong RoPE, mask, norm, slot) moves logits by ~1 or more.
@@ -64,9 +65,7 @@ def prefill_batch(kv: PagedKV, tables: list[list[int]], seqs: list[list[int]], c
         context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
         block_tables=kv.block_tables(tables),
         cu_seqlens_q=torch.tensor([0] + list(_cumsum(q_lens)), dtype=torch.int32),
-        cu_seqlens_k=torch.tensor([0] + list(_cumsum(ctx_lens)), dtype=torch.int32),
         max_seqlen_q=max(q_lens),
-        max_seqlen_k=max(ctx_lens),
         has_cached_prefix=any(c > 0 for c in cached),
         query_lens_host=q_lens,
         context_lens_host=ctx_lens,

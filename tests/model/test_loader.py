@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanoserve.model.loader import (ModelLoadError, eos_token_ids, load_hf_config, load_model, load_tokenizer,
-                                    model_max_len)
+from nanoserve.model.loader import load_model
+from nanoserve.model_files import ModelLoadError, eos_token_ids, load_hf_config, load_tokenizer, model_max_len
 
 CPU = torch.device("cpu")
 

@@ -13,7 +13,8 @@ from nanoserve.config import EngineConfig
 from nanoserve.kernels import fp8
 from nanoserve.model.layers import Linear
 from nanoserve.model.llama import LlamaForCausalLM
-from nanoserve.model.loader import ModelLoadError, load_hf_config, load_model
+from nanoserve.model.loader import load_model
+from nanoserve.model_files import ModelLoadError, load_hf_config
 from tests.model.test_llama import PagedKV, _to, decode_batch, prefill_batch, random_seqs
 
 CPU = torch.device("cpu")

@@ -33,7 +33,6 @@ VARIANTS = {  # engine options per variant
     "async": dict(async_scheduling=True),
     "async-no-prefill-graphs": dict(async_scheduling=True, prefill_graph_sizes="off"),
     "sync": dict(async_scheduling=False),
-    "async-alternate": dict(async_scheduling=True, scheduling_policy="alternate"),
 }
 
 

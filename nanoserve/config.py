@@ -26,7 +26,6 @@ SERVE_MAX_NUM_BATCHED_TOKENS = 2048
 # 0 (off) lets ITL p99 reach 3.1x / 3.6x at 16 / 256 streams.
 SERVE_CHUNK_TIME_RATIO = 4.0
 MAX_DEFAULT_MODEL_LEN = 32768
-SCHEDULING_POLICIES = ("mixed", "alternate")
 CAPTURE_SIZE_MODES = ("auto", "pow2")
 PREFILL_GRAPH_MODES = ("auto", "off")
 # Token-count graphs ("auto"): planned among multiples of PREFILL_GRAPH_TOKEN_STEP up to this many tokens (and
@@ -88,7 +87,6 @@ class EngineConfig:
     skip_graph_check: bool = False  # skip replaying every captured size against the eager forward at start-up
     enable_prefix_caching: bool = True
     async_scheduling: bool = True  # the host schedules step N+1 while the device runs step N
-    scheduling_policy: str = "mixed"  # "mixed": decode rows ride along prefill chunks; "alternate": steps take turns
     chunk_time_ratio: float = 0.0  # prompt tokens beside decode rows: step time <= ratio x a decode step (0: off)
     max_waiting_requests: int = 4096  # the server answers 503 beyond this
     seed: int = 0
@@ -126,8 +124,6 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kv_cache_gb <= 0:
             raise ValueError(f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if not (self.chunk_time_ratio == 0 or self.chunk_time_ratio >= 1):
             raise ValueError(f"chunk_time_ratio must be 0 (off) or >= 1, got {self.chunk_time_ratio}")
         if self.load_format not in ("auto", "dummy"):
@@ -234,8 +230,6 @@ FIELD_HELP = {
     "cudagraph_pool_budget_mib": "MiB of graph memory pool the planned graphs may take ('auto')",
     "skip_graph_check": "skip replaying every captured graph against the eager forward at start-up",
     "async_scheduling": "schedule step N+1 while the device runs step N (false: one step at a time)",
-    "scheduling_policy": "'mixed': running decodes ride along prefill chunks in one step; 'alternate': prefill "
-                         "and decode steps take turns",
     "chunk_time_ratio": "cap the prompt tokens of a step that also decodes so that its time (the measured token-count "
                         "curve) is at most this many decode steps of its rows (the batch-size curve): the streams' "
                         "ITL tail beside arriving prompts; needs planned ('auto') CUDA graphs; 0: off; `serve` uses 2.5 "

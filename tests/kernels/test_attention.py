@@ -26,7 +26,6 @@ if not torch.cuda.is_available() and type(tk._decode_kernel).__name__ != "Interp
                 allow_module_level=True)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
@@ -295,7 +294,6 @@ def test_pdl_path_in_the_interpreter():
 # --------------------------------------------------------------------------------------------- GPU, realistic sizes
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (32, 8), (32, 32)])
 @pytest.mark.parametrize("max_context", [600, 5000])
@@ -306,7 +304,6 @@ def test_gpu_decode_realistic(num_heads, num_kv_heads, max_context):
     assert_close(out, ref, torch.bfloat16)
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gpu_decode_dtypes(dtype):
@@ -314,7 +311,6 @@ def test_gpu_decode_dtypes(dtype):
     assert_close(out, ref, dtype)
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True])
 def test_gpu_decode_in_cuda_graph(pdl):
@@ -360,7 +356,6 @@ def test_gpu_decode_in_cuda_graph(pdl):
     assert_close(out, ref, torch.bfloat16)
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -376,7 +371,6 @@ def test_gpu_prefill_realistic(cached, dtype):
         assert_close(paged, ref, dtype)
 
 
-@gpu
 @pytest.mark.gpu
 def test_gpu_store_kv_realistic():
     num_tokens, num_kv_heads, head_dim = 3000, 8, 128

@@ -98,7 +98,6 @@ def test_gguf_loads_to_the_serving_dtype(tiny_pairs):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gguf_loads_straight_to_the_gpu(tiny_pairs):
     folder, file = tiny_pairs["qwen2"]
     cuda = torch.device("cuda")

@@ -351,7 +351,6 @@ def test_dummy_weights_need_no_files(tiny_model_dirs, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_decode_forward_replays_in_cuda_graph(tiny_model_dirs):
     """The decode forward captured in a CUDA graph equals the eager forward after new inputs are copied in."""
@@ -386,7 +385,6 @@ def test_decode_forward_replays_in_cuda_graph(tiny_model_dirs):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @torch.inference_mode()
 def test_gpu_fused_and_pdl_paths_equal_the_unfused_model(arch, tiny_model_dirs):

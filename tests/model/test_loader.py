@@ -257,7 +257,6 @@ def test_model_max_len(tiny_model_dirs):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_load_to_gpu(tiny_model_dirs):
     from nanoserve.kernels.attention import select_backend
 

@@ -148,11 +148,9 @@ def test_fp8_tiny_models_greedy_tokens_agree_with_bf16(tiny_model_dirs):
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @torch.inference_mode()
 def test_gpu_fp8_decode_replays_in_cuda_graph(arch, tiny_model_dirs):
@@ -188,7 +186,6 @@ def test_gpu_fp8_decode_replays_in_cuda_graph(arch, tiny_model_dirs):
 
 
 @pytest.mark.gpu
-@gpu
 @torch.inference_mode()
 def test_gpu_fp8_logits_and_greedy_tokens_near_bf16(tiny_model_dirs):
     device = torch.device("cuda")

@@ -13,7 +13,6 @@ from nanoserve.runner.batch import DecodeBatch, SamplingBatch
 from nanoserve.runner.cuda_graph import GraphRunner
 from nanoserve.runner.inputs import DecodeInputs, PersistentState
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def test_default_capture_sizes_are_powers_of_two_plus_max():
@@ -76,7 +75,6 @@ def _tiny_llm(path, **kw):
 
 
 @pytest.mark.gpu
-@gpu
 def test_every_bucket_replay_equals_eager(tiny_model_dirs):
     llm = _tiny_llm(tiny_model_dirs["qwen3"], dtype="bfloat16")
     runner = llm.engine.model_runner
@@ -93,7 +91,6 @@ def test_every_bucket_replay_equals_eager(tiny_model_dirs):
 
 
 @pytest.mark.gpu
-@gpu
 def test_greedy_tokens_identical_to_eager_for_each_bucket_over_64_steps(tiny_model_dirs):
     path = tiny_model_dirs["llama"]
     graphs = _tiny_llm(path)
@@ -110,7 +107,6 @@ def test_greedy_tokens_identical_to_eager_for_each_bucket_over_64_steps(tiny_mod
 
 
 @pytest.mark.gpu
-@gpu
 def test_static_addresses_never_change(tiny_model_dirs):
     llm = _tiny_llm(tiny_model_dirs["qwen2"])
     runner = llm.engine.model_runner
@@ -129,7 +125,6 @@ def test_static_addresses_never_change(tiny_model_dirs):
 
 
 @pytest.mark.gpu
-@gpu
 def test_padded_rows_never_touch_real_kv(tiny_model_dirs):
     llm = _tiny_llm(tiny_model_dirs["qwen3"])
     runner = llm.engine.model_runner
@@ -143,7 +138,6 @@ def test_padded_rows_never_touch_real_kv(tiny_model_dirs):
 
 
 @pytest.mark.gpu
-@gpu
 def test_churn_500_steps_graphs_and_async_match_eager_sync(tiny_model_dirs):
     """Requests join and leave at random (EOS, stop ids, max_tokens, aborts; seeded sampling too); batch sizes
     cross buckets, exceed the largest (eager) and drop to 1. Graphs + async scheduling == eager + synchronous."""

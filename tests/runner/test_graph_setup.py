@@ -9,7 +9,6 @@ from nanoserve.config import EngineConfig
 from nanoserve.runner.bucket_plan import BatchDistribution
 from nanoserve.runner.graph_setup import GraphCheckError, probe_sizes, self_check
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def test_capture_size_modes_are_validated():
@@ -45,7 +44,6 @@ def _tiny_gpu_llm(path, **kw):
 
 
 @pytest.mark.gpu
-@gpu
 def test_auto_plan_captures_within_budget_and_checks_every_size(tiny_model_dirs, tmp_path):
     llm = _tiny_gpu_llm(tiny_model_dirs["qwen3"], cudagraph_capture_budget_s=5.0)
     runner = llm.engine.model_runner
@@ -57,7 +55,6 @@ def test_auto_plan_captures_within_budget_and_checks_every_size(tiny_model_dirs,
 
 
 @pytest.mark.gpu
-@gpu
 def test_self_check_catches_a_replaced_static_buffer(tiny_model_dirs):
     llm = _tiny_gpu_llm(tiny_model_dirs["llama"], cudagraph_capture_sizes=[1, 4, 32])
     runner = llm.engine.model_runner
@@ -72,7 +69,6 @@ def test_self_check_catches_a_replaced_static_buffer(tiny_model_dirs):
 
 
 @pytest.mark.gpu
-@gpu
 def test_token_graph_self_check_catches_a_replaced_static_buffer(tiny_model_dirs):
     llm = _tiny_gpu_llm(tiny_model_dirs["qwen3"], prefill_graph_sizes=[16, 64, 256], dtype="bfloat16")
     runner = llm.engine.model_runner

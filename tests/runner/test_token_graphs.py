@@ -125,13 +125,11 @@ def test_preemption_mid_prefill_through_the_graph_path(tiny_model_dirs):
 
 
 # ---------------------------------------------------------------------------------------- GPU
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GPU_OPTIONS = dict(device="cuda", max_model_len=512, max_num_seqs=16, num_kv_blocks=1024, max_num_batched_tokens=64,
                    show_progress=False)
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_graphed_prompt_steps_equal_eager_ones(arch, tiny_model_dirs):
     """fp32 (both paths attend through the paged kernel): the same greedy tokens with the token-count graphs as
@@ -150,7 +148,6 @@ def test_graphed_prompt_steps_equal_eager_ones(arch, tiny_model_dirs):
 
 
 @pytest.mark.gpu
-@gpu
 def test_auto_token_sizes_are_planned_and_checked(tiny_model_dirs):
     llm = LLM(str(tiny_model_dirs["qwen3"]), dtype="bfloat16", **dict(GPU_OPTIONS, max_num_batched_tokens=512))
     sizes = llm.engine.model_runner.token_graphs.capture_sizes

@@ -28,12 +28,11 @@ from nanoserve.model.communicator import TensorParallel
 from nanoserve.runner import graph_setup
 from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch, SamplingBatch
 from nanoserve.runner.bucket_plan import BatchDistribution
+from nanoserve.runner.buffers import StepBuffers
 from nanoserve.runner.cuda_graph import GraphRunner
-from nanoserve.runner.forward import DecodeForward, TokenForward
-from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker, TokenInputs
 from nanoserve.runner.kv_cache import KVCacheSpec
 from nanoserve.runner.memory import plan_memory
-from nanoserve.runner.sampler import SampleHandle, Sampler, SamplingTensors
+from nanoserve.runner.sampler import SampleHandle, SamplingTensors
 
 logger = logging.getLogger("nanoserve")
 
@@ -80,18 +79,10 @@ class ModelRunner:
                         config.block_size)
 
     def _allocate(self) -> None:
-        cfg, dev = self.config, self.device
-        self.kv_cache = self.kv.allocate(self.model, self.num_kv_blocks, dev)
-        self.dummy_block = self.num_kv_blocks  # the extra block at the end: padded decode rows write there
-        self.state = PersistentState(cfg.max_num_seqs, self.max_blocks_per_seq, self.dummy_block, dev)
-        self.decode_inputs = DecodeInputs(cfg.max_num_seqs, self.state, self.dummy_block * cfg.block_size, dev)
-        self.decode_forward = DecodeForward(self.model, self.state, self.decode_inputs)
-        tokens = self.config.largest_prefill_graph
-        token_inputs = TokenInputs(tokens, cfg.max_num_seqs, TokenForward.q_per_tile_of(self.model), self.state,
-                                   self.dummy_block * cfg.block_size, dev) if tokens else None
-        self.token_forward = TokenForward(self.model, self.state, StepPacker(dev), token_inputs,
-                                          logprob_chunk=cfg.max_num_seqs)
-        self.sampler = Sampler(cfg.max_num_seqs, dev, self.rng)
+        b = StepBuffers.build(self.model, self.config, self.kv, self.num_kv_blocks, self.device, self.rng)
+        self.kv_cache, self.dummy_block, self.state = b.kv_cache, b.dummy_block, b.state
+        self.decode_inputs, self.decode_forward, self.token_forward = b.decode_inputs, b.decode_forward, b.token_forward
+        self.sampler = b.sampler
         self._deferred = None  # execute(defer_sampling=True): (logits, sampling tensors, slots, prompt logprobs)
 
     @torch.inference_mode()

@@ -2,7 +2,7 @@
 
 A user's EngineConfig keeps what the user asked for ("auto" included). `resolve()` turns it, once the
 model's limits are known, into a new EngineConfig of concrete values (an indexed device, a dtype, token
-limits) that the engine runs on; nothing mutates a config after construction.
+limits, each graph setting a GraphSizes) that the engine runs on; nothing mutates a config after construction.
 """
 from __future__ import annotations
 
@@ -60,6 +60,24 @@ GRAMMAR_CACHE_SIZE = 256
 GRAMMAR_COMPILE_THREADS = 2
 
 
+@dataclass(frozen=True)
+class GraphSizes:
+    """A resolved graph-size setting (cudagraph_capture_sizes, prefill_graph_sizes): `sizes` to capture as given,
+    or, when `planned` ("auto"), sizes the runner plans at start-up from measured replays, none over `largest`.
+    `largest` is the largest graph either way; GraphSizes() (false) means no graphs."""
+
+    sizes: tuple[int, ...] = ()
+    planned: bool = False
+    largest: int = 0
+
+    def __bool__(self) -> bool:
+        return self.largest > 0
+
+    @classmethod
+    def given(cls, sizes) -> "GraphSizes":
+        return cls(tuple(sizes), False, max(sizes, default=0))
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start. `model` is a local Hugging Face folder or a .gguf file.
@@ -79,8 +97,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     cpu_kv_cache_gb: float = 1.0
     enforce_eager: bool = False
-    cudagraph_capture_sizes: list[int] | str = "auto"  # "auto": planned from measurements; "pow2"; sizes; []: none
-    prefill_graph_sizes: list[int] | str = "auto"  # token counts of prompt / mixed steps that get a graph
+    # "auto": planned from measurements; "pow2"; sizes; []: none. A resolved config holds a GraphSizes.
+    cudagraph_capture_sizes: list[int] | str | GraphSizes = "auto"
+    prefill_graph_sizes: list[int] | str | GraphSizes = "auto"  # token counts of prompt / mixed steps with a graph
     cudagraph_plan: str | None = None  # batch-size histogram file: read by "auto" at start, written on shutdown
     cudagraph_capture_budget_s: float = CUDAGRAPH_CAPTURE_BUDGET_S  # "auto": capture time the planned sizes may take
     cudagraph_pool_budget_mib: int = CUDAGRAPH_POOL_BUDGET_MIB  # "auto": graph-pool memory the planned sizes may take
@@ -139,8 +158,9 @@ class EngineConfig:
         _positive("cudagraph_pool_budget_mib", self.cudagraph_pool_budget_mib)
 
     def resolve(self, model_max_len: int, model_dtype: torch.dtype | None) -> "EngineConfig":
-        """The concrete config the engine runs on: device indexed, dtype chosen, token limits filled in,
-        capture sizes listed ([] when decode runs eagerly). Raises ValueError for limits the model cannot meet."""
+        """The concrete config the engine runs on: device indexed, dtype chosen, token limits filled in, both graph
+        settings GraphSizes (false when that forward runs eagerly). Raises ValueError for limits the model cannot
+        meet."""
         if self.max_model_len is not None and self.max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={model_max_len}")
@@ -149,33 +169,33 @@ class EngineConfig:
         dtype = self.dtype
         if dtype == "auto":
             dtype = "float32" if device == "cpu" else _serving_dtype(model_dtype)
-        sizes = self.cudagraph_capture_sizes
-        if sizes == "pow2":
-            sizes = default_capture_sizes(self.max_num_seqs)
         use_graphs = device.startswith("cuda") and not self.enforce_eager
         budget = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        tokens = [] if self.prefill_graph_sizes == "off" else self.prefill_graph_sizes
-        if isinstance(tokens, list) and tokens and tokens[-1] > budget:
-            raise ValueError(f"prefill_graph_sizes {tokens} exceed max_num_batched_tokens={budget}")
         return dataclasses.replace(
             self, device=device, dtype=dtype, max_model_len=max_model_len, max_num_batched_tokens=budget,
-            cudagraph_capture_sizes=sizes if use_graphs else [],
-            prefill_graph_sizes=tokens if use_graphs or (tokens != "auto" and not self.enforce_eager) else [])
+            cudagraph_capture_sizes=self._decode_graphs() if use_graphs else GraphSizes(),
+            prefill_graph_sizes=self._token_graphs(use_graphs, budget, max_model_len))
 
-    @property
-    def largest_capture_size(self) -> int | None:
-        """The largest decode graph ("auto" always captures max_num_seqs); None without graphs."""
+    def _decode_graphs(self) -> GraphSizes:
         sizes = self.cudagraph_capture_sizes
-        return self.max_num_seqs if sizes == "auto" else max(sizes, default=None)
+        if isinstance(sizes, GraphSizes):
+            return sizes
+        if sizes == "auto":  # the plan always captures max_num_seqs
+            return GraphSizes((), True, self.max_num_seqs)
+        return GraphSizes.given(default_capture_sizes(self.max_num_seqs) if sizes == "pow2" else sizes)
 
-    @property
-    def largest_prefill_graph(self) -> int:
-        """The largest token-count graph of a resolved config (0: none)."""
+    def _token_graphs(self, use_graphs: bool, budget: int, max_model_len: int) -> GraphSizes:
+        """Given sizes also run without CUDA (the graphs' padded static-buffer forward, uncaptured); "auto" needs it."""
         sizes = self.prefill_graph_sizes
+        if isinstance(sizes, GraphSizes):
+            return sizes
+        if isinstance(sizes, list) and sizes and sizes[-1] > budget:
+            raise ValueError(f"prefill_graph_sizes {sizes} exceed max_num_batched_tokens={budget}")
+        if sizes == "off" or self.enforce_eager or (sizes == "auto" and not use_graphs):
+            return GraphSizes()
         if sizes == "auto":  # (no step holds more than max_num_seqs full sequences)
-            most = self.max_num_seqs * (self.max_model_len or PREFILL_GRAPH_MAX_TOKENS)
-            return min(PREFILL_GRAPH_MAX_TOKENS, self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, most)
-        return max(sizes, default=0) if isinstance(sizes, list) else 0
+            return GraphSizes((), True, min(PREFILL_GRAPH_MAX_TOKENS, budget, self.max_num_seqs * max_model_len))
+        return GraphSizes.given(sizes)
 
     @property
     def is_resolved(self) -> bool:
@@ -263,14 +283,18 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-def _capture_sizes(value, max_num_seqs: int) -> list[int] | str:
+def _capture_sizes(value, max_num_seqs: int) -> list[int] | str | GraphSizes:
+    if isinstance(value, GraphSizes):  # resolved already
+        return value
     sizes = _size_list("cudagraph_capture_sizes", value, CAPTURE_SIZE_MODES)
     if isinstance(sizes, list) and sizes and max(sizes) > max_num_seqs:
         raise ValueError(f"cudagraph_capture_sizes {sizes} exceed max_num_seqs={max_num_seqs}")
     return sizes
 
 
-def _prefill_graph_sizes(value) -> list[int] | str:
+def _prefill_graph_sizes(value) -> list[int] | str | GraphSizes:
+    if isinstance(value, GraphSizes):
+        return value
     return _size_list("prefill_graph_sizes", value, PREFILL_GRAPH_MODES)
 
 
@@ -324,4 +348,4 @@ def _serving_dtype(model_dtype: torch.dtype | None) -> str:
     return "float16" if model_dtype == _torch().float16 else "bfloat16"
 
 
-__all__ = ["EngineConfig", "FIELD_HELP", "default_capture_sizes", "DTYPE_NAMES"]
+__all__ = ["EngineConfig", "GraphSizes", "FIELD_HELP", "default_capture_sizes", "DTYPE_NAMES"]

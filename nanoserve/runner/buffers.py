@@ -36,7 +36,7 @@ class StepBuffers:
         dummy_kv_slot = dummy_block * config.block_size
         state = PersistentState(config.max_num_seqs, kv.blocks_for(config.max_model_len), dummy_block, device)
         decode_inputs = DecodeInputs(config.max_num_seqs, state, dummy_kv_slot, device)
-        tokens = config.largest_prefill_graph
+        tokens = config.prefill_graph_sizes.largest
         token_inputs = TokenInputs(tokens, config.max_num_seqs, TokenForward.q_per_tile_of(model), state,
                                    dummy_kv_slot, device) if tokens else None
         token_forward = TokenForward(model, state, StepPacker(device), token_inputs,

@@ -81,12 +81,12 @@ def _probe(model, config: EngineConfig, kv: KVCacheSpec) -> tuple[int, int]:
 def _probe_graphs(buffers: StepBuffers, config: EngineConfig) -> int:
     """Bytes of graph pool the largest decode graph and the largest token-count graph take (one pool)."""
     probes = []
-    largest = config.largest_capture_size
-    if largest is not None and config.cudagraph_capture_sizes:
+    largest = config.cudagraph_capture_sizes.largest
+    if largest:
         forward = buffers.decode_forward
         probes.append(GraphRunner(forward.captured, forward.prepare_padding))
         probes[-1].capture([largest])
-    tokens = config.largest_prefill_graph
+    tokens = config.prefill_graph_sizes.largest
     if tokens:
         forward = buffers.token_forward
         # the decode probe stays alive meanwhile: a pool is freed with its last graph

@@ -100,11 +100,11 @@ class ModelRunner:
         """Plan (for "auto"), capture, self-check; one log line."""
         cfg = self.config
         gr = GraphRunner(self.decode_forward.captured, self.decode_forward.prepare_padding)
-        sizes, probe_seconds = cfg.cudagraph_capture_sizes, 0.0
-        if sizes == "auto":
+        sizes, probe_seconds = list(cfg.cudagraph_capture_sizes.sizes), 0.0
+        if cfg.cudagraph_capture_sizes.planned:
             probes = graph_setup.probe_sizes(cfg.max_num_seqs)
             curve = graph_setup.measure_curve(gr, self._load_probe_batch, probes)
-            share = 0.5 if cfg.prefill_graph_sizes == "auto" else 1.0  # the token-count graphs plan in the rest
+            share = 0.5 if cfg.prefill_graph_sizes.planned else 1.0  # the token-count graphs plan in the rest
             budget_s, pool = share * cfg.cudagraph_capture_budget_s, share * cfg.cudagraph_pool_budget_mib * 2**20
             planned = graph_setup.plan(curve, cfg.max_num_seqs, cfg.cudagraph_plan, budget_s, pool) \
                 if self.tp.rank == 0 else []
@@ -128,17 +128,17 @@ class ModelRunner:
         cfg, fwd = self.config, self.token_forward
         pool = self.graph_runner.pool if self.graph_runner is not None else None
         gr = GraphRunner(fwd.captured, fwd.prepare_padding, pool=pool, record=self.device.type == "cuda")
-        sizes = cfg.prefill_graph_sizes
+        sizes, largest = list(cfg.prefill_graph_sizes.sizes), cfg.prefill_graph_sizes.largest
         load = lambda tokens: fwd.load(self._token_probe_batch(tokens), tokens)  # noqa: E731
-        if sizes == "auto":
-            probes = graph_setup.token_probe_sizes(self.config.largest_prefill_graph)
+        if cfg.prefill_graph_sizes.planned:
+            probes = graph_setup.token_probe_sizes(largest)
             self.token_curve = graph_setup.measure_curve(gr, load, probes)
             spent = self.graph_runner.capture_seconds if self.graph_runner is not None else 0.0
             pool_used = self.graph_runner.pool_bytes if self.graph_runner is not None else 0
-            planned = graph_setup.plan_tokens(self.token_curve, self.config.largest_prefill_graph,
+            planned = graph_setup.plan_tokens(self.token_curve, largest,
                                               cfg.cudagraph_capture_budget_s - spent,
                                               cfg.cudagraph_pool_budget_mib * 2**20 - pool_used)
-            sizes = self.tp.broadcast_ints(planned if self.tp.rank == 0 else [], self.config.largest_prefill_graph)
+            sizes = self.tp.broadcast_ints(planned if self.tp.rank == 0 else [], largest)
             gr.drop(set(probes) - set(sizes))
         gr.capture(sizes, cfg.show_progress)
         self.token_graphs = gr

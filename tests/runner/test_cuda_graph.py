@@ -21,7 +21,7 @@ def test_default_capture_sizes_are_powers_of_two_plus_max():
     assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert default_capture_sizes(256)[-3:] == [64, 128, 256]
     resolved = EngineConfig("m", max_num_seqs=256, device="cpu").resolve(4096, None)
-    assert resolved.cudagraph_capture_sizes == [] and resolved.max_model_len == 4096  # no graphs on CPU
+    assert not resolved.cudagraph_capture_sizes and resolved.max_model_len == 4096  # no graphs on CPU
 
 
 @pytest.mark.parametrize("sizes", [[0, 1], [-2], [1, 2.5], [1, 64], [True]])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, GraphSizes
 from nanoserve.runner.bucket_plan import BatchDistribution
 from nanoserve.runner.graph_setup import GraphCheckError, probe_sizes, self_check
 
@@ -20,7 +20,11 @@ def test_capture_size_modes_are_validated():
     with pytest.raises(ValueError, match="cudagraph_capture_budget_s"):
         EngineConfig("m", cudagraph_capture_budget_s=0)
     resolved = EngineConfig("m", max_num_seqs=20, cudagraph_capture_sizes="pow2", device="cpu").resolve(512, None)
-    assert resolved.cudagraph_capture_sizes == [] and resolved.largest_capture_size is None  # CPU: no graphs
+    assert not resolved.cudagraph_capture_sizes and resolved.cudagraph_capture_sizes.largest == 0  # CPU: no graphs
+    # on a GPU: resolve() makes every mode concrete (the decode forward's part; the device is the caller's)
+    config = EngineConfig("m", max_num_seqs=20, cudagraph_capture_sizes="pow2")
+    assert config._decode_graphs() == GraphSizes((1, 2, 4, 8, 16, 20), False, 20)
+    assert EngineConfig("m", max_num_seqs=20)._decode_graphs() == GraphSizes((), True, 20)  # "auto": planned
 
 
 def test_probe_sizes_end_with_max_num_seqs():

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import env_info, write_json  # noqa: E402
 from nanoserve.kernels import attention as tk  # noqa: E402
-from nanoserve.kernels.metadata import AttentionMetadata  # noqa: E402
+from nanoserve.model.attention_metadata import AttentionMetadata  # noqa: E402
 
 MODELS = {"qwen3-0.6b": (16, 8, 28), "llama-3.1-8b": (32, 8, 32)}  # q heads, kv heads, layers
 HEAD_DIM, BLOCK_SIZE, DTYPE = 128, 16, torch.bfloat16

@@ -236,7 +236,7 @@ def measure_compile(tokenizer_dir: Path, vocab_size: int, eos_ids: list[int]) ->
     import xgrammar as xgr
 
     from nanoserve.engine.grammar import grammar_of
-    from nanoserve.model.loader import load_tokenizer
+    from nanoserve.model_files import load_tokenizer
     from nanoserve.sampling import StructuredOutputsParams as S
 
     out = {}

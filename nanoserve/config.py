@@ -2,7 +2,7 @@
 
 A user's EngineConfig keeps what the user asked for ("auto" included). `resolve()` turns it, once the
 model's limits are known, into a new EngineConfig of concrete values (an indexed device, a dtype, token
-limits) that the engine runs on; nothing mutates a config after construction.
+limits, each graph setting a GraphSizes) that the engine runs on; nothing mutates a config after construction.
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ SERVE_CHUNK_TIME_RATIO = 4.0
 # sized for its streams' ITL, not throughput.
 SERVE_DEFAULTS = {"max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS, "chunk_time_ratio": SERVE_CHUNK_TIME_RATIO}
 MAX_DEFAULT_MODEL_LEN = 32768
-SCHEDULING_POLICIES = ("mixed", "alternate")
 CAPTURE_SIZE_MODES = ("auto", "pow2")
 PREFILL_GRAPH_MODES = ("auto", "off")
 # Token-count graphs ("auto"): planned among multiples of PREFILL_GRAPH_TOKEN_STEP up to this many tokens (and
@@ -67,6 +66,24 @@ GRAMMAR_COMPILE_THREADS = 2
 GRAMMAR_FILL_THREAD_MIN_ROWS = 8
 
 
+@dataclass(frozen=True)
+class GraphSizes:
+    """A resolved graph-size setting (cudagraph_capture_sizes, prefill_graph_sizes): `sizes` to capture as given,
+    or, when `planned` ("auto"), sizes the runner plans at start-up from measured replays, none over `largest`.
+    `largest` is the largest graph either way; GraphSizes() (false) means no graphs."""
+
+    sizes: tuple[int, ...] = ()
+    planned: bool = False
+    largest: int = 0
+
+    def __bool__(self) -> bool:
+        return self.largest > 0
+
+    @classmethod
+    def given(cls, sizes) -> "GraphSizes":
+        return cls(tuple(sizes), False, max(sizes, default=0))
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start. `model` is a local Hugging Face folder or a .gguf file.
@@ -86,15 +103,15 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     cpu_kv_cache_gb: float = 1.0
     enforce_eager: bool = False
-    cudagraph_capture_sizes: list[int] | str = "auto"  # "auto": planned from measurements; "pow2"; sizes; []: none
-    prefill_graph_sizes: list[int] | str = "auto"  # token counts of prompt / mixed steps that get a graph
+    # "auto": planned from measurements; "pow2"; sizes; []: none. A resolved config holds a GraphSizes.
+    cudagraph_capture_sizes: list[int] | str | GraphSizes = "auto"
+    prefill_graph_sizes: list[int] | str | GraphSizes = "auto"  # token counts of prompt / mixed steps with a graph
     cudagraph_plan: str | None = None  # batch-size histogram file: read by "auto" at start, written on shutdown
     cudagraph_capture_budget_s: float = CUDAGRAPH_CAPTURE_BUDGET_S  # "auto": capture time the planned sizes may take
     cudagraph_pool_budget_mib: int = CUDAGRAPH_POOL_BUDGET_MIB  # "auto": graph-pool memory the planned sizes may take
     skip_graph_check: bool = False  # skip replaying every captured size against the eager forward at start-up
     enable_prefix_caching: bool = True
     async_scheduling: bool = True  # the host schedules step N+1 while the device runs step N
-    scheduling_policy: str = "mixed"  # "mixed": decode rows ride along prefill chunks; "alternate": steps take turns
     chunk_time_ratio: float = 0.0  # prompt tokens beside decode rows: step time <= ratio x a decode step (0: off)
     max_waiting_requests: int = 4096  # the server answers 503 beyond this
     seed: int = 0
@@ -132,8 +149,6 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kv_cache_gb <= 0:
             raise ValueError(f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if not (self.chunk_time_ratio == 0 or self.chunk_time_ratio >= 1):
             raise ValueError(f"chunk_time_ratio must be 0 (off) or >= 1, got {self.chunk_time_ratio}")
         if self.load_format not in ("auto", "dummy"):
@@ -149,8 +164,9 @@ class EngineConfig:
         _positive("cudagraph_pool_budget_mib", self.cudagraph_pool_budget_mib)
 
     def resolve(self, model_max_len: int, model_dtype: torch.dtype | None) -> "EngineConfig":
-        """The concrete config the engine runs on: device indexed, dtype chosen, token limits filled in,
-        capture sizes listed ([] when decode runs eagerly). Raises ValueError for limits the model cannot meet."""
+        """The concrete config the engine runs on: device indexed, dtype chosen, token limits filled in, both graph
+        settings GraphSizes (false when that forward runs eagerly). Raises ValueError for limits the model cannot
+        meet."""
         if self.max_model_len is not None and self.max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={model_max_len}")
@@ -159,33 +175,33 @@ class EngineConfig:
         dtype = self.dtype
         if dtype == "auto":
             dtype = "float32" if device == "cpu" else _serving_dtype(model_dtype)
-        sizes = self.cudagraph_capture_sizes
-        if sizes == "pow2":
-            sizes = default_capture_sizes(self.max_num_seqs)
         use_graphs = device.startswith("cuda") and not self.enforce_eager
         budget = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        tokens = [] if self.prefill_graph_sizes == "off" else self.prefill_graph_sizes
-        if isinstance(tokens, list) and tokens and tokens[-1] > budget:
-            raise ValueError(f"prefill_graph_sizes {tokens} exceed max_num_batched_tokens={budget}")
         return dataclasses.replace(
             self, device=device, dtype=dtype, max_model_len=max_model_len, max_num_batched_tokens=budget,
-            cudagraph_capture_sizes=sizes if use_graphs else [],
-            prefill_graph_sizes=tokens if use_graphs or (tokens != "auto" and not self.enforce_eager) else [])
+            cudagraph_capture_sizes=self._decode_graphs() if use_graphs else GraphSizes(),
+            prefill_graph_sizes=self._token_graphs(use_graphs, budget, max_model_len))
 
-    @property
-    def largest_capture_size(self) -> int | None:
-        """The largest decode graph ("auto" always captures max_num_seqs); None without graphs."""
+    def _decode_graphs(self) -> GraphSizes:
         sizes = self.cudagraph_capture_sizes
-        return self.max_num_seqs if sizes == "auto" else max(sizes, default=None)
+        if isinstance(sizes, GraphSizes):
+            return sizes
+        if sizes == "auto":  # the plan always captures max_num_seqs
+            return GraphSizes((), True, self.max_num_seqs)
+        return GraphSizes.given(default_capture_sizes(self.max_num_seqs) if sizes == "pow2" else sizes)
 
-    @property
-    def largest_prefill_graph(self) -> int:
-        """The largest token-count graph of a resolved config (0: none)."""
+    def _token_graphs(self, use_graphs: bool, budget: int, max_model_len: int) -> GraphSizes:
+        """Given sizes also run without CUDA (the graphs' padded static-buffer forward, uncaptured); "auto" needs it."""
         sizes = self.prefill_graph_sizes
+        if isinstance(sizes, GraphSizes):
+            return sizes
+        if isinstance(sizes, list) and sizes and sizes[-1] > budget:
+            raise ValueError(f"prefill_graph_sizes {sizes} exceed max_num_batched_tokens={budget}")
+        if sizes == "off" or self.enforce_eager or (sizes == "auto" and not use_graphs):
+            return GraphSizes()
         if sizes == "auto":  # (no step holds more than max_num_seqs full sequences)
-            most = self.max_num_seqs * (self.max_model_len or PREFILL_GRAPH_MAX_TOKENS)
-            return min(PREFILL_GRAPH_MAX_TOKENS, self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, most)
-        return max(sizes, default=0) if isinstance(sizes, list) else 0
+            return GraphSizes((), True, min(PREFILL_GRAPH_MAX_TOKENS, budget, self.max_num_seqs * max_model_len))
+        return GraphSizes.given(sizes)
 
     @property
     def is_resolved(self) -> bool:
@@ -240,8 +256,6 @@ FIELD_HELP = {
     "cudagraph_pool_budget_mib": "MiB of graph memory pool the planned graphs may take ('auto')",
     "skip_graph_check": "skip replaying every captured graph against the eager forward at start-up",
     "async_scheduling": "schedule step N+1 while the device runs step N (false: one step at a time)",
-    "scheduling_policy": "'mixed': running decodes ride along prefill chunks in one step; 'alternate': prefill "
-                         "and decode steps take turns",
     "chunk_time_ratio": "cap the prompt tokens of a step that also decodes so that its time (the measured token-count "
                         "curve) is at most this many decode steps of its rows (the batch-size curve): the streams' "
                         "ITL tail beside arriving prompts; needs planned ('auto') CUDA graphs; 0: off; `serve` uses 2.5 "
@@ -275,14 +289,18 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-def _capture_sizes(value, max_num_seqs: int) -> list[int] | str:
+def _capture_sizes(value, max_num_seqs: int) -> list[int] | str | GraphSizes:
+    if isinstance(value, GraphSizes):  # resolved already
+        return value
     sizes = _size_list("cudagraph_capture_sizes", value, CAPTURE_SIZE_MODES)
     if isinstance(sizes, list) and sizes and max(sizes) > max_num_seqs:
         raise ValueError(f"cudagraph_capture_sizes {sizes} exceed max_num_seqs={max_num_seqs}")
     return sizes
 
 
-def _prefill_graph_sizes(value) -> list[int] | str:
+def _prefill_graph_sizes(value) -> list[int] | str | GraphSizes:
+    if isinstance(value, GraphSizes):
+        return value
     return _size_list("prefill_graph_sizes", value, PREFILL_GRAPH_MODES)
 
 
@@ -336,4 +354,4 @@ def _serving_dtype(model_dtype: torch.dtype | None) -> str:
     return "float16" if model_dtype == _torch().float16 else "bfloat16"
 
 
-__all__ = ["EngineConfig", "FIELD_HELP", "default_capture_sizes", "DTYPE_NAMES"]
+__all__ = ["EngineConfig", "GraphSizes", "FIELD_HELP", "default_capture_sizes", "DTYPE_NAMES"]

@@ -16,6 +16,17 @@ import pytest
 from nanoserve.tiny import ARCHS, make_tiny_model
 
 
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.gpu` is the one CUDA marker: without a CUDA device those tests are skipped (on the device,
+    `pytest -m gpu` selects them)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """arch → folder of a tiny model (config, safetensors, tokenizer, generation_config), one per arch."""

@@ -11,7 +11,7 @@ import torch
 
 from nanoserve.bench.common import arrival_offsets, distribution, environment, load_sharegpt, percentile, write_json
 from nanoserve.cli import main
-from nanoserve.model import load_tokenizer
+from nanoserve.model_files import load_tokenizer
 
 CONVERSATIONS = [
     {"conversations": [{"from": "human", "value": "What is the capital of France?"},

@@ -329,7 +329,6 @@ def test_with_real_sequence():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_seeded_and_greedy():
     dev = torch.device("cuda")
     logits = torch.randn(3, 1000, device=dev, dtype=torch.bfloat16)

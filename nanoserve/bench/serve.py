@@ -295,7 +295,7 @@ def serve_requests(args, model: str) -> list[BenchRequest]:
 
 
 def _tokenizer(source: str):
-    from nanoserve.model import load_tokenizer
+    from nanoserve.model_files import load_tokenizer
 
     try:
         return load_tokenizer(source)
@@ -306,7 +306,7 @@ def _tokenizer(source: str):
 
 def _vocab_size(source: str) -> int:
     """Random ids need only the vocabulary's size: the tokenizer's, else the model config's (a folder without one)."""
-    from nanoserve.model import load_hf_config
+    from nanoserve.model_files import load_hf_config
 
     try:
         return len(_tokenizer(source))

@@ -43,7 +43,7 @@ from nanoserve.engine.preflight import check_engine_config
 from nanoserve.engine.prompts import check_params_token_ids, check_prompt_length, check_token_ids
 from nanoserve.engine.scheduler import ScheduledStep, Scheduler
 from nanoserve.engine.sequence import Sequence, SequenceStatus
-from nanoserve.model.loader import eos_token_ids, load_tokenizer
+from nanoserve.model_files import eos_token_ids, load_tokenizer
 from nanoserve.runner.batch import SampledTokens, SamplingBatch
 from nanoserve.runner.bucket_plan import chunk_caps
 from nanoserve.runner.group import WorkerError, create_runner

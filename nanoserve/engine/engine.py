@@ -14,7 +14,7 @@ from nanoserve.engine.core_client import InprocClient
 from nanoserve.engine.frontend import FrontEnd
 from nanoserve.engine.output import RequestOutput
 from nanoserve.engine.prompts import Prompt, QueueFullError  # noqa: F401 (re-exported)
-from nanoserve.model.loader import load_tokenizer
+from nanoserve.model_files import load_tokenizer
 from nanoserve.sampling import SamplingParams
 
 

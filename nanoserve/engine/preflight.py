@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from nanoserve.config import EngineConfig, hf_config_dtype
-from nanoserve.model.llama import ModelSpec
-from nanoserve.model.loader import load_hf_config, model_max_len
-from nanoserve.model.parallel import check_sharding
+from nanoserve.model_files import ModelSpec
+from nanoserve.model_files import load_hf_config, model_max_len
+from nanoserve.model.communicator import check_sharding
 from nanoserve.runner.distributed import check_world
 
 

@@ -5,7 +5,7 @@ decoding sequence costs one token, a sequence part-way through its prompt gets t
 Waiting sequences are then admitted first-come first-served into what is left, each starting with a
 chunk of its prompt (after any prefix-cache hit). A step whose every row is one decode token replays a
 batch-size CUDA graph; a step with prefill chunks replays a token-count graph (or runs eagerly above the largest),
-and the decode rows ride along in it ("mixed" policy), or — "alternate" policy — prefill and decode steps take turns.
+and the decode rows ride along in it.
 
 With prompt_token_caps (the engine sets them from the measured step-time curves when chunk_time_ratio is on), a
 step that decodes d rows carries at most caps[d] prompt tokens, so the decoding streams are not held up by a
@@ -53,13 +53,11 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.block_manager = block_manager
-        self.policy = config.scheduling_policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))  # popped from the end: low slots first
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
-        self._last_had_prefill = False
         self.prompt_token_caps: list[int] | None = None  # decode rows → prompt tokens a step may add beside them
 
     def add(self, seq: Sequence) -> None:
@@ -69,22 +67,17 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         budget = self.max_num_batched_tokens
-        prefill_turn = self.policy == "mixed" or not self._last_had_prefill or not self._has_decodes()
-        decode_turn = self.policy == "mixed" or not prefill_turn or not self._has_prefill_work()
-        budget = self._schedule_running(step, budget, decode_turn, prefill_turn)
-        if prefill_turn:
-            self._schedule_waiting(step, budget)
-        self._last_had_prefill = not step.is_decode
+        budget = self._schedule_running(step, budget)
+        self._schedule_waiting(step, budget)
         return step
 
-    def _schedule_running(self, step: ScheduledStep, budget: int, decodes: bool, prefills: bool) -> int:
+    def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
         """Decode rows first (one token each, preempting for blocks), then the next chunks of prompts in progress."""
-        if decodes:
-            budget = self._schedule_decodes(step, budget)
-            caps = self.prompt_token_caps
-            if caps and step.seqs:
-                budget = min(budget, caps[min(len(step.seqs), len(caps) - 1)])
-        for seq in self.running if prefills else ():
+        budget = self._schedule_decodes(step, budget)
+        caps = self.prompt_token_caps
+        if caps and step.seqs:
+            budget = min(budget, caps[min(len(step.seqs), len(caps) - 1)])
+        for seq in self.running:
             if budget <= 0:
                 break
             if not seq.decoding:
@@ -164,8 +157,3 @@ class Scheduler:
             seq.slot = None
         seq.decoding = False
 
-    def _has_decodes(self) -> bool:
-        return any(s.decoding for s in self.running)
-
-    def _has_prefill_work(self) -> bool:
-        return bool(self.waiting) or any(not s.decoding for s in self.running)

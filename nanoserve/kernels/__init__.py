@@ -9,7 +9,7 @@
     rotary_kv.py  per-head q/k RMSNorm + RoPE + KV-cache store (a kernel, or the qkv GEMV's epilogue)
     attention.py  paged attention: backend selection, KV store, split-K decode, paged prefill
     reference.py  plain-PyTorch paged attention (the CPU path and the oracle)
-    metadata.py   AttentionMetadata, what attention needs besides q/k/v
+    metadata.py   AttentionInputs, what attention reads besides q/k/v (a Protocol: the dataclass is model/'s)
     switches.py   PDL and each fusion on/off (read once from the environment; benchmarks flip them)
 
 Nothing here imports from model/, runner/ or engine/: the model calls down into these, never back.

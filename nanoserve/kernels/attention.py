@@ -24,7 +24,7 @@ import torch
 from nanoserve.kernels import reference
 from nanoserve.kernels._triton import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, jit, next_power_of_2,
                                        num_sms, pdl_args, tl)
-from nanoserve.kernels.metadata import AttentionMetadata
+from nanoserve.kernels.metadata import AttentionInputs
 
 
 def select_backend(device: torch.device) -> str:
@@ -32,7 +32,7 @@ def select_backend(device: torch.device) -> str:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, backend: str,
+                    v_cache: torch.Tensor, meta: AttentionInputs, scale: float, backend: str,
                     kv_stored: bool = False, defer_merge: bool = False) -> torch.Tensor | DecodePartials:
     """q [T, H, D], k/v [T, Hkv, D] for the T new tokens → attention output [T, H, D].
 
@@ -451,7 +451,7 @@ def prefill_work_capacity(num_tokens: int, max_seqs: int, q_per_tile: int) -> in
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float, tiles: PrefillTiles | None = None) -> torch.Tensor:
+                            meta: AttentionInputs, scale: float, tiles: PrefillTiles | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context (cached prefix included).
 
     q [num_new_tokens, num_heads, head_dim]; the new tokens' k/v must already be in the cache.
@@ -493,7 +493,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                      v_cache: torch.Tensor, meta: AttentionInputs, scale: float) -> torch.Tensor:
     """Causal varlen prefill → [num_new_tokens, num_heads, head_dim].
 
     Without a cached prefix every sequence's keys are exactly its new k/v (q_len == k_len), which is
@@ -530,7 +530,7 @@ def _varlen_kwargs() -> tuple[object | None, dict]:
 _varlen_attn, _VARLEN_KWARGS = _varlen_kwargs()
 
 
-def _can_use_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> bool:
+def _can_use_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionInputs) -> bool:
     head_dim = q.shape[-1]
     return (_varlen_attn is not None and not meta.has_cached_prefix and q.is_cuda and k is not None and v is not None
             and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype

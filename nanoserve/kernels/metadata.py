@@ -1,36 +1,33 @@
-"""AttentionMetadata: everything attention needs besides q/k/v, passed explicitly to forward.
+"""AttentionInputs: what the attention kernels read besides q/k/v and the caches, as a structural type.
 
-Decode metadata has fixed shapes ([num_seqs] and [num_seqs, max_blocks]) so a CUDA graph can be
-captured over static buffers of it; prefill metadata varies in length and is only used eagerly.
+The kernels are the bottom floor: they import no dataclass from above. The object they get is the model's
+nanoserve.model.attention_metadata.AttentionMetadata (which the runner builds); any object with these
+attributes will do (the tests check that the dataclass has them all). What each field holds (shapes, dtypes) is
+said once, there.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 
-@dataclass
-class AttentionMetadata:
+class AttentionInputs(Protocol):
     is_prefill: bool
-    slot_mapping: torch.Tensor  # [num_new_tokens] int32: block_id * block_size + offset of each new token
-    context_lens: torch.Tensor  # [num_seqs] int32: tokens in the cache per sequence once this step's are stored
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32: cache blocks of each sequence, padded
-    # Prefill only. The new tokens of sequence i are q rows cu_seqlens_q[i]:cu_seqlens_q[i+1]; they are the
-    # last (context_len - cached_len) positions of a context of context_len tokens.
-    cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1] int32
-    cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1] int32
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
-    has_cached_prefix: bool = False  # True → some keys come only from the paged cache (prefix-cache hits)
-    query_lens_host: list[int] | None = None  # host copies so the CPU reference needs no device→host sync
-    context_lens_host: list[int] | None = None
-    # The paged prefill kernel's work list (kernels.attention.prefill_work): per tile its sequence (-1: unused
-    # entry of a fixed-size list) and first query token; None → built from the host lengths.
-    work_seq: torch.Tensor | None = None  # [num_tiles] int32
-    work_start: torch.Tensor | None = None  # [num_tiles] int32
-    table_rows: torch.Tensor | None = None  # [num_seqs] int32: block_tables row of sequence i (None: row i)
+    slot_mapping: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None
+    max_seqlen_q: int
+    has_cached_prefix: bool
+    query_lens_host: list[int] | None
+    context_lens_host: list[int] | None
+    work_seq: torch.Tensor | None
+    work_start: torch.Tensor | None
+    table_rows: torch.Tensor | None
 
     @property
-    def num_seqs(self) -> int:
-        return self.context_lens.shape[0]
+    def num_seqs(self) -> int: ...
+
+
+__all__ = ["AttentionInputs"]

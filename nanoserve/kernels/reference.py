@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels.metadata import AttentionMetadata
+from nanoserve.kernels.metadata import AttentionInputs
 from nanoserve.kernels.paging import blocks_for
 
 
@@ -28,7 +28,7 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                      v_cache: torch.Tensor, meta: AttentionInputs, scale: float) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
 
     q: [num_new_tokens, num_heads, head_dim]; k/v (this step's, already stored) are unused here: keys and

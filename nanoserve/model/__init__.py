@@ -1,7 +1,3 @@
-"""Model definitions (Llama family) and the Hugging Face folder loader."""
-from nanoserve.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
-from nanoserve.model.loader import (ModelLoadError, eos_token_ids, load_hf_config, load_model, load_tokenizer,
-                                    model_max_len)
-
-__all__ = ["SUPPORTED_ARCHITECTURES", "LlamaForCausalLM", "ModelLoadError", "eos_token_ids", "load_hf_config",
-           "load_model", "load_tokenizer", "model_max_len"]
+"""The Llama-family model (llama.py), its layers and tensor-parallel communicator, and the weight loaders
+(loader.py: safetensors, gguf.py: GGUF). Reading a model's config, tokenizer and EOS ids is
+nanoserve.model_files' (the ground floor), so nothing above needs this package for them."""

@@ -1,23 +1,23 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embedding, gated MLP, paged attention module.
+"""Building blocks of the Llama family: RMSNorm, rotary embedding, gated MLP, paged attention module, and the
+tensor-parallel sharded linear and embedding layers (the communicator they reduce over is model/communicator.py).
 
 Everything here is shape-static and free of host syncs, so a decode step can be captured in a CUDA graph.
+Sharded layers tell the loader which part of a Hugging Face tensor this rank holds (`weight_shard`), so a rank
+reads only its slices of the weight files; with one rank every slice is the whole tensor.
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.kernels import fused, gemv
 from nanoserve.kernels.attention import DecodePartials, paged_attention
-from nanoserve.kernels.metadata import AttentionMetadata
-
-if TYPE_CHECKING:
-    from nanoserve.model.parallel import TensorParallel
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+from nanoserve.model.attention_metadata import AttentionMetadata
+from nanoserve.model.communicator import Split, TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -40,33 +40,13 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-def rope_parameters(hf_config) -> dict:
-    """The config's RoPE settings as one flat dict with rope_type and rope_theta (transformers 4.x or 5.x layout)."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if not params:
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    params = dict(params)
-    if "rope_type" not in params and "rope_theta" not in params:
-        raise ValueError(f"per-layer RoPE parameters {sorted(params)} are not supported")
-    params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
-    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    return params
-
-
 def rope_inv_freq(head_dim: int, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim // 2] (float32) and the cos/sin scale for one RoPE variant.
 
-    Only variants that are a fixed function of the position are supported: their cos/sin can be cached once and
-    keys stored in the paged cache stay valid. "dynamic" and "longrope" rescale with the current sequence length.
+    params: nanoserve.model_files.rope_parameters' checked settings: a variant that is a fixed function of the
+    position (its cos/sin is cached once and keys stored in the paged cache stay valid), with every setting it needs.
     """
     rope_type = params["rope_type"]
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        why = " (it rescales with the sequence length, so cached keys would go stale)" if rope_type in (
-            "dynamic", "longrope") else ""
-        raise ValueError(f"unsupported rope_type {rope_type!r}{why}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
     base = float(params["rope_theta"])
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
     inv_freq = 1.0 / (base ** exponents)
@@ -155,7 +135,7 @@ class Linear(nn.Linear):
 class MLP(nn.Module):
     """SwiGLU MLP with gate and up projections merged into one matmul; SiLU-and-mul feeds the down projection.
 
-    The projections come from model/parallel.py: gate_up column-parallel ([gate slice; up slice] of this
+    The projections are the sharded layers below: gate_up column-parallel ([gate slice; up slice] of this
     rank), down row-parallel, whose partial products one all-reduce sums (a no-op on one rank)."""
 
     def __init__(self, gate_up_proj: Linear, down_proj: Linear, tp: TensorParallel) -> None:
@@ -194,3 +174,80 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, backend={self.backend}"
+
+
+@dataclass(frozen=True)
+class WeightShard:
+    """Where one Hugging Face tensor goes on this rank: hf[src] → param rows dst_rows (None: the whole param)."""
+
+    hf_shape: tuple[int, ...]  # the checkpoint tensor's full shape
+    src: tuple[slice, ...] | None  # this rank's part of it; None: all of it
+    dst_rows: tuple[int, int] | None = None  # rows of a merged parameter (qkv, gate_up)
+    zeros: bool = False  # a row-parallel bias off rank 0: zeros, so the all-reduce adds rank 0's bias once
+
+
+class ColumnParallelLinear(Linear):
+    """Output rows split over the ranks. `parts` are the stacked HF tensors (q, k, v or gate, up; one for an
+    lm_head), each split on its own, so this rank's weight is [q slice; k slice; v slice]."""
+
+    def __init__(self, in_features: int, parts: list[Split], bias: bool, dtype: torch.dtype) -> None:
+        super().__init__(in_features, sum(p.size for p in parts), bias=bias, dtype=dtype)
+        self.parts = tuple(parts)
+
+    def weight_shard(self, leaf: str, index: int | None) -> WeightShard:
+        i = index or 0
+        part, offset = self.parts[i], sum(p.size for p in self.parts[:i])
+        shape = (part.full, self.in_features) if leaf == "weight" else (part.full,)
+        dst = None if len(self.parts) == 1 else (offset, offset + part.size)
+        return WeightShard(shape, (slice(part.start, part.stop),), dst)
+
+
+class RowParallelLinear(Linear):
+    """Input columns split over the ranks; the caller all-reduces the partial products. Only rank 0 holds the
+    bias, so it is added once and the GEMV still adds it in its epilogue."""
+
+    def __init__(self, columns: Split, out_features: int, bias: bool, dtype: torch.dtype, holds_bias: bool) -> None:
+        super().__init__(columns.size, out_features, bias=bias, dtype=dtype)
+        self.columns, self.holds_bias = columns, holds_bias
+
+    def weight_shard(self, leaf: str, index: int | None) -> WeightShard:
+        c = self.columns
+        if leaf == "weight":
+            return WeightShard((self.out_features, c.full), (slice(None), slice(c.start, c.stop)))
+        return WeightShard((self.out_features,), None, zeros=not self.holds_bias)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, stop) of the embedding; a token outside them looks up zeros, and the all-reduce fills in
+    the rank that holds it. Its weight doubles as the tied lm_head's slice of the vocabulary."""
+
+    def __init__(self, vocab: Split, hidden_size: int, dtype: torch.dtype, tp: TensorParallel) -> None:
+        super().__init__()
+        self.vocab, self.tp = vocab, tp
+        self.weight = nn.Parameter(torch.empty(vocab.size, hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab.start
+        outside = (local < 0) | (local >= self.vocab.size)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def weight_shard(self, leaf: str, index: int | None) -> WeightShard:
+        return WeightShard((self.vocab.full, self.weight.shape[1]), (slice(self.vocab.start, self.vocab.stop),))
+
+    def extra_repr(self) -> str:
+        return f"rows {self.vocab.start}..{self.vocab.stop} of {self.vocab.full}, {self.weight.shape[1]}"
+
+
+_SHARDED = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+
+
+def weight_shard(model: nn.Module, name: str, index: int | None) -> WeightShard:
+    """The shard of parameter `name` (HF tensor `index` of a merged one) that this rank loads."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if isinstance(module, _SHARDED) and leaf in ("weight", "bias"):
+        return module.weight_shard(leaf, index)
+    return WeightShard(tuple(getattr(module, leaf).shape), None)  # replicated: norms

@@ -7,105 +7,16 @@ layer runs two matmuls where HF runs five; the loader concatenates HF's tensors.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from nanoserve.kernels import gemv
-from nanoserve.kernels.metadata import AttentionMetadata
 from nanoserve.kernels.rotary_kv import QKVRope
-from nanoserve.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding, rope_inv_freq, rope_parameters
-from nanoserve.model.parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
-                                      check_sharding, kv_head_split)
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape of a model, read and validated from its HF config."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    rope: dict
-
-    @classmethod
-    def from_hf_config(cls, hf_config) -> "ModelSpec":
-        """Raises ValueError naming the first unsupported feature."""
-        arch = architecture_of(hf_config)
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
-        _check_no_sliding_window(hf_config, arch)
-        heads = hf_config.num_attention_heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        spec = cls(
-            architecture=arch,
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_layers=hf_config.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf_config.rms_norm_eps,
-            max_position_embeddings=hf_config.max_position_embeddings,
-            qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
-            o_bias=False if arch == "Qwen2ForCausalLM" else attention_bias,
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            rope=rope_parameters(hf_config),
-        )
-        if heads % kv_heads:
-            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        try:
-            rope_inv_freq(head_dim, spec.rope, spec.max_position_embeddings)  # validates the RoPE settings early
-        except KeyError as e:
-            raise ValueError(f"rope_type {spec.rope['rope_type']!r} needs the setting {e.args[0]!r}") from None
-        return spec
-
-
-def architecture_of(hf_config) -> str:
-    """The supported architecture name of a config, or ValueError naming the supported ones."""
-    names = list(getattr(hf_config, "architectures", None) or [])
-    if not names and getattr(hf_config, "model_type", None) in _MODEL_TYPES:
-        names = [_MODEL_TYPES[hf_config.model_type]]
-    for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
-            return name
-    found = names or getattr(hf_config, "model_type", None)
-    raise ValueError(f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-
-
-def _check_no_sliding_window(hf_config, arch: str) -> None:
-    """Sliding-window attention is not implemented; refuse configs where it would change the result."""
-    layer_types = getattr(hf_config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"layer_types {sorted(set(layer_types))}: only full attention is supported (no sliding window)")
-    window = getattr(hf_config, "sliding_window", None)
-    if window is None or window >= hf_config.max_position_embeddings:
-        return
-    if arch == "MistralForCausalLM" or getattr(hf_config, "use_sliding_window", False):
-        raise ValueError(f"sliding_window={window} is not supported (only full attention)")
+from nanoserve.model.attention_metadata import AttentionMetadata
+from nanoserve.model.communicator import TensorParallel, check_sharding, kv_head_split
+from nanoserve.model.layers import (MLP, Attention, ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                                    VocabParallelEmbedding)
+from nanoserve.model_files import ModelSpec
 
 
 class LlamaAttentionBlock(nn.Module):
@@ -186,10 +97,10 @@ class LlamaForCausalLM(nn.Module):
 
     Splitting the two lets the runner project only each sequence's last prefill token. Build it on the
     meta device and let nanoserve.model.loader fill the weights; constructing it elsewhere runs a plain init.
-    With tp (model/parallel.py) it holds this rank's shards and compute_logits gathers the full vocabulary.
+    With tp (model/communicator.py) it holds this rank's shards and compute_logits gathers the full vocabulary.
     """
 
-    # HF module name → (our merged module, index of the HF tensor in it); parallel.weight_shard places it.
+    # HF module name → (our merged module, index of the HF tensor in it); layers.weight_shard places it.
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
-from nanoserve.model.parallel import TensorParallel
+from nanoserve.model.communicator import TensorParallel
 
 # A collective waiting longer than this fails (a hung rank; a dead one is noticed at once). Start-up compiles
 # kernels on every rank at the same time, so the ranks never wait on each other for long.

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from nanoserve.kernels.attention import prefill_q_per_tile
-from nanoserve.kernels.metadata import AttentionMetadata
+from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.kernels.step_inputs import prepare_decode
 from nanoserve.runner import prompt_logprobs
 from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch
@@ -82,7 +82,7 @@ class TokenForward:
         meta = AttentionMetadata(
             is_prefill=True, slot_mapping=slot_mapping, context_lens=ctx, block_tables=self.state.block_tables,
             table_rows=slots, cu_seqlens_q=cu_q, max_seqlen_q=int(batch.query_lens.max()),
-            max_seqlen_k=int(a.context_lens.max()), has_cached_prefix=batch.has_cached_context,
+            has_cached_prefix=batch.has_cached_context,
             query_lens_host=batch.query_lens.tolist(), context_lens_host=a.context_lens.tolist(),
             work_seq=work_seq, work_start=work_start)
         return self.sample_logits(self._forward(ids, pos, tok_slots, meta), dev[9:], batch)

@@ -1,8 +1,8 @@
 """The start-up memory plan: how many KV blocks fit once weights, activations and graphs have their share.
 
 Measured, not estimated: a probe runs the largest eager step (a full token budget of prefill, then the
-sampler on max_num_seqs rows with every option on) and captures the largest decode graph, each over
-buffers of its own that are dropped afterwards; the peaks and the graph pool are subtracted from
+sampler on max_num_seqs rows with every option on) and captures the largest decode graph, over the runner's
+own buffers (runner/buffers.py) on a probe-sized cache, dropped afterwards; the peaks and the graph pool are subtracted from
 gpu_memory_utilization × total memory.
 """
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 from nanoserve.config import MAX_LOGPROBS, EngineConfig
 from nanoserve.kernels.paging import kv_slots
 from nanoserve.runner.batch import BlockUpdates, PrefillBatch, SamplingBatch
+from nanoserve.runner.buffers import StepBuffers
 from nanoserve.runner.cuda_graph import GraphRunner
-from nanoserve.runner.forward import DecodeForward, TokenForward
-from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker, TokenInputs
+from nanoserve.runner.forward import TokenForward
 from nanoserve.runner.kv_cache import KVCacheSpec
-from nanoserve.runner.sampler import Sampler, SamplingTensors
+from nanoserve.runner.sampler import SamplingTensors
 
 logger = logging.getLogger("nanoserve")
 
@@ -55,56 +55,49 @@ def plan_memory(model, config: EngineConfig, kv: KVCacheSpec) -> MemoryPlan:
 
 @torch.inference_mode()
 def _probe(model, config: EngineConfig, kv: KVCacheSpec) -> tuple[int, int]:
+    """(activation peak, graph pool + static buffers) in bytes, measured over the runner's own buffers
+    (StepBuffers, as ModelRunner wires them) on a cache of one full token budget."""
     device = config.torch_device
     budget = config.max_num_batched_tokens
     seq_len = min(config.max_model_len, budget)
     num_seqs = max(min(budget // seq_len, config.max_num_seqs), 1)
     per_seq = kv.blocks_for(seq_len)
-    num_blocks = num_seqs * per_seq
-    cache = kv.allocate(model, num_blocks, device)
-    state = PersistentState(config.max_num_seqs, kv.blocks_for(config.max_model_len), num_blocks, device)
+    buffers = StepBuffers.build(model, config, kv, num_seqs * per_seq, device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    _probe_prefill(model, state, num_seqs, seq_len, per_seq, device, kv.block_size)
-    _probe_sampler(config.max_num_seqs, model.vocab_size, config.torch_dtype, device, state)
+    _probe_prefill(buffers.token_forward, num_seqs, seq_len, per_seq, kv.block_size)
+    _probe_sampler(buffers, config.max_num_seqs, model.vocab_size, config.torch_dtype, device)
     torch.cuda.synchronize()
     activation = torch.cuda.max_memory_allocated() - base
-    graphs = _probe_graphs(model, config, state, num_blocks * kv.block_size)
+    graphs = _probe_graphs(buffers, config) + buffers.static_bytes()
     kv.release(model)
-    del cache, state
+    del buffers
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return activation, graphs
 
 
-def _probe_graphs(model, config: EngineConfig, state: PersistentState, dummy_kv_slot: int) -> int:
-    """Bytes the largest decode graph and the largest token-count graph hold (one pool), static buffers included."""
-    device, probes, held = config.torch_device, [], [state.block_tables]
-    largest = config.largest_capture_size
-    if largest is not None and config.cudagraph_capture_sizes:
-        inputs = DecodeInputs(config.max_num_seqs, state, dummy_kv_slot, device)
-        forward = DecodeForward(model, state, inputs)
+def _probe_graphs(buffers: StepBuffers, config: EngineConfig) -> int:
+    """Bytes of graph pool the largest decode graph and the largest token-count graph take (one pool)."""
+    probes = []
+    largest = config.cudagraph_capture_sizes.largest
+    if largest:
+        forward = buffers.decode_forward
         probes.append(GraphRunner(forward.captured, forward.prepare_padding))
         probes[-1].capture([largest])
-        held += [inputs.device_buf, forward.static_logits]
-    tokens = config.largest_prefill_graph
+    tokens = config.prefill_graph_sizes.largest
     if tokens:
-        inputs = TokenInputs(tokens, config.max_num_seqs, TokenForward.q_per_tile_of(model), state, dummy_kv_slot,
-                             device)
-        forward = TokenForward(model, state, StepPacker(device), inputs)
+        forward = buffers.token_forward
         # the decode probe stays alive meanwhile: a pool is freed with its last graph
         probes.append(GraphRunner(forward.captured, forward.prepare_padding, pool=probes[0].pool if probes else None))
         probes[-1].capture([tokens])
-        held += [inputs.device_buf, forward.static_hidden]
-    grown = sum(p.pool_bytes for p in probes)
-    return grown + sum(t.numel() * t.element_size() for t in held) if probes else 0
+    return sum(p.pool_bytes for p in probes)
 
 
-def _probe_prefill(model, state, num_seqs, seq_len, per_seq, device, block_size) -> None:
+def _probe_prefill(forward: TokenForward, num_seqs: int, seq_len: int, per_seq: int, block_size: int) -> None:
     """A full token budget of prefill in two chunks: the first fresh (flash varlen), the second over the cached
     first half (the paged kernel that chunked prefill, prefix hits and mixed steps use): both peak, both compiled."""
-    forward = TokenForward(model, state, StepPacker(device))
     slots = np.arange(num_seqs, dtype=np.int32)
     tables = np.arange(num_seqs * per_seq, dtype=np.int32).reshape(num_seqs, per_seq)
     half = max(seq_len // 2, 1)
@@ -120,7 +113,7 @@ def _probe_prefill(model, state, num_seqs, seq_len, per_seq, device, block_size)
         forward(batch)
 
 
-def _probe_sampler(rows: int, vocab: int, dtype: torch.dtype, device: torch.device, state: PersistentState) -> None:
+def _probe_sampler(buffers: StepBuffers, rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
     """The sampler's worst case: every row sampled with top-p / top-k and full logprobs."""
     logits = torch.randn(rows, vocab, dtype=dtype, device=device)
     n = np.full(rows, 1, np.float32)
@@ -129,4 +122,4 @@ def _probe_sampler(rows: int, vocab: int, dtype: torch.dtype, device: torch.devi
     params = SamplingTensors(*(torch.from_numpy(a).to(device) for a in
                                (batch.temperature, batch.top_p, batch.top_k, batch.min_p)))
     slots = torch.arange(rows, dtype=torch.int32, device=device)
-    Sampler(rows, device)(logits, batch, params, state.last_tokens, slots).result()
+    buffers.sampler(logits, batch, params, buffers.state.last_tokens, slots).result()

@@ -24,16 +24,15 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.kernels.paging import kv_slots
 from nanoserve.model.loader import load_model
-from nanoserve.model.parallel import TensorParallel
+from nanoserve.model.communicator import TensorParallel
 from nanoserve.runner import graph_setup
 from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch, SamplingBatch, disjoint_decode_batch
 from nanoserve.runner.bucket_plan import BatchDistribution
+from nanoserve.runner.buffers import StepBuffers
 from nanoserve.runner.cuda_graph import GraphRunner
-from nanoserve.runner.forward import DecodeForward, TokenForward
-from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker, TokenInputs
 from nanoserve.runner.kv_cache import KVCacheSpec
 from nanoserve.runner.memory import plan_memory
-from nanoserve.runner.sampler import SampleHandle, Sampler, SamplingTensors
+from nanoserve.runner.sampler import SampleHandle, SamplingTensors
 
 logger = logging.getLogger("nanoserve")
 
@@ -80,18 +79,10 @@ class ModelRunner:
                         config.block_size)
 
     def _allocate(self) -> None:
-        cfg, dev = self.config, self.device
-        self.kv_cache = self.kv.allocate(self.model, self.num_kv_blocks, dev)
-        self.dummy_block = self.num_kv_blocks  # the extra block at the end: padded decode rows write there
-        self.state = PersistentState(cfg.max_num_seqs, self.max_blocks_per_seq, self.dummy_block, dev)
-        self.decode_inputs = DecodeInputs(cfg.max_num_seqs, self.state, self.dummy_block * cfg.block_size, dev)
-        self.decode_forward = DecodeForward(self.model, self.state, self.decode_inputs)
-        tokens = self.config.largest_prefill_graph
-        token_inputs = TokenInputs(tokens, cfg.max_num_seqs, TokenForward.q_per_tile_of(self.model), self.state,
-                                   self.dummy_block * cfg.block_size, dev) if tokens else None
-        self.token_forward = TokenForward(self.model, self.state, StepPacker(dev), token_inputs,
-                                          logprob_chunk=cfg.max_num_seqs)
-        self.sampler = Sampler(cfg.max_num_seqs, dev, self.rng)
+        b = StepBuffers.build(self.model, self.config, self.kv, self.num_kv_blocks, self.device, self.rng)
+        self.kv_cache, self.dummy_block, self.state = b.kv_cache, b.dummy_block, b.state
+        self.decode_inputs, self.decode_forward, self.token_forward = b.decode_inputs, b.decode_forward, b.token_forward
+        self.sampler = b.sampler
         self._deferred = None  # execute(defer_sampling=True): (logits, sampling tensors, slots, prompt logprobs)
 
     @torch.inference_mode()
@@ -109,11 +100,11 @@ class ModelRunner:
         """Plan (for "auto"), capture, self-check; one log line."""
         cfg = self.config
         gr = GraphRunner(self.decode_forward.captured, self.decode_forward.prepare_padding)
-        sizes, probe_seconds = cfg.cudagraph_capture_sizes, 0.0
-        if sizes == "auto":
+        sizes, probe_seconds = list(cfg.cudagraph_capture_sizes.sizes), 0.0
+        if cfg.cudagraph_capture_sizes.planned:
             probes = graph_setup.probe_sizes(cfg.max_num_seqs)
             curve = graph_setup.measure_curve(gr, self._load_probe_batch, probes)
-            share = 0.5 if cfg.prefill_graph_sizes == "auto" else 1.0  # the token-count graphs plan in the rest
+            share = 0.5 if cfg.prefill_graph_sizes.planned else 1.0  # the token-count graphs plan in the rest
             budget_s, pool = share * cfg.cudagraph_capture_budget_s, share * cfg.cudagraph_pool_budget_mib * 2**20
             planned = graph_setup.plan(curve, cfg.max_num_seqs, cfg.cudagraph_plan, budget_s, pool) \
                 if self.tp.rank == 0 else []
@@ -137,17 +128,17 @@ class ModelRunner:
         cfg, fwd = self.config, self.token_forward
         pool = self.graph_runner.pool if self.graph_runner is not None else None
         gr = GraphRunner(fwd.captured, fwd.prepare_padding, pool=pool, record=self.device.type == "cuda")
-        sizes = cfg.prefill_graph_sizes
+        sizes, largest = list(cfg.prefill_graph_sizes.sizes), cfg.prefill_graph_sizes.largest
         load = lambda tokens: fwd.load(self._token_probe_batch(tokens), tokens)  # noqa: E731
-        if sizes == "auto":
-            probes = graph_setup.token_probe_sizes(self.config.largest_prefill_graph)
+        if cfg.prefill_graph_sizes.planned:
+            probes = graph_setup.token_probe_sizes(largest)
             self.token_curve = graph_setup.measure_curve(gr, load, probes)
             spent = self.graph_runner.capture_seconds if self.graph_runner is not None else 0.0
             pool_used = self.graph_runner.pool_bytes if self.graph_runner is not None else 0
-            planned = graph_setup.plan_tokens(self.token_curve, self.config.largest_prefill_graph,
+            planned = graph_setup.plan_tokens(self.token_curve, largest,
                                               cfg.cudagraph_capture_budget_s - spent,
                                               cfg.cudagraph_pool_budget_mib * 2**20 - pool_used)
-            sizes = self.tp.broadcast_ints(planned if self.tp.rank == 0 else [], self.config.largest_prefill_graph)
+            sizes = self.tp.broadcast_ints(planned if self.tp.rank == 0 else [], largest)
             gr.drop(set(probes) - set(sizes))
         gr.capture(sizes, cfg.show_progress)
         self.token_graphs = gr

@@ -31,7 +31,7 @@ from nanoserve.engine.core_process import freeze_heap
 from nanoserve.engine.preflight import check_engine_config
 from nanoserve.errors import RequestError
 from nanoserve.hub import resolve_config
-from nanoserve.model.loader import load_tokenizer
+from nanoserve.model_files import load_tokenizer
 from nanoserve.server.client import EngineClient
 from nanoserve.server.handlers import ClientGone, OpenAIServer, json_response
 from nanoserve.server.logprobs import TokenTexts

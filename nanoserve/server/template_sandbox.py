@@ -105,7 +105,7 @@ def _serve(conn, tokenizer_path: str, max_chars: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the server's drain may still render; it is killed at close
     try:
-        from nanoserve.model.loader import load_tokenizer
+        from nanoserve.model_files import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer_path)
     except Exception as e:

@@ -254,11 +254,9 @@ def test_full_waiting_queue_is_refused(tiny_model_dirs):
 
 
 # ---------------------------------------------------------------------------------------- GPU
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_gpu_greedy_matches_transformers(arch, tiny_model_dirs):
     """float32 on CUDA with graphs: tokens identical to transformers; bf16: last-token logits within tolerance."""

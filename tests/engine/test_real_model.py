@@ -55,7 +55,6 @@ def test_greedy_tokens_equal_transformers(smollm2_gguf, smollm2_reference):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graphs_fp32_equal_transformers_and_bf16_agreement(smollm2_gguf, smollm2_reference):
     model, tokenizer = smollm2_reference
     prompts = prompt_ids(tokenizer)

@@ -201,7 +201,7 @@ def test_sampler_masks_only_the_grammar_rows_and_the_padding(tiny_model_dirs):
     from nanoserve.engine.batching import sampling_batch
     from nanoserve.engine.grammar import Grammars
     from nanoserve.engine.sequence import Sequence
-    from nanoserve.model.loader import load_tokenizer
+    from nanoserve.model_files import load_tokenizer
     from nanoserve.runner.sampler import Sampler, SamplingTensors
 
     tok = load_tokenizer(tiny_model_dirs["qwen3"])
@@ -233,7 +233,6 @@ def test_sampler_masks_only_the_grammar_rows_and_the_padding(tiny_model_dirs):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_graph_replays_mask_and_keep_the_synchronous_tokens(tiny_model_dirs):
     """CUDA graphs, the pinned bitmask copied without blocking and xgrammar's Triton kernel: the outputs fit, and
     the split launch gives the synchronous loop's tokens."""

@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 from nanoserve.kernels import attention as tk  # noqa: E402
 from nanoserve.kernels import reference as torch_ref  # noqa: E402
 from nanoserve.kernels._triton import num_sms  # noqa: E402
-from nanoserve.kernels.metadata import AttentionMetadata  # noqa: E402
+from nanoserve.model.attention_metadata import AttentionMetadata  # noqa: E402
 from nanoserve.kernels.switches import switched  # noqa: E402
 
 if not torch.cuda.is_available() and type(tk._decode_kernel).__name__ != "InterpretedFunction":
@@ -26,7 +26,6 @@ if not torch.cuda.is_available() and type(tk._decode_kernel).__name__ != "Interp
                 allow_module_level=True)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
@@ -94,12 +93,10 @@ def prefill_case(cached_lens, query_lens, num_heads, num_kv_heads, head_dim, blo
     v = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     slots = [s for i, (c, n) in enumerate(zip(cached_lens, query_lens)) for s in batch.slots(i, range(c, c + n))]
     cu_q = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    cu_k = torch.tensor([0] + context_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     meta = AttentionMetadata(
         is_prefill=True, slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
         context_lens=batch.context_lens, block_tables=batch.block_tables,
-        cu_seqlens_q=cu_q.to(DEVICE), cu_seqlens_k=cu_k.to(DEVICE),
-        max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens),
+        cu_seqlens_q=cu_q.to(DEVICE), max_seqlen_q=max(query_lens),
         has_cached_prefix=any(c > 0 for c in cached_lens),
         query_lens_host=list(query_lens), context_lens_host=context_lens)
     tk.store_kv(k, v, batch.k_cache, batch.v_cache, meta.slot_mapping)
@@ -297,7 +294,6 @@ def test_pdl_path_in_the_interpreter():
 # --------------------------------------------------------------------------------------------- GPU, realistic sizes
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (32, 8), (32, 32)])
 @pytest.mark.parametrize("max_context", [600, 5000])
@@ -308,7 +304,6 @@ def test_gpu_decode_realistic(num_heads, num_kv_heads, max_context):
     assert_close(out, ref, torch.bfloat16)
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gpu_decode_dtypes(dtype):
@@ -316,7 +311,6 @@ def test_gpu_decode_dtypes(dtype):
     assert_close(out, ref, dtype)
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True])
 def test_gpu_decode_in_cuda_graph(pdl):
@@ -362,7 +356,6 @@ def test_gpu_decode_in_cuda_graph(pdl):
     assert_close(out, ref, torch.bfloat16)
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -378,7 +371,6 @@ def test_gpu_prefill_realistic(cached, dtype):
         assert_close(paged, ref, dtype)
 
 
-@gpu
 @pytest.mark.gpu
 def test_gpu_store_kv_realistic():
     num_tokens, num_kv_heads, head_dim = 3000, 8, 128

@@ -24,7 +24,7 @@ from triton.runtime.jit import JITFunction
 
 from nanoserve.kernels import attention, fused, gemv, rotary_kv
 from nanoserve.kernels.gemv import GemvConfig
-from nanoserve.kernels.metadata import AttentionMetadata
+from nanoserve.model.attention_metadata import AttentionMetadata
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
           torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
@@ -97,7 +97,7 @@ q8o, s8o = fp8.quantize(torch.randn(1024, 2048))
 gemv.attention_out_linear(parts, q8o, weight_scale=s8o, force_triton=True)
 cu = torch.arange(4, dtype=torch.int32)
 meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, context_lens=lens, block_tables=tables, cu_seqlens_q=cu,
-                         cu_seqlens_k=cu, max_seqlen_q=1, max_seqlen_k=500, has_cached_prefix=True)
+                         max_seqlen_q=1, has_cached_prefix=True)
 attention.paged_prefill_attention(torch.randn(3, 16, 128, dtype=bf), kc, vc, meta, 0.1)
 print("all compiled")
 '''

@@ -198,13 +198,12 @@ def test_fp8_pdl_path_in_the_interpreter():
 
 
 # -- GPU: real shapes, _scaled_mm, CUDA graphs -------------------------------------------------------------------
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and triton")
 REAL_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), (4096, 14336),
                (960, 576), (3072, 576), (576, 1536)]
 
 
 @pytest.mark.gpu
-@needs_gpu
+@needs_triton
 @pytest.mark.parametrize("n,k", REAL_SHAPES)
 @pytest.mark.parametrize("m", [1, 5, 32, 64])
 def test_gpu_fp8_real_shapes_table_variant(m, n, k):
@@ -216,7 +215,7 @@ def test_gpu_fp8_real_shapes_table_variant(m, n, k):
 
 
 @pytest.mark.gpu
-@needs_gpu
+@needs_triton
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("m", [1, 4, 32])
 def test_gpu_fp8_fused_paths(m, pdl):
@@ -227,7 +226,7 @@ def test_gpu_fp8_fused_paths(m, pdl):
 
 
 @pytest.mark.gpu
-@needs_gpu
+@needs_triton
 @pytest.mark.parametrize("m", [65, 512, 1000])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gpu_scaled_mm_and_dequant_agree_with_the_reference(m, bias):
@@ -246,7 +245,7 @@ def test_gpu_scaled_mm_and_dequant_agree_with_the_reference(m, bias):
 
 
 @pytest.mark.gpu
-@needs_gpu
+@needs_triton
 @pytest.mark.parametrize("pdl", [False, True])
 def test_gpu_fp8_cuda_graph_replays_a_chain(pdl):
     """fp8 products (split-K included) chained in one graph, replayed with new inputs."""

@@ -341,13 +341,12 @@ def test_pdl_path_in_the_interpreter():
 
 
 # -- GPU: real shapes, PDL, CUDA graphs ------------------------------------------------------------------
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and triton")
 REAL_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), (4096, 14336),
                (960, 576), (3072, 576), (576, 1536)]
 
 
 @pytest.mark.gpu
-@needs_gpu
+@needs_triton
 @pytest.mark.parametrize("n,k", REAL_SHAPES)
 @pytest.mark.parametrize("m", [1, 5, 32, 64])
 def test_gpu_real_shapes_table_and_split_variants(m, n, k):
@@ -360,7 +359,7 @@ def test_gpu_real_shapes_table_and_split_variants(m, n, k):
 
 
 @pytest.mark.gpu
-@needs_gpu
+@needs_triton
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("m", [1, 4, 32])
 def test_gpu_fused_paths_real_shapes(m, pdl):
@@ -394,7 +393,7 @@ def check_merge_real(m):
 
 
 @pytest.mark.gpu
-@needs_gpu
+@needs_triton
 def test_gpu_auto_rule():
     x, w, b = make(1, 4096, 1024, torch.bfloat16, True)  # 8 MiB of weight, one row
     assert gemv.kernel_applies(x, w, b) and gemv.choose(1, 4096, 1024, 2)[1]
@@ -409,7 +408,7 @@ def test_gpu_auto_rule():
 
 
 @pytest.mark.gpu
-@needs_gpu
+@needs_triton
 @pytest.mark.parametrize("fresh_counters", [False, True])
 @pytest.mark.parametrize("pdl", [False, True])
 def test_gpu_cuda_graph_replays_a_chain(fresh_counters, pdl, monkeypatch):

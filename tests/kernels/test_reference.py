@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanoserve.kernels import reference as torch_ref
-from nanoserve.kernels.metadata import AttentionMetadata
+from nanoserve.model.attention_metadata import AttentionMetadata
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float) -> torch.Tensor:
@@ -62,8 +62,7 @@ def prefill_meta(paged: Paged, cached_lens: list[int]) -> AttentionMetadata:
     return AttentionMetadata(
         is_prefill=True, slot_mapping=slots, context_lens=paged.context_lens, block_tables=paged.block_tables,
         cu_seqlens_q=torch.tensor([0] + query_lens).cumsum(0).int(),
-        cu_seqlens_k=torch.tensor([0] + context_lens).cumsum(0).int(),
-        max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens), has_cached_prefix=any(cached_lens),
+        max_seqlen_q=max(query_lens), has_cached_prefix=any(cached_lens),
         query_lens_host=query_lens, context_lens_host=context_lens)
 
 

@@ -14,8 +14,8 @@ import torch
 from gguf_files import F32, quantizable_types, quantized_copy, write_gguf
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.model.loader import (ModelLoadError, eos_token_ids, load_hf_config, load_model, load_tokenizer,
-                                    model_max_len)
+from nanoserve.model.loader import load_model
+from nanoserve.model_files import ModelLoadError, eos_token_ids, load_hf_config, load_tokenizer, model_max_len
 from nanoserve.tiny import make_tiny_model
 
 CPU = torch.device("cpu")
@@ -98,7 +98,6 @@ def test_gguf_loads_to_the_serving_dtype(tiny_pairs):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gguf_loads_straight_to_the_gpu(tiny_pairs):
     folder, file = tiny_pairs["qwen2"]
     cuda = torch.device("cuda")

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanoserve.model.loader import (ModelLoadError, eos_token_ids, load_hf_config, load_model, load_tokenizer,
-                                    model_max_len)
+from nanoserve.model.loader import load_model
+from nanoserve.model_files import ModelLoadError, eos_token_ids, load_hf_config, load_tokenizer, model_max_len
 
 CPU = torch.device("cpu")
 
@@ -257,7 +257,6 @@ def test_model_max_len(tiny_model_dirs):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_load_to_gpu(tiny_model_dirs):
     from nanoserve.kernels.attention import select_backend
 

@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 from test_llama import TOL, PagedKV, decode_batch, prefill_batch, random_seqs
 
 from nanoserve.model import loader
-from nanoserve.model.loader import load_hf_config, load_model
-from nanoserve.model.parallel import TensorParallel, check_sharding, kv_head_split
+from nanoserve.model.loader import load_model
+from nanoserve.model_files import ModelLoadError, load_hf_config
+from nanoserve.model.communicator import TensorParallel, check_sharding, kv_head_split
 from nanoserve.tiny import make_tiny_model
 
 
@@ -178,5 +179,5 @@ def test_sharding_errors_name_the_dimension(spec_, size, message):
 
 
 def test_a_model_the_ranks_cannot_share_is_a_load_error(tiny_model_dirs):
-    with pytest.raises(loader.ModelLoadError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
+    with pytest.raises(ModelLoadError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
         load(tiny_model_dirs["llama"], TensorParallel(0, 3, group=object()))

@@ -13,7 +13,8 @@ from nanoserve.config import EngineConfig
 from nanoserve.kernels import fp8
 from nanoserve.model.layers import Linear
 from nanoserve.model.llama import LlamaForCausalLM
-from nanoserve.model.loader import ModelLoadError, load_hf_config, load_model
+from nanoserve.model.loader import load_model
+from nanoserve.model_files import ModelLoadError, load_hf_config
 from tests.model.test_llama import PagedKV, _to, decode_batch, prefill_batch, random_seqs
 
 CPU = torch.device("cpu")
@@ -147,11 +148,9 @@ def test_fp8_tiny_models_greedy_tokens_agree_with_bf16(tiny_model_dirs):
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @torch.inference_mode()
 def test_gpu_fp8_decode_replays_in_cuda_graph(arch, tiny_model_dirs):
@@ -187,7 +186,6 @@ def test_gpu_fp8_decode_replays_in_cuda_graph(arch, tiny_model_dirs):
 
 
 @pytest.mark.gpu
-@gpu
 @torch.inference_mode()
 def test_gpu_fp8_logits_and_greedy_tokens_near_bf16(tiny_model_dirs):
     device = torch.device("cuda")

@@ -5,11 +5,10 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, GraphSizes
 from nanoserve.runner.bucket_plan import BatchDistribution
 from nanoserve.runner.graph_setup import GraphCheckError, probe_sizes, self_check
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def test_capture_size_modes_are_validated():
@@ -21,7 +20,11 @@ def test_capture_size_modes_are_validated():
     with pytest.raises(ValueError, match="cudagraph_capture_budget_s"):
         EngineConfig("m", cudagraph_capture_budget_s=0)
     resolved = EngineConfig("m", max_num_seqs=20, cudagraph_capture_sizes="pow2", device="cpu").resolve(512, None)
-    assert resolved.cudagraph_capture_sizes == [] and resolved.largest_capture_size is None  # CPU: no graphs
+    assert not resolved.cudagraph_capture_sizes and resolved.cudagraph_capture_sizes.largest == 0  # CPU: no graphs
+    # on a GPU: resolve() makes every mode concrete (the decode forward's part; the device is the caller's)
+    config = EngineConfig("m", max_num_seqs=20, cudagraph_capture_sizes="pow2")
+    assert config._decode_graphs() == GraphSizes((1, 2, 4, 8, 16, 20), False, 20)
+    assert EngineConfig("m", max_num_seqs=20)._decode_graphs() == GraphSizes((), True, 20)  # "auto": planned
 
 
 def test_probe_sizes_end_with_max_num_seqs():
@@ -45,7 +48,6 @@ def _tiny_gpu_llm(path, **kw):
 
 
 @pytest.mark.gpu
-@gpu
 def test_auto_plan_captures_within_budget_and_checks_every_size(tiny_model_dirs, tmp_path):
     llm = _tiny_gpu_llm(tiny_model_dirs["qwen3"], cudagraph_capture_budget_s=5.0)
     runner = llm.engine.core.runner
@@ -57,7 +59,6 @@ def test_auto_plan_captures_within_budget_and_checks_every_size(tiny_model_dirs,
 
 
 @pytest.mark.gpu
-@gpu
 def test_self_check_catches_a_replaced_static_buffer(tiny_model_dirs):
     llm = _tiny_gpu_llm(tiny_model_dirs["llama"], cudagraph_capture_sizes=[1, 4, 32])
     runner = llm.engine.core.runner
@@ -72,7 +73,6 @@ def test_self_check_catches_a_replaced_static_buffer(tiny_model_dirs):
 
 
 @pytest.mark.gpu
-@gpu
 def test_token_graph_self_check_catches_a_replaced_static_buffer(tiny_model_dirs):
     llm = _tiny_gpu_llm(tiny_model_dirs["qwen3"], prefill_graph_sizes=[16, 64, 256], dtype="bfloat16")
     runner = llm.engine.core.runner

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import PREFILL_GRAPH_MAX_TOKENS, EngineConfig
+from nanoserve.config import PREFILL_GRAPH_MAX_TOKENS, EngineConfig, GraphSizes
 from nanoserve.kernels.attention import prefill_work_capacity
 from nanoserve.runner.batch import BlockUpdates, PrefillBatch
 from nanoserve.runner.bucket_plan import StepCurve
@@ -69,11 +69,14 @@ def test_prefill_graph_sizes_config():
     with pytest.raises(ValueError, match="exceed max_num_batched_tokens"):
         EngineConfig("m", device="cpu", prefill_graph_sizes=[64], max_num_batched_tokens=32).resolve(4096, None)
     cpu = EngineConfig("m", device="cpu").resolve(4096, None)
-    assert cpu.prefill_graph_sizes == [] and cpu.largest_prefill_graph == 0  # "auto" needs CUDA
+    assert cpu.prefill_graph_sizes == GraphSizes() and not cpu.prefill_graph_sizes  # "auto" needs CUDA
     twin = EngineConfig("m", device="cpu", prefill_graph_sizes=[8, 16]).resolve(4096, None)
-    assert twin.largest_prefill_graph == 16
-    assert EngineConfig("m", prefill_graph_sizes="auto", max_num_batched_tokens=512).largest_prefill_graph == 512
-    assert EngineConfig("m").largest_prefill_graph == PREFILL_GRAPH_MAX_TOKENS
+    assert twin.prefill_graph_sizes == GraphSizes((8, 16), False, 16)
+    assert twin.resolve(4096, None) == twin  # a resolved config resolves to itself
+    # "auto" on a GPU (the token-count part of resolve()): planned, up to the budget, 2048 tokens, max_num_seqs rows
+    assert EngineConfig("m")._token_graphs(True, 512, 4096) == GraphSizes((), True, 512)
+    assert EngineConfig("m")._token_graphs(True, 8192, 4096) == GraphSizes((), True, PREFILL_GRAPH_MAX_TOKENS)
+    assert EngineConfig("m", max_num_seqs=2)._token_graphs(True, 8192, 100) == GraphSizes((), True, 200)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -125,13 +128,11 @@ def test_preemption_mid_prefill_through_the_graph_path(tiny_model_dirs):
 
 
 # ---------------------------------------------------------------------------------------- GPU
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GPU_OPTIONS = dict(device="cuda", max_model_len=512, max_num_seqs=16, num_kv_blocks=1024, max_num_batched_tokens=64,
                    show_progress=False)
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_graphed_prompt_steps_equal_eager_ones(arch, tiny_model_dirs):
     """fp32 (both paths attend through the paged kernel): the same greedy tokens with the token-count graphs as
@@ -150,7 +151,6 @@ def test_graphed_prompt_steps_equal_eager_ones(arch, tiny_model_dirs):
 
 
 @pytest.mark.gpu
-@gpu
 def test_auto_token_sizes_are_planned_and_checked(tiny_model_dirs):
     llm = LLM(str(tiny_model_dirs["qwen3"]), dtype="bfloat16", **dict(GPU_OPTIONS, max_num_batched_tokens=512))
     sizes = llm.engine.core.runner.token_graphs.capture_sizes

@@ -57,7 +57,7 @@ def test_run_load_keeps_to_the_concurrency_and_the_arrivals(live, model_dir, api
 
 
 def test_bench_serve_on_a_sharegpt_file(live, model_dir, api_key, tmp_path, capsys):
-    from nanoserve.model import load_tokenizer
+    from nanoserve.model_files import load_tokenizer
 
     data = [{"conversations": [{"from": "human", "value": f"Question {i}?"},
                                {"from": "gpt", "value": "An answer " * (i + 1)}]} for i in range(3)]

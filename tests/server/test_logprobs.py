@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanoserve.model.loader import load_tokenizer
+from nanoserve.model_files import load_tokenizer
 from nanoserve.server.logprobs import TokenTexts
 
 TEXTS = ["héllo wörld", "日本語のテキスト", "emoji 🤖🚀 and ✓", "plain ascii, with punctuation!", "<|im_end|> special"]

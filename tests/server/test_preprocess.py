@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from nanoserve.model.loader import load_tokenizer
+from nanoserve.model_files import load_tokenizer
 from nanoserve.server.preprocess import Preprocessor, chars_per_token_bound
 from nanoserve.errors import RequestError
 from nanoserve.server.protocol import APIError

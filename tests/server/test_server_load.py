@@ -168,7 +168,6 @@ def test_idle_core_process_sleeps(live):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_server_decodes_by_graph_replay(model_dir, serve_app):
     """On a GPU the server's decode steps replay CUDA graphs; /metrics shows it (and the padded rows)."""
     app = build_app(model_dir, device="cuda", max_num_seqs=8, max_model_len=256, show_progress=False,

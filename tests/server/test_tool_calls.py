@@ -126,7 +126,7 @@ def test_tools_and_tool_history_reach_a_qwen_template(live, monkeypatch):
 
 
 def test_tool_history_renders_in_smollm2_template_with_tools(smollm2_gguf):
-    from nanoserve.model.loader import load_tokenizer
+    from nanoserve.model_files import load_tokenizer
     from nanoserve.server.protocol import ChatCompletionRequest
 
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": HISTORY, "tools": [WEATHER]})

@@ -2,7 +2,7 @@
 call) renders in a real template that concatenates message['content'] (SmolLM2's), as "" does."""
 from __future__ import annotations
 
-from nanoserve.model.loader import load_tokenizer
+from nanoserve.model_files import load_tokenizer
 from nanoserve.server.protocol import ChatCompletionRequest
 
 

@@ -1,4 +1,5 @@
-"""Tensor parallelism, Megatron-style: each rank's communicator and the sharded layers.
+"""Tensor parallelism's communicator: this rank's place in the group, the collectives over it, and how the
+ranks share a dimension (Megatron-style: see the sharded layers in model/layers.py).
 
 Every rank holds a slice of each matrix. qkv and gate_up are split by output rows (column-parallel: no
 communication); o_proj and down_proj by input columns (row-parallel: each rank's product is a partial sum,
@@ -6,10 +7,7 @@ and one all-reduce gives every rank the full row that the next GEMV's fused norm
 embedding is split over the vocabulary (a masked lookup + all-reduce), so is the lm_head (logits are
 all-gathered, every rank samples from the full row). KV heads follow the query heads that read them: split
 when there are at least as many as ranks, each replicated on the ranks of its query group otherwise.
-
-Layers tell the loader which part of a Hugging Face tensor this rank holds (`weight_shard`), so a rank
-reads only its slices of the safetensors files. With one rank every collective is the identity and every
-slice the whole tensor: the same layers serve tensor_parallel_size=1.
+With one rank every collective is the identity: the same layers serve tensor_parallel_size=1.
 """
 from __future__ import annotations
 
@@ -18,10 +16,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-import torch.nn.functional as F
-from torch import nn
-
-from nanoserve.model.layers import Linear
 
 
 class TensorParallel:
@@ -147,82 +141,4 @@ def check_sharding(spec, size: int) -> None:
     divides("vocab_size", spec.vocab_size)
 
 
-@dataclass(frozen=True)
-class WeightShard:
-    """Where one Hugging Face tensor goes on this rank: hf[src] → param rows dst_rows (None: the whole param)."""
-
-    hf_shape: tuple[int, ...]  # the checkpoint tensor's full shape
-    src: tuple[slice, ...] | None  # this rank's part of it; None: all of it
-    dst_rows: tuple[int, int] | None = None  # rows of a merged parameter (qkv, gate_up)
-    zeros: bool = False  # a row-parallel bias off rank 0: zeros, so the all-reduce adds rank 0's bias once
-
-
-class ColumnParallelLinear(Linear):
-    """Output rows split over the ranks. `parts` are the stacked HF tensors (q, k, v or gate, up; one for an
-    lm_head), each split on its own, so this rank's weight is [q slice; k slice; v slice]."""
-
-    def __init__(self, in_features: int, parts: list[Split], bias: bool, dtype: torch.dtype) -> None:
-        super().__init__(in_features, sum(p.size for p in parts), bias=bias, dtype=dtype)
-        self.parts = tuple(parts)
-
-    def weight_shard(self, leaf: str, index: int | None) -> WeightShard:
-        i = index or 0
-        part, offset = self.parts[i], sum(p.size for p in self.parts[:i])
-        shape = (part.full, self.in_features) if leaf == "weight" else (part.full,)
-        dst = None if len(self.parts) == 1 else (offset, offset + part.size)
-        return WeightShard(shape, (slice(part.start, part.stop),), dst)
-
-
-class RowParallelLinear(Linear):
-    """Input columns split over the ranks; the caller all-reduces the partial products. Only rank 0 holds the
-    bias, so it is added once and the GEMV still adds it in its epilogue."""
-
-    def __init__(self, columns: Split, out_features: int, bias: bool, dtype: torch.dtype, holds_bias: bool) -> None:
-        super().__init__(columns.size, out_features, bias=bias, dtype=dtype)
-        self.columns, self.holds_bias = columns, holds_bias
-
-    def weight_shard(self, leaf: str, index: int | None) -> WeightShard:
-        c = self.columns
-        if leaf == "weight":
-            return WeightShard((self.out_features, c.full), (slice(None), slice(c.start, c.stop)))
-        return WeightShard((self.out_features,), None, zeros=not self.holds_bias)
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Rows [start, stop) of the embedding; a token outside them looks up zeros, and the all-reduce fills in
-    the rank that holds it. Its weight doubles as the tied lm_head's slice of the vocabulary."""
-
-    def __init__(self, vocab: Split, hidden_size: int, dtype: torch.dtype, tp: TensorParallel) -> None:
-        super().__init__()
-        self.vocab, self.tp = vocab, tp
-        self.weight = nn.Parameter(torch.empty(vocab.size, hidden_size, dtype=dtype), requires_grad=False)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
-        local = input_ids - self.vocab.start
-        outside = (local < 0) | (local >= self.vocab.size)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
-
-    def weight_shard(self, leaf: str, index: int | None) -> WeightShard:
-        return WeightShard((self.vocab.full, self.weight.shape[1]), (slice(self.vocab.start, self.vocab.stop),))
-
-    def extra_repr(self) -> str:
-        return f"rows {self.vocab.start}..{self.vocab.stop} of {self.vocab.full}, {self.weight.shape[1]}"
-
-
-_SHARDED = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
-
-
-def weight_shard(model: nn.Module, name: str, index: int | None) -> WeightShard:
-    """The shard of parameter `name` (HF tensor `index` of a merged one) that this rank loads."""
-    module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    if isinstance(module, _SHARDED) and leaf in ("weight", "bias"):
-        return module.weight_shard(leaf, index)
-    return WeightShard(tuple(getattr(module, leaf).shape), None)  # replicated: norms
-
-
-__all__ = ["TensorParallel", "Split", "WeightShard", "ColumnParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "kv_head_split", "check_sharding", "weight_shard"]
+__all__ = ["TensorParallel", "Split", "kv_head_split", "check_sharding"]

@@ -1,0 +1,103 @@
+"""What both weight readers share (safetensors in model/loader.py, GGUF in model/gguf.py): Hugging Face tensor
+names ↔ our parameters, and writing this rank's part of each tensor into them.
+
+Our parameters follow HF's names except the merged ones (qkv_proj, gate_up_proj: `packed_modules` of the
+model); a merged parameter is filled shard by shard in a buffer and set once every part is in.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanoserve.model.layers import WeightShard, weight_shard
+from nanoserve.model_files import ModelLoadError
+
+# Tensors some checkpoints carry that hold nothing the model needs.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def target(model, hf_name: str) -> tuple[str, int | None] | None:
+    """HF tensor name → (our parameter, index of the HF tensor inside a merged weight or None); None to skip it."""
+    if hf_name.endswith(_IGNORED_SUFFIXES):
+        return None
+    if hf_name == "lm_head.weight" and model.spec.tie_word_embeddings:
+        return None  # tied: the embedding is the output projection
+    parts = hf_name.split(".")
+    if len(parts) >= 2 and parts[-2] in model.packed_modules:
+        merged, index = model.packed_modules[parts[-2]]
+        return ".".join(parts[:-2] + [merged, parts[-1]]), index
+    return hf_name, None
+
+
+def hf_names(model, params: dict[str, nn.Parameter]) -> list[str]:
+    """The HF tensor names a complete checkpoint must contain for these parameters."""
+    unpacked: dict[str, list[str]] = {}
+    for hf_module, (merged, shard) in model.packed_modules.items():
+        unpacked.setdefault(merged, []).insert(shard, hf_module)
+    names = []
+    for name in params:
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in unpacked:
+            names += [".".join(parts[:-2] + [m, parts[-1]]) for m in unpacked[parts[-2]]]
+        else:
+            names.append(name)
+    return names
+
+
+def set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+
+
+class ParamWriter:
+    """Writes one checkpoint's tensors into `model`'s parameters (on `device`, in `dtype`): finds each HF tensor's
+    parameter and this rank's shard of it, checks the shape, and fills merged parameters part by part."""
+
+    def __init__(self, model, dtype: torch.dtype, device: torch.device):
+        self.model, self.dtype, self.device = model, dtype, device
+        self.params = dict(model.named_parameters())
+        self.expected = hf_names(model, self.params)
+        self.loaded: set[str] = set()
+        self._packed: dict[str, torch.Tensor] = {}  # merged params being filled shard by shard
+
+    def shard(self, hf_name: str, file_name: str, shape: tuple[int, ...]) -> tuple[str, WeightShard] | None:
+        """(our parameter, this rank's shard) of an HF tensor of `shape`; None for a tensor the model skips."""
+        found = target(self.model, hf_name)
+        if found is None:
+            return None
+        name, index = found
+        if name not in self.params:
+            raise ModelLoadError(f"unexpected tensor {hf_name!r} in {file_name}: the "
+                                 f"{self.model.spec.architecture} model has no such weight")
+        shard = weight_shard(self.model, name, index)
+        if tuple(shape) != shard.hf_shape:
+            raise ModelLoadError(f"tensor {hf_name!r} in {file_name} has shape {tuple(shape)}, "
+                                 f"but the model expects {shard.hf_shape}")
+        return name, shard
+
+    def zeros(self, name: str) -> torch.Tensor:
+        return torch.zeros(self.params[name].shape, dtype=self.dtype, device=self.device)
+
+    def put(self, hf_name: str, name: str, shard: WeightShard, tensor: torch.Tensor) -> None:
+        """This rank's part of HF tensor `hf_name` (on the device, in dtype) into parameter `name`."""
+        rows = shard.dst_rows
+        if rows is None:
+            set_param(self.model, name, tensor)
+        else:
+            if name not in self._packed:
+                self._packed[name] = torch.empty(self.params[name].shape, dtype=self.dtype, device=self.device)
+            self._packed[name][rows[0]:rows[1]].copy_(tensor)
+        self.loaded.add(hf_name)
+
+    def finish(self, source) -> None:
+        """Refuse a checkpoint that lacks a tensor (naming the first); then set the merged parameters."""
+        missing = [n for n in self.expected if n not in self.loaded]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ModelLoadError(f"missing tensor {missing[0]!r}{more} in {source}")
+        for name, tensor in self._packed.items():
+            set_param(self.model, name, tensor)
+
+
+__all__ = ["ParamWriter", "hf_names", "set_param", "target"]

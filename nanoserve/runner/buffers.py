@@ -1,0 +1,55 @@
+"""The buffers a step runs over, wired in one place: the KV cache, the persistent per-slot state, the decode and
+token forwards over their static inputs, the sampler.
+
+ModelRunner holds one set for its life; the start-up memory probe (runner/memory.py) builds the same set over a
+probe-sized cache, measures what the steps and graphs add on top, and drops it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.config import EngineConfig
+from nanoserve.runner.forward import DecodeForward, TokenForward
+from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker, TokenInputs
+from nanoserve.runner.kv_cache import KVCacheSpec
+from nanoserve.runner.sampler import Sampler
+
+
+@dataclass
+class StepBuffers:
+    kv_cache: torch.Tensor
+    dummy_block: int  # the extra block at the end of the cache: padded decode rows write there
+    state: PersistentState
+    decode_inputs: DecodeInputs
+    decode_forward: DecodeForward
+    token_forward: TokenForward  # over static TokenInputs when the config has token-count graphs
+    sampler: Sampler
+
+    @classmethod
+    def build(cls, model, config: EngineConfig, kv: KVCacheSpec, num_kv_blocks: int, device: torch.device,
+              rng: torch.Generator | None = None) -> "StepBuffers":
+        """rng: the sampler's noise for unseeded rows (None: torch's default RNG)."""
+        kv_cache = kv.allocate(model, num_kv_blocks, device)
+        dummy_block = num_kv_blocks
+        dummy_kv_slot = dummy_block * config.block_size
+        state = PersistentState(config.max_num_seqs, kv.blocks_for(config.max_model_len), dummy_block, device)
+        decode_inputs = DecodeInputs(config.max_num_seqs, state, dummy_kv_slot, device)
+        tokens = config.prefill_graph_sizes.largest
+        token_inputs = TokenInputs(tokens, config.max_num_seqs, TokenForward.q_per_tile_of(model), state,
+                                   dummy_kv_slot, device) if tokens else None
+        token_forward = TokenForward(model, state, StepPacker(device), token_inputs,
+                                     logprob_chunk=config.max_num_seqs)
+        return cls(kv_cache, dummy_block, state, decode_inputs, DecodeForward(model, state, decode_inputs),
+                   token_forward, Sampler(config.max_num_seqs, device, rng))
+
+    def static_bytes(self) -> int:
+        """Device bytes of the static buffers besides the KV cache (block tables, the forwards' inputs and outputs)."""
+        tensors = [self.state.block_tables, self.decode_inputs.device_buf, self.decode_forward.static_logits]
+        if self.token_forward.inputs is not None:
+            tensors += [self.token_forward.inputs.device_buf, self.token_forward.static_hidden]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+__all__ = ["StepBuffers"]

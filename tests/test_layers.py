@@ -33,20 +33,15 @@ import nanoserve
 PACKAGE = Path(nanoserve.__file__).parent
 
 LAYERS = [  # top first
-    ("top", ("nanoserve.cli", "nanoserve.__main__", "nanoserve.server", "nanoserve.llm", "nanoserve.bench",
-             "nanoserve.bench_graphs")),
+    ("top", ("nanoserve.cli", "nanoserve.__main__", "nanoserve.server", "nanoserve.llm", "nanoserve.bench")),
     ("engine", ("nanoserve.engine",)),
     ("runner", ("nanoserve.runner",)),
     ("model", ("nanoserve.model",)),
     ("kernels", ("nanoserve.kernels",)),
     ("ground", ("nanoserve", "nanoserve.config", "nanoserve.sampling", "nanoserve.model_files", "nanoserve.hub",
-                "nanoserve.tiny")),
+                "nanoserve.tiny", "nanoserve.errors")),
 ]
 WIRE_MODULE = "nanoserve.engine.messages"
-# Known, temporary: the core process's own messages (AddRequests, CoreReady, ...) still live in
-# engine/core_process.py, so server/client.py imports them from there. Item 4 of issue 19 (branch `front`)
-# moves them into engine/messages.py; the test fails once this entry is stale: delete it then.
-KNOWN_WIRE_EXCEPTIONS = {"nanoserve.engine.core_process"}
 
 
 def _modules() -> dict[str, Path]:
@@ -123,15 +118,12 @@ def test_no_import_circles():
 
 def test_wire_messages_live_in_one_module():
     defined = {m for m, p in MODULES.items() if _defines_struct(p)}
-    assert defined - KNOWN_WIRE_EXCEPTIONS == {WIRE_MODULE}, f"msgspec.Struct classes outside {WIRE_MODULE}: " \
-        f"{sorted(defined - KNOWN_WIRE_EXCEPTIONS - {WIRE_MODULE})}"
-    stale = KNOWN_WIRE_EXCEPTIONS - defined
-    assert not stale, f"{sorted(stale)} define no wire messages any more: remove them from KNOWN_WIRE_EXCEPTIONS"
+    assert defined == {WIRE_MODULE}, f"msgspec.Struct classes outside {WIRE_MODULE}: {sorted(defined - {WIRE_MODULE})}"
 
 
 def test_the_contract_sees_real_edges():
     """The parser must see what the code does: a function-level import, a relative import, a submodule import."""
-    assert "nanoserve.engine.core" in GRAPH["nanoserve.engine.core_process"]  # imported inside a function
+    assert "nanoserve.engine.core" in GRAPH["nanoserve.engine.core_process"]
     assert "nanoserve.model.attention_metadata" in GRAPH["nanoserve.runner.forward"]
     assert not any(t.startswith("nanoserve.") and t != "nanoserve.config" for t in GRAPH["nanoserve.model_files"])
 

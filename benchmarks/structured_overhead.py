@@ -43,7 +43,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: nanoserve, benchmarks.common
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: benchmarks.common
 
 from benchmarks.common import env_info, model_config, release_cuda_memory, write_json, write_model_dir  # noqa: E402
 

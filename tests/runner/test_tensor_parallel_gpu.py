@@ -130,7 +130,7 @@ def test_a_killed_worker_on_cuda_is_a_clear_error_not_a_hang(tiny_model_dirs):
     start = time.monotonic()
     try:
         out = subprocess.run([sys.executable, f.name], capture_output=True, text=True, timeout=180, cwd=REPO,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+                             env={**os.environ, "PYTHONPATH": str(REPO / "src")})
     finally:
         os.unlink(f.name)
     assert "RAISED tensor-parallel worker rank 1 died" in out.stdout, out.stdout + out.stderr[-3000:]

@@ -171,7 +171,7 @@ def test_idle_core_process_sleeps(live):
 def test_gpu_server_decodes_by_graph_replay(model_dir, serve_app):
     """On a GPU the server's decode steps replay CUDA graphs; /metrics shows it (and the padded rows)."""
     app = build_app(model_dir, device="cuda", max_num_seqs=8, max_model_len=256, show_progress=False,
-                    cudagraph_capture_sizes="pow2",
+                    cudagraph_capture_sizes="pow2", num_kv_blocks=256,  # by blocks: free memory depends on other tests
                     served_model_name=MODEL)
     server = serve_app(app)
 

@@ -227,7 +227,7 @@ class EngineCore:
         grammar ended or refused a token in those reads are left unmasked: they end, their token is discarded."""
         reads = [self._read(self._inflight.popleft()) for _ in range(len(self._inflight))]
         ending = {id(done.sampled[i]) for done, result, accepted in reads if accepted is not None
-                  for i, ok in enumerate(accepted) if not ok or result.token_ids[i] in self._grammars.stop_token_ids}
+                  for i, ok in enumerate(accepted) if not ok or self._grammars.ends(result.token_ids[i])}
         rows = [None if id(s) in ending else s.grammar for s in self._deferred[0].sampled]
         return reads, self._grammars.start_fill(rows)
 
@@ -247,8 +247,8 @@ class EngineCore:
         return outputs
 
     def _read(self, done: _InFlight) -> tuple[_InFlight, SampledTokens | None, list[bool] | None]:
-        """Wait for a step's sampled tokens and advance its rows' matchers by them (one batched call): the step, its
-        tokens, and per row whether the token fitted its grammar (None without grammar rows)."""
+        """Wait for a step's sampled tokens and advance its rows' matchers by them: the step, its tokens, and per row
+        whether the token fitted its grammar (None without grammar rows)."""
         if done.handle is None:
             return done, None, None
         result = done.handle.result()
@@ -299,8 +299,8 @@ class EngineCore:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if seq.grammar is not None and token in self._grammars.stop_token_ids and seq.grammar.is_terminated():
-            return "stop"  # the grammar is complete: nothing may follow (a matcher ends by accepting a stop token)
+        if seq.grammar is not None and self._grammars.ends(token):  # the grammar is complete: nothing may follow
+            return "stop"
         if p.reached_min_tokens(len(seq.output_token_ids)):  # (earlier tokens could not be stop tokens: banned)
             if token in p.stop_token_ids:
                 seq.stop_reason = token

@@ -97,8 +97,8 @@ class Grammars:
                  max_rows: int, pin_memory: bool):
         """load_tokenizer: called once, on the pool, by the first compilation (the tokenizer info takes a while)."""
         self._xgr = xgrammar()
-        self._load_tokenizer, self._vocab_size, self._stop_ids = load_tokenizer, vocab_size, list(stop_token_ids)
-        self.stop_token_ids = frozenset(stop_token_ids)  # a matcher ends (terminates) when it accepts one
+        self._load_tokenizer, self._vocab_size = load_tokenizer, vocab_size
+        self._stop_ids = frozenset(stop_token_ids)
         self._compiler = None
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(GRAMMAR_COMPILE_THREADS, thread_name_prefix="nanoserve-grammar")
@@ -130,12 +130,17 @@ class Grammars:
             if self._compiler is None:
                 xgr = self._xgr
                 info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self._vocab_size,
-                                                          stop_token_ids=self._stop_ids)
+                                                          stop_token_ids=sorted(self._stop_ids))
                 self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # cached here, by key
             return self._compiler
 
     def matcher(self, compiled):
         return self._xgr.GrammarMatcher(compiled)
+
+    def ends(self, accepted_token: int) -> bool:
+        """Whether a matcher that accepted this token has ended (is terminated): xgrammar's matchers end exactly when
+        they accept a stop token, which they do only once their grammar is complete."""
+        return accepted_token in self._stop_ids
 
     def accept(self, seqs: list, tokens: list[int]) -> list[bool] | None:
         """Advance the matchers of the rows that have one by their tokens; per row, whether its token fitted (rows

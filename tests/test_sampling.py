@@ -5,11 +5,14 @@ sequences into per-row arrays, runner/sampler.py samples them and reads the resu
 from __future__ import annotations
 
 import math
+import random
 
+import numpy as np
 import pytest
 import torch
 
 from nanoserve.engine.batching import sampling_batch
+from nanoserve.kernels._triton import HAS_TRITON
 from nanoserve.engine.sequence import Sequence
 from nanoserve.runner.sampler import Sampler, SampledTokens, SamplingTensors, apply_penalties
 from nanoserve.sampling import SamplingParams
@@ -346,3 +349,45 @@ def test_cuda_seeded_and_greedy():
     assert greedy == logits.float().argmax(-1).tolist()
     assert math.isfinite(a.logprobs[0])
 
+
+
+# ---------------------------------------------------------------- the one-kernel path (CUDA; here the interpreter)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_plain_batches_take_the_one_kernel_and_the_others_do_not():
+    """A plain batch (greedy and temperature rows, a bitmask or none) is sample_tokens' result, stored in the slots'
+    cells and copied to the host; a batch with top-p takes the general path (the kernel's scratch is not touched)."""
+    from nanoserve.kernels.sampling import SampleScratch, sample_tokens_ref
+
+    rows, vocab = 5, 300
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3))
+    seqs = [Seq(SamplingParams(temperature=t)) for t in (0.0, 0.8, 1.0, 0.0, 1.3)]
+    for i, s in enumerate(seqs):
+        s.slot, s.num_pending = i, 1
+    s = Sampler(rows, torch.device("cpu"), torch.Generator().manual_seed(11))
+    s._fused = SampleScratch(rows, torch.device("cpu"))  # what CUDA gets
+    seeds = random.Random(11)  # the sampler's per-call seeds
+    for masked in (False, True):
+        batch = sampling_batch(seqs, [])
+        assert batch.is_plain
+        if masked:
+            batch.grammar_rows = np.array([1, 2], np.int32)
+            batch.grammar_bitmask = torch.full((rows, -(-vocab // 32)), -1, dtype=torch.int32)
+            batch.grammar_bitmask[1:3, :4] = 0  # rows 1 and 2 may not take tokens 0..127
+        params = SamplingTensors(*(torch.from_numpy(a) for a in (batch.temperature, batch.top_p, batch.top_k,
+                                                                   batch.min_p)))
+        last = torch.full((rows + 1,), -1, dtype=torch.int32)
+        got = s(logits, batch, params, last, torch.arange(rows, dtype=torch.int32)).result().token_ids
+        want = sample_tokens_ref(logits, batch.grammar_bitmask, params.temperature, seeds.getrandbits(31))
+        assert got == want.tolist() == last[:rows].tolist()
+        assert (got[0], got[3]) == (int(logits[0].argmax()), int(logits[3].argmax()))  # the greedy rows
+        if masked:
+            assert min(got[1], got[2]) >= 128
+    seqs[1].params.top_p = 0.5
+    batch = sampling_batch(seqs, [])
+    assert not batch.is_plain
+    s._fused.best.fill_(7)  # the general path leaves it alone
+    params = SamplingTensors(*(torch.from_numpy(a) for a in (batch.temperature, batch.top_p, batch.top_k, batch.min_p)))
+    s(logits, batch, params, torch.zeros(rows + 1, dtype=torch.int32), torch.arange(rows, dtype=torch.int32)).result()
+    assert (s._fused.best == 7).all()

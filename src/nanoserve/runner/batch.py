@@ -61,6 +61,15 @@ class SamplingBatch:
         return not (self.temperature > 0).any()
 
     @property
+    def is_plain(self) -> bool:
+        """Each row greedy or sampled at a temperature from the engine's noise, under a grammar's bitmask or not, and
+        nothing else: no top-k, top-p, min-p, logprobs, bans, biases, penalties or seeded rows (the sampler's one
+        kernel)."""
+        return (self.generators is None and self.num_logprobs is None and self.penalties is None
+                and not len(self.banned_rows) and not len(self.bias_rows) and not (self.top_k > 0).any()
+                and not (self.top_p < 1).any() and not (self.min_p > 0).any())
+
+    @property
     def max_logprobs(self) -> int | None:
         """Top-k width of the step's logprobs (0: only the sampled token's), None when no row asks."""
         if self.num_logprobs is None:

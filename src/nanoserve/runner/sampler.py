@@ -5,19 +5,28 @@ other inputs), the sampled ids are written into each slot's last-token cell (the
 and everything the host needs (ids, logprobs) is packed into one int32 tensor and copied into pinned
 memory without blocking. The host reads it one step later (`SampleHandle.result()`).
 
+On CUDA the common case (each row greedy or sampled at a temperature, under a grammar's bitmask or not) is one
+kernel (kernels/sampling.sample_tokens): the loop is host-bound at small models, and the ~15 torch ops of the general
+path cost more host time than the device spends on them. Its noise is keyed by a per-call seed drawn from a host
+generator seeded like the runner's, so every tensor-parallel rank draws the same. The general path (top-k, top-p,
+min-p, logprobs, min_tokens bans, logit_bias, penalties, seeded rows) runs torch ops on a float32 copy; off CUDA
+every batch takes it.
+
 Seeded rows draw their noise from their own generator, so a seeded request gives the same tokens
 whatever else is batched, and in the same order whether or not the host runs ahead.
 """
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from nanoserve.config import MAX_LOGPROBS
-from nanoserve.kernels.logit_mask import masked_float_logits
+from nanoserve.kernels._triton import HAS_TRITON
+from nanoserve.kernels.sampling import SampleScratch, masked_float_logits, sample_tokens
 from nanoserve.runner.batch import Penalties, SampledTokens, SamplingBatch
 
 
@@ -85,6 +94,8 @@ class Sampler:
         self._host = [torch.zeros(words, dtype=torch.int32, pin_memory=self.on_cuda) for _ in range(2)]
         self._events = [torch.cuda.Event() if self.on_cuda else None for _ in range(2)]
         self._turn = 0
+        self._fused = SampleScratch(max_rows, device) if self.on_cuda and HAS_TRITON else None
+        self._seeds = random.Random(generator.initial_seed() if generator is not None else None)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors,
@@ -92,6 +103,11 @@ class Sampler:
         """Sample one token per row; store it at last_tokens[slots]; start the copy to the host."""
         if logits.shape[0] != len(batch):
             raise ValueError(f"got {logits.shape[0]} logit rows for {len(batch)} sampled rows")
+        if self._fused is not None and batch.is_plain:
+            bitmask = None if batch.grammar_rows is None else batch.grammar_bitmask.to(self.device, non_blocking=True)
+            tokens = sample_tokens(logits, bitmask, params.temperature, self._seeds.getrandbits(31), slots,
+                                   last_tokens, self._fused)
+            return self._to_host(tokens, None, None, None)
         top_k = batch.max_logprobs
         simple = batch.all_greedy and top_k is None and batch.penalties is None and not len(batch.banned_rows) \
             and not len(batch.bias_rows) and batch.grammar_rows is None
@@ -129,7 +145,7 @@ class Sampler:
 
     def _masked(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Structured outputs: the float32 logits with the grammar rows' disallowed tokens (padding columns beyond the
-        tokenizer's vocabulary included) at -inf, in one kernel (kernels/logit_mask.py). The other rows' masks allow
+        tokenizer's vocabulary included) at -inf, in one kernel (kernels/sampling.py). The other rows' masks allow
         everything: the kernel runs over all rows, with no row indices to copy (the bitmask comes from pinned
         memory, without a sync)."""
         return masked_float_logits(logits, batch.grammar_bitmask.to(self.device, non_blocking=True))

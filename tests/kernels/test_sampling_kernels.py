@@ -1,5 +1,6 @@
 """The token-bitmask kernel == its PyTorch reference (CPU via TRITON_INTERPRET=1, set in conftest; CUDA when present),
 and the reference == xgrammar's own masking."""
+import numpy as np
 import pytest
 import torch
 
@@ -83,3 +84,30 @@ def test_reference_draws_from_the_softmax():
     expected = rows * torch.softmax(logits[0].double() / t, dim=0)
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 24.3, (counts, expected)  # the 0.999 quantile at 7 degrees of freedom
+
+
+def test_the_noise_is_finite_at_both_ends():
+    """The extreme Philox words map strictly inside (0, 1): a draw of 1.0 would give infinite noise, a token that
+    beats every other whatever its logit or mask."""
+    u = sampling.uniform_ref(np.array([0, 0xFFFFFFFF], np.uint32))
+    assert 0 < u[0] and u[1] < 1 and np.isfinite(-np.log(-np.log(u))).all()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_a_sparse_mask_is_never_escaped():
+    """A few allowed tokens per row, far apart, at a high temperature: every draw is one of them."""
+    rows, vocab = 3, 2 * sampling.SAMPLE_BLOCK * sampling.SAMPLE_ITERS + 5
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    allowed = torch.zeros(rows, vocab, dtype=torch.bool)
+    allowed[:, [3, 4100, vocab - 1]] = True
+    bits = torch.zeros(rows, -(-vocab // 32) * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    bitmask = (bits.view(rows, -1, 32) << torch.arange(32)).sum(-1).to(torch.int64)
+    bitmask = torch.where(bitmask >= 2**31, bitmask - 2**32, bitmask).to(torch.int32).to(DEVICE)
+    scratch = sampling.SampleScratch(rows, logits.device)
+    slots = torch.arange(rows, dtype=torch.int32, device=logits.device)
+    last = torch.zeros(rows, dtype=torch.int32, device=logits.device)
+    for seed in range(6):
+        got = sampling.sample_tokens(logits, bitmask, torch.full((rows,), 5.0, device=logits.device), seed, slots,
+                                     last, scratch)
+        assert allowed[torch.arange(rows), got.cpu().long()].all()

@@ -100,7 +100,8 @@ def sample_tokens(logits: torch.Tensor, bitmask: torch.Tensor | None, temperatur
 
 def philox_uniform_ref(seed: int, counters: np.ndarray) -> np.ndarray:
     """Philox 4x32-10 of (counter, 0, 0, 0) under the key (seed, 0), as triton's randint4x computes it: [4, len]
-    uint32 words, turned into floats in (0, 1) as the kernel does (the top 24 bits, plus half a step)."""
+    uint32 words, turned into floats in (0, 1) as the kernel does (the top 23 bits plus half a step: 1 - 2**-24 at
+    most, which float32 holds exactly; 24 bits would round the top draw to 1.0, whose noise is infinite)."""
     mask = np.uint64(0xFFFFFFFF)
     c = [counters.astype(np.uint64), *(np.zeros_like(counters, np.uint64) for _ in range(3))]
     k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
@@ -108,8 +109,12 @@ def philox_uniform_ref(seed: int, counters: np.ndarray) -> np.ndarray:
         prod_b, prod_a = np.uint64(0xCD9E8D57) * c[2], np.uint64(0xD2511F53) * c[0]
         c = [(prod_b >> np.uint64(32)) ^ c[1] ^ k0, prod_b & mask, (prod_a >> np.uint64(32)) ^ c[3] ^ k1, prod_a & mask]
         k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
-    words = np.stack(c).astype(np.uint32)
-    return (((words >> 8).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)).astype(np.float32)
+    return uniform_ref(np.stack(c).astype(np.uint32))
+
+
+def uniform_ref(words: np.ndarray) -> np.ndarray:
+    """uint32 words → float32 in (0, 1), as the kernel turns them."""
+    return (((words >> 9).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)).astype(np.float32)
 
 
 def sample_tokens_ref(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature: torch.Tensor,
@@ -159,15 +164,16 @@ def _sample_kernel(logits_ptr, stride_logits, mask_ptr, stride_mask, temp_ptr, s
         for k in tl.static_range(4):
             cols = (block * 4 + k) * LANES + lanes
             inside = cols < vocab
-            x = tl.load(row_logits + cols, mask=inside, other=float("-inf")).to(tl.float32)
-            if HAS_MASK:
-                words = tl.load(row_mask + cols // 32, mask=inside, other=0)
-                x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
+            x = tl.load(row_logits + cols, mask=inside, other=0.0).to(tl.float32)
             if sampled:
                 r = r0 if k == 0 else (r1 if k == 1 else (r2 if k == 2 else r3))
-                u = ((r >> 8).to(tl.float32) + 0.5) * (2.0 ** -24)
+                u = ((r >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)  # in (0, 1): 1 - 2**-24 at most, exactly
                 x = x * inv_t - tl.log(-tl.log(u))
-            bits = tl.where(inside, x, float("-inf")).to(tl.int32, bitcast=True)
+            keep = inside & (x == x)  # (a NaN logit is never taken)
+            if HAS_MASK:  # after the noise: a forbidden token stays at -inf whatever its draw
+                words = tl.load(row_mask + cols // 32, mask=inside, other=0)
+                keep = keep & (((words >> (cols % 32)) & 1) != 0)
+            bits = tl.where(keep, x, float("-inf")).to(tl.int32, bitcast=True)
             ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int order == float order
             best = tl.maximum(best, (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - cols.to(tl.int64)))
     tl.atomic_max(best_ptr + row, tl.max(best, axis=0))

@@ -16,8 +16,8 @@ every token). From GRAMMAR_FILL_THREAD_MIN_ROWS rows the fill runs on the mask t
 threads, the GIL released), while the core schedules and builds step N+2; then the core launches N+1's sampler (the
 mask applied inside its one kernel, kernels/sampling.py, or with the float32 copy of the general path) and
 forward N+2, which reads its tokens. The mask travels with the batch (SamplingBatch.grammar_rows / grammar_bitmask;
-to every tensor-parallel rank too) and is copied to the device without a sync. The device idles only if reading, matching and the fill outlast a forward. Unconstrained
-batches carry no mask and take the sampler's paths unchanged. The bitmask buffer is refilled only after the step
+to every tensor-parallel rank too) and is copied to the device without a sync. The device idles only if reading,
+matching and the fill outlast a forward. Unconstrained batches carry no mask and take the sampler's paths unchanged. The bitmask buffer is refilled only after the step
 that copied it was read. benchmarks/structured_overhead.py measures the cost.
 
 Validation: `check()` builds the constraint's grammar without a tokenizer (fast), so front ends refuse a bad

@@ -17,8 +17,9 @@ threads, the GIL released), while the core schedules and builds step N+2; then t
 mask applied inside its one kernel, kernels/sampling.py, or with the float32 copy of the general path) and
 forward N+2, which reads its tokens. The mask travels with the batch (SamplingBatch.grammar_rows / grammar_bitmask;
 to every tensor-parallel rank too) and is copied to the device without a sync. The device idles only if reading,
-matching and the fill outlast a forward. Unconstrained batches carry no mask and take the sampler's paths unchanged. The bitmask buffer is refilled only after the step
-that copied it was read. benchmarks/structured_overhead.py measures the cost.
+matching and the fill outlast a forward. Unconstrained batches carry no mask and take the sampler's paths unchanged.
+The bitmask buffer is refilled only after the step that copied it was read. benchmarks/structured_overhead.py
+measures the cost.
 
 Validation: `check()` builds the constraint's grammar without a tokenizer (fast), so front ends refuse a bad
 schema, regex or grammar with a ValueError naming the problem before anything reaches the core.

@@ -171,8 +171,9 @@ def measure_one(llm, b: int, args, constrained: bool) -> dict:
 # The loop's phases, each a function wrapped by a timer for one run. Nested: "read" (EngineCore._read) includes
 # "wait" (a SampleHandle's result: the host blocked on the device, then the copy's unpacking) and the matchers'
 # accept; "mask" is the host's part of the mask fill (Grammars.start_fill: all of it below a few rows, else the
-# hand-off to the fill thread), "mask_wait" the wait for that thread after scheduling and building; the rest are
-# disjoint.
+# hand-off to the fill thread), "mask_wait" the wait for that thread after scheduling and building; "inputs" (the
+# decode inputs' host fill and copy) and "replay" (every graph replay: decode and sampler) fall within the launches;
+# the rest are disjoint.
 PHASES = [("schedule", "nanoserve.engine.scheduler", "Scheduler", "schedule"),
           ("build", "nanoserve.engine.core", None, "build_batch"),
           ("read", "nanoserve.engine.core", "EngineCore", "_read"),
@@ -181,6 +182,8 @@ PHASES = [("schedule", "nanoserve.engine.scheduler", "Scheduler", "schedule"),
           ("mask", "nanoserve.engine.grammar", "Grammars", "start_fill"),
           ("mask_wait", "nanoserve.engine.grammar", "MaskFill", "result"),
           ("launch_forward", "nanoserve.runner.model_runner", "ModelRunner", "execute"),
+          ("inputs", "nanoserve.runner.inputs", "DecodeInputs", "load"),
+          ("replay", "nanoserve.runner.cuda_graph", "GraphRunner", "replay"),
           ("launch_sampler", "nanoserve.runner.model_runner", "ModelRunner", "sample_deferred"),
           ("front_end", "nanoserve.engine.output", "OutputProcessor", "process")]
 

@@ -358,16 +358,15 @@ def test_cuda_seeded_and_greedy():
 def test_plain_batches_take_the_one_kernel_and_the_others_do_not():
     """A plain batch (greedy and temperature rows, a bitmask or none) is sample_tokens' result, stored in the slots'
     cells and copied to the host; a batch with top-p takes the general path (the kernel's scratch is not touched)."""
-    from nanoserve.kernels.sampling import SampleScratch, sample_tokens_ref
+    from nanoserve.kernels.sampling import sample_tokens_ref
 
     rows, vocab = 5, 300
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3))
     seqs = [Seq(SamplingParams(temperature=t)) for t in (0.0, 0.8, 1.0, 0.0, 1.3)]
     for i, s in enumerate(seqs):
         s.slot, s.num_pending = i, 1
-    s = Sampler(rows, torch.device("cpu"), torch.Generator().manual_seed(11))
-    s._fused = SampleScratch(rows, torch.device("cpu"))  # what CUDA gets
-    seeds = random.Random(11)  # the sampler's per-call seeds
+    s = Sampler(rows, torch.device("cpu"), torch.Generator().manual_seed(11), vocab, fused=True)  # as on CUDA
+    first = random.Random(11).getrandbits(31)  # the first call's noise key; each call advances it by one
     for masked in (False, True):
         batch = sampling_batch(seqs, [])
         assert batch.is_plain
@@ -379,7 +378,7 @@ def test_plain_batches_take_the_one_kernel_and_the_others_do_not():
                                                                    batch.min_p)))
         last = torch.full((rows + 1,), -1, dtype=torch.int32)
         got = s(logits, batch, params, last, torch.arange(rows, dtype=torch.int32)).result().token_ids
-        want = sample_tokens_ref(logits, batch.grammar_bitmask, params.temperature, seeds.getrandbits(31))
+        want = sample_tokens_ref(logits, batch.grammar_bitmask, params.temperature, first + masked)
         assert got == want.tolist() == last[:rows].tolist()
         assert (got[0], got[3]) == (int(logits[0].argmax()), int(logits[3].argmax()))  # the greedy rows
         if masked:

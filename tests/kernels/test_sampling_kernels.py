@@ -10,6 +10,11 @@ from nanoserve.kernels._triton import HAS_TRITON
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def key(seed: int, device) -> torch.Tensor:
+    """A call's noise key as sample_tokens reads it."""
+    return torch.tensor([seed], dtype=torch.int64, device=device)
+
+
 def random_case(rows: int, vocab: int, dtype, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=g).to(dtype)
@@ -65,7 +70,7 @@ def test_sample_kernel_equals_reference(masked, rows, vocab):
     scratch = sampling.SampleScratch(8, logits.device)
     last = torch.full((2 * rows,), -1, dtype=torch.int32, device=logits.device)
     for seed in (12345, 2**31 - 1):
-        got = sampling.sample_tokens(logits, bitmask, temperature, seed, slots, last, scratch)
+        got = sampling.sample_tokens(logits, bitmask, temperature, key(seed, logits.device), slots, last, scratch)
         want = sampling.sample_tokens_ref(logits, bitmask, temperature, seed)
         assert torch.equal(got.cpu(), want)
         assert torch.equal(last[slots.long()].cpu(), want)
@@ -108,6 +113,6 @@ def test_a_sparse_mask_is_never_escaped():
     slots = torch.arange(rows, dtype=torch.int32, device=logits.device)
     last = torch.zeros(rows, dtype=torch.int32, device=logits.device)
     for seed in range(6):
-        got = sampling.sample_tokens(logits, bitmask, torch.full((rows,), 5.0, device=logits.device), seed, slots,
-                                     last, scratch)
+        got = sampling.sample_tokens(logits, bitmask, torch.full((rows,), 5.0, device=logits.device),
+                                     key(seed, logits.device), slots, last, scratch)
         assert allowed[torch.arange(rows), got.cpu().long()].all()

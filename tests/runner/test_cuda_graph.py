@@ -155,3 +155,42 @@ def test_churn_500_steps_graphs_and_async_match_eager_sync(tiny_model_dirs):
     want, _ = run_churn(slow.engine, steps=500)
     assert got == want
     assert stats.decode_steps_graph > 0 and stats.decode_steps_eager > 0  # both paths exercised
+
+
+@pytest.mark.gpu
+def test_sampler_graph_replay_equals_the_oracle(tiny_model_dirs, monkeypatch):
+    """Per bucket (padded batches too), masked or not: a plain decode step replays its bucket's sampler graph, which
+    draws what the numpy Philox oracle draws under the same noise key (greedy and sampled rows), stores the tokens in
+    the slots' cells and advances the key."""
+    from nanoserve.kernels.sampling import sample_tokens_ref
+
+    llm = _tiny_llm(tiny_model_dirs["qwen3"])
+    runner = llm.engine.core.runner
+    sampler, sizes = runner.sampler, runner.graph_runner.capture_sizes
+    assert all(sorted(sampler.graphs[masked].graphs) == sizes for masked in (False, True))
+    replays = []
+    for masked in (False, True):
+        gr = sampler.graphs[masked]
+        monkeypatch.setattr(gr, "replay", lambda rows, _gr=gr, _m=masked: replays.append((rows, _m)) or
+                            GraphRunner.replay(_gr, rows))
+    g = torch.Generator().manual_seed(0)
+    words = -(-runner.vocab_size // 32)
+    for b in (1, 3, 8, 11, 16):
+        for masked in (False, True):
+            batch = decode_batch(runner, b, 64)
+            temperature = np.array([(0.0, 0.7, 1.0, 1.3)[i % 4] for i in range(b)], np.float32)
+            ones, zeros = np.ones(b, np.float32), np.zeros(b, np.float32)
+            batch.sampling = SamplingBatch(batch.slots, temperature, ones, zeros.astype(np.int32), zeros)
+            if masked:
+                bitmask = torch.randint(-2**31, 2**31 - 1, (b, words), generator=g, dtype=torch.int64).to(torch.int32)
+                bitmask[0] = -1
+                batch.sampling.grammar_rows, batch.sampling.grammar_bitmask = np.arange(b, dtype=np.int32), bitmask
+            key = int(sampler._seed.item())
+            before = len(replays)
+            got = runner.execute(batch).result().token_ids
+            logits = runner.decode_forward.static_logits[:b].float().cpu()
+            want = sample_tokens_ref(logits, bitmask if masked else None, torch.from_numpy(temperature), key)
+            assert got == want.tolist(), (b, masked)
+            assert runner.state.last_tokens[torch.from_numpy(batch.slots).long().cuda()].tolist() == got
+            assert int(sampler._seed.item()) == key + 1
+            assert replays[before:] == [(runner.graph_runner.bucket_for(b), masked)], (b, masked)

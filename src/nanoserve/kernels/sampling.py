@@ -77,11 +77,13 @@ class SampleScratch:
         self.tokens = torch.zeros(max_rows, dtype=torch.int32, device=device)
 
 
-def sample_tokens(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature: torch.Tensor, seed: int,
-                  slots: torch.Tensor, last_tokens: torch.Tensor, scratch: SampleScratch) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature: torch.Tensor,
+                  seed: torch.Tensor, slots: torch.Tensor, last_tokens: torch.Tensor,
+                  scratch: SampleScratch) -> torch.Tensor:
     """Per row: the argmax of the (masked) logits where temperature[row] <= 0, else a draw from softmax(logits / T);
     stored at last_tokens[slots[row]]; returned as an int32 [n] view of the scratch (valid until the next call).
-    seed: this call's noise (0 <= seed < 2**31). A Triton kernel (CUDA, or the interpreter)."""
+    seed: this call's noise key, an int64 [1] tensor on the logits' device (read by the kernel, so a CUDA graph of
+    the call draws anew when the caller advances it). A Triton kernel (CUDA, or the interpreter)."""
     n, vocab = logits.shape
     if bitmask is not None and (bitmask.dtype != torch.int32 or bitmask.shape[0] != n or bitmask.shape[1] * 32 < vocab):
         raise ValueError(f"a token bitmask for {n} rows of {vocab} tokens is int32 [{n}, >= {cdiv(vocab, 32)}], "
@@ -141,9 +143,9 @@ def sample_tokens_ref(logits: torch.Tensor, bitmask: torch.Tensor | None, temper
     return out
 
 
-@jit(do_not_specialize=["seed"])
+@jit
 def _sample_kernel(logits_ptr, stride_logits, mask_ptr, stride_mask, temp_ptr, slots_ptr, last_ptr, tokens_ptr,
-                   best_ptr, done_ptr, seed, vocab, num_programs, row_lanes,
+                   best_ptr, done_ptr, seed_ptr, vocab, num_programs, row_lanes,
                    HAS_MASK: tl.constexpr, LANES: tl.constexpr, ITERS: tl.constexpr):
     row = tl.program_id(0)
     program = tl.program_id(1)
@@ -154,6 +156,7 @@ def _sample_kernel(logits_ptr, stride_logits, mask_ptr, stride_mask, temp_ptr, s
     row_logits = logits_ptr + row.to(tl.int64) * stride_logits
     row_mask = mask_ptr + row.to(tl.int64) * stride_mask
     best = tl.full((LANES,), -2**63, tl.int64)
+    seed = tl.load(seed_ptr)
     for it in range(ITERS):
         block = program * ITERS + it
         if sampled:  # (uniform per program: greedy rows skip the Philox rounds)

@@ -83,7 +83,7 @@ class ModelRunner:
         self.kv_cache, self.dummy_block, self.state = b.kv_cache, b.dummy_block, b.state
         self.decode_inputs, self.decode_forward, self.token_forward = b.decode_inputs, b.decode_forward, b.token_forward
         self.sampler = b.sampler
-        self._deferred = None  # execute(defer_sampling=True): (logits, sampling tensors, slots, prompt logprobs)
+        self._deferred = None  # execute(defer_sampling=True): _sample's arguments after the sampling batch
 
     @torch.inference_mode()
     def _warm_up_logits(self) -> None:
@@ -114,6 +114,9 @@ class ModelRunner:
             self.step_curve = curve
         gr.capture(sizes, cfg.show_progress)
         self.graph_runner = gr
+        if self.sampler.fuses:
+            self.sampler.capture_plain(gr.capture_sizes, self.decode_forward.static_logits, self._sample_inputs,
+                                       self.state.last_tokens, self.decode_forward.prepare_padding, gr.pool)
         check = "skipped"
         if not cfg.skip_graph_check:
             worst = graph_setup.self_check(gr.capture_sizes, self._decode_check_pair, self.dtype, self.tp.max_float)
@@ -150,6 +153,11 @@ class ModelRunner:
         logger.info("CUDA graphs for prompt / mixed steps: %d token counts %s; capture %.2f s; pool %.0f MiB in all; "
                     "self-check: %s", len(gr.capture_sizes), gr.capture_sizes, gr.capture_seconds,
                     (gr.pool_bytes + (self.graph_runner.pool_bytes if self.graph_runner else 0)) / 2**20, check)
+
+    def _sample_inputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode bucket's sampling temperatures and slots (what its sampler graph reads)."""
+        v = self.decode_inputs.views(rows)
+        return v.sampling.temperature, v.slots
 
     def _token_probe_batch(self, tokens: int) -> PrefillBatch:
         """A mixed step of `tokens` tokens over disjoint blocks: decode rows (one token after a 255-token context),
@@ -238,11 +246,12 @@ class ModelRunner:
         """Launch the step and its sampling; None when the batch samples nothing (a mid-prompt chunk).
         defer_sampling: launch the forward only and keep its logits; sample_deferred() launches the sampler (the
         engine fills the grammar bitmask in between). Nothing else may run on this runner before it."""
-        prompt = None
+        prompt = bucket = None
         if isinstance(batch, PrefillBatch):
             logits, params, slots, prompt = self._prefill(batch)
         else:
             logits, rows = self._decode(batch)
+            bucket = rows if self.graph_runner is not None and rows in self.graph_runner.graphs else None
             views = self.decode_inputs.views(rows)
             b = batch.size
             s = views.sampling
@@ -251,19 +260,19 @@ class ModelRunner:
         if batch.sampling is None or not len(batch.sampling):
             return None if prompt is None else SampleHandle.empty(prompt)
         if defer_sampling:
-            self._deferred = (logits, params, slots, prompt)
+            self._deferred = (logits, params, slots, prompt, bucket)
             return None
-        return self._sample(batch.sampling, logits, params, slots, prompt)
+        return self._sample(batch.sampling, logits, params, slots, prompt, bucket)
 
     @torch.inference_mode()
     def sample_deferred(self, sampling: SamplingBatch) -> SampleHandle:
         """Launch the sampler of the step execute(defer_sampling=True) ran, with this (now complete) SamplingBatch."""
-        logits, params, slots, prompt = self._deferred
-        self._deferred = None
-        return self._sample(sampling, logits, params, slots, prompt)
+        deferred, self._deferred = self._deferred, None
+        return self._sample(sampling, *deferred)
 
-    def _sample(self, sampling: SamplingBatch, logits, params, slots, prompt) -> SampleHandle:
-        handle = self.sampler(logits, sampling, params, self.state.last_tokens, slots)
+    def _sample(self, sampling: SamplingBatch, logits, params, slots, prompt, bucket: int | None) -> SampleHandle:
+        """bucket: the decode graph that made the logits (a plain batch replays that bucket's sampler graph)."""
+        handle = self.sampler(logits, sampling, params, self.state.last_tokens, slots, bucket)
         handle.prompt_logprobs = prompt
         return handle
 

@@ -17,6 +17,7 @@ whatever else is batched, and in the same order whether or not the host runs ahe
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from nanoserve.config import MAX_LOGPROBS
 from nanoserve.kernels._triton import HAS_TRITON
 from nanoserve.kernels.sampling import SampleScratch, masked_float_logits, sample_tokens
 from nanoserve.runner.batch import Penalties, SampledTokens, SamplingBatch
+from nanoserve.runner.cuda_graph import GraphRunner
 
 
 
@@ -85,8 +87,10 @@ class SampleHandle:
 class Sampler:
     """logits [n, V] + a SamplingBatch → sampled ids in the slots' last-token cells, and a SampleHandle."""
 
-    def __init__(self, max_rows: int, device: torch.device, generator: torch.Generator | None = None):
-        """generator: the noise of unseeded rows (None: torch's default RNG)."""
+    def __init__(self, max_rows: int, device: torch.device, generator: torch.Generator | None = None,
+                 vocab_size: int = 0, fused: bool | None = None):
+        """generator: the noise of unseeded rows (None: torch's default RNG). fused: whether plain batches take the
+        one kernel (None: on CUDA with Triton; the CPU tests force it, the interpreter running it)."""
         self.device, self.generator = device, generator
         self.on_cuda = device.type == "cuda"
         words = max_rows * (2 + 2 * MAX_LOGPROBS)
@@ -94,19 +98,59 @@ class Sampler:
         self._host = [torch.zeros(words, dtype=torch.int32, pin_memory=self.on_cuda) for _ in range(2)]
         self._events = [torch.cuda.Event() if self.on_cuda else None for _ in range(2)]
         self._turn = 0
-        self._fused = SampleScratch(max_rows, device) if self.on_cuda and HAS_TRITON else None
-        self._seeds = random.Random(generator.initial_seed() if generator is not None else None)
+        fused = self.on_cuda and HAS_TRITON if fused is None else fused
+        self._fused = SampleScratch(max_rows, device) if fused else None
+        self.graphs: dict[bool, GraphRunner] = {}  # masked → the plain sample of each decode bucket (capture_plain)
+        self._bitmask = torch.full((max_rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device) \
+            if self._fused is not None else None  # the plain sample's mask: static, so its graphs read it
+        # the plain sample's noise key, on the device: read by the kernel and advanced after it, so a graph of the
+        # call draws anew each replay; seeded like the runner's generator (the same on every tensor-parallel rank)
+        seed = random.Random(generator.initial_seed() if generator is not None else None).getrandbits(31)
+        self._seed = torch.tensor([seed], dtype=torch.int64, device=device)
+
+    @property
+    def fuses(self) -> bool:
+        return self._fused is not None
+
+    def capture_plain(self, sizes: list[int], logits: torch.Tensor, inputs, last_tokens: torch.Tensor, prepare,
+                      pool) -> None:
+        """Capture the plain sample of each decode bucket (masked and not) as a CUDA graph into the decode graphs'
+        pool: over the static logits' prefix, the bucket's temperature and slots (inputs(rows) → (temperature,
+        slots)), the static bitmask and the device seed. prepare(rows) loads an all-padding batch: padded rows are
+        greedy and store into the dummy slot. One replay instead of a Triton launch (~0.1 ms of host time)."""
+        def plain(rows: int, masked: bool) -> torch.Tensor:
+            temperature, slots = inputs(rows)
+            return self._plain(logits[:rows], rows if masked else 0, temperature, slots, last_tokens)
+        for masked in (False, True):
+            gr = self.graphs[masked] = GraphRunner(functools.partial(plain, masked=masked), prepare, pool)
+            gr.capture(sizes)
+            pool = gr.pool
+
+    def _plain(self, logits: torch.Tensor, masked_rows: int, temperature: torch.Tensor, slots: torch.Tensor,
+               last_tokens: torch.Tensor) -> torch.Tensor:
+        """The one kernel (masked by the static bitmask's first masked_rows rows when > 0), then the next key."""
+        bitmask = self._bitmask[:masked_rows] if masked_rows else None
+        tokens = sample_tokens(logits, bitmask, temperature, self._seed, slots, last_tokens, self._fused)
+        self._seed.add_(1)
+        return tokens
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors,
-                 last_tokens: torch.Tensor, slots: torch.Tensor) -> SampleHandle:
-        """Sample one token per row; store it at last_tokens[slots]; start the copy to the host."""
-        if logits.shape[0] != len(batch):
-            raise ValueError(f"got {logits.shape[0]} logit rows for {len(batch)} sampled rows")
+                 last_tokens: torch.Tensor, slots: torch.Tensor, bucket: int | None = None) -> SampleHandle:
+        """Sample one token per row; store it at last_tokens[slots]; start the copy to the host. bucket: the decode
+        graph whose static logits these are (a plain batch then replays its sampler's graph)."""
+        n = len(batch)
+        if logits.shape[0] != n:
+            raise ValueError(f"got {logits.shape[0]} logit rows for {n} sampled rows")
         if self._fused is not None and batch.is_plain:
-            bitmask = None if batch.grammar_rows is None else batch.grammar_bitmask.to(self.device, non_blocking=True)
-            tokens = sample_tokens(logits, bitmask, params.temperature, self._seeds.getrandbits(31), slots,
-                                   last_tokens, self._fused)
+            masked = batch.grammar_rows is not None
+            if masked:  # (from pinned memory: no sync)
+                self._bitmask[:n].copy_(batch.grammar_bitmask, non_blocking=True)
+            graphs = self.graphs.get(masked)
+            if graphs is not None and bucket in graphs.graphs:
+                tokens = graphs.replay(bucket)[:n]
+            else:
+                tokens = self._plain(logits, n if masked else 0, params.temperature, slots, last_tokens)
             return self._to_host(tokens, None, None, None)
         top_k = batch.max_logprobs
         simple = batch.all_greedy and top_k is None and batch.penalties is None and not len(batch.banned_rows) \

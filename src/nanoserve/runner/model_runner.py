@@ -114,17 +114,18 @@ class ModelRunner:
             self.step_curve = curve
         gr.capture(sizes, cfg.show_progress)
         self.graph_runner = gr
-        if self.sampler.fuses:
-            self.sampler.capture_plain(gr.capture_sizes, self.decode_forward.static_logits, self._sample_inputs,
-                                       self.state.last_tokens, self.decode_forward.prepare_padding, gr.pool)
+        sampler_seconds = self.sampler.capture_plain(
+            gr.capture_sizes, self.decode_forward.static_logits, self._sample_inputs, self.state.last_tokens,
+            self.decode_forward.prepare_padding, gr.pool) if self.sampler.fuses else 0.0
         check = "skipped"
         if not cfg.skip_graph_check:
             worst = graph_setup.self_check(gr.capture_sizes, self._decode_check_pair, self.dtype, self.tp.max_float)
             check = f"every size equals eager (max relative logit error {worst:.1e})"
-        logger.info("CUDA graphs: %d sizes %s (%s); capture %.2f s (%.2f s with probes and compilation); pool %.0f "
-                    "MiB; %d KV blocks; self-check: %s", len(gr.capture_sizes), gr.capture_sizes,
-                    "planned from measured replays" if probe_seconds else "as configured", gr.capture_seconds,
-                    gr.wall_seconds, gr.pool_bytes / 2**20, self.num_kv_blocks, check)
+        logger.info("CUDA graphs: %d sizes %s (%s); capture %.2f s (%.2f s with probes and compilation; the "
+                    "sampler's %.2f s); pool %.0f MiB; %d KV blocks; self-check: %s", len(gr.capture_sizes),
+                    gr.capture_sizes, "planned from measured replays" if probe_seconds else "as configured",
+                    gr.capture_seconds, gr.wall_seconds, sampler_seconds, gr.pool_bytes / 2**20, self.num_kv_blocks,
+                    check)
 
     def _capture_tokens(self) -> None:
         """Token-count graphs of prompt / mixed steps into the decode graphs' pool: plan ("auto"), capture, check."""

@@ -7,8 +7,10 @@ memory without blocking. The host reads it one step later (`SampleHandle.result(
 
 On CUDA the common case (each row greedy or sampled at a temperature, under a grammar's bitmask or not) is one
 kernel (kernels/sampling.sample_tokens): the loop is host-bound at small models, and the ~15 torch ops of the general
-path cost more host time than the device spends on them. Its noise is keyed by a per-call seed drawn from a host
-generator seeded like the runner's, so every tensor-parallel rank draws the same. The general path (top-k, top-p,
+path cost more host time than the device spends on them. After a decode graph's replay that kernel is itself replayed from a
+CUDA graph of the same bucket (masked and not: capture_plain), over the static logits, the bucket's temperatures and
+slots and a static bitmask. Its noise key is a device counter, read by the kernel and advanced after it, starting from
+a seed drawn like the runner's generator's, so every tensor-parallel rank draws the same. The general path (top-k, top-p,
 min-p, logprobs, min_tokens bans, logit_bias, penalties, seeded rows) runs torch ops on a float32 copy; off CUDA
 every batch takes it.
 
@@ -113,11 +115,12 @@ class Sampler:
         return self._fused is not None
 
     def capture_plain(self, sizes: list[int], logits: torch.Tensor, inputs, last_tokens: torch.Tensor, prepare,
-                      pool) -> None:
+                      pool) -> float:
         """Capture the plain sample of each decode bucket (masked and not) as a CUDA graph into the decode graphs'
         pool: over the static logits' prefix, the bucket's temperature and slots (inputs(rows) → (temperature,
         slots)), the static bitmask and the device seed. prepare(rows) loads an all-padding batch: padded rows are
-        greedy and store into the dummy slot. One replay instead of a Triton launch (~0.1 ms of host time)."""
+        greedy and store into the dummy slot. One replay instead of a Triton launch (~0.1 ms of host time). Returns
+        the seconds the captures took."""
         def plain(rows: int, masked: bool) -> torch.Tensor:
             temperature, slots = inputs(rows)
             return self._plain(logits[:rows], rows if masked else 0, temperature, slots, last_tokens)
@@ -125,6 +128,7 @@ class Sampler:
             gr = self.graphs[masked] = GraphRunner(functools.partial(plain, masked=masked), prepare, pool)
             gr.capture(sizes)
             pool = gr.pool
+        return sum(gr.wall_seconds for gr in self.graphs.values())
 
     def _plain(self, logits: torch.Tensor, masked_rows: int, temperature: torch.Tensor, slots: torch.Tensor,
                last_tokens: torch.Tensor) -> torch.Tensor:

@@ -251,8 +251,7 @@ class ModelRunner:
         if isinstance(batch, PrefillBatch):
             logits, params, slots, prompt = self._prefill(batch)
         else:
-            logits, rows = self._decode(batch)
-            bucket = rows if self.graph_runner is not None and rows in self.graph_runner.graphs else None
+            logits, rows, bucket = self._decode(batch)
             views = self.decode_inputs.views(rows)
             b = batch.size
             s = views.sampling
@@ -289,8 +288,9 @@ class ModelRunner:
         self.padding_tokens += tokens - n
         return self.token_forward.sample_logits(gr.replay(tokens), tail, batch)
 
-    def _decode(self, batch: DecodeBatch) -> tuple[torch.Tensor, int]:
-        """Logits [b, vocab] of a decode batch and the rows the step ran (its bucket, or b when eager)."""
+    def _decode(self, batch: DecodeBatch) -> tuple[torch.Tensor, int, int | None]:
+        """Logits [b, vocab] of a decode batch, the rows the step ran (its bucket, or b when eager) and the bucket
+        whose graph it replayed (None when eager)."""
         b = batch.size
         self.batch_histogram.record(b)
         gr = self.graph_runner
@@ -299,10 +299,10 @@ class ModelRunner:
             self.decode_steps_graph += 1
             self.padding_rows += rows - b
             self.decode_inputs.load(batch, rows)
-            return gr.replay(rows)[:b], rows
+            return gr.replay(rows)[:b], rows, rows
         self.decode_steps_eager += 1
         if b > self.decode_inputs.max_rows:
             raise ValueError(f"decode batch of {b} exceeds max_num_seqs={self.config.max_num_seqs}")
         self.decode_inputs.load(batch, b)
         width = self.kv.blocks_for(int(batch.context_lens.max())) if b else 1  # read only the blocks in use
-        return self.decode_forward(b, width), b
+        return self.decode_forward(b, width), b, None

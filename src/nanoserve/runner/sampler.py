@@ -7,12 +7,12 @@ memory without blocking. The host reads it one step later (`SampleHandle.result(
 
 On CUDA the common case (each row greedy or sampled at a temperature, under a grammar's bitmask or not) is one
 kernel (kernels/sampling.sample_tokens): the loop is host-bound at small models, and the ~15 torch ops of the general
-path cost more host time than the device spends on them. After a decode graph's replay that kernel is itself replayed from a
-CUDA graph of the same bucket (masked and not: capture_plain), over the static logits, the bucket's temperatures and
-slots and a static bitmask. Its noise key is a device counter, read by the kernel and advanced after it, starting from
-a seed drawn like the runner's generator's, so every tensor-parallel rank draws the same. The general path (top-k, top-p,
-min-p, logprobs, min_tokens bans, logit_bias, penalties, seeded rows) runs torch ops on a float32 copy; off CUDA
-every batch takes it.
+path cost more host time than the device spends on them. After a decode graph's replay that kernel is itself
+replayed from a CUDA graph of the same bucket (masked and not: capture_plain), over the static logits, the bucket's
+temperatures and slots and a static bitmask. Its noise key is a device counter, read by the kernel and advanced after
+it, starting from a seed drawn like the runner's generator's, so every tensor-parallel rank draws the same. The
+general path (top-k, top-p, min-p, logprobs, min_tokens bans, logit_bias, penalties, seeded rows) runs torch ops on a
+float32 copy; off CUDA every batch takes it.
 
 Seeded rows draw their noise from their own generator, so a seeded request gives the same tokens
 whatever else is batched, and in the same order whether or not the host runs ahead.
@@ -101,6 +101,8 @@ class Sampler:
         self._events = [torch.cuda.Event() if self.on_cuda else None for _ in range(2)]
         self._turn = 0
         fused = self.on_cuda and HAS_TRITON if fused is None else fused
+        if fused and vocab_size < 1:
+            raise ValueError("the fused sampler needs the vocabulary size (its static bitmask is that wide)")
         self._fused = SampleScratch(max_rows, device) if fused else None
         self.graphs: dict[bool, GraphRunner] = {}  # masked → the plain sample of each decode bucket (capture_plain)
         self._bitmask = torch.full((max_rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device) \

@@ -101,8 +101,6 @@ class Sampler:
         self._events = [torch.cuda.Event() if self.on_cuda else None for _ in range(2)]
         self._turn = 0
         fused = self.on_cuda and HAS_TRITON if fused is None else fused
-        if fused and vocab_size < 1:
-            raise ValueError("the fused sampler needs the vocabulary size (its static bitmask is that wide)")
         self._fused = SampleScratch(max_rows, device) if fused else None
         self.graphs: dict[bool, GraphRunner] = {}  # masked → the plain sample of each decode bucket (capture_plain)
         self._bitmask = torch.full((max_rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device) \

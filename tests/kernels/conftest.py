@@ -17,17 +17,17 @@ if _triton.HAS_TRITON:
         pass
 
 
-@pytest.fixture
-def pdl_in_interpreter(monkeypatch):
+@pytest.fixture(params=[1, 2], ids=["trigger_after_wait", "trigger_first"])
+def pdl_in_interpreter(monkeypatch, request):
     """The kernels' USE_PDL path, run in the CPU interpreter: it has no grid-dependency control, so gdc_wait and
     gdc_launch_dependents become no-ops there; what is tested is everything else that path does (the first
     weight tile loaded before the wait, the loop that starts one tile later)."""
     if torch.cuda.is_available() or not _triton.HAS_TRITON:
         pytest.skip("the USE_PDL path runs in the interpreter here; on a GPU the gpu tests run it for real")
+    monkeypatch.setattr(_triton, "gdc_wait", _no_gdc)
+    monkeypatch.setattr(_triton, "gdc_launch_dependents", _no_gdc)
     for module in PDL_MODULES:
-        monkeypatch.setattr(module, "gdc_wait", _no_gdc)
-        monkeypatch.setattr(module, "gdc_launch_dependents", _no_gdc)
-        monkeypatch.setattr(module, "pdl_args", lambda device: {"USE_PDL": True})
+        monkeypatch.setattr(module, "pdl_args", lambda device: {"USE_PDL": request.param})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -51,15 +51,21 @@ def compile_instead(self, *args, grid, warmup, **kwargs):
     ptx = compile(ASTSource(self, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                   options=options).asm["ptx"].splitlines()
     wait = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
-    assert wait and any("griddepcontrol.launch_dependents" in line for line in ptx), self.__name__
+    trigger = [i for i, line in enumerate(ptx) if "griddepcontrol.launch_dependents" in line]
+    assert wait and trigger and trigger[0] < wait[0], self.__name__  # the early trigger comes first
     if self.__name__ == "_gemv_kernel":
         assert any("ld.global" in line or "cp.async" in line for line in ptx[:wait[0]]), "no weight load before wait"
+        if any("prefetch.global.L2" in line for line in ptx[:wait[0]]):
+            print("prefetched", flush=True)
     print("compiled", self.__name__, flush=True)
 
 
 JITFunction.run = compile_instead
 for module in (attention, fused, gemv, rotary_kv):
-    module.pdl_args = lambda device: {"USE_PDL": True, "launch_pdl": True}
+    module.pdl_args = lambda device: {"USE_PDL": 2, "launch_pdl": True}
+gemv.pdl_enabled = lambda device: True  # and the GEMVs prefetch their slices into L2 before the wait
+from nanoserve.kernels.switches import SWITCHES
+SWITCHES.gemv_prefetch = True
 attention.num_sms = lambda device: 132
 bf = torch.bfloat16
 x1, x3, x64 = (torch.randn(m, 1024, dtype=bf) for m in (1, 3, 64))
@@ -112,3 +118,4 @@ def test_decode_kernels_compile_for_hopper_with_pdl():
                           timeout=900)
     assert proc.returncode == 0 and "all compiled" in proc.stdout, (proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.stdout.count("compiled _gemv_kernel") == 6 + 6  # bf16, then fp8 weights
+    assert "prefetched" in proc.stdout  # the slices longer than one tile

@@ -86,7 +86,7 @@ def test_fp32_graph_tokens_equal_one_rank(arch, tiny_model_dirs):
 def test_rank_zero_graphs_hold_the_collectives(tiny_model_dirs):
     sys.path.insert(0, str(REPO))
     from benchmarks.graph_edges import kernel_names
-    from benchmarks.profile_decode import kept_graphs
+    from benchmarks.decode_floor import kept_graphs
 
     with kept_graphs() as kept:
         if not kept:

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from nanoserve.kernels import reference
-from nanoserve.kernels._triton import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, jit, next_power_of_2,
-                                       num_sms, pdl_args, tl)
+from nanoserve.kernels._triton import (HAS_TRITON, cdiv, jit, next_power_of_2,
+                                       num_sms, pdl_args, pdl_start, pdl_wait, tl)
 from nanoserve.kernels.metadata import AttentionInputs
 
 
@@ -59,6 +59,7 @@ DECODE_MIN_PARTITION = 64  # tokens; with per-sequence partitions short contexts
 DECODE_WAVES = 4
 DECODE_MAX_SPLITS = 128
 DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3  # software-pipeline depth of the key-tile loop (Triton's default on sm_90)
 # K/V tiles of at most this many bytes (64 tokens of bf16 at head_dim 128): larger ones spill registers.
 KV_TILE_BYTES = 16384
 MAX_BLOCK_N = 64
@@ -84,9 +85,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
@@ -181,9 +181,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    DOT_UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:  # q, the cache and the decode inputs all come from earlier kernels
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)  # q, the cache and the decode inputs all come from earlier kernels
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -230,9 +229,8 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, 
                           stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                           USE_PDL: tl.constexpr):
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
@@ -324,7 +322,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        **_dot_args(q.device, k_cache.dtype), num_warps=DECODE_NUM_WARPS, **pdl_args(q.device))
+        **_dot_args(q.device, k_cache.dtype), num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+        **pdl_args(q.device))
     if num_splits == 1:
         return out
     return partials if defer_merge else merge_partials(partials, out)
@@ -376,9 +375,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
                     Q_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
                     USE_PDL: tl.constexpr):
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)
     kv_head = tl.program_id(0)  # the heads of one tile launch together, and the work list is longest first
     work = tl.program_id(1)
     seq = tl.load(work_seq_ptr + work)  # -1: an unused entry of a fixed-size (graph) work list

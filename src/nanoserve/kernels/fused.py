@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels._triton import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, jit, next_power_of_2,
-                                       pdl_args, tl)
+from nanoserve.kernels._triton import (HAS_TRITON, cdiv, jit, next_power_of_2,
+                                       pdl_args, pdl_start, pdl_wait, tl)
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -68,10 +68,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     dtype = out_ptr.dtype.element_ty
+    pdl_start(USE_PDL)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: safe before the wait
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_wait(USE_PDL)
     xf = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:  # the sum is rounded to the model dtype, like HF's add
         xf = (xf + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
@@ -84,9 +83,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
 
 @jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, half, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < half

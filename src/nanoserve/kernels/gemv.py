@@ -46,8 +46,8 @@ import torch.nn.functional as F
 
 from nanoserve.kernels import fp8, fused
 from nanoserve.kernels.attention import DecodePartials, merge_partials, merged_head
-from nanoserve.kernels._triton import (HAS_TRITON, cdiv, gdc_launch_dependents, gdc_wait, jit, next_power_of_2,
-                                       num_sms, pdl_args, prev_power_of_2, tl)
+from nanoserve.kernels._triton import (HAS_TRITON, cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_enabled,
+                                       pdl_start, pdl_wait, prev_power_of_2, tl)
 from nanoserve.kernels.rotary_kv import QKVRope
 from nanoserve.kernels.switches import SWITCHES
 
@@ -511,8 +511,39 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, merge: Decod
         LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_IN_FP32=not x.is_cuda,  # the interpreter (CPU tensors) multiplies bf16 bit patterns as integers
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, ATTN_BLOCK_N=merge.block_n if merge is not None else 16,
+        PREFETCH_LINES=_prefetch_lines(p, weight.element_size(), x.device), PREFETCH_STEP=128 // weight.element_size(),
         num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x.device))
     return out
+
+
+PREFETCH_MAX_LINES = 4096  # 512 KiB a program: more than any variant's slice of the decode matrices
+
+
+def _prefetch_lines(p: LaunchPlan, element_size: int, device: torch.device) -> int:
+    """Lines each program prefetches into L2 before the PDL wait (a power of two; 0: none): its whole slice of W,
+    when SWITCHES.gemv_prefetch is on, PDL runs, and the slice is more than the one tile loaded before the wait."""
+    if not (SWITCHES.gemv_prefetch and pdl_enabled(device)) or p.k_per_split <= p.block_k:
+        return 0
+    lines = next_power_of_2(p.block_n * cdiv(p.k_per_split * element_size, 128))
+    return lines if lines <= PREFETCH_MAX_LINES else 0
+
+
+@jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at ptrs: no registers, no wait (the loads after gdc_wait then hit L2)."""
+    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2::evict_last [$1];", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@jit
+def _prefetch_weights(w_ptr, pid_n, N, K, k_start, k_stop, BLOCK_N: tl.constexpr, LINES: tl.constexpr,
+                      LINE: tl.constexpr):
+    """Prefetch rows [pid_n * BLOCK_N, +BLOCK_N) x columns [k_start, k_stop) of W, one line (LINE elements) each."""
+    idx = tl.arange(0, LINES)
+    per_row = tl.cdiv(k_stop - k_start, LINE)
+    row = tl.minimum(idx // per_row, BLOCK_N - 1)
+    col = tl.minimum(k_start + (idx % per_row) * LINE, K - 1)
+    _prefetch_l2(w_ptr + ((pid_n * BLOCK_N + row) % N).to(tl.int64) * K + col)
 
 
 @jit
@@ -622,7 +653,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
                  USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                  REDUCE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 ATTN_BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+                 ATTN_BLOCK_N: tl.constexpr, PREFETCH_LINES: tl.constexpr, PREFETCH_STEP: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -634,10 +666,12 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
     k_loop = k_start
+    pdl_start(USE_PDL)
     if USE_PDL:  # the first weight tile streams in while the previous kernel finishes; x only after the wait
+        if PREFETCH_LINES > 0:  # and L2 fetches the rest of this program's weights meanwhile
+            _prefetch_weights(w_ptr, pid_n, N, K, k_start, k_stop, BLOCK_N, PREFETCH_LINES, PREFETCH_STEP)
         w_first = _load_weight(w_rows, k_start + offs_k[None, :], K, EVEN_K)
-        gdc_wait()
-        gdc_launch_dependents()
+        pdl_wait(USE_PDL)
         k_loop = k_start + BLOCK_K
 
     inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)

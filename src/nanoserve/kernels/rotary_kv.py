@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels import reference
-from nanoserve.kernels._triton import cdiv, gdc_launch_dependents, gdc_wait, jit, pdl_args, tl
+from nanoserve.kernels._triton import cdiv, jit, pdl_args, pdl_start, pdl_wait, tl
 from nanoserve.kernels.fused import rms_norm_ref, use_triton
 
 
@@ -106,9 +106,8 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_tokens, num_heads,
                          num_kv_heads, eps, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_NORM: tl.constexpr,
                          STORE_KV: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:  # everything below reads the previous kernels' outputs
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)  # everything below reads the previous kernels' outputs
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]  # [BLOCK_T, 1]
     token_ok = tokens < num_tokens
     head = tl.program_id(1)

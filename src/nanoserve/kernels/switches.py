@@ -14,13 +14,16 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-_ENV = {"pdl": "NANOSERVE_PDL", "fuse_norm": "NANOSERVE_FUSE_NORM", "fuse_silu": "NANOSERVE_FUSE_SILU",
+_ENV = {"pdl": "NANOSERVE_PDL", "pdl_early": "NANOSERVE_PDL_EARLY", "gemv_prefetch": "NANOSERVE_GEMV_PREFETCH",
+        "fuse_norm": "NANOSERVE_FUSE_NORM", "fuse_silu": "NANOSERVE_FUSE_SILU",
         "fuse_merge": "NANOSERVE_FUSE_MERGE", "fuse_max_m": "NANOSERVE_FUSE_MAX_M"}
 
 
 @dataclass
 class Switches:
     pdl: bool = True  # programmatic dependent launch between consecutive kernels (Hopper and newer)
+    pdl_early: bool = False  # each kernel lets the next launch as its first statement, not after its wait
+    gemv_prefetch: bool = False  # the GEMV asks L2 for all its weight lines before the wait, not only the first tile
     fuse_norm: bool = True  # residual add + RMSNorm in the prologue of the GEMV that follows
     fuse_silu: bool = True  # SiLU-and-mul in the prologue of the down projection
     fuse_merge: bool = True  # the split-K decode attention's merge in the prologue of the o_proj GEMV

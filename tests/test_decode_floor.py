@@ -1,4 +1,4 @@
-"""The pure parts of benchmarks/profile_decode.py: kernel kinds and the time attributed to them."""
+"""The pure parts of benchmarks/decode_floor.py: kernel kinds and the time attributed to them."""
 import sys
 from pathlib import Path
 
@@ -6,7 +6,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks/
 
-from benchmarks import profile_decode as pd  # noqa: E402
+from benchmarks import decode_floor as pd  # noqa: E402
 
 
 def test_kernel_kinds():
@@ -30,11 +30,11 @@ def test_kind_table_attributes_overlapping_kernels_once():
 
 
 def test_summary_rows():
-    bucket = {"replay_ms": 1.0, "kernels": 200, "argmax_agree": 1.0}
+    bucket = {"replay_b2b_ms": 1.0, "kernels": 200}
     report = {"models": {"m": {"sets": {
         "all": {"buckets": {"1": bucket}, "edges": {"1": {"programmatic_edges": 190,
                                                           "pdl_kernels_without_programmatic_edge": 0}}},
-        "none": {"buckets": {"1": {**bucket, "replay_ms": 1.5, "kernels": 260}}}}}}}
+        "none": {"buckets": {"1": {**bucket, "replay_b2b_ms": 1.5, "kernels": 260}}}}}}}
     (row,) = pd.summary_rows(report)
     assert row["replay_ms"] == {"all": 1.0, "none": 1.5} and row["kernels"] == {"all": 200, "none": 260}
     assert row["pdl_edges_ok"] is True

@@ -1,0 +1,468 @@
+"""Decode against its HBM floor: one measurement truth, each kernel switch's worth in the model, decode attention.
+
+    python benchmarks/decode_floor.py model [--models qwen3-0.6b llama-3.1-8b smollm2-135m]
+                                            [--batch-sizes 1 8 32 64 256] [--switch-sizes 1 8 32]
+                                            [--switch-sets all no_fuse_merge early ...] [--json PATH]
+    python benchmarks/decode_floor.py attention [--json PATH]
+
+`model`: one engine per model (random bf16 weights, real shapes, a graph per --batch-sizes, contexts of --context
+tokens, max_model_len --max-model-len) and, per batch size, the same decode step timed every way this repo has
+timed it, so that they can be compared in one run:
+  * replay_b2b_ms: the graph replayed back to back between two CUDA events (inputs loaded once) — how the
+    engine's steps follow each other;
+  * replay_sync_ms: a synchronize before each replay (runner/timing.time_ms: the start-up probes);
+  * execute_sync_ms / execute_b2b_ms: runner.execute (input load + replay, no sampling), synchronized or back
+    to back (`nanoserve bench graphs` times execute);
+  * step_ms: engine.step() back to back with b running requests (sampling, scheduling, outputs);
+  * floor_ms: weights once + KV ÷ the measured copy bandwidth;
+  * the GPU time by kernel kind of one replay (torch.profiler; busy_us gives each stretch of the timeline to the
+    kernel that ends it).
+At b=1 also `LLM.generate` and `LLM.stream` ms per token. Then, for each switch set (kernels/switches.py, SWITCH_SETS
+here), the --switch-sizes graphs are captured again under those switches and replayed back to back, with their
+kernel profile and graph edges (benchmarks/graph_edges.py: every PDL kernel after a kernel must hang on a
+programmatic edge).
+
+`attention`: the decode attention kernel alone (+ its merge) over b = 1…32 rows and 1k–4k-token contexts, per
+split rule and pipeline depth: a graph of enough layers' calls that the KV cannot stay in L2, replayed back to
+back; GB/s against the copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+from unittest import mock
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.common import (back_to_back_seconds, env_info, kv_bytes_per_token, measure_copy_bandwidth,  # noqa
+                               model_config, param_counts, release_cuda_memory, write_json, write_model_dir)
+from nanoserve.kernels.switches import SWITCHES, switched  # noqa: E402
+
+SWITCH_SETS: dict[str, dict[str, bool | int]] = {
+    "all": {},  # the defaults (kernels/switches.py)
+    "no_pdl": {"pdl": False},
+    "early": {"pdl_early": True},  # each kernel lets the next launch first thing
+    "early_prefetch": {"pdl_early": True, "gemv_prefetch": True},
+    "prefetch": {"gemv_prefetch": True},
+    "no_fuse_norm": {"fuse_norm": False},
+    "no_fuse_silu": {"fuse_silu": False},
+    "no_fuse_merge": {"fuse_merge": False},
+    "none": {"pdl": False, "fuse_norm": False, "fuse_silu": False, "fuse_merge": False, "fuse_max_m": 0},
+    "old_rule_1row": {"fuse_norm": False},
+}
+# Sets that also change the GEMV dispatch: (rows bucket, weight MiB above which cuBLAS runs the plain product).
+# "old_rule_1row": the one-row rule before the sweep-made GEMV_TABLE (a fused-norm GEMV is always Triton, so the
+# norm is not fused there).
+TABLE_SETS = {"old_rule_1row": (1, 160)}
+KINDS = ("gemv", "attention", "attention merge", "norm", "rotary", "lm_head", "other")
+_NAMED_KINDS = {"_gemv_kernel": "gemv", "_decode_kernel": "attention", "_prefill_kernel": "attention",
+                "_decode_reduce_kernel": "attention merge", "_rms_norm_kernel": "norm",
+                "_qk_norm_rope_kernel": "rotary", "_store_kv_kernel": "rotary", "_silu_and_mul_kernel": "other"}
+_CUBLAS_MARKERS = ("nvjet", "gemm", "gemv", "cutlass", "xmma", "splitkreduce", "cublas")
+B2B_ITERS = 50
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a kernel by its name; matrix products of cuBLAS count as gemv (lm_head is found by position)."""
+    if name in _NAMED_KINDS:
+        return _NAMED_KINDS[name]
+    lowered = name.lower()
+    if "flash" in lowered:  # flash varlen attention (eager prompt steps)
+        return "attention"
+    return "gemv" if any(m in lowered for m in _CUBLAS_MARKERS) else "other"
+
+
+def kind_table(kernels: list[tuple[str, float, float]]) -> dict:
+    """kernels: (name, start_us, end_us) of one step. Per kind: count, sum_us, busy_us; the last product of the
+    step is the lm_head. Also the step's kernel count, span and busy time, and the top kernels by name."""
+    kernels = sorted(kernels, key=lambda k: k[1])
+    kinds = [kernel_kind(n) for n, _, _ in kernels]
+    products = [i for i, kind in enumerate(kinds) if kind == "gemv"]
+    if products:
+        kinds[products[-1]] = "lm_head"
+    table = {kind: {"count": 0, "sum_us": 0.0, "busy_us": 0.0} for kind in KINDS}
+    by_name: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    covered = float("-inf")
+    for (name, start, end), kind in zip(kernels, kinds):
+        row = table[kind]
+        row["count"] += 1
+        row["sum_us"] += end - start
+        row["busy_us"] += max(0.0, end - max(start, covered))
+        covered = max(covered, end)
+        by_name[name][0] += 1
+        by_name[name][1] += end - start
+    busy = sum(r["busy_us"] for r in table.values())
+    span = kernels[-1][2] - kernels[0][1] if kernels else 0.0
+    top = sorted(((n[:90], c, t) for n, (c, t) in by_name.items()), key=lambda r: -r[2])[:15]
+    return {"kernels": len(kernels), "span_us": span, "busy_us": busy, "kinds": table, "top": top}
+
+
+def profile_step(run) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of every kernel of one call of run(), memory copies and sets left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    out = []
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA and not evt.name.startswith(("Memcpy", "Memset")):
+            out.append((evt.name, float(evt.time_range.start), float(evt.time_range.end)))
+    return out
+
+
+def layer_timeline(kernels: list[tuple[str, float, float]], layer: int, per_layer: int) -> list:
+    """One layer's kernels (name, start, end µs from the layer's first start): where the gaps and overlaps are."""
+    kernels = sorted(kernels, key=lambda k: k[1])[1 + layer * per_layer:1 + (layer + 1) * per_layer]
+    t0 = kernels[0][1] if kernels else 0.0
+    return [(n[:40], round(s - t0, 2), round(e - t0, 2)) for n, s, e in kernels]
+
+
+@contextlib.contextmanager
+def kept_graphs():
+    """Graphs created meanwhile keep their cudaGraph_t (keep_graph=True), so their edges can be read."""
+    make = torch.cuda.CUDAGraph
+    try:
+        make(keep_graph=True)
+    except TypeError:  # an older torch: no edge check
+        yield False
+        return
+    with mock.patch.object(torch.cuda, "CUDAGraph", lambda *a, **k: make(*a, **{**k, "keep_graph": True})):
+        yield True
+
+
+@contextlib.contextmanager
+def table_patched(name: str):
+    """For a TABLE_SETS name: GEMV_TABLE's entries of that rows bucket with cuBLAS above the size (else as is)."""
+    from nanoserve.kernels import gemv
+
+    if name not in TABLE_SETS:
+        yield
+        return
+    rows, mib = TABLE_SETS[name]
+    limit, entries = mib * 2**20, []
+    for size, cfg, triton in gemv._TABLE[rows]:
+        if size > limit and (not entries or entries[-1][0] < limit):
+            entries.append((limit, cfg, triton))
+        entries.append((size, cfg, triton and size <= limit))
+    with mock.patch.dict(gemv._TABLE, {rows: tuple(entries)}):
+        yield
+
+
+def graph_edges(graph_runner, sizes: list[int]) -> dict:
+    from benchmarks.graph_edges import inspect_graph
+
+    out = {}
+    for b in sizes:
+        try:
+            out[str(b)] = inspect_graph(graph_runner.graphs[b].raw_cuda_graph()).as_dict()
+        except Exception as exc:
+            out[str(b)] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return out
+
+
+def b2b_ms(fn, iters: int = B2B_ITERS, repeats: int = 3) -> float:
+    """Median over repeats of ms per call, iters calls queued back to back between two events."""
+    return statistics.median(back_to_back_seconds(fn, iters) * 1e3 / iters for _ in range(repeats))
+
+
+def floor_ms(cfg: dict, b: int, context: int, bandwidth: float) -> float:
+    """Weights read once (the lm_head matrix whole, b embedding rows when it is not tied) + KV, at bandwidth."""
+    p = param_counts(cfg)
+    head = cfg["vocab_size"] * cfg["hidden_size"]
+    weight_params = p.layers + p.final_norm + head + (b * cfg["hidden_size"] if p.lm_head else 0)
+    return (2 * weight_params + b * context * kv_bytes_per_token(cfg)) / bandwidth * 1e3
+
+
+def time_bucket(runner, b: int, context: int) -> dict:
+    """One decode step of b rows timed every way (see the module docstring), and its kernel profile."""
+    from nanoserve.bench.decode_step import decode_batch, time_decode_step
+    from nanoserve.runner.timing import time_ms
+
+    gr, batch = runner.graph_runner, decode_batch(runner, b, context)
+    rec = {"execute_sync_ms": statistics.median(time_decode_step(runner, batch, 5, 30)),
+           "execute_b2b_ms": b2b_ms(lambda: runner.execute(batch))}
+    runner.decode_inputs.load(batch, b)
+    rec["replay_sync_ms"] = statistics.median(time_ms(lambda: gr.replay(b), runner.device, 5, 30))
+    rec["replay_b2b_ms"] = b2b_ms(lambda: gr.replay(b))
+    kernels = profile_step(lambda: gr.replay(b))
+    rec.update(kind_table(kernels))
+    rec["layer_timeline"] = layer_timeline(kernels, runner.model.num_layers // 2, _kernels_per_layer(kernels, runner))
+    return rec
+
+
+def _kernels_per_layer(kernels, runner) -> int:
+    return max(1, (len(kernels) - 3) // runner.model.num_layers)
+
+
+def engine_steps(llm, b: int, context: int, steps: int = 30, runs: int = 3) -> dict:
+    """engine.step() back to back with b running requests after their prefill: ms per step (median of runs)."""
+    from nanoserve import SamplingParams
+
+    engine, device = llm.engine.core, llm.engine.core.runner.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda _: None
+    vocab = engine.vocab_size
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8 + runs * steps + 8)
+    gen = torch.Generator().manual_seed(1000 + b)
+    ids = [f"steps-{b}-{i}" for i in range(b)]
+    for rid in ids:
+        llm.engine.add_request(rid, torch.randint(0, vocab, (context,), generator=gen).tolist(), params)
+    try:
+        while engine.scheduler.waiting or not all(s.decoding for s in engine.scheduler.running):
+            llm.engine.step()
+        for _ in range(5):
+            llm.engine.step()
+        samples, rows = [], set()
+        for _ in range(runs):
+            sync(device)
+            t = time.perf_counter()
+            for _ in range(steps):
+                rows.add(len(engine.scheduler.running))
+                llm.engine.step()
+            sync(device)
+            samples.append((time.perf_counter() - t) * 1e3 / steps)
+        return {"step_ms": statistics.median(samples), "step_samples_ms": samples, "rows_seen": sorted(rows)}
+    finally:
+        for rid in ids:
+            llm.engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            llm.engine.step()
+
+
+def offline_b1(llm, context: int, tokens: int = 129) -> dict:
+    """LLM.generate and LLM.stream at one request: ms per generated token after the first."""
+    from nanoserve import SamplingParams
+
+    prompt = list(range(1, context + 1))
+    one = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+    many = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=tokens)
+    llm.generate([prompt], one, use_tqdm=False)
+    t = time.perf_counter()
+    llm.generate([prompt], one, use_tqdm=False)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.generate([prompt], many, use_tqdm=False)
+    generate = (time.perf_counter() - t - first) * 1e3 / (tokens - 1)
+    stamps = [time.perf_counter() for _ in llm.stream(prompt, many)]
+    return {"generate_ms_per_token": generate, "stream_ms_per_token": (stamps[-1] - stamps[0]) * 1e3 / (len(stamps) - 1)}
+
+
+def measure_switch_set(runner, name: str, sizes: list[int], context: int) -> dict:
+    """The sizes' graphs captured again under the switch set: replay back to back, kernel profile, edges."""
+    from nanoserve.bench.decode_step import decode_batch
+
+    rec: dict = {"switches": {}, "buckets": {}}
+    try:
+        with switched(**SWITCH_SETS[name]), table_patched(name), kept_graphs() as kept:
+            rec["switches"] = dict(SWITCHES.__dict__)
+            gr = runner.graph_runner
+            gr.drop(sizes)
+            gr.capture(sizes)
+            rec["edges"] = graph_edges(gr, sizes) if kept else {"error": "torch has no keep_graph"}
+            for b in sizes:
+                runner.decode_inputs.load(decode_batch(runner, b, context), b)
+                kernels = profile_step(lambda: gr.replay(b))
+                rec["buckets"][str(b)] = {"replay_b2b_ms": b2b_ms(lambda: gr.replay(b)), **kind_table(kernels)}
+    except Exception as exc:  # one failing set must not lose the others
+        rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        traceback.print_exc()
+    return rec
+
+
+def measure_model(name: str, args, bandwidth: float, report: dict) -> dict:
+    from nanoserve import LLM
+
+    cfg, sizes = model_config(name), sorted(set(args.batch_sizes))
+    result: dict = {"buckets": {}, "sets": {}}
+    report["models"][name] = result
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        llm = LLM(str(write_model_dir(cfg, tmp)), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                  max_num_seqs=max(sizes), max_model_len=args.max_model_len, cudagraph_capture_sizes=sizes,
+                  prefill_graph_sizes="off", num_kv_blocks=max(sizes) * (args.context // 16 + 16) + 64,
+                  enable_prefix_caching=False, show_progress=False)
+        result["startup_s"] = time.perf_counter() - t
+        runner = llm.engine.core.runner
+        for b in sizes:
+            rec = result["buckets"][str(b)] = {"floor_ms": floor_ms(cfg, b, args.context, bandwidth)}
+            _guarded(rec, lambda: rec.update(time_bucket(runner, b, args.context)))
+            _guarded(rec, lambda: rec.update(engine_steps(llm, b, args.context)))
+            print_bucket(name, b, rec)
+        _guarded(result, lambda: result.update(offline=offline_b1(llm, args.context)))
+        print(f"== {name} offline b=1: {result.get('offline')}", flush=True)
+        write_json(args.json, report) if args.json else None
+        for set_name in args.switch_sets:
+            result["sets"][set_name] = rec = measure_switch_set(runner, set_name, args.switch_sizes, args.context)
+            print_set(name, set_name, rec)
+            write_json(args.json, report) if args.json else None
+        llm.close()
+        del llm, runner
+        release_cuda_memory()
+    return result
+
+
+def _guarded(rec: dict, fn) -> None:
+    try:
+        fn()
+    except Exception as exc:  # one failing measurement must not lose the others
+        rec.setdefault("errors", []).append(f"{type(exc).__name__}: {exc}"[:400])
+        traceback.print_exc()
+
+
+def print_bucket(model: str, b: int, r: dict) -> None:
+    cells = "  ".join(f"{k[:-3]} {r[k]:.3f}" for k in ("replay_b2b_ms", "replay_sync_ms", "execute_b2b_ms",
+                                                       "execute_sync_ms", "step_ms", "floor_ms") if k in r)
+    kinds = "  ".join(f"{k} {v['count']}x {v['busy_us']:.0f}" for k, v in r.get("kinds", {}).items() if v["count"])
+    print(f"== {model} b={b}: {cells}\n     busy µs {r.get('busy_us', 0):.0f}: {kinds} {r.get('errors', '')}",
+          flush=True)
+
+
+def print_set(model: str, set_name: str, rec: dict) -> None:
+    if "error" in rec:
+        print(f"== {model} [{set_name}]: error {rec['error']}", flush=True)
+        return
+    for b, r in rec["buckets"].items():
+        edges = rec.get("edges", {}).get(b, {})
+        pdl = (f"{edges['programmatic_edges']} PDL edges, {edges['pdl_kernels_without_programmatic_edge']} missing"
+               if "programmatic_edges" in edges else f"edges: {edges.get('error', '-')}")
+        kinds = "  ".join(f"{k} {v['count']}x {v['busy_us']:.0f}" for k, v in r["kinds"].items() if v["count"])
+        print(f"== {model} b={b} [{set_name}]: replay {r['replay_b2b_ms']:.3f} ms, {r['kernels']} kernels, busy "
+              f"{r['busy_us'] / 1000:.3f} ms; {pdl}\n     busy µs: {kinds}", flush=True)
+
+
+def summary_rows(report: dict) -> list[dict]:
+    """One row per (model, b): replay ms per switch set, kernels per step (all vs none), checks."""
+    rows = []
+    for model, m in report["models"].items():
+        sets = m.get("sets", {})
+        sizes = sorted({int(b) for s in sets.values() for b in s.get("buckets", {})})
+        for b in sizes:
+            row = {"model": model, "b": b, "replay_ms": {}, "kernels": {}}
+            for set_name, s in sets.items():
+                r = s.get("buckets", {}).get(str(b))
+                if r:
+                    row["replay_ms"][set_name], row["kernels"][set_name] = r["replay_b2b_ms"], r["kernels"]
+            edges = sets.get("all", {}).get("edges", {}).get(str(b), {})
+            row["pdl_edges_ok"] = bool(edges.get("programmatic_edges")) and not edges.get(
+                "pdl_kernels_without_programmatic_edge") if "programmatic_edges" in edges else None
+            rows.append(row)
+    return rows
+
+
+def print_summary(rows: list[dict], sets: list[str]) -> None:
+    print("\nreplay ms per decode step (back to back) by switch set; kernels per step; checks")
+    print(f"{'model':<14}{'b':>4} " + "".join(f"{s:>15}" for s in sets) + f"{'kernels':>12} {'PDL edges':>10}")
+    for r in rows:
+        cells = "".join(f"{r['replay_ms'][s]:15.3f}" if s in r["replay_ms"] else f"{'-':>15}" for s in sets)
+        kernels = f"{r['kernels'].get('all', '-')}/{r['kernels'].get('none', '-')}"
+        print(f"{r['model']:<14}{r['b']:>4} {cells}{kernels:>12} {str(r['pdl_edges_ok']):>10}")
+
+
+# -- decode attention alone ------------------------------------------------------------------------------
+ATTENTION_SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128)}  # heads, kv heads, head_dim
+L2_DEFEAT_BYTES = 256 * 2**20  # KV per replay, over all layers: several times the H200's 50 MB L2
+
+
+def attention_point(shape, b: int, context: int, rule: dict, bandwidth: float, table_tokens: int) -> dict:
+    """Per-layer µs and bandwidth of decode attention (+ merge) for b rows of `context` tokens under one rule:
+    {"waves": w} (the split rule with DECODE_WAVES = w) and {"stages": s} (DECODE_NUM_STAGES)."""
+    from nanoserve.kernels import attention as A
+
+    heads, kv_heads, d = shape
+    block = 16
+    per_layer = b * context * kv_heads * d * 2 * 2
+    layers = max(4, min(64, -(-L2_DEFEAT_BYTES // per_layer)))
+    blocks = b * (context // block)
+    k = torch.randn(layers * blocks + 1, block, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    width = table_tokens // block
+    tables = [torch.full((b, width), layers * blocks, dtype=torch.int32, device="cuda") for _ in range(layers)]
+    for layer, t in enumerate(tables):
+        t[:, :context // block] = (layer * blocks + torch.arange(blocks, device="cuda", dtype=torch.int32)).view(b, -1)
+    lens = torch.full((b,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(b, heads, d, device="cuda", dtype=torch.bfloat16)
+    with mock.patch.object(A, "DECODE_WAVES", rule.get("waves", A.DECODE_WAVES)), \
+            mock.patch.object(A, "DECODE_NUM_STAGES", rule.get("stages", A.DECODE_NUM_STAGES)):
+        run = lambda: [A.decode_attention(q, k, v, t, lens, d ** -0.5) for t in tables]  # noqa: E731
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        splits = A.decode_num_splits(b, kv_heads, width * block, torch.cuda.get_device_properties(0).multi_processor_count)
+    us = b2b_ms(graph.replay, iters=20) * 1e3 / layers
+    del graph, k, v
+    return {"b": b, "context": context, **rule, "splits": splits, "layers": layers, "us_per_layer": us,
+            "bandwidth_fraction": per_layer / (us * 1e-6) / bandwidth}
+
+
+def attention_sweep(args, bandwidth: float) -> dict:
+    rules = [{"waves": w, "stages": s} for w in args.waves for s in args.stages]
+    out = {}
+    for name, shape in ATTENTION_SHAPES.items():
+        points = out[name] = []
+        for b in args.attention_rows:
+            for context in args.attention_contexts:
+                for rule in rules:
+                    try:
+                        points.append(attention_point(shape, b, context, rule, bandwidth, args.max_model_len))
+                    except Exception as exc:
+                        points.append({"b": b, "context": context, **rule, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                    p = points[-1]
+                    print(f"== attention {name} b={b} ctx={context} {rule}: "
+                          + (f"{p['us_per_layer']:.1f} µs/layer, {100 * p['bandwidth_fraction']:.0f}% of copy "
+                             f"bandwidth, {p['splits']} splits" if "error" not in p else p["error"]), flush=True)
+                release_cuda_memory()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("mode", choices=["model", "attention"])
+    p.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b", "smollm2-135m"])
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32, 64, 256])
+    p.add_argument("--switch-sizes", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--switch-sets", nargs="+", default=list(SWITCH_SETS), choices=list(SWITCH_SETS))
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--attention-rows", nargs="+", type=int, default=[1, 4, 8, 16, 32])
+    p.add_argument("--attention-contexts", nargs="+", type=int, default=[1024, 2048, 4096])
+    p.add_argument("--waves", nargs="+", type=int, default=[4, 8, 16])
+    p.add_argument("--stages", nargs="+", type=int, default=[1, 2, 3])
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("decode_floor.py needs a CUDA GPU")
+        return 0
+    bandwidth = measure_copy_bandwidth()
+    report = {"env": env_info(), "settings": vars(args) | {"json": str(args.json)}, "copy_bandwidth_bytes_per_s":
+              bandwidth, "models": {}}
+    if args.mode == "attention":
+        report["attention"] = attention_sweep(args, bandwidth)
+        write_json(args.json, report) if args.json else None
+        return 0
+    for name in args.models:
+        try:
+            measure_model(name, args, bandwidth, report)
+        except Exception as exc:
+            report["models"].setdefault(name, {})["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            traceback.print_exc()
+            release_cuda_memory()
+        report["summary"] = summary_rows(report)
+        write_json(args.json, report) if args.json else None
+    print_summary(report["summary"], args.switch_sets)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

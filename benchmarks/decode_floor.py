@@ -2,7 +2,7 @@
 
     python benchmarks/decode_floor.py model [--models qwen3-0.6b llama-3.1-8b smollm2-135m]
                                             [--batch-sizes 1 8 32 64 256] [--switch-sizes 1 8 32]
-                                            [--switch-sets all no_fuse_merge early ...] [--json PATH]
+                                            [--switch-sets all no_fuse_norm early ...] [--json PATH]
     python benchmarks/decode_floor.py attention [--json PATH]
 
 `model`: one engine per model (random bf16 weights, real shapes, a graph per --batch-sizes, contexts of --context
@@ -55,8 +55,9 @@ SWITCH_SETS: dict[str, dict[str, bool | int]] = {
     "prefetch": {"gemv_prefetch": True},
     "no_fuse_norm": {"fuse_norm": False},
     "no_fuse_silu": {"fuse_silu": False},
-    "no_fuse_merge": {"fuse_merge": False},
-    "none": {"pdl": False, "fuse_norm": False, "fuse_silu": False, "fuse_merge": False, "fuse_max_m": 0},
+    "fuse_norm_any_k": {"fuse_norm_max_k": 1 << 20},
+    "no_kv_preload": {"kv_preload": False},
+    "none": {"pdl": False, "fuse_norm": False, "fuse_silu": False, "fuse_max_m": 0},
     "old_rule_1row": {"fuse_norm": False},
 }
 # Sets that also change the GEMV dispatch: (rows bucket, weight MiB above which cuBLAS runs the plain product).
@@ -301,6 +302,9 @@ def measure_model(name: str, args, bandwidth: float, report: dict) -> dict:
         _guarded(result, lambda: result.update(offline=offline_b1(llm, args.context)))
         print(f"== {name} offline b=1: {result.get('offline')}", flush=True)
         write_json(args.json, report) if args.json else None
+        if args.gemv_rows:
+            _guarded(result, lambda: result.update(gemv=gemv_sweep(runner, cfg, args.gemv_rows, args.context)))
+            write_json(args.json, report) if args.json else None
         for set_name in args.switch_sets:
             result["sets"][set_name] = rec = measure_switch_set(runner, set_name, args.switch_sizes, args.context)
             print_set(name, set_name, rec)
@@ -366,6 +370,68 @@ def print_summary(rows: list[dict], sets: list[str]) -> None:
         cells = "".join(f"{r['replay_ms'][s]:15.3f}" if s in r["replay_ms"] else f"{'-':>15}" for s in sets)
         kernels = f"{r['kernels'].get('all', '-')}/{r['kernels'].get('none', '-')}"
         print(f"{r['model']:<14}{r['b']:>4} {cells}{kernels:>12} {str(r['pdl_edges_ok']):>10}")
+
+
+# -- the GEMV variants in the model ----------------------------------------------------------------------------
+GEMV_CANDIDATES = {
+    1: ["fma 2x1024 w4 st2 p0", "fma 4x1024 w4 st3 p0", "fma 8x1024 w4 st2 p0", "fma 8x512 w4 st3 p0",
+        "fma 16x256 w4 st4 p0", "fma 4x512 w2 st3 p0", "fma 8x1024 w8 st2 p0", "fma 4x1024 w4 st3 p2"],
+    8: ["dot 64x128 w4 st4 p0", "dot 32x256 w4 st3 p1", "dot 16x512 w4 st3 p1", "dot 64x256 w4 st3 p1",
+        "dot 128x128 w8 st3 p0", "dot 32x128 w4 st4 p2", "dot 16x256 w4 st4 p2", "dot 64x64 w4 st4 p2"],
+}
+
+
+def decode_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """(N, K) of each decode product of a layer, as the GEMV dispatch sees them."""
+    h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg.get("head_dim") or \
+        cfg["hidden_size"] // cfg["num_attention_heads"]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    return {"qkv": ((heads + 2 * kv) * d, h), "o": (h, heads * d), "gate_up": (2 * inter, h), "down": (h, inter)}
+
+
+@contextlib.contextmanager
+def choice_patched(choices: dict[tuple[int, int, int], str]):
+    """gemv.choose returns choices[(rows bucket, N, K)] (as a Triton win) where given."""
+    from nanoserve.kernels import gemv
+
+    original = gemv.choose
+
+    def choose(m, n, k, element_size):
+        bucket = min(b for b in GEMV_CANDIDATES if b >= m) if m <= max(GEMV_CANDIDATES) else None
+        cfg = choices.get((bucket, n, k))
+        return (gemv.GemvConfig.parse(cfg), True) if cfg else original(m, n, k, element_size)
+
+    with mock.patch.object(gemv, "choose", choose):
+        yield
+
+
+def gemv_sweep(runner, cfg: dict, rows_list: list[int], context: int) -> dict:
+    """Per rows bucket and decode product: the b-row graph's replay with each candidate for that product (the others
+    as the table says), then with every product's best."""
+    from nanoserve.bench.decode_step import decode_batch
+
+    def replay(b: int, choices: dict) -> float:
+        with choice_patched(choices):
+            runner.graph_runner.drop([b])
+            runner.graph_runner.capture([b])
+        runner.decode_inputs.load(decode_batch(runner, b, context), b)
+        return b2b_ms(lambda: runner.graph_runner.replay(b))
+
+    out = {}
+    for b in rows_list:
+        rec = out[str(b)] = {"table_ms": replay(b, {}), "products": {}}
+        best = {}
+        for name, (n, k) in decode_shapes(cfg).items():
+            times = {c: replay(b, {(b, n, k): c}) for c in GEMV_CANDIDATES[b]}
+            rec["products"][name] = {"n": n, "k": k, "ms": times}
+            best[(b, n, k)] = min(times, key=times.get)
+            print(f"== gemv b={b} {name} {n}x{k}: table {rec['table_ms']:.3f}; " +
+                  ", ".join(f"{c} {t:.3f}" for c, t in sorted(times.items(), key=lambda kv: kv[1])[:3]), flush=True)
+        rec["best"] = {f"{n}x{k}": c for (_, n, k), c in best.items()}
+        rec["best_ms"] = replay(b, best)
+        replay(b, {})  # the table's graph again
+        print(f"== gemv b={b}: table {rec['table_ms']:.3f} ms, every product's best {rec['best_ms']:.3f} ms", flush=True)
+    return out
 
 
 # -- decode attention alone ------------------------------------------------------------------------------
@@ -434,6 +500,8 @@ def main() -> int:
     p.add_argument("--switch-sizes", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--switch-sets", nargs="+", default=list(SWITCH_SETS), choices=list(SWITCH_SETS))
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--gemv-rows", nargs="*", type=int, default=[], choices=list(GEMV_CANDIDATES),
+                   help="rows buckets whose GEMV variants are swept in the model")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--attention-rows", nargs="+", type=int, default=[1, 4, 8, 16, 32])
     p.add_argument("--attention-contexts", nargs="+", type=int, default=[1024, 2048, 4096])

@@ -57,6 +57,8 @@ def compile_instead(self, *args, grid, warmup, **kwargs):
         assert any("ld.global" in line or "cp.async" in line for line in ptx[:wait[0]]), "no weight load before wait"
         if any("prefetch.global.L2" in line for line in ptx[:wait[0]]):
             print("prefetched", flush=True)
+    if self.__name__ == "_decode_kernel":  # the first K/V tile is loaded before the wait
+        assert any("ld.global" in line for line in ptx[:wait[0]]), "no K/V load before the wait"
     print("compiled", self.__name__, flush=True)
 
 
@@ -89,8 +91,6 @@ rotary_kv.qk_norm_rope(q, k, cos_sin, slots, torch.ones(128, dtype=bf), torch.on
 attention.store_kv(k, v, kc, vc, slots)
 tables, lens = torch.zeros(3, 32, dtype=torch.int32), torch.full((3,), 500, dtype=torch.int32)
 attention.decode_attention(torch.randn(3, 16, 128, dtype=bf), kc, vc, tables, lens, 0.1)
-parts = attention.DecodePartials(torch.zeros(3 * 16 * 4 * 128), torch.zeros(3 * 16 * 4 * 2), lens, 3, 16, 128, 4, 64, bf)
-gemv.attention_out_linear(parts, torch.randn(1024, 2048, dtype=bf), force_triton=True)
 # fp8 weights (W8A16): the table's variants and every fused path
 from nanoserve.kernels import fp8
 q8, s8 = fp8.quantize(w)
@@ -99,8 +99,6 @@ for x in (x1, x3, x64):
 gemv.norm_linear(x3, x3.clone(), norm_w, 1e-6, q8, weight_scale=s8, force_triton=True)
 q8d, s8d = fp8.quantize(torch.randn(1024, 3072))
 gemv.silu_mul_linear(torch.randn(3, 6144, dtype=bf), q8d, weight_scale=s8d, force_triton=True)
-q8o, s8o = fp8.quantize(torch.randn(1024, 2048))
-gemv.attention_out_linear(parts, q8o, weight_scale=s8o, force_triton=True)
 cu = torch.arange(4, dtype=torch.int32)
 meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, context_lens=lens, block_tables=tables, cu_seqlens_q=cu,
                          max_seqlen_q=1, has_cached_prefix=True)
@@ -117,5 +115,5 @@ def test_decode_kernels_compile_for_hopper_with_pdl():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0 and "all compiled" in proc.stdout, (proc.stdout[-3000:], proc.stderr[-3000:])
-    assert proc.stdout.count("compiled _gemv_kernel") == 6 + 6  # bf16, then fp8 weights
+    assert proc.stdout.count("compiled _gemv_kernel") == 5 + 5  # bf16, then fp8 weights
     assert "prefetched" in proc.stdout  # the slices longer than one tile

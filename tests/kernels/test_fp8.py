@@ -12,7 +12,7 @@ from nanoserve.kernels import attention, fp8, fused, gemv
 from nanoserve.kernels._triton import HAS_TRITON
 from nanoserve.kernels.gemv import GemvConfig
 from nanoserve.kernels.switches import switched
-from tests.kernels.test_gemv import (DEVICE, DOT_SPLIT, DOT_WHOLE_K, FMA_SPLIT, FMA_WHOLE_K, make, merge_case,
+from tests.kernels.test_gemv import (DEVICE, DOT_SPLIT, DOT_WHOLE_K, FMA_SPLIT, FMA_WHOLE_K, make,
                                      norm_case, tol)
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -170,22 +170,6 @@ def test_fp8_silu_mul_prologue(m, config, dtype):
     check_fp8(out, fused.silu_and_mul_ref(gate_up), w_ref, None, dtype)
 
 
-def check_fp8_merge(m, dtype):
-    partials, w, b = merge_case(m, dtype)
-    q, s, w_ref = quantized(w.float())
-    want = F.linear(attention.merge_partials(partials).reshape(m, -1).float(), w_ref, b.float())
-    out = gemv.attention_out_linear(partials, q, b, weight_scale=s, force_triton=True)
-    assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), want, **tol(dtype))
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, 20])
-def test_fp8_attention_merge_prologue(m, dtype):
-    check_fp8_merge(m, dtype)
-
-
 @needs_triton
 @pytest.mark.usefixtures("pdl_in_interpreter")
 def test_fp8_pdl_path_in_the_interpreter():
@@ -194,7 +178,6 @@ def test_fp8_pdl_path_in_the_interpreter():
         x, w, b = make(m, 37, 64 if config.use_dot else 200, torch.float32, True, seed=m)
         q, s, w_ref = quantized(w)
         check_fp8(gemv.linear(x, q, b, weight_scale=s, force_triton=True, config=config), x, w_ref, b, torch.float32)
-    check_fp8_merge(3, torch.float32)
 
 
 # -- GPU: real shapes, _scaled_mm, CUDA graphs -------------------------------------------------------------------

@@ -283,47 +283,6 @@ def test_norm_qkv_rope_equals_qkv_then_qk_norm_rope(m, qk_norm, bias, dtype):
     check_norm_qkv_rope(m, dtype, qk_norm, bias)
 
 
-# -- the attention merge prologue --------------------------------------------------------------------------
-def merge_case(m, dtype, heads=4, kv_heads=2, d=32, block_size=8, seed=5):
-    """Split-K decode partials of m sequences (one of them empty, as a padded graph row), and an o_proj weight."""
-    g = torch.Generator().manual_seed(seed)
-    lens = ([0, 3, 150, 97] * m)[:m]
-    k_cache = torch.randn(48, block_size, kv_heads, d, generator=g).to(DEVICE, dtype)
-    v_cache = torch.randn(48, block_size, kv_heads, d, generator=g).to(DEVICE, dtype)
-    tables = torch.randint(0, 48, (m, 20), generator=g, dtype=torch.int32).to(DEVICE)
-    q = torch.randn(m, heads, d, generator=g).to(DEVICE, dtype)
-    partials = attention.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32,
-                                          device=DEVICE), d ** -0.5, num_splits=3, defer_merge=True)
-    assert isinstance(partials, attention.DecodePartials) and partials.num_splits == 3
-    w = (torch.randn(40, heads * d, generator=g) / (heads * d) ** 0.5).to(DEVICE, dtype)
-    b = torch.randn(40, generator=g).to(DEVICE, dtype)
-    return partials, w, b
-
-
-def check_merge(m, dtype):
-    partials, w, b = merge_case(m, dtype)
-    want = F.linear(attention.merge_partials(partials).reshape(m, -1), w, b)
-    torch.testing.assert_close(gemv.attention_out_linear(partials, w, b, force_triton=True), want, **tol(dtype))
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, 20])
-def test_merge_prologue_equals_reduce_then_linear(m, dtype):
-    check_merge(m, dtype)
-
-
-@needs_triton
-def test_merge_prologue_with_several_heads_per_program(monkeypatch):
-    monkeypatch.setattr(gemv, "MERGE_CONFIG", "dot 16x128 w4 st2 s2")  # 4 heads over 2 splits: 2 per program
-    check_merge(3, torch.float32)
-
-
-def test_attention_out_linear_without_partials_is_the_plain_product():
-    attn, w = torch.randn(3, 4, 16), torch.randn(8, 64)
-    torch.testing.assert_close(gemv.attention_out_linear(attn, w), F.linear(attn.reshape(3, 64), w))
-
-
 # -- the USE_PDL path ------------------------------------------------------------------------------------
 @needs_triton
 @pytest.mark.usefixtures("pdl_in_interpreter")
@@ -337,7 +296,6 @@ def test_pdl_path_in_the_interpreter():
     check(gemv.linear(x, w, b, force_triton=True, config=FMA_WHOLE_K), x, w, b)
     check_norm_linear(3, torch.float32, True, FMA_SPLIT)
     check_norm_linear(20, torch.float32, True, DOT_SPLIT)
-    check_merge(3, torch.float32)
 
 
 # -- GPU: real shapes, PDL, CUDA graphs ------------------------------------------------------------------
@@ -372,24 +330,6 @@ def test_gpu_fused_paths_real_shapes(m, pdl):
         gate_up = torch.randn(m, 2 * 3072, device=DEVICE, dtype=torch.bfloat16)
         w_down = torch.randn(1024, 3072, device=DEVICE, dtype=torch.bfloat16) / 3072 ** 0.5
         check(gemv.silu_mul_linear(gate_up, w_down, force_triton=True), fused.silu_and_mul_ref(gate_up), w_down, None)
-        check_merge(m, torch.bfloat16)
-        check_merge_real(m)
-
-
-def check_merge_real(m):
-    """Qwen3-0.6B's attention and o_proj (16 heads of 128) with the heuristic's own split count."""
-    g = torch.Generator().manual_seed(m)
-    k_cache = torch.randn(m * 40, 16, 8, 128, generator=g).to(DEVICE, torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
-    tables = torch.randperm(m * 40, generator=g).to(DEVICE, torch.int32).view(m, 40)
-    lens = torch.randint(1, 640, (m,), generator=g, dtype=torch.int32).to(DEVICE)
-    q = torch.randn(m, 16, 128, generator=g).to(DEVICE, torch.bfloat16)
-    partials = attention.decode_attention(q, k_cache, v_cache, tables, lens, 128 ** -0.5, defer_merge=True)
-    if not isinstance(partials, attention.DecodePartials):
-        return  # the heuristic took one split for this batch: nothing to merge
-    w = torch.randn(1024, 2048, device=DEVICE, dtype=torch.bfloat16) / 2048 ** 0.5
-    merged = attention.merge_partials(partials).reshape(m, -1)
-    check(gemv.attention_out_linear(partials, w, force_triton=True), merged, w, None)
 
 
 @pytest.mark.gpu

@@ -9,8 +9,8 @@ from nanoserve.kernels.switches import SWITCHES, Switches, switched
 def test_from_env():
     assert Switches.from_env({}) == Switches()  # everything on by default
     s = Switches.from_env({"NANOSERVE_PDL": "0", "NANOSERVE_FUSE_SILU": "0", "NANOSERVE_FUSE_NORM": "1"})
-    assert (s.pdl, s.fuse_norm, s.fuse_silu, s.fuse_merge) == (False, True, False, True)
-    assert not Switches.from_env({"NANOSERVE_FUSE_MERGE": "0"}).fuse_merge
+    assert (s.pdl, s.fuse_norm, s.fuse_silu) == (False, True, False)
+    assert Switches.from_env({"NANOSERVE_PDL_EARLY": "1"}).pdl_early
     with pytest.raises(ValueError, match="NANOSERVE_PDL must be 0 or 1"):
         Switches.from_env({"NANOSERVE_PDL": "off"})
 
@@ -26,6 +26,6 @@ def test_switched_restores_and_rejects_unknown_names():
 
 
 def test_pdl_only_on_cuda_when_switched_on():
-    assert _triton.pdl_args(torch.device("cpu")) == {"USE_PDL": False}
+    assert _triton.pdl_args(torch.device("cpu")) == {"USE_PDL": 0}
     with switched(pdl=False):
         assert not _triton.pdl_enabled(torch.device("cuda"))

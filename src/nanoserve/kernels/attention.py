@@ -14,7 +14,6 @@ second kernel merges the partial (max, sum, acc) of the splits that ran.
 """
 from __future__ import annotations
 
-import functools
 import inspect
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from nanoserve.kernels import reference
 from nanoserve.kernels._triton import (HAS_TRITON, cdiv, jit, next_power_of_2,
                                        num_sms, pdl_args, pdl_start, pdl_wait, tl)
 from nanoserve.kernels.metadata import AttentionInputs
+from nanoserve.kernels.switches import SWITCHES
 
 
 def select_backend(device: torch.device) -> str:
@@ -33,15 +33,13 @@ def select_backend(device: torch.device) -> str:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionInputs, scale: float, backend: str,
-                    kv_stored: bool = False, defer_merge: bool = False) -> torch.Tensor | DecodePartials:
+                    kv_stored: bool = False) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for the T new tokens → attention output [T, H, D].
 
     kv_stored: the caller already wrote k/v into the cache (fused into its rotary kernel); k and v may then be
-    None (the fused qkv + rope GEMV keeps them only in the cache). defer_merge: a split-K Triton decode returns
-    its DecodePartials for the consumer to merge (gemv.attention_out_linear)."""
+    None."""
     if backend == "triton":
-        store, prefill = store_kv, prefill_attention
-        decode = functools.partial(decode_attention, defer_merge=defer_merge)
+        store, prefill, decode = store_kv, prefill_attention, decode_attention
     else:
         store, prefill, decode = reference.store_kv, reference.prefill_attention, reference.decode_attention
     if not kv_stored:
@@ -152,15 +150,25 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, end, 
         kv_mask = dim_ok[None, :]
     k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_kt
                 + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
+                + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+    visible = kv_mask  # (unused unless MASKED)
+    if MASKED:
+        visible = key_ok[None, :] & (keys[None, :] <= last_key[:, None])
+    return _fold_tile(q, m_i, l_i, acc, k, v, visible, qk_scale, DOT_PRECISION, DOT_UPCAST, MASKED)
+
+
+@jit
+def _fold_tile(q, m_i, l_i, acc, k, v, visible, qk_scale, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+               MASKED: tl.constexpr = True):
+    """One online-softmax step (log2 domain) of the rows of q over a K/V tile; scores where not visible are -inf."""
     scores = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
     if MASKED:
-        scores = tl.where(key_ok[None, :] & (keys[None, :] <= last_key[:, None]), scores, float("-inf"))
+        scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
-                + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
     return m_new, l_i, acc
 
@@ -173,6 +181,20 @@ def _partition_size(context_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, table, keys, key_ok, kv_head, dims, dim_ok, stride_kb, stride_kt, stride_kh,
+             stride_vb, stride_vt, stride_vh, BLOCK_SIZE: tl.constexpr):
+    """K and V [BLOCK_N, BLOCK_D] of a paged context's keys where key_ok (zeros elsewhere)."""
+    block_ids = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    offsets = keys % BLOCK_SIZE
+    mask = key_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_kt + kv_head * stride_kh
+                + dims[None, :], mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt + kv_head * stride_vh
+                + dims[None, :], mask=mask, other=0.0)
+    return k, v
+
+
+@jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                    part_acc_ptr, part_ml_ptr, qk_scale, num_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh,
@@ -180,33 +202,53 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   DOT_UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+                   DOT_UPCAST: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
-    pdl_wait(USE_PDL)  # q, the cache and the decode inputs all come from earlier kernels
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # Before the wait only what no kernel of this step writes: the context lengths and block tables (the step's
+    # inputs, and patched by the non-PDL prepare kernel that every PDL kernel runs after) and, with PRELOAD, the
+    # partition's first K/V tile except the newest key, which this layer's rotary kernel is storing.
     context_len = tl.load(context_lens_ptr + seq)
     partition_size = _partition_size(context_len, num_splits, BLOCK_N)
     part_start = split * partition_size
+    part_end = tl.minimum(part_start + partition_size, context_len)
     # Partitions past the context exit at once. "<=" lets an empty context (padding rows) write
     # zeros from split 0; the reduce ignores the empty partial that this also writes for split > 0.
-    if part_start <= context_len:
-        part_end = tl.minimum(part_start + partition_size, context_len)
+    has_work = part_start <= context_len
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    keys = part_start + tl.arange(0, BLOCK_N)
+    first_ok = keys < part_end  # (empty where there is no work: part_end < part_start)
+    if PRELOAD:
+        k_first, v_first = _kv_tile(k_cache_ptr, v_cache_ptr, table, keys, keys < tl.minimum(part_end, context_len - 1),
+                                    kv_head, dims, dim_ok, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                    stride_vh, BLOCK_SIZE)
+    pdl_wait(USE_PDL)  # q and the newest K/V come from earlier kernels
+    if has_work:
         rows = tl.arange(0, BLOCK_G)
-        dims = tl.arange(0, BLOCK_D)
         heads = kv_head * GROUP + rows
         row_ok = rows < GROUP
-        dim_ok = dims < HEAD_DIM
         q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         q = q.to(k_cache_ptr.dtype.element_ty)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         last_key = tl.zeros([BLOCK_G], tl.int32) + (part_end - 1)  # every row sees the whole partition
-        for start in range(part_start, part_end, BLOCK_N):
+        loop_start = part_start
+        if PRELOAD:
+            if part_start < part_end:  # the preloaded tile, its newest key loaded now
+                newest = first_ok & (keys == context_len - 1)
+                k_new, v_new = _kv_tile(k_cache_ptr, v_cache_ptr, table, keys, newest, kv_head, dims, dim_ok,
+                                        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
+                m_i, l_i, acc = _fold_tile(q, m_i, l_i, acc, tl.where(newest[:, None], k_new, k_first),
+                                           tl.where(newest[:, None], v_new, v_first), first_ok[None, :], qk_scale,
+                                           DOT_PRECISION, DOT_UPCAST)
+            loop_start = part_start + BLOCK_N
+        for start in range(loop_start, part_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, part_end, last_key,
                                          kv_head, dims, dim_ok, qk_scale, stride_kb, stride_kt, stride_kh,
                                          stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
@@ -264,8 +306,9 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
 @dataclass
 class DecodePartials:
     """The split-K decode attention before its merge: per (sequence, head, split) the fp32 partial output and its
-    (max, sum). merge_partials turns it into the attention output; the o_proj GEMV can merge it in its prologue
-    instead (gemv.attention_out_linear)."""
+    (max, sum); merge_partials turns it into the attention output. (Merging in the o_proj GEMV's prologue instead
+    was measured slower everywhere on the H200 — Qwen3-0.6B b=1 1.230 vs 0.847 ms: every program re-reads every
+    head's partials, one split at a time — and removed: benchmarks/results/experiments/decode_floor_first_h200.json.)"""
 
     acc: torch.Tensor  # [num_seqs * num_heads * num_splits * head_dim] fp32
     ml: torch.Tensor  # [num_seqs * num_heads * num_splits * 2] fp32
@@ -279,13 +322,12 @@ class DecodePartials:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, *, num_splits: int | None = None,
-                     defer_merge: bool = False) -> torch.Tensor | DecodePartials:
+                     context_lens: torch.Tensor, scale: float, *, num_splits: int | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context → [num_seqs, num_heads, head_dim].
 
     q [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] int32; context_lens
     [num_seqs] int32 (0 gives a zero output row). num_splits overrides the shape heuristic
-    (tests, benchmarks). With defer_merge a split-K launch returns its DecodePartials, unmerged.
+    (tests, benchmarks).
     No host sync: safe inside CUDA-graph capture.
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -321,12 +363,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
-        BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, PRELOAD=SWITCHES.kv_preload,
         **_dot_args(q.device, k_cache.dtype), num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
         **pdl_args(q.device))
     if num_splits == 1:
         return out
-    return partials if defer_merge else merge_partials(partials, out)
+    return merge_partials(partials, out)
 
 
 def merge_partials(p: DecodePartials, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -338,29 +380,6 @@ def merge_partials(p: DecodePartials, out: torch.Tensor | None = None) -> torch.
         HEAD_DIM=p.head_dim, BLOCK_S=next_power_of_2(p.num_splits), BLOCK_D=next_power_of_2(p.head_dim),
         BLOCK_N=p.block_n, num_warps=4, **pdl_args(p.acc.device))
     return out
-
-
-@jit
-def merged_head(acc_ptr, ml_ptr, ctx_ptr, rows, row_ok, head, dims, num_heads, num_splits,
-                HEAD_DIM: tl.constexpr, ATTN_BLOCK_N: tl.constexpr):
-    """One head's attention output for rows [R, 1] at dims [1, HEAD_DIM], merged from DecodePartials like
-    _decode_reduce_kernel (splits past a sequence's context are ignored): for a consumer's prologue."""
-    context_len = tl.load(ctx_ptr + rows, mask=row_ok, other=0)
-    num_valid = tl.cdiv(context_len, _partition_size(context_len, num_splits, ATTN_BLOCK_N))
-    first = (rows * num_heads + head).to(tl.int64) * num_splits  # [R, 1]: the row's split 0
-    m_max = tl.full(first.shape, float("-inf"), tl.float32)
-    for s in range(0, num_splits):
-        m_max = tl.maximum(m_max, tl.load(ml_ptr + (first + s) * 2, mask=row_ok & (s < num_valid),
-                                          other=float("-inf")))
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    total = tl.zeros(first.shape, tl.float32)
-    acc = tl.zeros((first.shape[0], HEAD_DIM), tl.float32)
-    for s in range(0, num_splits):
-        ok = row_ok & (s < num_valid)
-        weight = tl.where(ok, tl.exp2(tl.load(ml_ptr + (first + s) * 2, mask=ok, other=0.0) - m_max), 0.0)
-        total += weight * tl.load(ml_ptr + (first + s) * 2 + 1, mask=ok, other=0.0)
-        acc += weight * tl.load(acc_ptr + (first + s) * HEAD_DIM + dims, mask=ok, other=0.0)
-    return acc / tl.where(total > 0, total, 1.0)
 
 
 # --------------------------------------------------------------------------------------------- prefill

@@ -23,8 +23,7 @@ The kernel (`_gemv_kernel`):
     once, which is therefore zero again after every call and every CUDA-graph replay;
   * a prologue transforms x as it is loaded, so the op before the product needs no launch of its
     own: residual add + RMSNorm (norm_linear; every program first takes the rows' norms over all of
-    K), SiLU-and-mul of [gate | up] (silu_mul_linear), or the merge of split-K decode attention's
-    partials, one head per K tile (attention_out_linear);
+    K), or SiLU-and-mul of [gate | up] (silu_mul_linear);
   * with programmatic dependent launch (see _triton.py) each program loads its first weight tile
     before gdc_wait, so the weights stream while the previous kernel finishes;
   * FP8 weights (W8A16, kernels/fp8.py): the tile is read as float8_e4m3fn (half the bytes), converted to
@@ -45,7 +44,6 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels import fp8, fused
-from nanoserve.kernels.attention import DecodePartials, merge_partials, merged_head
 from nanoserve.kernels._triton import (HAS_TRITON, cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_enabled,
                                        pdl_start, pdl_wait, prev_power_of_2, tl)
 from nanoserve.kernels.rotary_kv import QKVRope
@@ -201,11 +199,7 @@ FP8_GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
     16: ((8, "dot 64x256 w4 st4 p0", TRITON), (None, "dot 64x256 w4 st4 p1", TRITON)),
     64: ((None, "dot 64x256 w4 st3 p1", TRITON),),
 }
-# The o_proj + attention-merge variant (block_k becomes head_dim: one head per K tile), and the most fp32
-# partials its programs may re-read in all (n_tiles x rows x heads x splits x head_dim x 4 bytes, an upper
-# bound: splits past a sequence's context are not read); above it the reduce kernel merges them once.
-MERGE_CONFIG = "dot 64x128 w4 st2 p2"
-MERGE_MAX_PARTIAL_BYTES = 16 * 2**20
+
 
 
 def _parsed_table(table: dict, name: str = "GEMV_TABLE") -> dict[int, tuple[tuple[float, GemvConfig, bool], ...]]:
@@ -242,11 +236,6 @@ def choose(m: int, n: int, k: int, element_size: int) -> tuple[GemvConfig, bool]
         if weight_bytes <= limit:
             return cfg, triton_wins
     raise AssertionError("unreachable: the last entry takes any size")
-
-
-def merge_config(head_dim: int) -> GemvConfig:
-    """The o_proj + attention-merge variant: one head per K tile."""
-    return dataclasses.replace(GemvConfig.parse(MERGE_CONFIG), block_k=head_dim)
 
 
 @dataclass(frozen=True)
@@ -381,10 +370,10 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
                 force_triton: bool = False, config: GemvConfig | None = None):
     """(rms_norm(x + residual) · norm_weight) @ weight.T + bias, and the new residual x + residual.
 
-    With SWITCHES.fuse_norm the norm runs inside the GEMV's prologue: one kernel instead of two.
+    With SWITCHES.fuse_norm (up to fuse_max_m rows of at most fuse_norm_max_k) the norm runs inside the GEMV's prologue.
     Without a residual (the first layer) the new residual is x itself."""
     if not (force_triton or _fuses(SWITCHES.fuse_norm, x, weight, bias, weight_scale)
-            and (residual is None or residual.stride(-1) == 1)):
+            and x.shape[1] <= SWITCHES.fuse_norm_max_k and (residual is None or residual.stride(-1) == 1)):
         if residual is None:
             return linear(fused.rms_norm(x, norm_weight, eps), weight, bias, weight_scale=weight_scale), x
         normed, residual = fused.rms_norm(x, norm_weight, eps, residual)
@@ -421,54 +410,24 @@ def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     return q, k, v, residual
 
 
-def _merge_fuses(attn: DecodePartials, weight: torch.Tensor, bias: torch.Tensor | None,
-                 weight_scale: torch.Tensor | None) -> bool:
-    d, cfg = attn.head_dim, merge_config(attn.head_dim)
-    rereads = cdiv(weight.shape[0], cfg.block_n) * attn.num_seqs * attn.num_heads * attn.num_splits * d * 4
-    weight_ok = weight.dtype == attn.dtype if weight_scale is None else (
-        weight.dtype == fp8.FP8_DTYPE and weight_scale.shape == (weight.shape[0],)
-        and weight_scale.dtype == torch.float32 and weight_scale.is_contiguous())
-    return (SWITCHES.fuse_merge and HAS_TRITON and weight.is_cuda and attn.dtype in KERNEL_DTYPES and weight_ok
-            and attn.num_seqs <= SWITCHES.fuse_max_m and 16 <= d <= 128 and not d & (d - 1)
-            and weight.dim() == 2 and weight.shape[1] == attn.num_heads * d and weight.is_contiguous()
-            and (bias is None or bias.dtype == attn.dtype) and rereads <= MERGE_MAX_PARTIAL_BYTES
-            and not (torch.is_grad_enabled() and weight.requires_grad))
+_PLAIN, _NORM, _SILU_MUL = 0, 1, 2  # prologue: what the kernel does to x as it loads it
 
 
-def attention_out_linear(attn: torch.Tensor | DecodePartials, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         *, weight_scale: torch.Tensor | None = None, force_triton: bool = False) -> torch.Tensor:
-    """The attention block's output projection of attn [T, H, D], or of split-K decode partials: with
-    SWITCHES.fuse_merge the GEMV merges them in its prologue (no reduce launch); otherwise the reduce kernel
-    merges them and the projection follows."""
-    if isinstance(attn, DecodePartials):
-        if force_triton or _merge_fuses(attn, weight, bias, weight_scale):
-            x = attn.acc.view(attn.num_seqs, -1)
-            return _launch(x, weight, bias, attn.num_heads * attn.head_dim, merge_config(attn.head_dim), _MERGE,
-                           merge=attn, weight_scale=weight_scale)
-        attn = merge_partials(attn)
-    return linear(attn.reshape(attn.shape[0], -1), weight, bias, weight_scale=weight_scale, force_triton=force_triton)
-
-
-_PLAIN, _NORM, _SILU_MUL, _MERGE = 0, 1, 2, 3  # prologue: what the kernel does to x as it loads it
-
-
-def _output_dtype(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-                  merge: DecodePartials | None) -> torch.dtype:
+def _output_dtype(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> torch.dtype:
     """The dtype the product is written in (and x is rounded to for tl.dot): the weight's, or for fp8 weights the
-    activations' (with merge, the attention output's: x is then its fp32 partials)."""
+    activations'."""
     if weight_scale is None:
         return weight.dtype
     if weight.dtype != fp8.FP8_DTYPE or weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32:
         raise ValueError(f"weight_scale goes with a {fp8.FP8_DTYPE} weight as fp32 [N] per-channel scales; got a "
                          f"{weight.dtype} weight {tuple(weight.shape)} and {weight_scale.dtype} scales "
                          f"{tuple(weight_scale.shape)}")
-    return merge.dtype if merge is not None else x.dtype
+    return x.dtype
 
 
-def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, merge: DecodePartials | None = None,
+def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None,
             weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """One kernel launch. norm = (residual | None, residual_out, norm_weight, eps) for the RMSNorm prologue;
-    with merge, x is merge.acc viewed [M, -1]."""
+    """One kernel launch. norm = (residual | None, residual_out, norm_weight, eps) for the RMSNorm prologue."""
     if not HAS_TRITON:
         raise RuntimeError("the Triton GEMV was requested but triton is not installed")
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
@@ -478,7 +437,7 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, merge: Decod
     m, n = x.shape[0], weight.shape[0]
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
-    dtype = _output_dtype(x, weight, weight_scale, merge)
+    dtype = _output_dtype(x, weight, weight_scale)
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
@@ -488,20 +447,16 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, merge: Decod
     if p.split_k > 1 and counters is None:  # first use inside a capture: take the unsplit variant
         p = plan(dataclasses.replace(config, split_k=1), m, n, k, 1, *sizes)
     out = torch.empty(m, n, dtype=dtype, device=x.device)
-    if merge is not None and (p.block_k != merge.head_dim or not p.use_dot):
-        raise ValueError(f"the merge prologue needs a dot variant with one head per K tile, got {config.short()}")
     if p.split_k > 1:
         partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device)
     else:  # never touched; placeholders of the same dtypes let both kinds of launch share one compiled kernel
         partials = torch.empty(1, dtype=torch.float32, device=x.device)
         counters = torch.empty(1, dtype=torch.int32, device=x.device)
     residual, residual_out, norm_weight, eps = norm if norm is not None else (None, x, x, 0.0)
-    num_heads = merge.num_heads if merge is not None else 1
-    ml, ctx, attn_splits = (merge.ml, merge.context_lens, merge.num_splits) if merge is not None else (x, x, 1)
     _gemv_kernel[p.grid](
         x, weight, weight_scale if weight_scale is not None else partials, bias if bias is not None else out, out,
         partials, counters,
-        residual if residual is not None else x, residual_out, norm_weight, eps, num_heads, ml, ctx, attn_splits,
+        residual if residual is not None else x, residual_out, norm_weight, eps,
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, residual_out.stride(0),
         out.stride(0), p.k_per_split,
         BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
@@ -510,19 +465,24 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None, merge: Decod
         REDUCE_CHUNK=p.reduce_chunk,
         LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_IN_FP32=not x.is_cuda,  # the interpreter (CPU tensors) multiplies bf16 bit patterns as integers
-        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, ATTN_BLOCK_N=merge.block_n if merge is not None else 16,
-        PREFETCH_LINES=_prefetch_lines(p, weight.element_size(), x.device), PREFETCH_STEP=128 // weight.element_size(),
+        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
+        PREFETCH_LINES=_prefetch_lines(p, weight.numel() * sizes[0], sizes[0], x.device), PREFETCH_STEP=128 // sizes[0],
         num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x.device))
     return out
 
 
 PREFETCH_MAX_LINES = 4096  # 512 KiB a program: more than any variant's slice of the decode matrices
+# Matrices up to this size are prefetched (L2 holds 50 MB; Llama-3.1-8B's 32-224 MB matrices, whose resident programs
+# alone ask for more than it holds, ran 14-29% slower with the prefetch at b = 1 and 8).
+PREFETCH_MAX_WEIGHT_BYTES = 16 * 2**20
 
 
-def _prefetch_lines(p: LaunchPlan, element_size: int, device: torch.device) -> int:
+def _prefetch_lines(p: LaunchPlan, weight_bytes: int, element_size: int, device: torch.device) -> int:
     """Lines each program prefetches into L2 before the PDL wait (a power of two; 0: none): its whole slice of W,
-    when SWITCHES.gemv_prefetch is on, PDL runs, and the slice is more than the one tile loaded before the wait."""
-    if not (SWITCHES.gemv_prefetch and pdl_enabled(device)) or p.k_per_split <= p.block_k:
+    when SWITCHES.gemv_prefetch is on, PDL runs, the matrix is small and the slice is more than the one tile loaded
+    before the wait."""
+    if not (SWITCHES.gemv_prefetch and pdl_enabled(device)) or p.k_per_split <= p.block_k \
+            or weight_bytes > PREFETCH_MAX_WEIGHT_BYTES:
         return 0
     lines = next_power_of_2(p.block_n * cdiv(p.k_per_split * element_size, 128))
     return lines if lines <= PREFETCH_MAX_LINES else 0
@@ -597,22 +557,16 @@ def _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, rows, row_ok, cols, K, st
 
 @jit
 def _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_ptr, res_out_ptr, norm_w_ptr,
-                stride_xm, stride_rm, stride_rom, inv_rms, write_residual, ml_ptr, ctx_ptr, num_heads, attn_splits,
+                stride_xm, stride_rm, stride_rom, inv_rms, write_residual,
                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                ATTN_BLOCK_N: tl.constexpr):
+                DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """Fold the weight tile w [BLOCK_N, BLOCK_K] at column k into the accumulators. An fp8 tile is converted to the
     activation dtype (out's; exact: e4m3 values are bf16 / fp16 values) and multiplied like a bf16 one."""
     cols = k + offs_k[None, :]
     dtype = out_ptr.dtype.element_ty
     if USE_DOT:
-        if PROLOGUE == 3:  # this K tile is one head: its attention output, merged from the split-K partials
-            x = merged_head(x_ptr, ml_ptr, ctx_ptr, offs_m[:, None], offs_m[:, None] < M, k // BLOCK_K,
-                            offs_k[None, :], num_heads, attn_splits, BLOCK_K, ATTN_BLOCK_N)
-            x = x.to(dtype).to(tl.float32)  # rounded like the reduce kernel's output
-        else:
-            x = _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_m[:, None], offs_m[:, None] < M, cols, K,
-                          stride_xm, stride_rm, stride_rom, inv_rms[:, None], write_residual, PROLOGUE, HAS_RESIDUAL)
+        x = _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_m[:, None], offs_m[:, None] < M, cols, K,
+                      stride_xm, stride_rm, stride_rom, inv_rms[:, None], write_residual, PROLOGUE, HAS_RESIDUAL)
         if DOT_IN_FP32:  # same products: bf16 x bf16 is exact in fp32
             acc = tl.dot(w.to(tl.float32), tl.trans(x), acc, input_precision="ieee")
         else:
@@ -645,15 +599,15 @@ def _store_tile(acc, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@jit(do_not_specialize=["M", "num_heads", "attn_splits"])  # one compiled kernel for every batch and head count
+@jit(do_not_specialize=["M"])  # one compiled kernel for every batch
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-                 res_ptr, res_out_ptr, norm_w_ptr, eps, num_heads, ml_ptr, ctx_ptr, attn_splits,
+                 res_ptr, res_out_ptr, norm_w_ptr, eps,
                  M, N, K, stride_xm, stride_rm, stride_rom, stride_om, k_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
                  USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                  REDUCE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 ATTN_BLOCK_N: tl.constexpr, PREFETCH_LINES: tl.constexpr, PREFETCH_STEP: tl.constexpr,
+                 PREFETCH_LINES: tl.constexpr, PREFETCH_STEP: tl.constexpr,
                  USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -684,14 +638,14 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
     if USE_PDL:
         acc, acc_wide = _accumulate(acc, acc_wide, w_first, k_start, offs_m, offs_k, M, K, x_ptr, out_ptr, res_ptr,
                                     res_out_ptr, norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms,
-                                    write_residual, ml_ptr, ctx_ptr, num_heads, attn_splits, BLOCK_M, BLOCK_K,
-                                    USE_DOT, DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL, ATTN_BLOCK_N)
+                                    write_residual, BLOCK_M, BLOCK_K,
+                                    USE_DOT, DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL)
     for k in tl.range(k_loop, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
         w = _load_weight(w_rows, k + offs_k[None, :], K, EVEN_K)
         acc, acc_wide = _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_ptr, res_out_ptr,
                                     norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms, write_residual,
-                                    ml_ptr, ctx_ptr, num_heads, attn_splits, BLOCK_M, BLOCK_K, USE_DOT,
-                                    DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL, ATTN_BLOCK_N)
+                                    BLOCK_M, BLOCK_K, USE_DOT,
+                                    DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL)
     if not USE_DOT and BLOCK_M == 1:
         acc = tl.sum(acc_wide, axis=1)[:, None]
 

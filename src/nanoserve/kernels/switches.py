@@ -1,7 +1,7 @@
 """On/off switches of the decode kernels: programmatic dependent launch and each fusion.
 
 Read once from the environment at import (NANOSERVE_PDL=0 turns PDL off; NANOSERVE_FUSE_NORM,
-NANOSERVE_FUSE_SILU, NANOSERVE_FUSE_MERGE = 0 turn a fusion off), so a benchmark can measure each
+NANOSERVE_FUSE_SILU = 0 turn a fusion off), so a benchmark can measure each
 one's worth: kernels read SWITCHES when they launch, so `switched(pdl=False)` followed by a fresh
 capture gives graphs without it, in the same process. Every switch only chooses between two paths
 that compute the same result (the tests check each fused path against the unfused one).
@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 _ENV = {"pdl": "NANOSERVE_PDL", "pdl_early": "NANOSERVE_PDL_EARLY", "gemv_prefetch": "NANOSERVE_GEMV_PREFETCH",
         "fuse_norm": "NANOSERVE_FUSE_NORM", "fuse_silu": "NANOSERVE_FUSE_SILU",
-        "fuse_merge": "NANOSERVE_FUSE_MERGE", "fuse_max_m": "NANOSERVE_FUSE_MAX_M"}
+        "fuse_max_m": "NANOSERVE_FUSE_MAX_M", "fuse_norm_max_k": "NANOSERVE_FUSE_NORM_MAX_K",
+        "kv_preload": "NANOSERVE_KV_PRELOAD"}
+_COUNTS = ("fuse_max_m", "fuse_norm_max_k")
 
 
 @dataclass
@@ -26,12 +28,16 @@ class Switches:
     gemv_prefetch: bool = False  # the GEMV asks L2 for all its weight lines before the wait, not only the first tile
     fuse_norm: bool = True  # residual add + RMSNorm in the prologue of the GEMV that follows
     fuse_silu: bool = True  # SiLU-and-mul in the prologue of the down projection
-    fuse_merge: bool = True  # the split-K decode attention's merge in the prologue of the o_proj GEMV
     # Rows up to which the fused prologues run. Each program of a prologue-fused GEMV re-reads (and re-normalises)
     # all its rows' activations, which is free for one row and costs as much as the weights by tens of rows: with
     # 64 the H200 ran Llama-3.1-8B's b=32 step in 14.4 ms against 5.35 ms unfused (benchmarks/results/
     # experiments/decode_latency_fused64_h200.json).
     fuse_max_m: int = 1
+    # Widest activation row whose RMSNorm is fused: every program of the GEMV recomputes the norm over the whole
+    # row before its product, which for Llama-3.1-8B's 4096 (3584 programs in gate_up) cost more than the norm
+    # kernel it saves (b=1 4.242 vs 4.030 ms unfused; Qwen3-0.6B's 1024: 1.230 vs 1.245).
+    fuse_norm_max_k: int = 2048
+    kv_preload: bool = True  # decode attention loads its first K/V tile (all but the new token) before the PDL wait
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "Switches":
@@ -40,7 +46,7 @@ class Switches:
             raw = environ.get(var)
             if raw is None:
                 continue
-            if name == "fuse_max_m":
+            if name in _COUNTS:
                 if not raw.isdigit():
                     raise ValueError(f"{var} must be a row count, got {raw!r}")
                 values[name] = int(raw)
@@ -62,7 +68,7 @@ def switched(**values: bool | int) -> Iterator[Switches]:
         raise ValueError(f"unknown switches {sorted(unknown)}; known: {sorted(_ENV)}")
     before = dataclasses.asdict(SWITCHES)
     for name, value in values.items():
-        setattr(SWITCHES, name, int(value) if name == "fuse_max_m" else bool(value))
+        setattr(SWITCHES, name, int(value) if name in _COUNTS else bool(value))
     try:
         yield SWITCHES
     finally:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.kernels import fused, gemv
-from nanoserve.kernels.attention import DecodePartials, paged_attention
+from nanoserve.kernels.attention import paged_attention
 from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.model.communicator import Split, TensorParallel
 
@@ -163,14 +163,12 @@ class Attention(nn.Module):
         self.backend = "torch"  # "torch" | "triton", see nanoserve.kernels.attention.select_backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, meta: AttentionMetadata,
-                kv_stored: bool = False, defer_merge: bool = False) -> torch.Tensor | DecodePartials:
+                kv_stored: bool = False) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] → [T, H, D]; stores k/v at meta.slot_mapping unless kv_stored (k and v
-        may then be None: they are in the cache). defer_merge: split-K decode may return its partials, for
-        gemv.attention_out_linear to merge."""
+        may then be None: they are in the cache)."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention layer has no KV cache: the model runner must set k_cache/v_cache first")
-        return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.backend, kv_stored,
-                               defer_merge)
+        return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.backend, kv_stored)
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, backend={self.backend}"

@@ -53,9 +53,9 @@ class LlamaAttentionBlock(nn.Module):
         qkv, o = self.qkv_proj, self.o_proj
         q, k, v, residual = gemv.norm_qkv_rope(x, residual, norm.weight, norm.eps, qkv.weight, qkv.bias, rope,
                                                weight_scale=qkv.weight_scale)
-        out = attn(q, k, v, meta, kv_stored=True, defer_merge=True)
-        return self.tp.all_reduce(gemv.attention_out_linear(out, o.weight, o.bias, weight_scale=o.weight_scale)), \
-            residual
+        out = attn(q, k, v, meta, kv_stored=True)
+        return self.tp.all_reduce(gemv.linear(out.reshape(out.shape[0], -1), o.weight, o.bias,
+                                               weight_scale=o.weight_scale)), residual
 
 
 class LlamaDecoderLayer(nn.Module):

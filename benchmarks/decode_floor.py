@@ -2,7 +2,7 @@
 
     python benchmarks/decode_floor.py model [--models qwen3-0.6b llama-3.1-8b smollm2-135m]
                                             [--batch-sizes 1 8 32 64 256] [--switch-sizes 1 8 32]
-                                            [--switch-sets all no_fuse_norm early ...] [--json PATH]
+                                            [--switch-sets all no_prefetch no_pdl ...] [--json PATH]
     python benchmarks/decode_floor.py attention [--json PATH]
 
 `model`: one engine per model (random bf16 weights, real shapes, a graph per --batch-sizes, contexts of --context
@@ -50,13 +50,10 @@ from nanoserve.kernels.switches import SWITCHES, switched  # noqa: E402
 SWITCH_SETS: dict[str, dict[str, bool | int]] = {
     "all": {},  # the defaults (kernels/switches.py)
     "no_pdl": {"pdl": False},
-    "early": {"pdl_early": True},  # each kernel lets the next launch first thing
-    "early_prefetch": {"pdl_early": True, "gemv_prefetch": True},
-    "prefetch": {"gemv_prefetch": True},
+    "no_prefetch": {"gemv_prefetch": False},
     "no_fuse_norm": {"fuse_norm": False},
     "no_fuse_silu": {"fuse_silu": False},
     "fuse_norm_any_k": {"fuse_norm_max_k": 1 << 20},
-    "no_kv_preload": {"kv_preload": False},
     "none": {"pdl": False, "fuse_norm": False, "fuse_silu": False, "fuse_max_m": 0},
     "old_rule_1row": {"fuse_norm": False},
 }
@@ -219,7 +216,10 @@ def engine_steps(llm, b: int, context: int, steps: int = 30, runs: int = 3) -> d
     for rid in ids:
         llm.engine.add_request(rid, torch.randint(0, vocab, (context,), generator=gen).tolist(), params)
     try:
-        while engine.scheduler.waiting or not all(s.decoding for s in engine.scheduler.running):
+        for _ in range(4 * b + 64):  # until every request decodes (the front end hands requests over in step())
+            running = engine.scheduler.running
+            if len(running) == b and all(s.decoding for s in running):
+                break
             llm.engine.step()
         for _ in range(5):
             llm.engine.step()

@@ -17,8 +17,8 @@ if _triton.HAS_TRITON:
         pass
 
 
-@pytest.fixture(params=[1, 2], ids=["trigger_after_wait", "trigger_first"])
-def pdl_in_interpreter(monkeypatch, request):
+@pytest.fixture
+def pdl_in_interpreter(monkeypatch):
     """The kernels' USE_PDL path, run in the CPU interpreter: it has no grid-dependency control, so gdc_wait and
     gdc_launch_dependents become no-ops there; what is tested is everything else that path does (the first
     weight tile loaded before the wait, the loop that starts one tile later)."""
@@ -27,7 +27,7 @@ def pdl_in_interpreter(monkeypatch, request):
     monkeypatch.setattr(_triton, "gdc_wait", _no_gdc)
     monkeypatch.setattr(_triton, "gdc_launch_dependents", _no_gdc)
     for module in PDL_MODULES:
-        monkeypatch.setattr(module, "pdl_args", lambda device: {"USE_PDL": request.param})
+        monkeypatch.setattr(module, "pdl_args", lambda device: {"USE_PDL": True})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -155,16 +155,13 @@ def test_decode_block_sizes_head_dims_dtypes(block_size, head_dim, dtype):
     assert_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("preload", [True, False], ids=["kv_preload", "no_kv_preload"])
 @pytest.mark.parametrize("num_splits", [2, 4])
-def test_decode_every_context_length_with_splits(num_splits, preload):
+def test_decode_every_context_length_with_splits(num_splits):
     """Each length from 1 to 200, its context spread over 2 or 4 splits in whole tiles: every boundary of
-    blocks, tiles and partitions, and splits past the context (which must exit early); with the first tile loaded
-    before the (PDL) wait and its newest key after it, or every tile after it."""
+    blocks, tiles and partitions, and splits past the context (which must exit early)."""
     block_size, max_context = 8, 200
-    with switched(kv_preload=preload):
-        out, ref = decode_case(list(range(1, max_context + 1)), num_heads=2, num_kv_heads=1, head_dim=16,
-                               block_size=block_size, dtype=torch.float32, num_splits=num_splits)
+    out, ref = decode_case(list(range(1, max_context + 1)), num_heads=2, num_kv_heads=1, head_dim=16,
+                           block_size=block_size, dtype=torch.float32, num_splits=num_splits)
     assert_close(out, ref, torch.float32)
 
 
@@ -315,11 +312,10 @@ def test_gpu_decode_dtypes(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl,early", [(False, False), (True, False), (True, True)], ids=["no_pdl", "pdl", "early"])
-def test_gpu_decode_in_cuda_graph(pdl, early):
-    """Capture store_kv + decode once, then replay after changing block tables and context lengths in place. With
-    PDL the decode kernel loads its first K/V tile before its wait, while store_kv may still write the newest key:
-    that key must come from after the wait (early: store_kv lets decode launch as its first statement)."""
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_decode_in_cuda_graph(pdl):
+    """Capture store_kv + decode once, then replay after changing block tables and context lengths in place (with
+    PDL, store_kv lets decode launch as its first statement: decode must still see the key it stores)."""
     num_seqs, num_heads, num_kv_heads, head_dim, block_size = 8, 32, 8, 128, 16
     batch = PagedBatch([1, 17, 3000, 5, 64, 65, 999, 1200], block_size, num_kv_heads, head_dim, torch.bfloat16)
     # Static buffers, captured while they describe one-token contexts in block 0.
@@ -338,7 +334,7 @@ def test_gpu_decode_in_cuda_graph(pdl, early):
         tk.store_kv(k_new, v_new, k_cache, v_cache, slots)
         return tk.decode_attention(q, k_cache, v_cache, tables, lens, scale)
 
-    with switched(pdl=pdl, pdl_early=early):
+    with switched(pdl=pdl):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

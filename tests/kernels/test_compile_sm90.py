@@ -57,17 +57,14 @@ def compile_instead(self, *args, grid, warmup, **kwargs):
         assert any("ld.global" in line or "cp.async" in line for line in ptx[:wait[0]]), "no weight load before wait"
         if any("prefetch.global.L2" in line for line in ptx[:wait[0]]):
             print("prefetched", flush=True)
-    if self.__name__ == "_decode_kernel":  # the first K/V tile is loaded before the wait
-        assert any("ld.global" in line for line in ptx[:wait[0]]), "no K/V load before the wait"
     print("compiled", self.__name__, flush=True)
 
 
 JITFunction.run = compile_instead
 for module in (attention, fused, gemv, rotary_kv):
-    module.pdl_args = lambda device: {"USE_PDL": 2, "launch_pdl": True}
+    module.pdl_args = lambda device: {"USE_PDL": True, "launch_pdl": True}
 gemv.pdl_enabled = lambda device: True  # and the GEMVs prefetch their slices into L2 before the wait
-from nanoserve.kernels.switches import SWITCHES
-SWITCHES.gemv_prefetch = True
+
 attention.num_sms = lambda device: 132
 bf = torch.bfloat16
 x1, x3, x64 = (torch.randn(m, 1024, dtype=bf) for m in (1, 3, 64))

@@ -10,7 +10,8 @@ def test_from_env():
     assert Switches.from_env({}) == Switches()  # everything on by default
     s = Switches.from_env({"NANOSERVE_PDL": "0", "NANOSERVE_FUSE_SILU": "0", "NANOSERVE_FUSE_NORM": "1"})
     assert (s.pdl, s.fuse_norm, s.fuse_silu) == (False, True, False)
-    assert Switches.from_env({"NANOSERVE_PDL_EARLY": "1"}).pdl_early
+    assert not Switches.from_env({"NANOSERVE_GEMV_PREFETCH": "0"}).gemv_prefetch
+    assert Switches.from_env({"NANOSERVE_FUSE_NORM_MAX_K": "4096"}).fuse_norm_max_k == 4096
     with pytest.raises(ValueError, match="NANOSERVE_PDL must be 0 or 1"):
         Switches.from_env({"NANOSERVE_PDL": "off"})
 
@@ -26,6 +27,6 @@ def test_switched_restores_and_rejects_unknown_names():
 
 
 def test_pdl_only_on_cuda_when_switched_on():
-    assert _triton.pdl_args(torch.device("cpu")) == {"USE_PDL": 0}
+    assert _triton.pdl_args(torch.device("cpu")) == {"USE_PDL": False}
     with switched(pdl=False):
         assert not _triton.pdl_enabled(torch.device("cuda"))

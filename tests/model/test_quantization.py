@@ -212,7 +212,7 @@ def test_gpu_fp8_logits_and_greedy_tokens_near_bf16(tiny_model_dirs):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @torch.inference_mode()
 def test_fp8_fused_kernel_paths_in_the_interpreter(arch, tiny_model_dirs, monkeypatch):
-    """The fp8 model with every fusion on (norm / SiLU / merge prologues, rope epilogue, fp8 tiles) in the CPU
+    """The fp8 model with every fusion on (norm / SiLU prologues, fp8 tiles) in the CPU
     interpreter == the same fp8 model on the plain CPU path (dequantize + matmul): prefill and decode, fp32."""
     pytest.importorskip("triton")
     from nanoserve.kernels import attention, gemv
@@ -226,7 +226,6 @@ def test_fp8_fused_kernel_paths_in_the_interpreter(arch, tiny_model_dirs, monkey
                 x.dim() == 2 and 1 <= x.shape[0] <= gemv.MAX_M and x.shape[1] % 16 == 0 == weight.shape[1] % 16))
             wide = {False: gemv.GemvConfig(64, 64, programs_per_sm=0), True: gemv.GemvConfig(64, 64, use_dot=True)}
             monkeypatch.setattr(gemv, "choose", lambda m, n, k, size: (wide[m > 4], True))
-            monkeypatch.setattr(gemv, "_merge_fuses", lambda attn, weight, bias, weight_scale=None: True)
             monkeypatch.setattr(attention, "decode_num_splits", lambda *shape: 2)
         model = load(d, quantization="fp8")
         for layer in model.attention_layers():

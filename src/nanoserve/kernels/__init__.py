@@ -1,8 +1,8 @@
 """Every Triton kernel of nanoserve, each beside its plain-PyTorch reference.
 
     _triton.py    the triton import guard and shared launch helpers (cdiv, powers of two, SM count, PDL)
-    gemv.py       few-row products x @ W.T (+ fused RMSNorm / SiLU-mul / attention-merge prologues, the
-                  rope epilogue); the one place that decides which kernel a linear layer runs
+    gemv.py       few-row products x @ W.T (+ fused RMSNorm / SiLU-mul prologues); the one place that decides
+                  which kernel a linear layer runs
     fp8.py        fp8 (e4m3) weights: quantize / dequantize, the many-rows product (_scaled_mm or dequantize +
                   matmul, PREFILL_TABLE); the few-row product is the GEMV's, which reads fp8 tiles
     fused.py      residual add + RMSNorm, SiLU-and-mul

@@ -12,10 +12,11 @@ called gdc_launch_dependents (or exited). Each kernel here that supports it take
   * before gdc_wait() it reads only what no kernel writes (weights, norm weights, the cos/sin table)
     and writes nothing; gdc_wait() returns once the predecessor has completed and its writes are
     visible, and every program calls it, so completion is transitive along the chain;
-  * it lets the next kernel launch (gdc_launch_dependents) either after its own wait (USE_PDL 1) or as its
-    first statement (USE_PDL 2, SWITCHES.pdl_early): then the next kernel's programs are scheduled as soon as
-    every program of this one has started, and issue their weight loads while this one still waits or runs.
-    pdl_start / pdl_wait place both calls; correctness does not depend on where the trigger is.
+  * its first statement lets the next kernel launch (gdc_launch_dependents, pdl_start): the next kernel's
+    programs are then scheduled as soon as every program of this one has started, and issue their weight loads
+    while this one still waits or runs. (Triggering after the wait instead was measured slower: Llama-3.1-8B b=1
+    4.083 vs 3.925 ms, SmolLM2-135M b=8 0.844 vs 0.743; benchmarks/results/experiments/decode_floor_*_h200.json.)
+    Correctness does not depend on where the trigger is: the next kernel still waits for this one to complete.
 Kernels that are not PDL launches (cuBLAS, torch ops) wait for full completion as usual.
 """
 from __future__ import annotations
@@ -93,19 +94,16 @@ else:
 
 @jit
 def pdl_start(USE_PDL: tl.constexpr):
-    """A PDL kernel's first statement: with the early trigger, let the next kernel launch now."""
-    if USE_PDL == 2:
+    """A PDL kernel's first statement: let the next kernel launch now."""
+    if USE_PDL:
         gdc_launch_dependents()
 
 
 @jit
 def pdl_wait(USE_PDL: tl.constexpr):
-    """Wait for the previous kernel's writes (after the loads of what no kernel writes); with the late trigger,
-    let the next kernel launch now."""
-    if USE_PDL != 0:
+    """Wait for the previous kernel's writes (after the loads of what no kernel writes)."""
+    if USE_PDL:
         gdc_wait()
-    if USE_PDL == 1:
-        gdc_launch_dependents()
 
 
 @functools.cache
@@ -121,11 +119,8 @@ def pdl_enabled(device: torch.device) -> bool:
 
 
 def pdl_args(device: torch.device) -> dict:
-    """Launch keywords: the kernel's USE_PDL constexpr (0 off, 1 trigger after the wait, 2 trigger first) and, when
-    on, triton's launch_pdl flag."""
-    if not pdl_enabled(device):
-        return {"USE_PDL": 0}
-    return {"USE_PDL": 2 if SWITCHES.pdl_early else 1, "launch_pdl": True}
+    """Launch keywords: the kernel's USE_PDL constexpr and, when on, triton's launch_pdl flag."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"USE_PDL": False}
 
 
 def cdiv(a: int, b: int) -> int:

@@ -24,7 +24,6 @@ from nanoserve.kernels import reference
 from nanoserve.kernels._triton import (HAS_TRITON, cdiv, jit, next_power_of_2,
                                        num_sms, pdl_args, pdl_start, pdl_wait, tl)
 from nanoserve.kernels.metadata import AttentionInputs
-from nanoserve.kernels.switches import SWITCHES
 
 
 def select_backend(device: torch.device) -> str:
@@ -150,25 +149,15 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, end, 
         kv_mask = dim_ok[None, :]
     k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_kt
                 + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
-                + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
-    visible = kv_mask  # (unused unless MASKED)
-    if MASKED:
-        visible = key_ok[None, :] & (keys[None, :] <= last_key[:, None])
-    return _fold_tile(q, m_i, l_i, acc, k, v, visible, qk_scale, DOT_PRECISION, DOT_UPCAST, MASKED)
-
-
-@jit
-def _fold_tile(q, m_i, l_i, acc, k, v, visible, qk_scale, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-               MASKED: tl.constexpr = True):
-    """One online-softmax step (log2 domain) of the rows of q over a K/V tile; scores where not visible are -inf."""
     scores = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
     if MASKED:
-        scores = tl.where(visible, scores, float("-inf"))
+        scores = tl.where(key_ok[None, :] & (keys[None, :] <= last_key[:, None]), scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
+                + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
     return m_new, l_i, acc
 
@@ -181,20 +170,6 @@ def _partition_size(context_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @jit
-def _kv_tile(k_cache_ptr, v_cache_ptr, table, keys, key_ok, kv_head, dims, dim_ok, stride_kb, stride_kt, stride_kh,
-             stride_vb, stride_vt, stride_vh, BLOCK_SIZE: tl.constexpr):
-    """K and V [BLOCK_N, BLOCK_D] of a paged context's keys where key_ok (zeros elsewhere)."""
-    block_ids = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-    offsets = keys % BLOCK_SIZE
-    mask = key_ok[:, None] & dim_ok[None, :]
-    k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_kt + kv_head * stride_kh
-                + dims[None, :], mask=mask, other=0.0)
-    v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt + kv_head * stride_vh
-                + dims[None, :], mask=mask, other=0.0)
-    return k, v
-
-
-@jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                    part_acc_ptr, part_ml_ptr, qk_scale, num_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh,
@@ -202,53 +177,33 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   DOT_UPCAST: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
+                   DOT_UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)  # q, the cache and the decode inputs all come from earlier kernels
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # Before the wait only what no kernel of this step writes: the context lengths and block tables (the step's
-    # inputs, and patched by the non-PDL prepare kernel that every PDL kernel runs after) and, with PRELOAD, the
-    # partition's first K/V tile except the newest key, which this layer's rotary kernel is storing.
     context_len = tl.load(context_lens_ptr + seq)
     partition_size = _partition_size(context_len, num_splits, BLOCK_N)
     part_start = split * partition_size
-    part_end = tl.minimum(part_start + partition_size, context_len)
     # Partitions past the context exit at once. "<=" lets an empty context (padding rows) write
     # zeros from split 0; the reduce ignores the empty partial that this also writes for split > 0.
-    has_work = part_start <= context_len
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < HEAD_DIM
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    keys = part_start + tl.arange(0, BLOCK_N)
-    first_ok = keys < part_end  # (empty where there is no work: part_end < part_start)
-    if PRELOAD:
-        k_first, v_first = _kv_tile(k_cache_ptr, v_cache_ptr, table, keys, keys < tl.minimum(part_end, context_len - 1),
-                                    kv_head, dims, dim_ok, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                                    stride_vh, BLOCK_SIZE)
-    pdl_wait(USE_PDL)  # q and the newest K/V come from earlier kernels
-    if has_work:
+    if part_start <= context_len:
+        part_end = tl.minimum(part_start + partition_size, context_len)
         rows = tl.arange(0, BLOCK_G)
+        dims = tl.arange(0, BLOCK_D)
         heads = kv_head * GROUP + rows
         row_ok = rows < GROUP
+        dim_ok = dims < HEAD_DIM
         q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         q = q.to(k_cache_ptr.dtype.element_ty)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         last_key = tl.zeros([BLOCK_G], tl.int32) + (part_end - 1)  # every row sees the whole partition
-        loop_start = part_start
-        if PRELOAD:
-            if part_start < part_end:  # the preloaded tile, its newest key loaded now
-                newest = first_ok & (keys == context_len - 1)
-                k_new, v_new = _kv_tile(k_cache_ptr, v_cache_ptr, table, keys, newest, kv_head, dims, dim_ok,
-                                        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE)
-                m_i, l_i, acc = _fold_tile(q, m_i, l_i, acc, tl.where(newest[:, None], k_new, k_first),
-                                           tl.where(newest[:, None], v_new, v_first), first_ok[None, :], qk_scale,
-                                           DOT_PRECISION, DOT_UPCAST)
-            loop_start = part_start + BLOCK_N
-        for start in range(loop_start, part_end, BLOCK_N):
+        for start in range(part_start, part_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, part_end, last_key,
                                          kv_head, dims, dim_ok, qk_scale, stride_kb, stride_kt, stride_kh,
                                          stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
@@ -308,7 +263,8 @@ class DecodePartials:
     """The split-K decode attention before its merge: per (sequence, head, split) the fp32 partial output and its
     (max, sum); merge_partials turns it into the attention output. (Merging in the o_proj GEMV's prologue instead
     was measured slower everywhere on the H200 — Qwen3-0.6B b=1 1.230 vs 0.847 ms: every program re-reads every
-    head's partials, one split at a time — and removed: benchmarks/results/experiments/decode_floor_first_h200.json.)"""
+    head's partials, one split at a time — and removed: benchmarks/results/experiments/decode_floor_first_h200.json.
+    Loading the first K/V tile before the PDL wait was slower too: Qwen3 b=8 1.349 vs 1.231 ms.)"""
 
     acc: torch.Tensor  # [num_seqs * num_heads * num_splits * head_dim] fp32
     ml: torch.Tensor  # [num_seqs * num_heads * num_splits * 2] fp32
@@ -363,7 +319,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
-        BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, PRELOAD=SWITCHES.kv_preload,
+        BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         **_dot_args(q.device, k_cache.dtype), num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
         **pdl_args(q.device))
     if num_splits == 1:

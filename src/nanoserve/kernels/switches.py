@@ -1,7 +1,7 @@
 """On/off switches of the decode kernels: programmatic dependent launch and each fusion.
 
-Read once from the environment at import (NANOSERVE_PDL=0 turns PDL off; NANOSERVE_FUSE_NORM,
-NANOSERVE_FUSE_SILU = 0 turn a fusion off), so a benchmark can measure each
+Read once from the environment at import (NANOSERVE_PDL=0 turns PDL off, NANOSERVE_GEMV_PREFETCH=0 the GEMV's L2
+prefetch; NANOSERVE_FUSE_NORM, NANOSERVE_FUSE_SILU = 0 turn a fusion off), so a benchmark can measure each
 one's worth: kernels read SWITCHES when they launch, so `switched(pdl=False)` followed by a fresh
 capture gives graphs without it, in the same process. Every switch only chooses between two paths
 that compute the same result (the tests check each fused path against the unfused one).
@@ -14,18 +14,19 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-_ENV = {"pdl": "NANOSERVE_PDL", "pdl_early": "NANOSERVE_PDL_EARLY", "gemv_prefetch": "NANOSERVE_GEMV_PREFETCH",
+_ENV = {"pdl": "NANOSERVE_PDL", "gemv_prefetch": "NANOSERVE_GEMV_PREFETCH",
         "fuse_norm": "NANOSERVE_FUSE_NORM", "fuse_silu": "NANOSERVE_FUSE_SILU",
-        "fuse_max_m": "NANOSERVE_FUSE_MAX_M", "fuse_norm_max_k": "NANOSERVE_FUSE_NORM_MAX_K",
-        "kv_preload": "NANOSERVE_KV_PRELOAD"}
+        "fuse_max_m": "NANOSERVE_FUSE_MAX_M", "fuse_norm_max_k": "NANOSERVE_FUSE_NORM_MAX_K"}
 _COUNTS = ("fuse_max_m", "fuse_norm_max_k")
 
 
 @dataclass
 class Switches:
     pdl: bool = True  # programmatic dependent launch between consecutive kernels (Hopper and newer)
-    pdl_early: bool = False  # each kernel lets the next launch as its first statement, not after its wait
-    gemv_prefetch: bool = False  # the GEMV asks L2 for all its weight lines before the wait, not only the first tile
+    # The GEMV asks L2 for all its weight lines before the PDL wait, not only its first tile (matrices up to
+    # gemv.PREFETCH_MAX_WEIGHT_BYTES): SmolLM2-135M b=8 0.720 vs 0.743 ms, b=32 0.928 vs 0.965; Qwen3-0.6B b=8 1.317
+    # vs 1.343; no loss at b=1, nor on Llama-3.1-8B, whose matrices are over the cap.
+    gemv_prefetch: bool = True
     fuse_norm: bool = True  # residual add + RMSNorm in the prologue of the GEMV that follows
     fuse_silu: bool = True  # SiLU-and-mul in the prologue of the down projection
     # Rows up to which the fused prologues run. Each program of a prologue-fused GEMV re-reads (and re-normalises)
@@ -37,7 +38,6 @@ class Switches:
     # row before its product, which for Llama-3.1-8B's 4096 (3584 programs in gate_up) cost more than the norm
     # kernel it saves (b=1 4.242 vs 4.030 ms unfused; Qwen3-0.6B's 1024: 1.230 vs 1.245).
     fuse_norm_max_k: int = 2048
-    kv_preload: bool = True  # decode attention loads its first K/V tile (all but the new token) before the PDL wait
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "Switches":

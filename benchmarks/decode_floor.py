@@ -52,9 +52,8 @@ SWITCH_SETS: dict[str, dict[str, bool | int]] = {
     "no_pdl": {"pdl": False},
     "no_prefetch": {"gemv_prefetch": False},
     "no_fuse_norm": {"fuse_norm": False},
-    "no_fuse_silu": {"fuse_silu": False},
     "fuse_norm_any_k": {"fuse_norm_max_k": 1 << 20},
-    "none": {"pdl": False, "fuse_norm": False, "fuse_silu": False, "fuse_max_m": 0},
+    "none": {"pdl": False, "fuse_norm": False, "gemv_prefetch": False, "fuse_max_m": 0},
     "old_rule_1row": {"fuse_norm": False},
 }
 # Sets that also change the GEMV dispatch: (rows bucket, weight MiB above which cuBLAS runs the plain product).
@@ -210,7 +209,8 @@ def engine_steps(llm, b: int, context: int, steps: int = 30, runs: int = 3) -> d
     engine, device = llm.engine.core, llm.engine.core.runner.device
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda _: None
     vocab = engine.vocab_size
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8 + runs * steps + 8)
+    # (the first prompts decode while the last prefill: every request must outlast the timed steps)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=min(200, 8 * (runs * steps + 8)))
     gen = torch.Generator().manual_seed(1000 + b)
     ids = [f"steps-{b}-{i}" for i in range(b)]
     for rid in ids:

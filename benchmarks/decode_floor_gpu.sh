@@ -14,7 +14,7 @@ if [ -d .whl ]; then
     export PYTHONPATH=/tmp/site:$PWD/src:$PWD
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader > "$OUT/gpu.txt"
-SETS=${SETS:-all no_prefetch no_fuse_norm no_fuse_silu no_pdl}
+SETS=${SETS:-all no_prefetch no_fuse_norm no_pdl}
 floor() {  # $1: name, then decode_floor.py arguments
     local name=$1; shift
     python3 benchmarks/decode_floor.py "$@" --json "$OUT/decode_floor_$name.json" 2>&1 | grep -v -e Warning -e INFO \

@@ -74,8 +74,8 @@ gemv.linear(torch.randn(20, 1024, dtype=bf), w, torch.randn(4096, dtype=bf), for
             config=GemvConfig.parse("dot 64x128 w4 st4 s3"))
 gemv.norm_linear(x1, x1.clone(), norm_w, 1e-6, w, force_triton=True, config=GemvConfig.parse("fma 8x512 w4 st3 s4"))
 gemv.norm_linear(x64, x64.clone(), norm_w, 1e-6, w, force_triton=True, config=GemvConfig.parse("dot 32x256 w4 st3 p1"))
-gemv.silu_mul_linear(torch.randn(3, 6144, dtype=bf), torch.randn(1024, 3072, dtype=bf), force_triton=True,
-                     config=GemvConfig.parse("fma 8x512 w4 st3 p0"))
+gemv.linear(torch.randn(3, 3072, dtype=bf), torch.randn(1024, 3072, dtype=bf), force_triton=True,
+            config=GemvConfig.parse("fma 8x512 w4 st3 p0"))
 kc, vc = torch.zeros(10, 16, 8, 128, dtype=bf), torch.zeros(10, 16, 8, 128, dtype=bf)
 cos_sin = torch.randn(4096, 256, dtype=bf)
 fused.rms_norm(x3, norm_w, 1e-6, x3.clone(), force_triton=True)
@@ -95,7 +95,7 @@ for x in (x1, x3, x64):
     gemv.linear(x, q8, weight_scale=s8, force_triton=True)
 gemv.norm_linear(x3, x3.clone(), norm_w, 1e-6, q8, weight_scale=s8, force_triton=True)
 q8d, s8d = fp8.quantize(torch.randn(1024, 3072))
-gemv.silu_mul_linear(torch.randn(3, 6144, dtype=bf), q8d, weight_scale=s8d, force_triton=True)
+gemv.linear(torch.randn(3, 3072, dtype=bf), q8d, weight_scale=s8d, force_triton=True)
 cu = torch.arange(4, dtype=torch.int32)
 meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, context_lens=lens, block_tables=tables, cu_seqlens_q=cu,
                          max_seqlen_q=1, has_cached_prefix=True)

@@ -159,18 +159,6 @@ def test_fp8_norm_prologue(m, config, dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,config", [(1, None), (3, FMA_SPLIT), (20, DOT_SPLIT)])
-def test_fp8_silu_mul_prologue(m, config, dtype):
-    g = torch.Generator().manual_seed(12)
-    gate_up = torch.randn(m, 160, generator=g).to(DEVICE, dtype)
-    q, s, w_ref = quantized(torch.randn(24, 80, generator=g) / 80 ** 0.5)
-    q, s, w_ref = q.to(DEVICE), s.to(DEVICE), w_ref.to(DEVICE)
-    out = gemv.silu_mul_linear(gate_up, q, weight_scale=s, force_triton=True, config=config)
-    check_fp8(out, fused.silu_and_mul_ref(gate_up), w_ref, None, dtype)
-
-
-@needs_triton
 @pytest.mark.usefixtures("pdl_in_interpreter")
 def test_fp8_pdl_path_in_the_interpreter():
     """The first fp8 tile is loaded before gdc_wait; every path still sees each tile once and scales once."""
@@ -204,8 +192,6 @@ def test_gpu_fp8_real_shapes_table_variant(m, n, k):
 def test_gpu_fp8_fused_paths(m, pdl):
     with switched(pdl=pdl):
         test_fp8_norm_prologue(m, None, torch.bfloat16)
-        test_fp8_silu_mul_prologue(m, None, torch.bfloat16)
-        check_fp8_merge(m, torch.bfloat16)
 
 
 @pytest.mark.gpu

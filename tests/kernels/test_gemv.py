@@ -209,27 +209,14 @@ def test_norm_prologue_equals_rms_norm_then_linear(m, config, dtype, with_residu
     check_norm_linear(m, dtype, with_residual, config)
 
 
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,config", [(1, None), (3, FMA_SPLIT), (20, DOT_SPLIT)])
-def test_silu_mul_prologue_equals_silu_and_mul_then_linear(m, config, dtype):
-    g = torch.Generator().manual_seed(12)
-    n, k = 24, 80
-    gate_up = torch.randn(m, 2 * k, generator=g).to(DEVICE, dtype)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
-    out = gemv.silu_mul_linear(gate_up, w, force_triton=True, config=config)
-    torch.testing.assert_close(out, F.linear(fused.silu_and_mul_ref(gate_up), w), **tol(dtype))
-
-
 def test_prologues_unfused_off_gpu_or_switched_off():
     x = torch.randn(3, 64)
     w = torch.randn(8, 64)
     out, residual = gemv.norm_linear(x, None, torch.ones(64), 1e-6, w)  # CPU: the unfused path
     torch.testing.assert_close(out, F.linear(fused.rms_norm_ref(x, torch.ones(64), 1e-6), w))
     assert residual is x
-    with switched(fuse_norm=False, fuse_silu=False):
+    with switched(fuse_norm=False):
         assert not gemv._fuses(gemv.SWITCHES.fuse_norm, x, w, None)
-    torch.testing.assert_close(gemv.silu_mul_linear(torch.randn(3, 128), w).shape, torch.Size([3, 8]))
 
 
 # -- norm + qkv + rope (the attention input) --------------------------------------------------------------
@@ -329,7 +316,6 @@ def test_gpu_fused_paths_real_shapes(m, pdl):
         assert torch.equal(new_residual, want_residual)
         gate_up = torch.randn(m, 2 * 3072, device=DEVICE, dtype=torch.bfloat16)
         w_down = torch.randn(1024, 3072, device=DEVICE, dtype=torch.bfloat16) / 3072 ** 0.5
-        check(gemv.silu_mul_linear(gate_up, w_down, force_triton=True), fused.silu_and_mul_ref(gate_up), w_down, None)
 
 
 @pytest.mark.gpu

@@ -8,8 +8,8 @@ from nanoserve.kernels.switches import SWITCHES, Switches, switched
 
 def test_from_env():
     assert Switches.from_env({}) == Switches()  # everything on by default
-    s = Switches.from_env({"NANOSERVE_PDL": "0", "NANOSERVE_FUSE_SILU": "0", "NANOSERVE_FUSE_NORM": "1"})
-    assert (s.pdl, s.fuse_norm, s.fuse_silu) == (False, True, False)
+    s = Switches.from_env({"NANOSERVE_PDL": "0", "NANOSERVE_FUSE_NORM": "1"})
+    assert (s.pdl, s.fuse_norm, s.gemv_prefetch) == (False, True, True)
     assert not Switches.from_env({"NANOSERVE_GEMV_PREFETCH": "0"}).gemv_prefetch
     assert Switches.from_env({"NANOSERVE_FUSE_NORM_MAX_K": "4096"}).fuse_norm_max_k == 4096
     with pytest.raises(ValueError, match="NANOSERVE_PDL must be 0 or 1"):
@@ -18,8 +18,8 @@ def test_from_env():
 
 def test_switched_restores_and_rejects_unknown_names():
     before = dict(SWITCHES.__dict__)
-    with switched(pdl=False, fuse_silu=False) as s:
-        assert s is SWITCHES and not SWITCHES.pdl and not SWITCHES.fuse_silu
+    with switched(pdl=False, fuse_norm=False) as s:
+        assert s is SWITCHES and not SWITCHES.pdl and not SWITCHES.fuse_norm
     assert SWITCHES.__dict__ == before
     with pytest.raises(ValueError, match="unknown switches"):
         with switched(pdl_everywhere=True):

@@ -1,7 +1,7 @@
 """On/off switches of the decode kernels: programmatic dependent launch and each fusion.
 
 Read once from the environment at import (NANOSERVE_PDL=0 turns PDL off, NANOSERVE_GEMV_PREFETCH=0 the GEMV's L2
-prefetch; NANOSERVE_FUSE_NORM, NANOSERVE_FUSE_SILU = 0 turn a fusion off), so a benchmark can measure each
+prefetch; NANOSERVE_FUSE_NORM=0 the RMSNorm prologue), so a benchmark can measure each
 one's worth: kernels read SWITCHES when they launch, so `switched(pdl=False)` followed by a fresh
 capture gives graphs without it, in the same process. Every switch only chooses between two paths
 that compute the same result (the tests check each fused path against the unfused one).
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 _ENV = {"pdl": "NANOSERVE_PDL", "gemv_prefetch": "NANOSERVE_GEMV_PREFETCH",
-        "fuse_norm": "NANOSERVE_FUSE_NORM", "fuse_silu": "NANOSERVE_FUSE_SILU",
+        "fuse_norm": "NANOSERVE_FUSE_NORM",
         "fuse_max_m": "NANOSERVE_FUSE_MAX_M", "fuse_norm_max_k": "NANOSERVE_FUSE_NORM_MAX_K"}
 _COUNTS = ("fuse_max_m", "fuse_norm_max_k")
 
@@ -23,12 +23,11 @@ _COUNTS = ("fuse_max_m", "fuse_norm_max_k")
 @dataclass
 class Switches:
     pdl: bool = True  # programmatic dependent launch between consecutive kernels (Hopper and newer)
-    # The GEMV asks L2 for all its weight lines before the PDL wait, not only its first tile (matrices up to
-    # gemv.PREFETCH_MAX_WEIGHT_BYTES): SmolLM2-135M b=8 0.720 vs 0.743 ms, b=32 0.928 vs 0.965; Qwen3-0.6B b=8 1.317
-    # vs 1.343; no loss at b=1, nor on Llama-3.1-8B, whose matrices are over the cap.
+    # The GEMV asks L2 for all its weight lines before the PDL wait, not only its first tile (several rows, matrices
+    # up to gemv.PREFETCH_MAX_WEIGHT_BYTES): SmolLM2-135M b=8 0.797 vs 0.827 ms, b=32 0.954 vs 1.000; Qwen3-0.6B b=8
+    # 1.193 vs 1.228 (Llama-3.1-8B's matrices are over the cap).
     gemv_prefetch: bool = True
     fuse_norm: bool = True  # residual add + RMSNorm in the prologue of the GEMV that follows
-    fuse_silu: bool = True  # SiLU-and-mul in the prologue of the down projection
     # Rows up to which the fused prologues run. Each program of a prologue-fused GEMV re-reads (and re-normalises)
     # all its rows' activations, which is free for one row and costs as much as the weights by tens of rows: with
     # 64 the H200 ran Llama-3.1-8B's b=32 step in 14.4 ms against 5.35 ms unfused (benchmarks/results/

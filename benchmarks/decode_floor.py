@@ -13,7 +13,9 @@ timed it, so that they can be compared in one run:
   * replay_sync_ms: a synchronize before each replay (runner/timing.time_ms: the start-up probes);
   * execute_sync_ms / execute_b2b_ms: runner.execute (input load + replay, no sampling), synchronized or back
     to back (`nanoserve bench graphs` times execute);
-  * step_ms: engine.step() back to back with b running requests (sampling, scheduling, outputs);
+  * step_ms: engine.step() back to back with b running requests (sampling, scheduling, outputs), and
+    replay_b2b_step_context_ms, the replay after them at their mean context (their requests grow while they run);
+    their device timeline (step_timeline: the period between samplers, the events and idle gaps around the graph);
   * floor_ms: weights once + KV ÷ the measured copy bandwidth;
   * the GPU time by kernel kind of one replay (torch.profiler; busy_us gives each stretch of the timeline to the
     kernel that ends it).
@@ -223,21 +225,61 @@ def engine_steps(llm, b: int, context: int, steps: int = 30, runs: int = 3) -> d
             llm.engine.step()
         for _ in range(5):
             llm.engine.step()
-        samples, rows = [], set()
+        samples, rows, contexts = [], set(), []
         for _ in range(runs):
             sync(device)
             t = time.perf_counter()
             for _ in range(steps):
-                rows.add(len(engine.scheduler.running))
+                running = engine.scheduler.running
+                rows.add(len(running))
+                contexts.append(sum(s.num_tokens for s in running) / max(1, len(running)))
                 llm.engine.step()
             sync(device)
             samples.append((time.perf_counter() - t) * 1e3 / steps)
-        return {"step_ms": statistics.median(samples), "step_samples_ms": samples, "rows_seen": sorted(rows)}
+        return {"step_ms": statistics.median(samples), "step_samples_ms": samples, "rows_seen": sorted(rows),
+                "step_context": round(statistics.mean(contexts)), **step_timeline(llm.engine.step)}
     finally:
         for rid in ids:
             llm.engine.abort_request(rid)
         while engine.has_unfinished_requests():
             llm.engine.step()
+
+
+def step_timeline(step, steps: int = 12) -> dict:
+    """The device timeline of engine steps back to back: the period between two samplers, and each step's events
+    outside its decode graph's kernels (copies, the sampler, the seed's increment) with the idle gap before each:
+    what a step costs the device beyond its replay."""
+    if not torch.cuda.is_available():
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    ev = sorted(((e.name, float(e.time_range.start), float(e.time_range.end)) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e[1])
+    ends = [i for i, e in enumerate(ev) if e[0].startswith("_sample_kernel")]
+    if len(ends) < 4:
+        return {}
+    periods = [ev[b][1] - ev[a][1] for a, b in zip(ends[1:-1], ends[2:])]
+    a, b = ends[len(ends) // 2 - 1], ends[len(ends) // 2]
+    one = ev[a:b + 1]
+    around = [(n[:40], round(s0 - p[2], 1), round(e0 - s0, 1)) for p, (n, s0, e0) in zip(one, one[1:])
+              if not n.startswith("_") or n.startswith("_sample") or s0 - p[2] > 1.5]
+    return {"step_device_period_us": statistics.median(periods), "step_events_outside_graph": around,
+            "step_idle_us": sum(max(0.0, y[1] - x[2]) for x, y in zip(one, one[1:]))}
+
+
+def replay_at_step_context(runner, b: int, rec: dict) -> dict:
+    """The graph replayed back to back at the engine steps' mean context (their requests grew while they ran, and
+    at large b the KV they read is a large part of the step): the replay step_ms compares with."""
+    from nanoserve.bench.decode_step import decode_batch
+
+    runner.decode_inputs.load(decode_batch(runner, b, rec["step_context"]), b)
+    ms = b2b_ms(lambda: runner.graph_runner.replay(b))
+    return {"replay_b2b_step_context_ms": ms, "step_over_replay": rec["step_ms"] / ms}
 
 
 def offline_b1(llm, context: int, tokens: int = 129) -> dict:
@@ -298,6 +340,7 @@ def measure_model(name: str, args, bandwidth: float, report: dict) -> dict:
             rec = result["buckets"][str(b)] = {"floor_ms": floor_ms(cfg, b, args.context, bandwidth)}
             _guarded(rec, lambda: rec.update(time_bucket(runner, b, args.context)))
             _guarded(rec, lambda: rec.update(engine_steps(llm, b, args.context)))
+            _guarded(rec, lambda: rec.update(replay_at_step_context(runner, b, rec)))
             print_bucket(name, b, rec)
         _guarded(result, lambda: result.update(offline=offline_b1(llm, args.context)))
         print(f"== {name} offline b=1: {result.get('offline')}", flush=True)
@@ -325,9 +368,13 @@ def _guarded(rec: dict, fn) -> None:
 
 def print_bucket(model: str, b: int, r: dict) -> None:
     cells = "  ".join(f"{k[:-3]} {r[k]:.3f}" for k in ("replay_b2b_ms", "replay_sync_ms", "execute_b2b_ms",
-                                                       "execute_sync_ms", "step_ms", "floor_ms") if k in r)
+                                                       "execute_sync_ms", "step_ms", "replay_b2b_step_context_ms",
+                                                       "floor_ms") if k in r)
     kinds = "  ".join(f"{k} {v['count']}x {v['busy_us']:.0f}" for k, v in r.get("kinds", {}).items() if v["count"])
-    print(f"== {model} b={b}: {cells}\n     busy µs {r.get('busy_us', 0):.0f}: {kinds} {r.get('errors', '')}",
+    device = (f"\n     step on the device: period {r['step_device_period_us']:.1f} µs, idle {r['step_idle_us']:.1f} µs; "
+              f"outside the graph (name, gap before, µs): {r['step_events_outside_graph']}") \
+        if "step_device_period_us" in r else ""
+    print(f"== {model} b={b}: {cells}\n     busy µs {r.get('busy_us', 0):.0f}: {kinds} {r.get('errors', '')}{device}",
           flush=True)
 
 

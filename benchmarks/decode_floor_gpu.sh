@@ -11,8 +11,8 @@ export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         > "$OUT/pip.log" 2>&1 || { echo "wheel install failed"; tail -3 "$OUT/pip.log"; }
-    export PYTHONPATH=/tmp/site:$PWD/src:$PWD
 fi
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader > "$OUT/gpu.txt"
 SETS=${SETS:-all no_prefetch no_fuse_norm no_pdl}
 floor() {  # $1: name, then decode_floor.py arguments

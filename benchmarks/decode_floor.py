@@ -54,7 +54,7 @@ SWITCH_SETS: dict[str, dict[str, bool | int]] = {
     "no_pdl": {"pdl": False},
     "no_prefetch": {"gemv_prefetch": False},
     "no_fuse_norm": {"fuse_norm": False},
-    "fuse_norm_any_k": {"fuse_norm_max_k": 1 << 20},
+    "fuse_norm_any_k": {"fuse_norm_min_k": 0, "fuse_norm_max_k": 1 << 20},
     "none": {"pdl": False, "fuse_norm": False, "gemv_prefetch": False, "fuse_max_m": 0},
     "old_rule_1row": {"fuse_norm": False},
 }

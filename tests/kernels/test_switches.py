@@ -12,6 +12,7 @@ def test_from_env():
     assert (s.pdl, s.fuse_norm, s.gemv_prefetch) == (False, True, True)
     assert not Switches.from_env({"NANOSERVE_GEMV_PREFETCH": "0"}).gemv_prefetch
     assert Switches.from_env({"NANOSERVE_FUSE_NORM_MAX_K": "4096"}).fuse_norm_max_k == 4096
+    assert Switches.from_env({"NANOSERVE_FUSE_NORM_MIN_K": "0"}).fuse_norm_min_k == 0
     with pytest.raises(ValueError, match="NANOSERVE_PDL must be 0 or 1"):
         Switches.from_env({"NANOSERVE_PDL": "off"})
 

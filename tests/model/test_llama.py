@@ -153,6 +153,7 @@ def test_fused_kernel_paths_match_hf_in_the_interpreter(arch, tiny_model_dirs, h
     from nanoserve.kernels.switches import SWITCHES
 
     monkeypatch.setattr(SWITCHES, "fuse_max_m", gemv.MAX_M)  # every fusion on, for any row count
+    monkeypatch.setattr(SWITCHES, "fuse_norm_min_k", 0)  # and the tiny model's 64-wide rows
 
     def cpu_applies(x, weight, bias, weight_scale=None):  # the kernel's own checks, minus "CUDA and half precision"
         return x.dim() == 2 and 1 <= x.shape[0] <= gemv.MAX_M and x.shape[1] % 16 == 0 == weight.shape[1] % 16
@@ -384,7 +385,8 @@ def test_decode_forward_replays_in_cuda_graph(tiny_model_dirs):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @torch.inference_mode()
 def test_gpu_fused_and_pdl_paths_equal_the_unfused_model(arch, tiny_model_dirs):
-    """bf16 on the GPU: decode with PDL and every fusion on == with all of them off (to bf16 rounding)."""
+    """bf16 on the GPU: decode with PDL and every fusion on (for the tiny model's 64-wide rows, at all 4 rows) == with
+    all of them off (to bf16 rounding)."""
     from nanoserve.kernels.switches import switched
 
     device = torch.device("cuda")
@@ -393,7 +395,7 @@ def test_gpu_fused_and_pdl_paths_equal_the_unfused_model(arch, tiny_model_dirs):
     seqs = random_seqs([9, 3, 17, 5], model.vocab_size, seed=6)
     results = []
     for on in (True, False):
-        with switched(pdl=on, fuse_norm=on, gemv_prefetch=on):
+        with switched(pdl=on, fuse_norm=on, gemv_prefetch=on, fuse_norm_min_k=0, fuse_max_m=4 if on else 1):
             kv = PagedKV(model, 32, 4, device=device)
             for attn in model.attention_layers():
                 attn.k_cache, attn.v_cache = attn.k_cache.bfloat16(), attn.v_cache.bfloat16()

@@ -371,10 +371,11 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
                 force_triton: bool = False, config: GemvConfig | None = None):
     """(rms_norm(x + residual) · norm_weight) @ weight.T + bias, and the new residual x + residual.
 
-    With SWITCHES.fuse_norm (up to fuse_max_m rows of at most fuse_norm_max_k) the norm runs inside the GEMV's prologue.
+    With SWITCHES.fuse_norm (up to fuse_max_m rows of fuse_norm_min_k…fuse_norm_max_k values) the norm runs inside the
+    GEMV's prologue.
     Without a residual (the first layer) the new residual is x itself."""
     if not (force_triton or _fuses(SWITCHES.fuse_norm, x, weight, bias, weight_scale)
-            and x.shape[1] <= SWITCHES.fuse_norm_max_k and (residual is None or residual.stride(-1) == 1)):
+            and SWITCHES.fuse_norm_min_k <= x.shape[1] <= SWITCHES.fuse_norm_max_k and (residual is None or residual.stride(-1) == 1)):
         if residual is None:
             return linear(fused.rms_norm(x, norm_weight, eps), weight, bias, weight_scale=weight_scale), x
         normed, residual = fused.rms_norm(x, norm_weight, eps, residual)

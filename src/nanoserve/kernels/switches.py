@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 _ENV = {"pdl": "NANOSERVE_PDL", "gemv_prefetch": "NANOSERVE_GEMV_PREFETCH",
         "fuse_norm": "NANOSERVE_FUSE_NORM",
-        "fuse_max_m": "NANOSERVE_FUSE_MAX_M", "fuse_norm_max_k": "NANOSERVE_FUSE_NORM_MAX_K"}
-_COUNTS = ("fuse_max_m", "fuse_norm_max_k")
+        "fuse_max_m": "NANOSERVE_FUSE_MAX_M", "fuse_norm_min_k": "NANOSERVE_FUSE_NORM_MIN_K",
+        "fuse_norm_max_k": "NANOSERVE_FUSE_NORM_MAX_K"}
+_COUNTS = ("fuse_max_m", "fuse_norm_min_k", "fuse_norm_max_k")
 
 
 @dataclass
@@ -33,9 +34,12 @@ class Switches:
     # 64 the H200 ran Llama-3.1-8B's b=32 step in 14.4 ms against 5.35 ms unfused (benchmarks/results/
     # experiments/decode_latency_fused64_h200.json).
     fuse_max_m: int = 1
-    # Widest activation row whose RMSNorm is fused: every program of the GEMV recomputes the norm over the whole
-    # row before its product, which for Llama-3.1-8B's 4096 (3584 programs in gate_up) cost more than the norm
-    # kernel it saves (b=1 4.242 vs 4.030 ms unfused; Qwen3-0.6B's 1024: 1.230 vs 1.245).
+    # The activation rows whose RMSNorm is fused, by width: every program of the GEMV recomputes the norm over the
+    # whole row before its product. For Llama-3.1-8B's 4096 (3584 programs in gate_up) that cost more than the norm
+    # kernel it saves (b=1 4.242 vs 4.030 ms unfused); Qwen3-0.6B's 1024 gains (b=1 0.792 vs 0.851); SmolLM2-135M's
+    # 576 loses, twice measured (b=1 0.510 vs 0.477, 0.512 vs 0.476: results/decode_floor_h200.json), where each
+    # program's product is short and the norm's two dependent reads sit after the PDL wait.
+    fuse_norm_min_k: int = 1024
     fuse_norm_max_k: int = 2048
 
     @classmethod

@@ -41,6 +41,9 @@ CUDAGRAPH_POOL_BUDGET_MIB = 1024
 # Top logprobs a request may ask for per token (logprobs / prompt_logprobs; the sampler's buffers hold this many)
 MAX_LOGPROBS = 20
 QUANTIZATIONS = ("fp8",)  # weight formats model/quantization.py can make at load
+# The side of the square weight tiles a block-scaled FP8 weight carries one scale for: what block-quantized
+# checkpoints use (weight_block_size [128, 128]) and the only one the kernels take
+FP8_BLOCK = 128
 
 # `nanoserve serve` limits (flags of the same names): the drain on SIGTERM/SIGINT, then streams still open end
 # with an error event; a request body not received in full by its deadline is answered 408 and its connection
@@ -272,7 +275,7 @@ FIELD_HELP = {
                    "(benchmarks without weight files)",
     "show_progress": "show progress bars (CUDA-graph capture)",
     "quantization": "'fp8': linear weights stored as float8 e4m3 with one scale per output channel, dequantized "
-                    "in the GEMV (W8A16); default: none",
+                    "in the GEMV (W8A16); default: none (a pre-quantized FP8 checkpoint loads as stored either way)",
     "quantize_lm_head": "with quantization, the lm_head too (it stays in the serving dtype otherwise)",
     "tensor_parallel_size": "GPUs (or gloo processes on CPU) to shard the model over, Megatron-style; one worker "
                             "process per extra rank (alias -tp)",

@@ -1,7 +1,7 @@
 """What a model's files say, read without building the model: HF config, its shape (ModelSpec), max length,
 tokenizer, EOS ids, and a GGUF file's metadata.
 
-The ground floor of the package (it imports no other nanoserve module): the server, the engine and the
+The ground floor of the package (it imports no other nanoserve module but config's constants): the server, the engine and the
 loader read a model folder or a .gguf file through here, and every refusal is one ModelLoadError line
 naming the file at fault, raised before any weight is read. No torch: the API process and the CLI read
 configs and tokenizers without it. Weights are model/loader.py's (safetensors) and model/gguf.py's.
@@ -15,6 +15,8 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+from nanoserve.config import FP8_BLOCK
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -172,7 +174,7 @@ def load_hf_config(model_dir: str | Path):
     except Exception as e:  # transformers raises ValueError/KeyError/OSError/TypeError for bad configs
         raise ModelLoadError(f"cannot parse {config_file}: {first_line(e)}") from None
     _check_spec(config, config_file)
-    _check_not_prequantized(raw, config_file)
+    checkpoint_quantization(raw.get("quantization_config"), config_file)
     return config
 
 
@@ -183,15 +185,81 @@ def _check_spec(config, source: Path) -> None:
         raise ModelLoadError(f"{source}: {first_line(e)}") from None
 
 
-def _check_not_prequantized(raw: dict, config_file: Path) -> None:
-    """A checkpoint stored quantized (GPTQ, AWQ, fp8, ...) has tensors this loader cannot read: say so before
-    reading any of them."""
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-        raise ModelLoadError(f"{config_file}: the checkpoint is stored quantized (quantization_config.quant_method="
-                             f"{method!r}), a weight format nanoserve cannot load; give a float32/bfloat16/float16 "
-                             "checkpoint (--quantization fp8 quantizes one at load)")
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    """How a pre-quantized FP8 checkpoint stores its linear weights: float8_e4m3fn codes in `<module>.weight`
+    beside fp32 scales in `<module>.<scale_name>`, of the layouts in `scales` (each tensor's shape says which):
+    "block" (one per 128x128 tile), "channel" (one per output row), "tensor" (one). Activation scales stored
+    for static quantization are not needed: activations stay in the serving dtype (W8A16) or are quantized per
+    token as they are used."""
+
+    method: str  # quantization_config.quant_method
+    scale_name: str
+    scales: tuple[str, ...]
+
+
+_FP8_FORMATS = ("float-quantized", "naive-quantized")  # compressed-tensors formats that store fp8 values as is
+
+
+def checkpoint_quantization(quant, source: Path | str) -> Fp8Checkpoint | None:
+    """The FP8 layout of a checkpoint from its quantization_config (None: not quantized); any other stored
+    format (GPTQ, AWQ, int4/int8, fp8 e5m2, other block sizes) is one ModelLoadError line naming it."""
+    if not quant:
+        return None
+    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+    if method == "fp8":
+        return _fp8_method(quant, source)
+    if method == "compressed-tensors":
+        return _compressed_tensors(quant, source)
+    raise ModelLoadError(f"{source}: the checkpoint is stored quantized (quantization_config.quant_method="
+                         f"{method!r}), a weight format nanoserve cannot load; it loads FP8 checkpoints "
+                         "('fp8' and 'compressed-tensors' FP8) and float32/bfloat16/float16 ones (--quantization fp8 "
+                         "quantizes one at load)")
+
+
+def _fp8_method(quant: dict, source) -> Fp8Checkpoint:
+    fmt = quant.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ModelLoadError(f"{source}: fp8 checkpoint in format {fmt!r}; nanoserve loads e4m3 only")
+    block = quant.get("weight_block_size")
+    if block is None:
+        return Fp8Checkpoint("fp8", "weight_scale", ("tensor", "channel"))
+    if list(block) != [FP8_BLOCK, FP8_BLOCK]:
+        raise ModelLoadError(f"{source}: fp8 checkpoint with weight_block_size {list(block)}; nanoserve loads "
+                             f"[{FP8_BLOCK}, {FP8_BLOCK}] blocks, per-channel and per-tensor scales")
+    return Fp8Checkpoint("fp8", "weight_scale_inv", ("block",))
+
+
+def _compressed_tensors(quant: dict, source) -> Fp8Checkpoint:
+    """compressed-tensors: every config group must hold 8-bit float weights (channel, tensor or 128x128 block
+    strategy) and 8-bit float or no input activations."""
+    fmt = quant.get("format")
+    if fmt not in _FP8_FORMATS:
+        raise ModelLoadError(f"{source}: compressed-tensors checkpoint in format {fmt!r}; nanoserve loads FP8 "
+                             f"weights stored {' or '.join(map(repr, _FP8_FORMATS))}")
+    if quant.get("sparsity_config"):
+        raise ModelLoadError(f"{source}: compressed-tensors checkpoint with a sparsity_config; nanoserve loads "
+                             "dense FP8 weights only")
+    groups = quant.get("config_groups") or {}
+    if not groups:
+        raise ModelLoadError(f"{source}: compressed-tensors checkpoint without config_groups")
+    scales = set()
+    for name, group in groups.items():
+        weights, acts = group.get("weights") or {}, group.get("input_activations")
+        what = (weights.get("type"), weights.get("num_bits"))
+        strategy = weights.get("strategy")
+        if what != ("float", 8) or strategy not in ("channel", "tensor", "block"):
+            raise ModelLoadError(f"{source}: compressed-tensors group {name!r} stores {what[1]}-bit {what[0]} "
+                                 f"weights with strategy {strategy!r}; nanoserve loads 8-bit float weights with "
+                                 "channel, tensor or block strategy")
+        if strategy == "block" and list(weights.get("block_structure") or []) != [FP8_BLOCK, FP8_BLOCK]:
+            raise ModelLoadError(f"{source}: compressed-tensors group {name!r} has block_structure "
+                                 f"{weights.get('block_structure')}; nanoserve loads [{FP8_BLOCK}, {FP8_BLOCK}]")
+        if acts and (acts.get("type"), acts.get("num_bits")) != ("float", 8):
+            raise ModelLoadError(f"{source}: compressed-tensors group {name!r} quantizes activations to "
+                                 f"{acts.get('num_bits')}-bit {acts.get('type')}; nanoserve takes FP8 or none")
+        scales.add(strategy)
+    return Fp8Checkpoint("compressed-tensors", "weight_scale", tuple(sorted(scales)))
 
 
 def model_max_len(hf_config) -> int:
@@ -336,6 +404,6 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-__all__ = ["ModelLoadError", "ModelSpec", "SUPPORTED_ARCHITECTURES", "SUPPORTED_GGUF_ARCHITECTURES",
+__all__ = ["Fp8Checkpoint", "ModelLoadError", "ModelSpec", "checkpoint_quantization", "SUPPORTED_ARCHITECTURES", "SUPPORTED_GGUF_ARCHITECTURES",
            "SUPPORTED_ROPE_TYPES", "architecture_of", "as_id_list", "eos_token_ids", "first_line", "is_gguf",
            "load_hf_config", "load_tokenizer", "model_max_len", "read_gguf_metadata", "rope_parameters"]

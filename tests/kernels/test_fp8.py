@@ -4,6 +4,8 @@ reference on the dequantized weight, and the many-rows product (kernels/fp8.py).
 CPU: the GEMV through TRITON_INTERPRET=1 (set in conftest); with CUDA the same cases compile for the GPU, and the
 `gpu` tests add real decode shapes, torch._scaled_mm and CUDA-graph replay.
 """
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,10 +22,11 @@ E4M3_RELATIVE = 2.0 ** -4  # half a unit in the last place of a 3-bit mantissa, 
 E4M3_SUBNORMAL_STEP = 2.0 ** -9  # e4m3's spacing below its smallest normal 2^-6, in units of the scale
 
 
-def quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp8 codes, scales, the fp32 weight they stand for)."""
-    q, s = fp8.quantize(w)
-    return q, s, fp8.dequantize(q, s)
+def quantized(w: torch.Tensor, block: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp8 codes, scales per channel or per fp8.BLOCK² tile, the fp32 weight they stand for)."""
+    tile = (fp8.BLOCK, fp8.BLOCK) if block else None
+    q, s = fp8.quantize(w, tile)
+    return q, s, fp8.dequantize(q, s, block=tile)
 
 
 # -- the format ----------------------------------------------------------------------------------------------
@@ -119,6 +122,23 @@ def test_fp8_gemv_equals_the_dequantized_product(m, config, bias, dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,config", [(1, FMA_SPLIT), (1, FMA_WHOLE_K), (3, GemvConfig(8, 256, split_k=2)),
+                                      (5, DOT_SPLIT), (20, DOT_WHOLE_K)])
+def test_block_scaled_fp8_gemv_equals_the_dequantized_product(m, config, dtype):
+    """Scales per 128x128 tile (block-quantized checkpoints): N and K cross tile borders, tiles of the kernel
+    smaller and larger than a scale block."""
+    n, k = 150, 320 if config.use_dot else 300
+    x, w, b = make(m, n, k, dtype, True, seed=m)
+    w = w * torch.logspace(-2, 1, k, device=w.device)  # blocks of different range: a wrong scale shows
+    q, s, w_ref = quantized(w.float(), block=True)
+    assert s.shape == (2, 3)
+    check_fp8(gemv.linear(x, q, b, weight_scale=s, force_triton=True, config=config), x, w_ref, b, dtype)
+    out = fp8.linear(x.float().cpu(), q.cpu(), s.cpu(), b.float().cpu())  # the many-rows path: dequantize
+    check_fp8(out, x.float().cpu(), w_ref.cpu(), b.float().cpu(), torch.float32)
+
+
+@needs_triton
 def test_fp8_table_variants():
     for m in (1, 3, 8, 40):  # the fp8 table's fma variant, then its dot variants
         x, w, b = make(m, 40, 256, torch.float32, True, seed=m)
@@ -136,6 +156,8 @@ def test_fp8_weight_needs_its_scale():
         gemv.linear(x, q, force_triton=True)
     with pytest.raises(ValueError, match="per-channel"):
         gemv.linear(x, q, weight_scale=s[:8], force_triton=True)
+    with pytest.raises(ValueError, match="per block"):
+        fp8.dequant_linear(x, q, s[:, None])
 
 
 def test_fp8_plan_counts_a_weight_byte_and_an_activation_tile():
@@ -147,10 +169,11 @@ def test_fp8_plan_counts_a_weight_byte_and_an_activation_tile():
 # -- the GEMV: fused prologues and the epilogue ----------------------------------------------------------------
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,config", [(1, None), (3, FMA_SPLIT), (20, DOT_SPLIT)])
-def test_fp8_norm_prologue(m, config, dtype):
-    x, residual, norm_w, w, b = norm_case(m, 96, 40, dtype, True)
-    q, s, w_ref = quantized(w.float())
+@pytest.mark.parametrize("m,config,block", [(1, None, False), (3, FMA_SPLIT, False), (20, DOT_SPLIT, False),
+                                            (1, FMA_SPLIT, True), (20, DOT_SPLIT, True)])
+def test_fp8_norm_prologue(m, config, block, dtype):
+    x, residual, norm_w, w, b = norm_case(m, 160 if block else 96, 40, dtype, True)
+    q, s, w_ref = quantized(w.float(), block)
     out, new_residual = gemv.norm_linear(x, residual, norm_w, 1e-6, q, b, weight_scale=s, force_triton=True,
                                          config=config)
     normed, want_residual = fused.rms_norm_ref(x, norm_w, 1e-6, residual)
@@ -162,9 +185,9 @@ def test_fp8_norm_prologue(m, config, dtype):
 @pytest.mark.usefixtures("pdl_in_interpreter")
 def test_fp8_pdl_path_in_the_interpreter():
     """The first fp8 tile is loaded before gdc_wait; every path still sees each tile once and scales once."""
-    for m, config in ((1, FMA_SPLIT), (16, DOT_SPLIT)):
-        x, w, b = make(m, 37, 64 if config.use_dot else 200, torch.float32, True, seed=m)
-        q, s, w_ref = quantized(w)
+    for (m, config), block in itertools.product(((1, FMA_SPLIT), (16, DOT_SPLIT)), (False, True)):
+        x, w, b = make(m, 37, 192 if config.use_dot else 200, torch.float32, True, seed=m)
+        q, s, w_ref = quantized(w, block)
         check_fp8(gemv.linear(x, q, b, weight_scale=s, force_triton=True, config=config), x, w_ref, b, torch.float32)
 
 

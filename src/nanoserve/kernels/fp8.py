@@ -1,8 +1,8 @@
 """FP8 (e4m3) weights: the format, quantize / dequantize, and the product of many rows (prefill).
 
 A weight W [N, K] is stored as Q = round(W / s) in float8_e4m3fn with one fp32 scale s per output row (per
-channel; `block=(bn, bk)` gives one scale per [bn, bk] tile instead, for the quality comparison of
-benchmarks/fp8_quality.py): W ≈ Q · s. The scale maps the row's largest |w| to e4m3's largest finite value
+channel), or one per [BLOCK, BLOCK] tile as block-quantized checkpoints store it (`weight_block_size` [128, 128];
+`block=(bn, bk)` gives other tiles for the quality comparison of benchmarks/fp8_quality.py): W ≈ Q · s. The scale maps the row's largest |w| to e4m3's largest finite value
 (448), so nothing saturates and the 3-bit mantissa gives every weight ~2^-4 relative precision.
 
 Few rows (decode) read Q and s in the Triton GEMV (kernels/gemv.py), which converts Q in registers and applies
@@ -20,10 +20,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from nanoserve.config import FP8_BLOCK
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 MIN_SCALE = 1e-12  # an all-zero row keeps a positive scale (its codes are all 0)
 SCALED_MM, DEQUANT = "scaled_mm", "dequant"
+BLOCK = FP8_BLOCK  # the side of the square tiles a block-scaled weight carries one scale for
 
 # Tokens bucket (the smallest key >= rows; the last takes any) → ((weight MiB up to, None = any; method), ...).
 # `python benchmarks/fp8_prefill.py` on the H200 measures both methods on the decode matrices of the three
@@ -64,6 +67,20 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     n, k = q.shape
     full = scale.repeat_interleave(block[0], dim=0)[:n].repeat_interleave(block[1], dim=1)[:, :k]
     return (w * full).to(dtype)
+
+
+def scale_shape_ok(q: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether scale is a layout the run-time paths take for q [N, K]: per channel [N] or per BLOCK² tile."""
+    n, k = q.shape
+    return tuple(scale.shape) in ((n,), (-(-n // BLOCK), -(-k // BLOCK)))
+
+
+def scale_block(q: torch.Tensor, scale: torch.Tensor) -> tuple[int, int] | None:
+    """The block= of dequantize() for q's run-time scales: None per channel, (BLOCK, BLOCK) per tile."""
+    if not scale_shape_ok(q, scale):
+        raise ValueError(f"the scales of an fp8 {tuple(q.shape)} weight are [{q.shape[0]}] per channel or "
+                         f"[cdiv(N, {BLOCK}), cdiv(K, {BLOCK})] per block, got {tuple(scale.shape)}")
+    return (BLOCK, BLOCK) if scale.dim() == 2 else None
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,8 +140,8 @@ def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 def dequant_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ (Q · s).T + bias with the weight dequantized to x's dtype first (any device)."""
-    return F.linear(x, dequantize(q, scale, x.dtype), bias)
+    """x @ (Q · s).T + bias with the weight dequantized to x's dtype first (any device; either scale layout)."""
+    return F.linear(x, dequantize(q, scale, x.dtype, scale_block(q, scale)), bias)
 
 
 def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,

@@ -29,9 +29,10 @@ The kernel (`_gemv_kernel`):
     before gdc_wait, so the weights stream while the previous kernel finishes;
   * FP8 weights (W8A16, kernels/fp8.py): the tile is read as float8_e4m3fn (half the bytes), converted to
     the activation dtype in registers, accumulated in fp32 like the rest, and each output is multiplied
-    by its channel's fp32 scale once, before the bias (and before the split-K sum is stored). FP8 weights
-    have a dispatch table of their own (FP8_GEMV_TABLE): a tile of the same bytes spans
-    twice the K.
+    by its channel's fp32 scale once, before the bias (and before the split-K sum is stored); with the
+    128x128-block scales of block-quantized checkpoints (fp8.BLOCK) each weight is scaled in fp32 as its
+    tile is converted instead. FP8 weights have a dispatch table of their own (FP8_GEMV_TABLE): a tile of
+    the same bytes spans twice the K.
 
 Everything is CUDA-graph capturable: no host syncs, fixed-size allocations only.
 """
@@ -313,11 +314,12 @@ def _counters_for(device: torch.device) -> torch.Tensor | None:
 # Every entry point takes weight_scale: None for a weight in the activation dtype, or the fp32 per-channel
 # scales [N] of a float8_e4m3fn weight (kernels/fp8.py). Many rows then go to fp8.linear instead of F.linear.
 def _weight_ok(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
-    """The weight is x's dtype without a scale, or fp8 with one fp32 scale per output row on x's device."""
+    """The weight is x's dtype without a scale, or fp8 with fp32 scales (per output row or per 128x128 block) on
+    x's device."""
     if weight_scale is None:
         return weight.dtype == x.dtype
-    return (weight.dtype == fp8.FP8_DTYPE and weight_scale.dtype == torch.float32 and weight_scale.dim() == 1
-            and weight_scale.shape[0] == weight.shape[0] and weight_scale.is_contiguous()
+    return (weight.dtype == fp8.FP8_DTYPE and weight_scale.dtype == torch.float32
+            and fp8.scale_shape_ok(weight, weight_scale) and weight_scale.is_contiguous()
             and weight_scale.device == weight.device)
 
 
@@ -409,10 +411,11 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     activations'."""
     if weight_scale is None:
         return weight.dtype
-    if weight.dtype != fp8.FP8_DTYPE or weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32:
-        raise ValueError(f"weight_scale goes with a {fp8.FP8_DTYPE} weight as fp32 [N] per-channel scales; got a "
-                         f"{weight.dtype} weight {tuple(weight.shape)} and {weight_scale.dtype} scales "
-                         f"{tuple(weight_scale.shape)}")
+    if weight.dtype != fp8.FP8_DTYPE or not fp8.scale_shape_ok(weight, weight_scale) \
+            or weight_scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale goes with a {fp8.FP8_DTYPE} weight as fp32 [N] per-channel or "
+                         f"[cdiv(N, {fp8.BLOCK}), cdiv(K, {fp8.BLOCK})] per-block scales; got a {weight.dtype} weight "
+                         f"{tuple(weight.shape)} and {weight_scale.dtype} scales {tuple(weight_scale.shape)}")
     return x.dtype
 
 
@@ -444,16 +447,17 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None,
         partials = torch.empty(1, dtype=torch.float32, device=x.device)
         counters = torch.empty(1, dtype=torch.int32, device=x.device)
     residual, residual_out, norm_weight, eps = norm if norm is not None else (None, x, x, 0.0)
+    block_scaled = weight_scale is not None and weight_scale.dim() == 2
     _gemv_kernel[p.grid](
         x, weight, weight_scale if weight_scale is not None else partials, bias if bias is not None else out, out,
         partials, counters,
         residual if residual is not None else x, residual_out, norm_weight, eps,
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, residual_out.stride(0),
-        out.stride(0), p.k_per_split,
+        out.stride(0), p.k_per_split, weight_scale.shape[1] if block_scaled else 0,
         BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
         NORM_K=max(1, min(p.block_k, prev_power_of_2(NORM_CHUNK // p.block_m))), USE_DOT=p.use_dot,
-        EVEN_K=k % p.block_k == 0, HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None,
-        REDUCE_CHUNK=p.reduce_chunk,
+        EVEN_K=k % p.block_k == 0, HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None and not block_scaled,
+        SCALE_BLOCK=fp8.BLOCK if block_scaled else 0,        REDUCE_CHUNK=p.reduce_chunk,
         LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_IN_FP32=not x.is_cuda,  # the interpreter (CPU tensors) multiplies bf16 bit patterns as integers
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
@@ -575,6 +579,14 @@ def _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_p
 
 
 @jit
+def _block_scaled(w, scale_ptr, rows, cols, K, scale_cols, SCALE_BLOCK: tl.constexpr):
+    """A weight tile [BLOCK_N, BLOCK_K] (rows, cols: its indices) times its blocks' fp32 scales, in fp32."""
+    s = tl.load(scale_ptr + (rows // SCALE_BLOCK)[:, None] * scale_cols + (cols // SCALE_BLOCK)[None, :],
+                mask=(cols < K)[None, :], other=0.0)
+    return w.to(tl.float32) * s
+
+
+@jit
 def _store_tile(acc, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om,
                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] fp32 (· the fp8 channel scales, + bias, in fp32) → out[m, n] rounded once."""
@@ -589,12 +601,12 @@ def _store_tile(acc, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_
 @jit(do_not_specialize=["M"])  # one compiled kernel for every batch
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
                  res_ptr, res_out_ptr, norm_w_ptr, eps,
-                 M, N, K, stride_xm, stride_rm, stride_rom, stride_om, k_per_split,
+                 M, N, K, stride_xm, stride_rm, stride_rom, stride_om, k_per_split, scale_cols,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
                  USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                  REDUCE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 PREFETCH_LINES: tl.constexpr, PREFETCH_STEP: tl.constexpr,
+                 PREFETCH_LINES: tl.constexpr, PREFETCH_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr,
                  USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -612,6 +624,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
         if PREFETCH_LINES > 0:  # and L2 fetches the rest of this program's weights meanwhile
             _prefetch_weights(w_ptr, pid_n, N, K, k_start, k_stop, BLOCK_N, PREFETCH_LINES, PREFETCH_STEP)
         w_first = _load_weight(w_rows, k_start + offs_k[None, :], K, EVEN_K)
+        if SCALE_BLOCK > 0:
+            w_first = _block_scaled(w_first, scale_ptr, offs_n % N, k_start + offs_k, K, scale_cols, SCALE_BLOCK)
         pdl_wait(USE_PDL)
         k_loop = k_start + BLOCK_K
 
@@ -629,6 +643,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
                                     USE_DOT, DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL)
     for k in tl.range(k_loop, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
         w = _load_weight(w_rows, k + offs_k[None, :], K, EVEN_K)
+        if SCALE_BLOCK > 0:
+            w = _block_scaled(w, scale_ptr, offs_n % N, k + offs_k, K, scale_cols, SCALE_BLOCK)
         acc, acc_wide = _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_ptr, res_out_ptr,
                                     norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms, write_residual,
                                     BLOCK_M, BLOCK_K, USE_DOT,

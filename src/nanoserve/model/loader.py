@@ -22,7 +22,7 @@ from nanoserve.model.layers import RMSNorm, WeightShard
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.model.quantization import quantize_model
 from nanoserve.model.weights import ParamWriter, hf_names
-from nanoserve.model_files import ModelLoadError, first_line, is_gguf
+from nanoserve.model_files import ModelLoadError, checkpoint_quantization, first_line, is_gguf
 
 _SafetensorError = getattr(safetensors, "SafetensorError", RuntimeError)
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -58,7 +58,7 @@ def load_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: tor
             if is_gguf(model_dir):
                 gguf.load_weights(model, model_dir, hf_config, dtype, device, bar.update)
             else:
-                _load_safetensors(model, Path(model_dir), dtype, device, bar.update)
+                _load_safetensors(model, Path(model_dir), hf_config, dtype, device, bar.update)
     try:
         quantize_model(model, quantization, quantize_lm_head)
     except ValueError as e:
@@ -98,19 +98,24 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, device: torch.device,
+def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device,
                       on_tensor=lambda: None) -> None:
-    writer = ParamWriter(model, dtype, device)
+    """Every tensor of the folder's files into the model; an FP8 checkpoint's weights stay fp8 with their scales."""
+    fp8 = checkpoint_quantization(getattr(hf_config, "quantization_config", None), model_dir / "config.json")
+    writer = ParamWriter(model, dtype, device, fp8)
     open_device = str(device) if device.type == "cuda" else "cpu"
     for file in _weight_files(model_dir):
         try:
             with safe_open(str(file), framework="pt", device=open_device) as f:
                 for hf_name in f.keys():
+                    if writer.is_scale(hf_name):
+                        writer.put_scale(hf_name, file.name, f.get_tensor(hf_name))
+                        continue
                     found = writer.shard(hf_name, file.name, f.get_slice(hf_name).get_shape())
                     if found is None:
                         continue
                     name, shard = found
-                    tensor = writer.zeros(name) if shard.zeros else _read(f, hf_name, shard, dtype)
+                    tensor = writer.zeros(name) if shard.zeros else _read(f, hf_name, shard)
                     writer.put(hf_name, name, shard, tensor)
                     on_tensor()
         except (_SafetensorError, OSError) as e:
@@ -118,11 +123,11 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dty
     writer.finish(f"the weights of {model_dir}")
 
 
-def _read(f, hf_name: str, shard: WeightShard, dtype: torch.dtype) -> torch.Tensor:
-    """This rank's part of one tensor: a slice read from the file (get_slice reads only those bytes)."""
+def _read(f, hf_name: str, shard: WeightShard) -> torch.Tensor:
+    """This rank's part of one tensor, as stored: a slice read from the file (get_slice reads only those bytes)."""
     if shard.src is None:
-        return f.get_tensor(hf_name).to(dtype)
-    return f.get_slice(hf_name)[shard.src].to(dtype).contiguous()
+        return f.get_tensor(hf_name)
+    return f.get_slice(hf_name)[shard.src].contiguous()
 
 
 def _init_dummy(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) -> None:

@@ -9,11 +9,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanoserve.kernels.fp8 import FP8_DTYPE
 from nanoserve.model.layers import WeightShard, weight_shard
-from nanoserve.model_files import ModelLoadError
+from nanoserve.model.quantization import Fp8Scales
+from nanoserve.model_files import Fp8Checkpoint, ModelLoadError
 
 # Tensors some checkpoints carry that hold nothing the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# FP8 checkpoints' scales for static activation (and KV-cache) quantization: activations stay in the serving
+# dtype or are quantized per token where they are used, the KV cache in the serving dtype.
+_ACTIVATION_SCALES = ("input_scale", "output_scale", "k_scale", "v_scale", "q_scale")
 
 
 def target(model, hf_name: str) -> tuple[str, int | None] | None:
@@ -52,17 +57,36 @@ def set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 class ParamWriter:
     """Writes one checkpoint's tensors into `model`'s parameters (on `device`, in `dtype`): finds each HF tensor's
-    parameter and this rank's shard of it, checks the shape, and fills merged parameters part by part."""
+    parameter and this rank's shard of it, checks the shape, and fills merged parameters part by part. With an
+    FP8 checkpoint (fp8) its fp8 weights stay fp8 and their scales go to the layers' weight_scale."""
 
-    def __init__(self, model, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model, dtype: torch.dtype, device: torch.device, fp8: Fp8Checkpoint | None = None):
         self.model, self.dtype, self.device = model, dtype, device
         self.params = dict(model.named_parameters())
         self.expected = hf_names(model, self.params)
         self.loaded: set[str] = set()
         self._packed: dict[str, torch.Tensor] = {}  # merged params being filled shard by shard
+        self.fp8 = fp8
+        self.scales = Fp8Scales(model, fp8, device) if fp8 is not None else None
+        self.fp8_weights: dict[str, str] = {}  # HF weights stored in fp8 → their parameter
+
+    def is_scale(self, hf_name: str) -> bool:
+        """Whether an FP8 checkpoint's tensor is a weight's scales (then put_scale takes it, whole)."""
+        return self.fp8 is not None and hf_name.rpartition(".")[2] == self.fp8.scale_name
+
+    def put_scale(self, hf_name: str, file_name: str, scale: torch.Tensor) -> None:
+        weight = hf_name.rpartition(".")[0] + ".weight"
+        found = target(self.model, weight)
+        if found is None or found[0] not in self.params:
+            raise ModelLoadError(f"unexpected tensor {hf_name!r} in {file_name}: the "
+                                 f"{self.model.spec.architecture} model has no weight {weight!r} to scale")
+        name, index = found
+        self.scales.add(name, weight_shard(self.model, name, index), scale, hf_name)
 
     def shard(self, hf_name: str, file_name: str, shape: tuple[int, ...]) -> tuple[str, WeightShard] | None:
         """(our parameter, this rank's shard) of an HF tensor of `shape`; None for a tensor the model skips."""
+        if self.fp8 is not None and hf_name.rpartition(".")[2] in _ACTIVATION_SCALES:
+            return None
         found = target(self.model, hf_name)
         if found is None:
             return None
@@ -80,15 +104,29 @@ class ParamWriter:
         return torch.zeros(self.params[name].shape, dtype=self.dtype, device=self.device)
 
     def put(self, hf_name: str, name: str, shard: WeightShard, tensor: torch.Tensor) -> None:
-        """This rank's part of HF tensor `hf_name` (on the device, in dtype) into parameter `name`."""
+        """This rank's part of HF tensor `hf_name` (on the device) into parameter `name`, in dtype (or in fp8 as
+        stored, for an FP8 checkpoint's weights)."""
+        tensor = self._cast(hf_name, name, tensor)
         rows = shard.dst_rows
         if rows is None:
             set_param(self.model, name, tensor)
         else:
             if name not in self._packed:
-                self._packed[name] = torch.empty(self.params[name].shape, dtype=self.dtype, device=self.device)
+                self._packed[name] = torch.empty(self.params[name].shape, dtype=tensor.dtype, device=self.device)
+            elif self._packed[name].dtype != tensor.dtype:
+                raise ModelLoadError(f"tensor {hf_name!r} is {tensor.dtype}, but the other parts of {name!r} are "
+                                     f"{self._packed[name].dtype}")
             self._packed[name][rows[0]:rows[1]].copy_(tensor)
         self.loaded.add(hf_name)
+
+    def _cast(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dtype != FP8_DTYPE:
+            return tensor.to(self.dtype)
+        if self.fp8 is None or not name.endswith(".weight"):
+            raise ModelLoadError(f"tensor {hf_name!r} is stored in {tensor.dtype} without a quantization_config "
+                                 "that gives its scales")
+        self.fp8_weights[hf_name] = name
+        return tensor
 
     def finish(self, source) -> None:
         """Refuse a checkpoint that lacks a tensor (naming the first); then set the merged parameters."""
@@ -98,6 +136,8 @@ class ParamWriter:
             raise ModelLoadError(f"missing tensor {missing[0]!r}{more} in {source}")
         for name, tensor in self._packed.items():
             set_param(self.model, name, tensor)
+        if self.scales is not None:
+            self.scales.finish(self.fp8_weights, source)
 
 
 __all__ = ["ParamWriter", "hf_names", "set_param", "target"]

@@ -210,11 +210,12 @@ def test_gpu_fp8_real_shapes_table_variant(m, n, k):
 
 @pytest.mark.gpu
 @needs_triton
+@pytest.mark.parametrize("block", [False, True])
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("m", [1, 4, 32])
-def test_gpu_fp8_fused_paths(m, pdl):
+def test_gpu_fp8_fused_paths(m, pdl, block):
     with switched(pdl=pdl):
-        test_fp8_norm_prologue(m, None, torch.bfloat16)
+        test_fp8_norm_prologue(m, None, block, torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -457,7 +457,7 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None,
         BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
         NORM_K=max(1, min(p.block_k, prev_power_of_2(NORM_CHUNK // p.block_m))), USE_DOT=p.use_dot,
         EVEN_K=k % p.block_k == 0, HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None and not block_scaled,
-        SCALE_BLOCK=fp8.BLOCK if block_scaled else 0,        REDUCE_CHUNK=p.reduce_chunk,
+        SCALE_BLOCK=fp8.BLOCK if block_scaled else 0, SCALE_NB=max(1, p.block_k // fp8.BLOCK),        REDUCE_CHUNK=p.reduce_chunk,
         LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_IN_FP32=not x.is_cuda,  # the interpreter (CPU tensors) multiplies bf16 bit patterns as integers
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
@@ -579,11 +579,16 @@ def _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_p
 
 
 @jit
-def _block_scaled(w, scale_ptr, rows, cols, K, scale_cols, SCALE_BLOCK: tl.constexpr):
-    """A weight tile [BLOCK_N, BLOCK_K] (rows, cols: its indices) times its blocks' fp32 scales, in fp32."""
-    s = tl.load(scale_ptr + (rows // SCALE_BLOCK)[:, None] * scale_cols + (cols // SCALE_BLOCK)[None, :],
-                mask=(cols < K)[None, :], other=0.0)
-    return w.to(tl.float32) * s
+def _block_scaled(w, scale_ptr, rows, k, scale_cols, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SCALE_BLOCK: tl.constexpr, SCALE_NB: tl.constexpr):
+    """A weight tile [BLOCK_N, BLOCK_K] at column k (rows: its row indices) times its blocks' fp32 scales, in fp32.
+    The tile spans SCALE_NB scale blocks along K (1 when it lies inside one): only [BLOCK_N, SCALE_NB] scales are
+    loaded (a gather per weight would pipeline 4 bytes of scale beside each fp8 byte through shared memory)."""
+    kb = k // SCALE_BLOCK + tl.arange(0, SCALE_NB)
+    s = tl.load(scale_ptr + (rows // SCALE_BLOCK)[:, None] * scale_cols + kb[None, :],
+                mask=(kb < scale_cols)[None, :], other=0.0)
+    w3 = tl.reshape(w.to(tl.float32), (BLOCK_N, SCALE_NB, BLOCK_K // SCALE_NB))
+    return tl.reshape(w3 * s[:, :, None], (BLOCK_N, BLOCK_K))
 
 
 @jit
@@ -607,7 +612,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
                  REDUCE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  PREFETCH_LINES: tl.constexpr, PREFETCH_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 SCALE_NB: tl.constexpr, USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -625,7 +630,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
             _prefetch_weights(w_ptr, pid_n, N, K, k_start, k_stop, BLOCK_N, PREFETCH_LINES, PREFETCH_STEP)
         w_first = _load_weight(w_rows, k_start + offs_k[None, :], K, EVEN_K)
         if SCALE_BLOCK > 0:
-            w_first = _block_scaled(w_first, scale_ptr, offs_n % N, k_start + offs_k, K, scale_cols, SCALE_BLOCK)
+            w_first = _block_scaled(w_first, scale_ptr, offs_n % N, k_start, scale_cols, BLOCK_N, BLOCK_K,
+                                    SCALE_BLOCK, SCALE_NB)
         pdl_wait(USE_PDL)
         k_loop = k_start + BLOCK_K
 
@@ -644,7 +650,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
     for k in tl.range(k_loop, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
         w = _load_weight(w_rows, k + offs_k[None, :], K, EVEN_K)
         if SCALE_BLOCK > 0:
-            w = _block_scaled(w, scale_ptr, offs_n % N, k + offs_k, K, scale_cols, SCALE_BLOCK)
+            w = _block_scaled(w, scale_ptr, offs_n % N, k, scale_cols, BLOCK_N, BLOCK_K, SCALE_BLOCK, SCALE_NB)
         acc, acc_wide = _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_ptr, res_out_ptr,
                                     norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms, write_residual,
                                     BLOCK_M, BLOCK_K, USE_DOT,

@@ -175,12 +175,14 @@ def b2b_ms(fn, iters: int = B2B_ITERS, repeats: int = 3) -> float:
     return statistics.median(back_to_back_seconds(fn, iters) * 1e3 / iters for _ in range(repeats))
 
 
-def floor_ms(cfg: dict, b: int, context: int, bandwidth: float) -> float:
-    """Weights read once (the lm_head matrix whole, b embedding rows when it is not tied) + KV, at bandwidth."""
+def floor_ms(cfg: dict, b: int, context: int, bandwidth: float, fp8: bool = False) -> float:
+    """Weights read once (the lm_head matrix whole, b embedding rows when it is not tied; the decoder layers' linear
+    weights one byte each with fp8) + KV, at bandwidth."""
     p = param_counts(cfg)
     head = cfg["vocab_size"] * cfg["hidden_size"]
     weight_params = p.layers + p.final_norm + head + (b * cfg["hidden_size"] if p.lm_head else 0)
-    return (2 * weight_params + b * context * kv_bytes_per_token(cfg)) / bandwidth * 1e3
+    fp8_params = sum(n * k for n, k in decode_shapes(cfg).values()) * cfg["num_hidden_layers"] if fp8 else 0
+    return (2 * weight_params - fp8_params + b * context * kv_bytes_per_token(cfg)) / bandwidth * 1e3
 
 
 def time_bucket(runner, b: int, context: int) -> dict:
@@ -327,17 +329,24 @@ def measure_model(name: str, args, bandwidth: float, report: dict) -> dict:
 
     cfg, sizes = model_config(name), sorted(set(args.batch_sizes))
     result: dict = {"buckets": {}, "sets": {}}
-    report["models"][name] = result
-    with tempfile.TemporaryDirectory() as tmp:
+    report["models"][name + (f" {args.quantization}" if args.quantization else "") + (" blocks" if args.fp8_block
+                             else "")] = result
+    with tempfile.TemporaryDirectory() as tmp, fp8_blocks(args.fp8_block):
         t = time.perf_counter()
         llm = LLM(str(write_model_dir(cfg, tmp)), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                   max_num_seqs=max(sizes), max_model_len=args.max_model_len, cudagraph_capture_sizes=sizes,
                   prefill_graph_sizes="off", num_kv_blocks=max(sizes) * (args.context // 16 + 16) + 64,
-                  enable_prefix_caching=False, show_progress=False)
+                  enable_prefix_caching=False, show_progress=False, quantization=args.quantization)
         result["startup_s"] = time.perf_counter() - t
         runner = llm.engine.core.runner
+        if args.prefill:
+            _guarded(result, lambda: result.update(prefill=prefill_tokens_per_s(llm)))
+            print(f"== {name} prefill 8 x 1024: {result.get('prefill')}", flush=True)
+            if args.quantization == "fp8":
+                _guarded(result, lambda: result.update(prefill_products=prefill_products(cfg)))
         for b in sizes:
-            rec = result["buckets"][str(b)] = {"floor_ms": floor_ms(cfg, b, args.context, bandwidth)}
+            rec = result["buckets"][str(b)] = {"floor_ms": floor_ms(cfg, b, args.context, bandwidth,
+                                                                    args.quantization == "fp8")}
             _guarded(rec, lambda: rec.update(time_bucket(runner, b, args.context)))
             _guarded(rec, lambda: rec.update(engine_steps(llm, b, args.context)))
             _guarded(rec, lambda: rec.update(replay_at_step_context(runner, b, rec)))
@@ -346,7 +355,8 @@ def measure_model(name: str, args, bandwidth: float, report: dict) -> dict:
         print(f"== {name} offline b=1: {result.get('offline')}", flush=True)
         write_json(args.json, report) if args.json else None
         if args.gemv_rows:
-            _guarded(result, lambda: result.update(gemv=gemv_sweep(runner, cfg, args.gemv_rows, args.context)))
+            _guarded(result, lambda: result.update(gemv=gemv_sweep(runner, cfg, args.gemv_rows, args.context,
+                                                                   args.quantization == "fp8")))
             write_json(args.json, report) if args.json else None
         for set_name in args.switch_sets:
             result["sets"][set_name] = rec = measure_switch_set(runner, set_name, args.switch_sizes, args.context)
@@ -428,6 +438,85 @@ GEMV_CANDIDATES = {
 }
 
 
+# fp8 weights: W8A16 (fma / dot: the weight converted in registers) against W8A8 (dot8: x quantized per row and
+# tile, the product on FP8 tensor cores; a wgmma needs block_n >= 64 with 4 warps, 128 with 8)
+FP8_CANDIDATES = {
+    1: ["fma 4x2048 w8 st3 p0", "fma 8x1024 w8 st3 p0", "fma 8x1024 w4 st3 p0", "fma 16x512 w4 st4 p0",
+        "dot8 64x128 w4 st4 p0", "dot8 64x128 w4 st4 p1", "dot8 128x128 w4 st3 p1", "dot8 64x128 w4 st6 p1"],
+    8: ["dot 64x256 w4 st4 p0", "dot 64x256 w4 st4 p1", "dot8 64x128 w4 st4 p0", "dot8 64x128 w4 st4 p1",
+        "dot8 128x128 w4 st4 p1", "dot8 64x128 w4 st6 p2", "dot8 128x128 w8 st3 p1", "dot8 256x128 w8 st3 p1"],
+}
+FP8_CANDIDATES[32] = FP8_CANDIDATES[64] = FP8_CANDIDATES[8]
+
+
+@contextlib.contextmanager
+def fp8_blocks(on: bool):
+    """--fp8-block: `quantization="fp8"` quantizes per 128x128 block (as block-quantized checkpoints store it)."""
+    from nanoserve.model import quantization
+
+    if not on:
+        yield
+        return
+    quantize = quantization.fp8.quantize
+    with mock.patch.object(quantization.fp8, "quantize", lambda w, block=None: quantize(w, (128, 128))):
+        yield
+
+
+def prefill_tokens_per_s(llm, prompts: int = 8, tokens: int = 1024, runs: int = 3) -> dict:
+    """8 prompts of 1024 random token ids through LLM.generate (one token each): prompt tokens per second, median of
+    runs after a warm-up."""
+    from nanoserve import SamplingParams
+
+    one, gen, rates = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1), torch.Generator(), []
+    for run in range(runs + 1):
+        gen.manual_seed(run)
+        batch = [torch.randint(0, llm.engine.core.vocab_size, (tokens,), generator=gen).tolist() for _ in range(prompts)]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(batch, one, use_tqdm=False)
+        rates.append(prompts * tokens / (time.perf_counter() - t)) if run else None
+    return {"tokens_per_s": statistics.median(rates), "samples": rates}
+
+
+def graph_ms(fn, calls: int = 10) -> float:
+    """ms per call of fn, captured `calls` times in a CUDA graph replayed back to back (no host launch cost)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ms = b2b_ms(graph.replay, iters=10) / calls
+    del graph
+    return ms
+
+
+def prefill_products(cfg: dict, tokens_list=(128, 512, 2048, 8192)) -> dict:
+    """Each decode matrix times T prompt rows: bf16 F.linear against the two fp8 methods of kernels/fp8.py (x
+    quantized per token + torch._scaled_mm; dequantize + bf16 matmul), ms per product: PREFILL_TABLE's source."""
+    import torch.nn.functional as F
+
+    from nanoserve.kernels import fp8
+
+    out = {}
+    for name, (n, k) in decode_shapes(cfg).items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        q, scale = fp8.quantize(w)
+        for t in tokens_list:
+            x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+            rec = out[f"{name} {n}x{k} T={t}"] = {
+                "bf16": graph_ms(lambda: F.linear(x, w)),
+                **{m: graph_ms(lambda m=m: fp8.linear(x, q, scale, method=m)) for m in (fp8.SCALED_MM, fp8.DEQUANT)},
+                "quantize_rows": graph_ms(lambda: fp8.quantize_rows(x))}
+            print(f"== prefill {name} {n}x{k} T={t}: " + ", ".join(f"{m} {v:.3f}" for m, v in rec.items()), flush=True)
+            del x
+        del w, q
+    return out
+
+
 def decode_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     """(N, K) of each decode product of a layer, as the GEMV dispatch sees them."""
     h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg.get("head_dim") or \
@@ -437,14 +526,14 @@ def decode_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def choice_patched(choices: dict[tuple[int, int, int], str]):
+def choice_patched(choices: dict[tuple[int, int, int], str], buckets=GEMV_CANDIDATES):
     """gemv.choose returns choices[(rows bucket, N, K)] (as a Triton win) where given."""
     from nanoserve.kernels import gemv
 
     original = gemv.choose
 
     def choose(m, n, k, element_size):
-        bucket = min(b for b in GEMV_CANDIDATES if b >= m) if m <= max(GEMV_CANDIDATES) else None
+        bucket = min(b for b in buckets if b >= m) if m <= max(buckets) else None
         cfg = choices.get((bucket, n, k))
         return (gemv.GemvConfig.parse(cfg), True) if cfg else original(m, n, k, element_size)
 
@@ -452,13 +541,15 @@ def choice_patched(choices: dict[tuple[int, int, int], str]):
         yield
 
 
-def gemv_sweep(runner, cfg: dict, rows_list: list[int], context: int) -> dict:
+def gemv_sweep(runner, cfg: dict, rows_list: list[int], context: int, fp8: bool = False) -> dict:
     """Per rows bucket and decode product: the b-row graph's replay with each candidate for that product (the others
     as the table says), then with every product's best."""
     from nanoserve.bench.decode_step import decode_batch
 
+    candidates = FP8_CANDIDATES if fp8 else GEMV_CANDIDATES
+
     def replay(b: int, choices: dict) -> float:
-        with choice_patched(choices):
+        with choice_patched(choices, candidates):
             runner.graph_runner.drop([b])
             runner.graph_runner.capture([b])
         runner.decode_inputs.load(decode_batch(runner, b, context), b)
@@ -469,7 +560,7 @@ def gemv_sweep(runner, cfg: dict, rows_list: list[int], context: int) -> dict:
         rec = out[str(b)] = {"table_ms": replay(b, {}), "products": {}}
         best = {}
         for name, (n, k) in decode_shapes(cfg).items():
-            times = {c: replay(b, {(b, n, k): c}) for c in GEMV_CANDIDATES[b]}
+            times = {c: replay(b, {(b, n, k): c}) for c in candidates[b]}
             rec["products"][name] = {"n": n, "k": k, "ms": times}
             best[(b, n, k)] = min(times, key=times.get)
             print(f"== gemv b={b} {name} {n}x{k}: table {rec['table_ms']:.3f}; " +
@@ -545,10 +636,13 @@ def main() -> int:
     p.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b", "smollm2-135m"])
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32, 64, 256])
     p.add_argument("--switch-sizes", nargs="+", type=int, default=[1, 8, 32])
-    p.add_argument("--switch-sets", nargs="+", default=list(SWITCH_SETS), choices=list(SWITCH_SETS))
+    p.add_argument("--switch-sets", nargs="*", default=list(SWITCH_SETS), choices=list(SWITCH_SETS))
     p.add_argument("--context", type=int, default=512)
-    p.add_argument("--gemv-rows", nargs="*", type=int, default=[], choices=list(GEMV_CANDIDATES),
+    p.add_argument("--gemv-rows", nargs="*", type=int, default=[], choices=sorted(set(GEMV_CANDIDATES) | set(FP8_CANDIDATES)),
                    help="rows buckets whose GEMV variants are swept in the model")
+    p.add_argument("--quantization", choices=["fp8"], default=None)
+    p.add_argument("--fp8-block", action="store_true", help="fp8 weights with 128x128-block scales")
+    p.add_argument("--prefill", action="store_true", help="also prompt tokens/s of 8 x 1024-token prompts")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--attention-rows", nargs="+", type=int, default=[1, 4, 8, 16, 32])
     p.add_argument("--attention-contexts", nargs="+", type=int, default=[1024, 2048, 4096])

@@ -3,6 +3,8 @@
 #   bash benchmarks/decode_floor_gpu.sh final      # the three shapes at b = 1…256 (every timing), the switch sets
 #   bash benchmarks/decode_floor_gpu.sh attention  # decode attention alone: b = 1…32, 1k-4k contexts, split rules
 #   bash benchmarks/decode_floor_gpu.sh gemv       # Qwen3-0.6B and SmolLM2-135M: GEMV variants in the model
+#   bash benchmarks/decode_floor_gpu.sh fp8_sweep llama-3.1-8b  # fp8 tests; fp8 GEMV variants and prefill products
+#   bash benchmarks/decode_floor_gpu.sh fp8_final  # bf16 vs fp8 steps and prefill, one run (issue 21's ratios)
 #   bash benchmarks/decode_floor_gpu.sh tests      # pytest -m gpu, the whole suite
 # JSON and logs go under $OUT. Wheels the image lacks are carried in .whl/ (benchmarks/serve_gpu_wheels.txt).
 set -uo pipefail
@@ -26,7 +28,19 @@ case ${1:-final} in
     gemv)
         floor gemv_qwen3 model --models qwen3-0.6b --batch-sizes 1 8 32 --gemv-rows 1 8 --switch-sets all
         floor gemv_smollm2 model --models smollm2-135m --batch-sizes 1 8 32 --gemv-rows 1 --switch-sets all ;;
+    fp8_sweep)  # $2: the model; its fp8 GEMV variants in the model (FP8_GEMV_TABLE), prefill products (PREFILL_TABLE)
+        python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 --tb=short tests/kernels/test_fp8.py \
+            tests/model/test_quantization.py tests/model/test_fp8_checkpoints.py 2>&1 | tee "$OUT/gpu_tests_fp8.log" | tail -4
+        floor "fp8_sweep_$2" model --models "$2" --quantization fp8 --batch-sizes 1 8 32 64 --gemv-rows 1 8 32 64 \
+            --switch-sets --prefill ;;
+    fp8_final)  # bf16 and fp8 (per channel, then 128x128 blocks) in one run: the issue's ratios
+        for m in ${MODELS:-llama-3.1-8b qwen3-0.6b}; do
+            floor "bf16_$m" model --models "$m" --batch-sizes 1 8 32 64 --switch-sets --prefill
+            floor "fp8_$m" model --models "$m" --batch-sizes 1 8 32 64 --switch-sets --prefill --quantization fp8
+            [ -n "${BLOCKS:-}" ] && floor "fp8_blocks_$m" model --models "$m" --batch-sizes 1 8 32 64 --switch-sets \
+                --quantization fp8 --fp8-block
+        done ;;
     tests)
         python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 --tb=short tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-    *) echo "usage: $0 final|attention|gemv|tests"; exit 2 ;;
+    *) echo "usage: $0 final|attention|gemv|fp8_sweep MODEL|fp8_final|tests"; exit 2 ;;
 esac

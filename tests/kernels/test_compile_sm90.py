@@ -36,7 +36,8 @@ def compile_instead(self, *args, grid, warmup, **kwargs):
     for i, param in enumerate(self.params):
         value = args[i] if i < len(args) else kwargs[param.name]
         if param.is_constexpr:
-            signature[param.name], constexprs[param.name] = "constexpr", value
+            # DOT_IN_FP32 is the interpreter's (CPU tensors here): the GPU's launch multiplies on tensor cores
+            signature[param.name], constexprs[param.name] = "constexpr", False if param.name == "DOT_IN_FP32" else value
             continue
         if isinstance(value, torch.Tensor):
             signature[param.name] = "*" + DTYPES[value.dtype]
@@ -57,6 +58,8 @@ def compile_instead(self, *args, grid, warmup, **kwargs):
         assert any("ld.global" in line or "cp.async" in line for line in ptx[:wait[0]]), "no weight load before wait"
         if any("prefetch.global.L2" in line for line in ptx[:wait[0]]):
             print("prefetched", flush=True)
+        if any("wgmma.mma_async" in line and "e4m3.e4m3" in line for line in ptx):
+            print("fp8 tensor cores", flush=True)
     print("compiled", self.__name__, flush=True)
 
 
@@ -96,6 +99,12 @@ for x in (x1, x3, x64):
 gemv.norm_linear(x3, x3.clone(), norm_w, 1e-6, q8, weight_scale=s8, force_triton=True)
 q8d, s8d = fp8.quantize(torch.randn(1024, 3072))
 gemv.linear(torch.randn(3, 3072, dtype=bf), q8d, weight_scale=s8d, force_triton=True)
+# W8A8: x quantized in the kernel, wgmma on e4m3 (per-channel and block scales, the norm prologue)
+gemv.linear(x3, q8, weight_scale=s8, force_triton=True, config=GemvConfig.parse("dot8 64x128 w4 st4 p1"))
+gemv.norm_linear(x64, x64.clone(), norm_w, 1e-6, q8, weight_scale=s8, force_triton=True,
+                 config=GemvConfig.parse("dot8 128x128 w8 st3 p1"))
+q8b, s8b = fp8.quantize(w.float(), (128, 128))
+gemv.linear(x1, q8b, weight_scale=s8b, force_triton=True, config=GemvConfig.parse("dot8 64x128 w4 st4 s2"))
 cu = torch.arange(4, dtype=torch.int32)
 meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, context_lens=lens, block_tables=tables, cu_seqlens_q=cu,
                          max_seqlen_q=1, has_cached_prefix=True)
@@ -112,5 +121,6 @@ def test_decode_kernels_compile_for_hopper_with_pdl():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0 and "all compiled" in proc.stdout, (proc.stdout[-3000:], proc.stderr[-3000:])
-    assert proc.stdout.count("compiled _gemv_kernel") == 5 + 5  # bf16, then fp8 weights
+    assert proc.stdout.count("compiled _gemv_kernel") == 5 + 5 + 3  # bf16, then fp8 weights, then W8A8
+    assert proc.stdout.count("fp8 tensor cores") >= 3  # and the table's W8A8 variants
     assert "prefetched" in proc.stdout  # the slices longer than one tile

@@ -145,7 +145,11 @@ def test_fp8_table_variants():
         q, s, w_ref = quantized(w)
         cfg, triton_wins = gemv.choose(m, 40, 256, 1)
         assert triton_wins and gemv.plan(cfg, m, 40, 256, 132)
-        check_fp8(gemv.linear(x, q, b, weight_scale=s, force_triton=True), x, w_ref, b, torch.float32)
+        out = gemv.linear(x, q, b, weight_scale=s, force_triton=True)
+        if cfg.act_fp8:
+            check_w8a8(out, x, w_ref, b, cfg, torch.float32)
+        else:
+            check_fp8(out, x, w_ref, b, torch.float32)
 
 
 @needs_triton
@@ -191,6 +195,100 @@ def test_fp8_pdl_path_in_the_interpreter():
         check_fp8(gemv.linear(x, q, b, weight_scale=s, force_triton=True, config=config), x, w_ref, b, torch.float32)
 
 
+# -- W8A8: activations quantized per row and tile, the product on FP8 tensor cores ----------------------------------
+DOT8_SPLIT = GemvConfig.parse("dot8 16x32 w4 st2 s3")  # tiles of 32 values of K: one activation scale each
+DOT8_WHOLE_K = GemvConfig.parse("dot8 64x128 w4 st3 p0")
+
+
+def w8a8_reference(x: torch.Tensor, w_ref: torch.Tensor, b, group: int) -> torch.Tensor:
+    """x quantized as the kernel does (fp8.quantize_groups: per row and `group` columns) times the fp32 weight."""
+    xq, x_scale = fp8.quantize_groups(x.float(), group)
+    return F.linear(fp8.dequantize_groups(xq, x_scale, group), w_ref, None if b is None else b.float())
+
+
+def check_w8a8(out, x, w_ref, b, config, dtype):
+    """Against w8a8_reference in fp32: the same products, summed in another order, rounded once to dtype."""
+    group = gemv.plan(config, x.shape[0], w_ref.shape[0], x.shape[1], 4, 1).block_k
+    want = w8a8_reference(x, w_ref, b, group)
+    assert out.dtype == dtype and out.shape == want.shape
+    atol = (1e-5 if dtype == torch.float32 else 1e-2) * want.abs().max().item()
+    torch.testing.assert_close(out.float(), want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=atol)
+    plain = F.linear(x.float(), w_ref, None if b is None else b.float())  # W8A16 on the same weight: near, not equal
+    assert 0 < (want - plain).abs().max() < 0.05 * plain.abs().max()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("m,config", [(1, DOT8_SPLIT), (3, DOT8_WHOLE_K), (16, DOT8_SPLIT), (33, DOT8_WHOLE_K),
+                                      (64, DOT8_SPLIT)])
+def test_w8a8_gemv_equals_the_group_quantized_product(m, config, block, dtype):
+    n, k = (150, 320) if block else (37, 200)  # N odd / across scale blocks; K not a multiple of the tile
+    x, w, b = make(m, n, k, dtype, True, seed=m)
+    x = x * torch.logspace(-2, 1, k, device=x.device).to(dtype)  # tiles of different range: a wrong scale shows
+    q, s, w_ref = quantized(w.float(), block)
+    check_w8a8(gemv.linear(x, q, b, weight_scale=s, force_triton=True, config=config), x, w_ref, b, config, dtype)
+
+
+# bf16 on the GPU only: the interpreter's fp32 → bf16 cast sometimes halves a value that rounds up to the next power
+# of two, and the normed rows are quantized again after it
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("block", [False, True])
+def test_w8a8_norm_prologue_quantizes_the_normed_rows(block, dtype):
+    x, residual, norm_w, w, b = norm_case(5, 160, 40, dtype, True)
+    q, s, w_ref = quantized(w.float(), block)
+    out, new_residual = gemv.norm_linear(x, residual, norm_w, 1e-6, q, b, weight_scale=s, force_triton=True,
+                                         config=DOT8_SPLIT)
+    normed, want_residual = fused.rms_norm_ref(x, norm_w, 1e-6, residual)
+    check_w8a8(out, normed, w_ref, b, DOT8_SPLIT, dtype)
+    torch.testing.assert_close(new_residual, want_residual, **tol(dtype))
+
+
+@needs_triton
+@pytest.mark.usefixtures("pdl_in_interpreter")
+def test_w8a8_pdl_path_in_the_interpreter():
+    for block in (False, True):
+        x, w, b = make(7, 130, 256, torch.float32, True, seed=7)
+        q, s, w_ref = quantized(w, block)
+        check_w8a8(gemv.linear(x, q, b, weight_scale=s, force_triton=True, config=DOT8_SPLIT), x, w_ref, b,
+                   DOT8_SPLIT, torch.float32)
+
+
+def test_w8a8_configs_are_dot_paths_within_one_scale_block():
+    assert DOT8_WHOLE_K.act_fp8 and DOT8_WHOLE_K.use_dot and GemvConfig.parse(DOT8_WHOLE_K.short()) == DOT8_WHOLE_K
+    for bad in ("dot8 64x256 w4 st3 p0", "dot8 64x16 w4 st3 p0"):
+        with pytest.raises(ValueError, match="bad GEMV config"):
+            GemvConfig.parse(bad)
+    with pytest.raises(ValueError, match="act_fp8"):
+        GemvConfig(8, 128, act_fp8=True)  # not a tl.dot path
+    assert gemv.plan(DOT8_WHOLE_K, 64, 4096, 4096, 132, 1, 2).num_stages == 3  # 8 KiB of weights + 8 KiB of x
+    assert gemv.plan(DOT8_WHOLE_K, 5, 64, 48, 132, 1, 2).block_k == 64  # never below 32, never above K's power of 2
+
+
+@needs_triton
+def test_w8a8_needs_an_fp8_weight():
+    x, w, _ = make(4, 16, 64, torch.bfloat16, False)
+    with pytest.raises(ValueError, match="W8A8"):
+        gemv.linear(x, w, force_triton=True, config=DOT8_SPLIT)
+
+
+@needs_triton
+def test_interpreter_e4m3_rounding_and_the_row_quantize_kernel():
+    """fp8.e4m3_rounded (the interpreter's stand-in for the GPU's fp32 → e4m3 cast) rounds like torch; the Triton
+    quantize_rows equals its reference (one scale per token)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 3000, generator=g) * torch.logspace(-4, 2, 6)[:, None]
+    x[2] = 0.0
+    x[4, :8] = torch.tensor([127.9, 15.5, -9.5, 8.5, 2.0 ** -9 * 1.5, 2.0 ** -9 * 2.5, 240.0, -300.0])
+    for xb in (x, x.to(torch.bfloat16)):
+        q, scale = fp8.quantize_rows(xb.to(DEVICE), force_triton=True)
+        q_ref, scale_ref = fp8.quantize_rows_ref(xb)
+        assert q.dtype == fp8.FP8_DTYPE and scale.shape == (6, 1)
+        torch.testing.assert_close(scale.cpu(), scale_ref, rtol=0, atol=0)
+        assert torch.equal(q.cpu().float(), q_ref.float())
+
+
 # -- GPU: real shapes, _scaled_mm, CUDA graphs -------------------------------------------------------------------
 REAL_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), (4096, 14336),
                (960, 576), (3072, 576), (576, 1536)]
@@ -204,8 +302,13 @@ def test_gpu_fp8_real_shapes_table_variant(m, n, k):
     x, w, b = make(m, n, k, torch.bfloat16, True, seed=n + m)
     q, s, w_ref = quantized(w)
     assert gemv.kernel_applies(x, q, b, s)
+    config, _ = gemv.choose(m, n, k, 1)
     with torch.inference_mode():
-        check_fp8(gemv.linear(x, q, b, weight_scale=s), x, w_ref, b, torch.bfloat16)  # the table decides
+        out = gemv.linear(x, q, b, weight_scale=s)  # the table decides
+    if config.act_fp8:
+        check_w8a8(out, x, w_ref, b, config, torch.bfloat16)
+    else:
+        check_fp8(out, x, w_ref, b, torch.bfloat16)
 
 
 @pytest.mark.gpu

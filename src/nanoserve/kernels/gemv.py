@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels import fp8, fused
+from nanoserve.kernels.fp8 import FP8_MAX_K, MIN_SCALE_K, e4m3_rounded
 from nanoserve.kernels._triton import (HAS_TRITON, cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_enabled,
                                        pdl_start, pdl_wait, prev_power_of_2, tl)
 from nanoserve.kernels.rotary_kv import QKVRope
@@ -58,6 +59,7 @@ COUNTER_SLOTS = 8192  # output tiles that can be split-K'd in one call (one int3
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # activations; the weight is the same type, or fp8 with a scale
 NORM_CHUNK = 4096  # elements of the [BLOCK_M, chunk] tile the RMSNorm prologue sums per step
 PIPELINE_SMEM_BYTES = 128 * 2**10  # shared memory the pipelined tiles may take (an H100/H200 SM has 227 KiB)
+ACT_FP8_MIN_K = 32  # an fp8 tensor-core product spans 32 values of K
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class GemvConfig:
     use_dot: bool = False
     programs_per_sm: float = 2.0  # split K until the grid has about this many programs per SM; 0: never
     split_k: int | None = None
+    act_fp8: bool = False  # W8A8: x quantized to fp8 per row of each K tile, the product on FP8 tensor cores
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "num_warps"):
@@ -81,23 +84,28 @@ class GemvConfig:
             raise ValueError(f"tl.dot needs block_n and block_k >= 16, got {self.block_n}, {self.block_k}")
         if self.num_stages < 1 or (self.split_k is not None and self.split_k < 1):
             raise ValueError(f"num_stages and split_k must be >= 1, got {self.num_stages}, {self.split_k}")
+        if self.act_fp8 and not (self.use_dot and ACT_FP8_MIN_K <= self.block_k <= fp8.BLOCK):
+            raise ValueError(f"act_fp8 (W8A8) is a tl.dot path with block_k {ACT_FP8_MIN_K}..{fp8.BLOCK} (one activation "
+                             f"scale per row and tile, inside one weight scale block), got {self.short()}")
 
     def short(self) -> str:
         """A compact name for tables: path, tile, warps, stages and the split rule (parse() reads it back)."""
         split = f"s{self.split_k}" if self.split_k is not None else f"p{self.programs_per_sm:g}"
-        kind = "dot" if self.use_dot else "fma"
+        kind = "dot8" if self.act_fp8 else "dot" if self.use_dot else "fma"
         return f"{kind} {self.block_n}x{self.block_k} w{self.num_warps} st{self.num_stages} {split}"
 
     @classmethod
     def parse(cls, short: str) -> "GemvConfig":
-        """The config named by short(), e.g. 'fma 8x512 w4 st3 p0' or 'dot 32x256 w4 st3 s4'."""
+        """The config named by short(), e.g. 'fma 8x512 w4 st3 p0', 'dot 32x256 w4 st3 s4' or (W8A8)
+        'dot8 64x128 w4 st4 p1'."""
         try:
             kind, tile, warps, stages, split = short.split()
             block_n, block_k = (int(v) for v in tile.split("x"))
-            if kind not in ("fma", "dot") or warps[0] != "w" or stages[:2] != "st" or split[0] not in "ps":
+            if kind not in ("fma", "dot", "dot8") or warps[0] != "w" or stages[:2] != "st" or split[0] not in "ps":
                 raise ValueError(short)
             rule = {"split_k": int(split[1:])} if split[0] == "s" else {"programs_per_sm": float(split[1:])}
-            return cls(block_n, block_k, int(warps[1:]), int(stages[2:]), kind == "dot", **rule)
+            return cls(block_n, block_k, int(warps[1:]), int(stages[2:]), kind != "fma", **rule,
+                       act_fp8=kind == "dot8")
         except ValueError:
             raise ValueError(f"bad GEMV config {short!r}: expected e.g. 'fma 8x512 w4 st3 p0'") from None
 
@@ -188,18 +196,14 @@ GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
         (None, 'dot 64x128 w4 st4 p1', CUBLAS),
     ),
 }
-# FP8 weights (element size 1): the same rule, tiles of the same bytes (twice the K). Every entry is the kernel:
-# the alternative (kernels/fp8.py: dequantize + cuBLAS, or _scaled_mm with quantized activations) costs more than
-# the bytes at these row counts. Until the fp8 sweep (`python benchmarks/gemv.py OUT.json --fp8`) these are the
-# bf16 table's variants with block_k doubled.
+# FP8 weights (element size 1): the same rule; "dot8" variants are W8A8 (x quantized to e4m3 per row and tile in
+# the kernel, the product on FP8 tensor cores), "fma" / "dot" W8A16 (the weight converted in registers). Every
+# entry is the kernel: the alternative (kernels/fp8.py: dequantize + cuBLAS, or _scaled_mm with quantized
+# activations) costs more than the bytes at these row counts. Until the fp8 sweep in the model
+# (`python benchmarks/decode_floor.py model --quantization fp8 --gemv-rows 1 8 32 64`): W8A16 at one row, W8A8 above.
 FP8_GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
     1: ((4, "fma 4x2048 w8 st3 p0", TRITON), (None, "fma 8x1024 w8 st3 p0", TRITON)),
-    2: ((3, "fma 4x2048 w8 st3 p0", TRITON), (8, "dot 64x256 w4 st4 p0", TRITON),
-        (None, "dot 64x256 w4 st4 p1", TRITON)),
-    4: ((3, "fma 4x2048 w8 st3 p0", TRITON), (8, "dot 64x256 w4 st4 p0", TRITON),
-        (None, "dot 64x256 w4 st4 p1", TRITON)),
-    16: ((8, "dot 64x256 w4 st4 p0", TRITON), (None, "dot 64x256 w4 st4 p1", TRITON)),
-    64: ((None, "dot 64x256 w4 st3 p1", TRITON),),
+    64: ((None, "dot8 64x128 w4 st4 p1", TRITON),),
 }
 
 
@@ -254,6 +258,7 @@ class LaunchPlan:
     num_stages: int
     use_dot: bool
     reduce_chunk: int  # partials the last program loads at once
+    act_fp8: bool = False
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -270,7 +275,7 @@ def plan(config: GemvConfig, m: int, n: int, k: int, sms: int, element_size: int
     if not config.use_dot and m > FMA_MAX_ROWS:
         raise ValueError(f"the fma path handles 1..{FMA_MAX_ROWS} rows, got {m}: use a dot config")
     block_m = max(16, next_power_of_2(m)) if config.use_dot else next_power_of_2(m)
-    floor_k = 16 if config.use_dot else 1
+    floor_k = ACT_FP8_MIN_K if config.act_fp8 else 16 if config.use_dot else 1
     block_k = max(floor_k, min(config.block_k, next_power_of_2(k)))
     k_blocks = cdiv(k, block_k)
     tiles = cdiv(n, config.block_n)
@@ -287,12 +292,12 @@ def plan(config: GemvConfig, m: int, n: int, k: int, sms: int, element_size: int
     split = cdiv(k, k_per_split)  # no empty slices
     # The last program of a tile sums [reduce_chunk, block_n, block_m] partials per load round.
     reduce_chunk = max(1, min(8, prev_power_of_2(2048 // (config.block_n * block_m))))
-    x_bytes = (x_element_size or element_size) * block_m if config.use_dot else 0
+    x_bytes = (1 if config.act_fp8 else x_element_size or element_size) * block_m if config.use_dot else 0
     stage_bytes = (config.block_n * element_size + x_bytes) * block_k
     stages = max(1, min(config.num_stages, PIPELINE_SMEM_BYTES // stage_bytes))
     return LaunchPlan(block_m=block_m, block_n=config.block_n, block_k=block_k, n_tiles=tiles, split_k=split,
                       k_per_split=k_per_split, num_warps=config.num_warps, num_stages=stages,
-                      use_dot=config.use_dot, reduce_chunk=reduce_chunk)
+                      use_dot=config.use_dot, reduce_chunk=reduce_chunk, act_fp8=config.act_fp8)
 
 
 # -- persistent split-K counters -------------------------------------------------------------------
@@ -428,6 +433,8 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None,
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if weight.dtype == fp8.FP8_DTYPE and weight_scale is None:
         raise ValueError("an fp8 weight needs its weight_scale")
+    if config.act_fp8 and weight.dtype != fp8.FP8_DTYPE:
+        raise ValueError(f"{config.short()} (W8A8) multiplies an fp8 weight, got a {weight.dtype} one")
     m, n = x.shape[0], weight.shape[0]
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
@@ -457,7 +464,8 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None,
         BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
         NORM_K=max(1, min(p.block_k, prev_power_of_2(NORM_CHUNK // p.block_m))), USE_DOT=p.use_dot,
         EVEN_K=k % p.block_k == 0, HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None and not block_scaled,
-        SCALE_BLOCK=fp8.BLOCK if block_scaled else 0, SCALE_NB=max(1, p.block_k // fp8.BLOCK),        REDUCE_CHUNK=p.reduce_chunk,
+        SCALE_BLOCK=fp8.BLOCK if block_scaled else 0, SCALE_NB=max(1, p.block_k // fp8.BLOCK),
+        ACT_FP8=p.act_fp8, REDUCE_CHUNK=p.reduce_chunk,
         LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_IN_FP32=not x.is_cuda,  # the interpreter (CPU tensors) multiplies bf16 bit patterns as integers
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
@@ -547,18 +555,36 @@ def _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, rows, row_ok, cols, K, st
 
 
 @jit
+def _dot_act_fp8(acc, w, x, w_scale, DOT_IN_FP32: tl.constexpr):
+    """W8A8: acc [BLOCK_N, BLOCK_M] += (w · w_scale) @ x.T with x [BLOCK_M, BLOCK_K] (fp32) quantized to e4m3 per
+    row (its largest |value| → 448, as fp8.quantize_groups) and the fp8 product on tensor cores, fp32 out;
+    w_scale: the tile's weight block scales [BLOCK_N, 1], or 1.0 (channel scales come at the store)."""
+    x_scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX_K, MIN_SCALE_K)  # [BLOCK_M]
+    xs = tl.clamp(x / x_scale[:, None], -FP8_MAX_K, FP8_MAX_K)
+    if DOT_IN_FP32:  # the interpreter: the same products (e4m3 x e4m3 is exact in fp32), summed in fp32
+        product = tl.dot(w.to(tl.float32), tl.trans(e4m3_rounded(xs)), input_precision="ieee")
+    else:
+        product = tl.dot(w, tl.trans(xs.to(tl.float8e4nv)))
+    return acc + product * x_scale[None, :] * w_scale
+
+
+@jit
 def _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_ptr, res_out_ptr, norm_w_ptr,
-                stride_xm, stride_rm, stride_rom, inv_rms, write_residual,
+                stride_xm, stride_rm, stride_rom, inv_rms, write_residual, w_scale,
                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                ACT_FP8: tl.constexpr):
     """Fold the weight tile w [BLOCK_N, BLOCK_K] at column k into the accumulators. An fp8 tile is converted to the
-    activation dtype (out's; exact: e4m3 values are bf16 / fp16 values) and multiplied like a bf16 one."""
+    activation dtype (out's; exact: e4m3 values are bf16 / fp16 values) and multiplied like a bf16 one, or with
+    ACT_FP8 multiplied as it is by x quantized to fp8 (w_scale: _tile_scale's)."""
     cols = k + offs_k[None, :]
     dtype = out_ptr.dtype.element_ty
     if USE_DOT:
         x = _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_m[:, None], offs_m[:, None] < M, cols, K,
                       stride_xm, stride_rm, stride_rom, inv_rms[:, None], write_residual, PROLOGUE, HAS_RESIDUAL)
-        if DOT_IN_FP32:  # same products: bf16 x bf16 is exact in fp32
+        if ACT_FP8:
+            acc = _dot_act_fp8(acc, w, x, w_scale, DOT_IN_FP32)
+        elif DOT_IN_FP32:  # same products: bf16 x bf16 is exact in fp32
             acc = tl.dot(w.to(tl.float32), tl.trans(x), acc, input_precision="ieee")
         else:
             acc = tl.dot(w.to(dtype), tl.trans(x.to(dtype)), acc, input_precision=DOT_PRECISION)
@@ -592,6 +618,16 @@ def _block_scaled(w, scale_ptr, rows, k, scale_cols, BLOCK_N: tl.constexpr, BLOC
 
 
 @jit
+def _tile_scale(scale_ptr, rows, k, scale_cols, SCALE_BLOCK: tl.constexpr):
+    """The W8A8 path's weight scale for a tile at column k: its rows' block scales [BLOCK_N, 1] (the tile lies in one
+    block along K), or 1.0 where the channel scales are applied at the store."""
+    scale = 1.0
+    if SCALE_BLOCK > 0:  # one return: the compiler refuses returns of two types, even under a constexpr branch
+        scale = tl.load(scale_ptr + (rows // SCALE_BLOCK) * scale_cols + k // SCALE_BLOCK)[:, None]
+    return scale
+
+
+@jit
 def _store_tile(acc, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om,
                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] fp32 (· the fp8 channel scales, + bias, in fp32) → out[m, n] rounded once."""
@@ -612,7 +648,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
                  REDUCE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  PREFETCH_LINES: tl.constexpr, PREFETCH_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                 SCALE_NB: tl.constexpr, USE_PDL: tl.constexpr):
+                 SCALE_NB: tl.constexpr, ACT_FP8: tl.constexpr, USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -629,7 +665,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
         if PREFETCH_LINES > 0:  # and L2 fetches the rest of this program's weights meanwhile
             _prefetch_weights(w_ptr, pid_n, N, K, k_start, k_stop, BLOCK_N, PREFETCH_LINES, PREFETCH_STEP)
         w_first = _load_weight(w_rows, k_start + offs_k[None, :], K, EVEN_K)
-        if SCALE_BLOCK > 0:
+        if SCALE_BLOCK > 0 and not ACT_FP8:
             w_first = _block_scaled(w_first, scale_ptr, offs_n % N, k_start, scale_cols, BLOCK_N, BLOCK_K,
                                     SCALE_BLOCK, SCALE_NB)
         pdl_wait(USE_PDL)
@@ -645,16 +681,19 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
     if USE_PDL:
         acc, acc_wide = _accumulate(acc, acc_wide, w_first, k_start, offs_m, offs_k, M, K, x_ptr, out_ptr, res_ptr,
                                     res_out_ptr, norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms,
-                                    write_residual, BLOCK_M, BLOCK_K,
-                                    USE_DOT, DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL)
+                                    write_residual, _tile_scale(scale_ptr, offs_n % N, k_start, scale_cols,
+                                                                SCALE_BLOCK if ACT_FP8 else 0),
+                                    BLOCK_M, BLOCK_K, USE_DOT, DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL,
+                                    ACT_FP8)
     for k in tl.range(k_loop, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
         w = _load_weight(w_rows, k + offs_k[None, :], K, EVEN_K)
-        if SCALE_BLOCK > 0:
+        if SCALE_BLOCK > 0 and not ACT_FP8:
             w = _block_scaled(w, scale_ptr, offs_n % N, k, scale_cols, BLOCK_N, BLOCK_K, SCALE_BLOCK, SCALE_NB)
         acc, acc_wide = _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_ptr, res_out_ptr,
                                     norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms, write_residual,
-                                    BLOCK_M, BLOCK_K, USE_DOT,
-                                    DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL)
+                                    _tile_scale(scale_ptr, offs_n % N, k, scale_cols, SCALE_BLOCK if ACT_FP8 else 0),
+                                    BLOCK_M, BLOCK_K, USE_DOT, DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL,
+                                    ACT_FP8)
     if not USE_DOT and BLOCK_M == 1:
         acc = tl.sum(acc_wide, axis=1)[:, None]
 

@@ -440,11 +440,11 @@ GEMV_CANDIDATES = {
 
 # fp8 weights: W8A16 (fma / dot: the weight converted in registers) against W8A8 (dot8: x quantized per row and
 # tile, the product on FP8 tensor cores; a wgmma needs block_n >= 64 with 4 warps, 128 with 8)
-FP8_CANDIDATES = {
-    1: ["fma 4x2048 w8 st3 p0", "fma 8x1024 w8 st3 p0", "fma 8x1024 w4 st3 p0", "fma 16x512 w4 st4 p0",
-        "dot8 64x128 w4 st4 p0", "dot8 64x128 w4 st4 p1", "dot8 128x128 w4 st3 p1", "dot8 64x128 w4 st6 p1"],
-    8: ["dot 64x256 w4 st4 p0", "dot 64x256 w4 st4 p1", "dot8 64x128 w4 st4 p0", "dot8 64x128 w4 st4 p1",
-        "dot8 128x128 w4 st4 p1", "dot8 64x128 w4 st6 p2", "dot8 128x128 w8 st3 p1", "dot8 256x128 w8 st3 p1"],
+FP8_CANDIDATES = {  # "cublas": the library path (kernels/fp8.py: x quantized per token, torch._scaled_mm)
+    1: ["fma 8x1024 w8 st3 p0", "fma 8x1024 w4 st3 p0", "fma 16x512 w4 st4 p0", "dot8 64x128 w4 st4 p0",
+        "dot8 64x128 w4 st4 p1", "dot8 128x128 w4 st3 p1"],
+    8: ["dot 64x256 w4 st4 p1", "dot8 64x128 w4 st6 p2", "dot8 128x128 w4 st4 p1", "dot8 128x128 w8 st3 p1",
+        "dot8 256x128 w8 st3 p1", "dot8 128x128 w4 st4 p2", "cublas"],
 }
 FP8_CANDIDATES[32] = FP8_CANDIDATES[64] = FP8_CANDIDATES[8]
 
@@ -535,6 +535,8 @@ def choice_patched(choices: dict[tuple[int, int, int], str], buckets=GEMV_CANDID
     def choose(m, n, k, element_size):
         bucket = min(b for b in buckets if b >= m) if m <= max(buckets) else None
         cfg = choices.get((bucket, n, k))
+        if cfg == "cublas":
+            return original(m, n, k, element_size)[0], False
         return (gemv.GemvConfig.parse(cfg), True) if cfg else original(m, n, k, element_size)
 
     with mock.patch.object(gemv, "choose", choose):

@@ -124,8 +124,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, BLOCK: tl.conste
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_K, MIN_SCALE_K)
-    v = tl.clamp(x / scale, -FP8_MAX_K, FP8_MAX_K)
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX_K), MIN_SCALE_K)  # IEEE, as the reference's
+    v = tl.clamp(tl.div_rn(x, scale), -FP8_MAX_K, FP8_MAX_K)
     if EXACT_CAST:  # the interpreter casts an e4m3 value exactly, not others
         v = e4m3_rounded(v)
     tl.store(q_ptr + row.to(tl.int64) * K + cols, v.to(q_ptr.dtype.element_ty), mask=cols < K)
@@ -138,7 +138,7 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     m, k = x.shape
     tiles = F.pad(x.float(), (0, -k % group)).view(m, -1, group)
     scale = (tiles.abs().amax(dim=2) / FP8_MAX).clamp_min(MIN_SCALE)
-    q = (tiles / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, -1)[:, :k]
+    q = (tiles * (1.0 / scale)[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, -1)[:, :k]
     return q.contiguous(), scale
 
 

@@ -559,8 +559,9 @@ def _dot_act_fp8(acc, w, x, w_scale, DOT_IN_FP32: tl.constexpr):
     """W8A8: acc [BLOCK_N, BLOCK_M] += (w · w_scale) @ x.T with x [BLOCK_M, BLOCK_K] (fp32) quantized to e4m3 per
     row (its largest |value| → 448, as fp8.quantize_groups) and the fp8 product on tensor cores, fp32 out;
     w_scale: the tile's weight block scales [BLOCK_N, 1], or 1.0 (channel scales come at the store)."""
-    x_scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX_K, MIN_SCALE_K)  # [BLOCK_M]
-    xs = tl.clamp(x / x_scale[:, None], -FP8_MAX_K, FP8_MAX_K)
+    # IEEE divisions (Triton's `/` is approximate), once per row: the codes equal fp8.quantize_groups' bit for bit
+    x_scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX_K), MIN_SCALE_K)  # [BLOCK_M]
+    xs = tl.clamp(x * tl.div_rn(1.0, x_scale)[:, None], -FP8_MAX_K, FP8_MAX_K)
     if DOT_IN_FP32:  # the interpreter: the same products (e4m3 x e4m3 is exact in fp32), summed in fp32
         product = tl.dot(w.to(tl.float32), tl.trans(e4m3_rounded(xs)), input_precision="ieee")
     else:

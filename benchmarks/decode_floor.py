@@ -439,12 +439,12 @@ GEMV_CANDIDATES = {
 
 
 # fp8 weights: W8A16 (fma / dot: the weight converted in registers) against W8A8 (dot8: x quantized per row and
-# tile, the product on FP8 tensor cores; a wgmma needs block_n >= 64 with 4 warps, 128 with 8)
+# tile in the GEMV; dot8q: by the kernel before it; the product on FP8 tensor cores, a wgmma needs block_n >= 64)
 FP8_CANDIDATES = {  # "cublas": the library path (kernels/fp8.py: x quantized per token, torch._scaled_mm)
-    1: ["fma 8x1024 w8 st3 p0", "fma 8x1024 w4 st3 p0", "fma 16x512 w4 st4 p0", "dot8 64x128 w4 st4 p0",
-        "dot8 64x128 w4 st4 p1", "dot8 128x128 w4 st3 p1"],
-    8: ["dot 64x256 w4 st4 p1", "dot8 64x128 w4 st6 p2", "dot8 128x128 w4 st4 p1", "dot8 128x128 w8 st3 p1",
-        "dot8 256x128 w8 st3 p1", "dot8 128x128 w4 st4 p2", "cublas"],
+    1: ["fma 8x1024 w4 st3 p0", "fma 16x512 w4 st4 p0", "dot8 64x128 w4 st4 p0", "dot8q 64x128 w4 st4 p0",
+        "dot8q 64x128 w4 st4 p1", "dot8q 128x128 w4 st4 p1"],
+    8: ["dot8 128x128 w4 st4 p1", "dot8 256x128 w8 st3 p1", "dot8q 64x128 w4 st4 p1", "dot8q 128x128 w4 st4 p1",
+        "dot8q 128x128 w8 st3 p1", "dot8q 256x128 w8 st3 p1", "dot8q 64x128 w4 st6 p2", "cublas"],
 }
 FP8_CANDIDATES[32] = FP8_CANDIDATES[64] = FP8_CANDIDATES[8]
 

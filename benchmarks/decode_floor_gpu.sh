@@ -32,7 +32,7 @@ case ${1:-final} in
         [ -z "${NO_TESTS:-}" ] && python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 --tb=short tests/kernels/test_fp8.py \
             tests/model/test_quantization.py tests/model/test_fp8_checkpoints.py 2>&1 | tee "$OUT/gpu_tests_fp8.log" | tail -4
         floor "fp8_sweep_$2" model --models "$2" --quantization fp8 --batch-sizes 1 8 32 64 --gemv-rows ${ROWS:-1 8 32 64} \
-            --switch-sets --prefill ;;
+            --switch-sets ${PREFILL---prefill} ;;
     fp8_final)  # bf16 and fp8 (per channel, then 128x128 blocks) in one run: the ratios
         for m in ${MODELS:-llama-3.1-8b qwen3-0.6b}; do
             floor "bf16_$m" model --models "$m" --batch-sizes 1 8 32 64 --switch-sets --prefill

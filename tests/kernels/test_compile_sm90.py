@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from triton.runtime.jit import JITFunction
 
-from nanoserve.kernels import attention, fused, gemv, rotary_kv
+from nanoserve.kernels import attention, fp8, fused, gemv, rotary_kv
 from nanoserve.kernels.gemv import GemvConfig
 from nanoserve.model.attention_metadata import AttentionMetadata
 
@@ -64,7 +64,7 @@ def compile_instead(self, *args, grid, warmup, **kwargs):
 
 
 JITFunction.run = compile_instead
-for module in (attention, fused, gemv, rotary_kv):
+for module in (attention, fp8, fused, gemv, rotary_kv):
     module.pdl_args = lambda device: {"USE_PDL": True, "launch_pdl": True}
 gemv.pdl_enabled = lambda device: True  # and the GEMVs prefetch their slices into L2 before the wait
 
@@ -92,7 +92,6 @@ attention.store_kv(k, v, kc, vc, slots)
 tables, lens = torch.zeros(3, 32, dtype=torch.int32), torch.full((3,), 500, dtype=torch.int32)
 attention.decode_attention(torch.randn(3, 16, 128, dtype=bf), kc, vc, tables, lens, 0.1)
 # fp8 weights (W8A16): the table's variants and every fused path
-from nanoserve.kernels import fp8
 q8, s8 = fp8.quantize(w)
 for x in (x1, x3, x64):
     gemv.linear(x, q8, weight_scale=s8, force_triton=True)
@@ -105,6 +104,11 @@ gemv.norm_linear(x64, x64.clone(), norm_w, 1e-6, q8, weight_scale=s8, force_trit
                  config=GemvConfig.parse("dot8 128x128 w8 st3 p1"))
 q8b, s8b = fp8.quantize(w.float(), (128, 128))
 gemv.linear(x1, q8b, weight_scale=s8b, force_triton=True, config=GemvConfig.parse("dot8 64x128 w4 st4 s2"))
+# W8A8 on rows quantized before: by a kernel of its own, by the norm, by the SiLU-mul
+dot8q = GemvConfig.parse("dot8q 128x128 w4 st4 p1")
+gemv.linear(x3, q8, weight_scale=s8, force_triton=True, config=dot8q)
+gemv.norm_linear(x64, x64.clone(), norm_w, 1e-6, q8, weight_scale=s8, force_triton=True, config=dot8q)
+gemv.silu_mul_linear(torch.randn(3, 2048, dtype=bf), q8, weight_scale=s8, force_triton=True, config=dot8q)
 cu = torch.arange(4, dtype=torch.int32)
 meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, context_lens=lens, block_tables=tables, cu_seqlens_q=cu,
                          max_seqlen_q=1, has_cached_prefix=True)
@@ -121,6 +125,6 @@ def test_decode_kernels_compile_for_hopper_with_pdl():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0 and "all compiled" in proc.stdout, (proc.stdout[-3000:], proc.stderr[-3000:])
-    assert proc.stdout.count("compiled _gemv_kernel") == 5 + 5 + 3  # bf16, then fp8 weights, then W8A8
-    assert proc.stdout.count("fp8 tensor cores") >= 3  # and the table's W8A8 variants
+    assert proc.stdout.count("compiled _gemv_kernel") == 5 + 5 + 3 + 3  # bf16, fp8 weights, W8A8, W8A8 on fp8 rows
+    assert proc.stdout.count("fp8 tensor cores") >= 6  # and the table's W8A8 variants
     assert "prefetched" in proc.stdout  # the slices longer than one tile

@@ -212,7 +212,7 @@ def w8a8_reference(x: torch.Tensor, w_ref: torch.Tensor, b, group: int) -> torch
 
 def check_w8a8(out, x, w_ref, b, config, dtype):
     """Against w8a8_reference in fp32: the same products, summed in another order, rounded once to dtype."""
-    group = gemv.plan(config, x.shape[0], w_ref.shape[0], x.shape[1], 4, 1).block_k
+    group = fp8.BLOCK if config.x_fp8 else gemv.plan(config, x.shape[0], w_ref.shape[0], x.shape[1], 4, 1).block_k
     want = w8a8_reference(x, w_ref, b, group)
     assert out.dtype == dtype and out.shape == want.shape
     atol = (1e-5 if dtype == torch.float32 else 1e-2) * want.abs().max().item()
@@ -259,7 +259,67 @@ def test_w8a8_pdl_path_in_the_interpreter():
                    DOT8_SPLIT, torch.float32)
 
 
+DOT8Q_SPLIT = GemvConfig.parse("dot8q 16x32 w4 st2 s3")  # x quantized before: a scale per 128 columns, 4 tiles
+DOT8Q_WHOLE_K = GemvConfig.parse("dot8q 64x128 w4 st3 p0")
+
+
+def _exact(dtype):
+    """The quantizing kernels equal their reference bit for bit (fp32 inputs in the interpreter, whose fp32 → bf16
+    cast is not torch's; any dtype on the GPU)."""
+    return DEVICE == "cuda" or dtype == torch.float32
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("m,config", [(1, DOT8Q_SPLIT), (5, DOT8Q_WHOLE_K), (33, DOT8Q_SPLIT), (64, DOT8Q_WHOLE_K)])
+def test_w8a8_on_prequantized_rows(m, config, block, dtype):
+    """dot8q: linear quantizes x in a kernel of its own, norm_linear in the norm, silu_mul_linear in the SiLU-mul;
+    each product equals the W8A8 reference on the rows its producer's reference gives."""
+    n, k = (150, 320) if block else (37, 200)
+    x, w, b = make(m, n, k, dtype, True, seed=m)
+    x = x * torch.logspace(-2, 1, k, device=x.device).to(dtype)
+    q, s, w_ref = quantized(w.float(), block)
+    check_w8a8(gemv.linear(x, q, b, weight_scale=s, force_triton=True, config=config), x, w_ref, b, config, dtype)
+    gate_up = torch.cat([x, x.flip(1)], dim=1)
+    out = gemv.silu_mul_linear(gate_up, q, b, weight_scale=s, force_triton=True, config=config)
+    check_w8a8(out, fused.silu_and_mul_ref(gate_up), w_ref, b, config, dtype)
+    if _exact(dtype):
+        residual, norm_w = x.flip(0), torch.linspace(0.5, 2, k, device=x.device).to(dtype)
+        out, new_residual = gemv.norm_linear(x, residual, norm_w, 1e-6, q, b, weight_scale=s, force_triton=True,
+                                             config=config)
+        normed, want_residual = fused.rms_norm_ref(x, norm_w, 1e-6, residual)
+        check_w8a8(out, normed, w_ref, b, config, dtype)
+        assert torch.equal(new_residual, want_residual)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("k", [96, 200, 1536, 3000])
+def test_quantizing_kernels_equal_their_references(k, dtype):
+    """rms_norm / silu_and_mul with quantize=True and quantize_activations: fp8.groups_ref of the same kernel's
+    unquantized output (itself tested against its reference), codes and scales bit for bit."""
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(3, k, generator=g) * torch.logspace(-3, 1, k)).to(DEVICE, dtype)
+    norm_w = torch.randn(k, generator=g).to(DEVICE, dtype)
+    gate_up = torch.cat([x, x.flip(1)], 1)
+    results = [(fused.rms_norm(x, norm_w, 1e-6, force_triton=True, quantize=True),
+                fused.rms_norm(x, norm_w, 1e-6, force_triton=True)),
+               (fused.rms_norm(x, norm_w, 1e-6, x.flip(0), force_triton=True, quantize=True)[0],
+                fused.rms_norm(x, norm_w, 1e-6, x.flip(0), force_triton=True)[0]),
+               (fused.silu_and_mul(gate_up, True, quantize=True), fused.silu_and_mul(gate_up, True)),
+               (fp8.quantize_activations(x, force_triton=True), x)]
+    for rows, plain in results:
+        want = fp8.groups_ref(plain.cpu())
+        assert rows.codes.dtype == fp8.FP8_DTYPE and rows.scales.shape == (3, -(-k // 128)) and rows.dtype == dtype
+        assert torch.equal(rows.scales.cpu(), want.scales)
+        assert torch.equal(rows.codes.cpu().float(), want.codes.float())
+
+
 def test_w8a8_configs_are_dot_paths_within_one_scale_block():
+    assert DOT8Q_SPLIT.x_fp8 and GemvConfig.parse(DOT8Q_SPLIT.short()) == DOT8Q_SPLIT
+    with pytest.raises(ValueError, match="x_fp8"):
+        GemvConfig(64, 128, use_dot=True, x_fp8=True)
     assert DOT8_WHOLE_K.act_fp8 and DOT8_WHOLE_K.use_dot and GemvConfig.parse(DOT8_WHOLE_K.short()) == DOT8_WHOLE_K
     for bad in ("dot8 64x256 w4 st3 p0", "dot8 64x16 w4 st3 p0"):
         with pytest.raises(ValueError, match="bad GEMV config"):

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from nanoserve.config import FP8_BLOCK
-from nanoserve.kernels._triton import HAS_TRITON, jit, next_power_of_2, tl
+
+from nanoserve.kernels._triton import HAS_TRITON, jit, next_power_of_2, pdl_args, pdl_start, pdl_wait, tl
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -29,7 +31,8 @@ MIN_SCALE = 1e-12  # an all-zero row keeps a positive scale (its codes are all 0
 # The same as the kernels read them (a jit function may read a module global only if it is a constexpr).
 FP8_MAX_K, MIN_SCALE_K = (tl.constexpr(FP8_MAX), tl.constexpr(MIN_SCALE)) if HAS_TRITON else (FP8_MAX, MIN_SCALE)
 SCALED_MM, DEQUANT = "scaled_mm", "dequant"
-BLOCK = FP8_BLOCK  # the side of the square tiles a block-scaled weight carries one scale for
+BLOCK = FP8_BLOCK  # the side of the square tiles a block-scaled weight carries one scale for, and the activations'
+SCALE_GROUP_K = tl.constexpr(BLOCK) if HAS_TRITON else BLOCK  # columns per activation scale (Fp8Rows)
 
 # Tokens bucket (the smallest key >= rows; the last takes any) → ((weight MiB up to, None = any; method), ...).
 # `python benchmarks/fp8_prefill.py` on the H200 measures both methods on the decode matrices of the three
@@ -130,6 +133,73 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, BLOCK: tl.conste
         v = e4m3_rounded(v)
     tl.store(q_ptr + row.to(tl.int64) * K + cols, v.to(q_ptr.dtype.element_ty), mask=cols < K)
     tl.store(scale_ptr + row, scale)
+
+
+class Fp8Rows(NamedTuple):
+    """Activations quantized for a W8A8 product: e4m3 codes [M, K] and fp32 scales [M, cdiv(K, BLOCK)], one per
+    token and BLOCK columns (quantize_groups(x, BLOCK)), and the dtype they were in (the product's output dtype).
+    The kernel that produces the activations writes them so (fused.rms_norm / silu_and_mul with quantize=True,
+    or quantize_activations), and the W8A8 GEMV reads them with its weight tiles."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+
+def groups_ref(x: torch.Tensor) -> Fp8Rows:
+    """The reference of every quantizing kernel: quantize_groups(x, BLOCK) of x's values in x's dtype."""
+    return Fp8Rows(*quantize_groups(x, BLOCK), x.dtype)
+
+
+GROUPS_BLOCK = 1024  # columns a program of _quantize_groups_kernel quantizes (8 groups)
+
+
+def quantize_activations(x: torch.Tensor, force_triton: bool = False) -> Fp8Rows:
+    """x [M, K] as Fp8Rows, one Triton kernel on CUDA (for a W8A8 product whose input no kernel quantized)."""
+    if not (force_triton or (HAS_TRITON and x.is_cuda)) or x.stride(1) != 1:
+        return groups_ref(x)
+    m, k = x.shape
+    rows = empty_rows(m, k, x.dtype, x.device)
+    block = max(BLOCK, min(GROUPS_BLOCK, next_power_of_2(k)))
+    _quantize_groups_kernel[(m, -(-k // block))](x, rows.codes, rows.scales, k, x.stride(0), BLOCK=block,
+                                                 EXACT_CAST=not x.is_cuda, **pdl_args(x.device))
+    return rows
+
+
+def empty_rows(m: int, k: int, dtype: torch.dtype, device) -> Fp8Rows:
+    return Fp8Rows(torch.empty(m, k, dtype=FP8_DTYPE, device=device),
+                   torch.empty(m, -(-k // BLOCK), dtype=torch.float32, device=device), dtype)
+
+
+@jit
+def store_groups(y, q_ptr, scale_ptr, row, col0, K, BLOCK: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """Quantize y [BLOCK] (fp32: columns col0 … col0 + BLOCK of a row, col0 a multiple of 128, zeros past K) per 128
+    columns, as quantize_groups: store the e4m3 codes at q_ptr [row, K] and the scales at scale_ptr [row, groups]."""
+    groups = tl.reshape(y, (BLOCK // SCALE_GROUP_K, SCALE_GROUP_K))
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(groups), axis=1), FP8_MAX_K), MIN_SCALE_K)
+    v = tl.clamp(groups * tl.div_rn(1.0, scale)[:, None], -FP8_MAX_K, FP8_MAX_K)
+    if EXACT_CAST:
+        v = e4m3_rounded(v)
+    cols = col0 + tl.arange(0, BLOCK)
+    tl.store(q_ptr + row.to(tl.int64) * K + cols, tl.reshape(v, (BLOCK,)).to(q_ptr.dtype.element_ty), mask=cols < K)
+    n_groups = tl.cdiv(K, SCALE_GROUP_K)
+    g = col0 // SCALE_GROUP_K + tl.arange(0, BLOCK // SCALE_GROUP_K)
+    tl.store(scale_ptr + row * n_groups + g, scale, mask=g < n_groups)
+
+
+@jit
+def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, BLOCK: tl.constexpr, EXACT_CAST: tl.constexpr,
+                            USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    y = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+    store_groups(y, q_ptr, scale_ptr, row, tl.program_id(1) * BLOCK, K, BLOCK, EXACT_CAST)
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

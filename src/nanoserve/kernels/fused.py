@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanoserve.kernels import fp8
 from nanoserve.kernels._triton import (HAS_TRITON, cdiv, jit, next_power_of_2,
                                        pdl_args, pdl_start, pdl_wait, tl)
 
@@ -30,16 +31,22 @@ def rms_norm_ref(x, weight, eps, residual=None):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             force_triton: bool = False):
-    """rms_norm(x) or, given a residual, (rms_norm(x + residual), x + residual). x is [T, N]."""
+             force_triton: bool = False, quantize: bool = False):
+    """rms_norm(x) or, given a residual, (rms_norm(x + residual), x + residual). x is [T, N]. With quantize the
+    normed rows come as fp8.Fp8Rows (for a W8A8 product), quantized by the same kernel."""
     if not (force_triton or use_triton(x)):
-        return rms_norm_ref(x, weight, eps, residual)
+        out = rms_norm_ref(x, weight, eps, residual)
+        if not quantize:
+            return out
+        return (fp8.groups_ref(out[0]), out[1]) if residual is not None else fp8.groups_ref(out)
     rows, n = x.shape
-    out = torch.empty_like(x)
-    new_residual = torch.empty_like(x) if residual is not None else out
-    _rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, new_residual,
+    out = fp8.empty_rows(rows, n, x.dtype, x.device) if quantize else torch.empty_like(x)
+    new_residual = torch.empty_like(x) if residual is not None else x
+    codes, scales = (out.codes, out.scales) if quantize else (out, x)  # x: a placeholder, never written
+    _rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, codes, scales, new_residual,
                               x.stride(0), (residual if residual is not None else x).stride(0), n, eps,
-                              HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(n), **pdl_args(x.device))
+                              HAS_RESIDUAL=residual is not None, BLOCK=max(fp8.BLOCK, next_power_of_2(n)),
+                              QUANTIZE=quantize, EXACT_CAST=not x.is_cuda, **pdl_args(x.device))
     return (out, new_residual) if residual is not None else out
 
 
@@ -49,25 +56,29 @@ def silu_and_mul_ref(x):
     return F.silu(gate) * up
 
 
-def silu_and_mul(x: torch.Tensor, force_triton: bool = False) -> torch.Tensor:
-    """[T, 2I] holding [gate, up] → silu(gate) * up, [T, I]."""
+def silu_and_mul(x: torch.Tensor, force_triton: bool = False, quantize: bool = False):
+    """[T, 2I] holding [gate, up] → silu(gate) * up, [T, I]; with quantize as fp8.Fp8Rows (for a W8A8 product)."""
     if not (force_triton or use_triton(x)):
-        return silu_and_mul_ref(x)
+        return fp8.groups_ref(silu_and_mul_ref(x)) if quantize else silu_and_mul_ref(x)
     rows, width = x.shape
     half = width // 2
-    out = torch.empty(rows, half, dtype=x.dtype, device=x.device)
-    block = min(next_power_of_2(half), 1024)
-    _silu_and_mul_kernel[(rows, cdiv(half, block))](x, out, x.stride(0), half, BLOCK=block, **pdl_args(x.device))
+    out = fp8.empty_rows(rows, half, x.dtype, x.device) if quantize else torch.empty(rows, half, dtype=x.dtype,
+                                                                                       device=x.device)
+    codes, scales = (out.codes, out.scales) if quantize else (out, x)
+    block = max(fp8.BLOCK, min(next_power_of_2(half), 1024))
+    _silu_and_mul_kernel[(rows, cdiv(half, block))](x, codes, scales, x.stride(0), half, BLOCK=block,
+                                                    QUANTIZE=quantize, EXACT_CAST=not x.is_cuda, **pdl_args(x.device))
     return out
 
 
 @jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, n, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, res_out_ptr, stride_x, stride_r, n, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, QUANTIZE: tl.constexpr,
+                     EXACT_CAST: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
-    dtype = out_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty
     pdl_start(USE_PDL)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: safe before the wait
     pdl_wait(USE_PDL)
@@ -78,11 +89,15 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
         xf = xf.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
     normed = (xf * inv_rms).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * n + cols, (w * normed).to(dtype), mask=mask)
+    if QUANTIZE:  # the values the bf16 path would store, quantized per 128 columns
+        fp8.store_groups((w * normed).to(dtype).to(tl.float32), out_ptr, scale_ptr, row, 0, n, BLOCK, EXACT_CAST)
+    else:
+        tl.store(out_ptr + row * n + cols, (w * normed).to(dtype), mask=mask)
 
 
 @jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, half, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, stride_x, half, BLOCK: tl.constexpr, QUANTIZE: tl.constexpr,
+                         EXACT_CAST: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
@@ -91,4 +106,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, half, BLOCK: tl.constexpr, US
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + half + cols, mask=mask, other=0.0).to(tl.float32)
     silu = gate / (1.0 + tl.exp(-gate))
-    tl.store(out_ptr + row * half + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+    out = (silu * up).to(x_ptr.dtype.element_ty)
+    if QUANTIZE:
+        fp8.store_groups(out.to(tl.float32), out_ptr, scale_ptr, row, tl.program_id(1) * BLOCK, half, BLOCK,
+                         EXACT_CAST)
+    else:
+        tl.store(out_ptr + row * half + cols, out, mask=mask)

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels import fp8, fused
-from nanoserve.kernels.fp8 import FP8_MAX_K, MIN_SCALE_K, e4m3_rounded
+from nanoserve.kernels.fp8 import FP8_MAX_K, MIN_SCALE_K, SCALE_GROUP_K, e4m3_rounded
 from nanoserve.kernels._triton import (HAS_TRITON, cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_enabled,
                                        pdl_start, pdl_wait, prev_power_of_2, tl)
 from nanoserve.kernels.rotary_kv import QKVRope
@@ -74,6 +74,7 @@ class GemvConfig:
     programs_per_sm: float = 2.0  # split K until the grid has about this many programs per SM; 0: never
     split_k: int | None = None
     act_fp8: bool = False  # W8A8: x quantized to fp8 per row of each K tile, the product on FP8 tensor cores
+    x_fp8: bool = False  # W8A8 with x quantized before (fp8.Fp8Rows, by the kernel that produces it), read as fp8
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "num_warps"):
@@ -84,6 +85,8 @@ class GemvConfig:
             raise ValueError(f"tl.dot needs block_n and block_k >= 16, got {self.block_n}, {self.block_k}")
         if self.num_stages < 1 or (self.split_k is not None and self.split_k < 1):
             raise ValueError(f"num_stages and split_k must be >= 1, got {self.num_stages}, {self.split_k}")
+        if self.x_fp8 and not self.act_fp8:
+            raise ValueError("x_fp8 (activations quantized before the product) is a W8A8 path: set act_fp8")
         if self.act_fp8 and not (self.use_dot and ACT_FP8_MIN_K <= self.block_k <= fp8.BLOCK):
             raise ValueError(f"act_fp8 (W8A8) is a tl.dot path with block_k {ACT_FP8_MIN_K}..{fp8.BLOCK} (one activation "
                              f"scale per row and tile, inside one weight scale block), got {self.short()}")
@@ -91,21 +94,22 @@ class GemvConfig:
     def short(self) -> str:
         """A compact name for tables: path, tile, warps, stages and the split rule (parse() reads it back)."""
         split = f"s{self.split_k}" if self.split_k is not None else f"p{self.programs_per_sm:g}"
-        kind = "dot8" if self.act_fp8 else "dot" if self.use_dot else "fma"
+        kind = "dot8q" if self.x_fp8 else "dot8" if self.act_fp8 else "dot" if self.use_dot else "fma"
         return f"{kind} {self.block_n}x{self.block_k} w{self.num_warps} st{self.num_stages} {split}"
 
     @classmethod
     def parse(cls, short: str) -> "GemvConfig":
-        """The config named by short(), e.g. 'fma 8x512 w4 st3 p0', 'dot 32x256 w4 st3 s4' or (W8A8)
-        'dot8 64x128 w4 st4 p1'."""
+        """The config named by short(), e.g. 'fma 8x512 w4 st3 p0', 'dot 32x256 w4 st3 s4' or (W8A8, x quantized in
+        the kernel / before it) 'dot8 64x128 w4 st4 p1' / 'dot8q 128x128 w4 st4 p1'."""
         try:
             kind, tile, warps, stages, split = short.split()
             block_n, block_k = (int(v) for v in tile.split("x"))
-            if kind not in ("fma", "dot", "dot8") or warps[0] != "w" or stages[:2] != "st" or split[0] not in "ps":
+            if kind not in ("fma", "dot", "dot8", "dot8q") or warps[0] != "w" or stages[:2] != "st" \
+                    or split[0] not in "ps":
                 raise ValueError(short)
             rule = {"split_k": int(split[1:])} if split[0] == "s" else {"programs_per_sm": float(split[1:])}
             return cls(block_n, block_k, int(warps[1:]), int(stages[2:]), kind != "fma", **rule,
-                       act_fp8=kind == "dot8")
+                       act_fp8=kind.startswith("dot8"), x_fp8=kind == "dot8q")
         except ValueError:
             raise ValueError(f"bad GEMV config {short!r}: expected e.g. 'fma 8x512 w4 st3 p0'") from None
 
@@ -203,7 +207,7 @@ GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
 # (`python benchmarks/decode_floor.py model --quantization fp8 --gemv-rows 1 8 32 64`): W8A16 at one row, W8A8 above.
 FP8_GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
     1: ((4, "fma 4x2048 w8 st3 p0", TRITON), (None, "fma 8x1024 w8 st3 p0", TRITON)),
-    64: ((None, "dot8 64x128 w4 st4 p1", TRITON),),
+    64: ((None, "dot8q 128x128 w4 st4 p1", TRITON),),
 }
 
 
@@ -361,16 +365,40 @@ def _library_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return fp8.linear(x, weight, weight_scale, bias)
 
 
+def _variant(x, weight, bias, weight_scale, force_triton: bool, config: GemvConfig | None) -> GemvConfig | None:
+    """The Triton variant that runs x @ weight.T (config, else the table's), or None where the library path does."""
+    if force_triton or kernel_applies(x, weight, bias, weight_scale):
+        cfg, triton_wins = choose(x.shape[0], weight.shape[0], x.shape[1], weight.element_size())
+        if force_triton or triton_wins:
+            return config or cfg
+    return None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            weight_scale: torch.Tensor | None = None, force_triton: bool = False,
            config: GemvConfig | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) (weight · weight_scale for fp8); the Triton kernel where GEMV_TABLE says it wins
-    (or with force_triton, on any device — CPU runs go through TRITON_INTERPRET=1). config overrides the table."""
-    if force_triton or kernel_applies(x, weight, bias, weight_scale):
-        cfg, triton_wins = choose(x.shape[0], weight.shape[0], x.shape[1], weight.element_size())
-        if force_triton or triton_wins:
-            return _launch(x, weight, bias, x.shape[1], config or cfg, weight_scale=weight_scale)
-    return _library_linear(x, weight, bias, weight_scale)
+    (or with force_triton, on any device — CPU runs go through TRITON_INTERPRET=1). config overrides the table.
+    A dot8q variant first quantizes x in a kernel of its own (fp8.quantize_activations)."""
+    cfg = _variant(x, weight, bias, weight_scale, force_triton, config)
+    if cfg is None:
+        return _library_linear(x, weight, bias, weight_scale)
+    rows = fp8.quantize_activations(x, force_triton) if cfg.x_fp8 else x
+    return _launch(rows, weight, bias, x.shape[1], cfg, weight_scale=weight_scale)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    weight_scale: torch.Tensor | None = None, force_triton: bool = False,
+                    config: GemvConfig | None = None) -> torch.Tensor:
+    """(silu(gate) * up) @ weight.T + bias for gate_up [M, 2I] (the MLP's down projection): a dot8q variant gets its
+    input quantized by the SiLU-mul kernel itself."""
+    x = gate_up[:, :gate_up.shape[1] // 2]  # the shape, dtype and device of the product's input
+    cfg = _variant(x, weight, bias, weight_scale, force_triton, config)
+    if cfg is not None and cfg.x_fp8:
+        return _launch(fused.silu_and_mul(gate_up, force_triton, quantize=True), weight, bias, x.shape[1], cfg,
+                       weight_scale=weight_scale)
+    return linear(fused.silu_and_mul(gate_up), weight, bias, weight_scale=weight_scale, force_triton=force_triton,
+                  config=config)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -380,7 +408,13 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 
     With SWITCHES.fuse_norm (up to fuse_max_m rows of fuse_norm_min_k…fuse_norm_max_k values) the norm runs inside the
     GEMV's prologue.
-    Without a residual (the first layer) the new residual is x itself."""
+    Without a residual (the first layer) the new residual is x itself. A dot8q variant gets the normed rows quantized
+    by the norm kernel itself."""
+    cfg = _variant(x, weight, bias, weight_scale, force_triton, config)
+    if cfg is not None and cfg.x_fp8:
+        out = fused.rms_norm(x, norm_weight, eps, residual, force_triton=force_triton, quantize=True)
+        rows, new_residual = out if residual is not None else (out, x)
+        return _launch(rows, weight, bias, x.shape[1], cfg, weight_scale=weight_scale), new_residual
     if not (force_triton or _fuses(SWITCHES.fuse_norm, x, weight, bias, weight_scale)
             and SWITCHES.fuse_norm_min_k <= x.shape[1] <= SWITCHES.fuse_norm_max_k and (residual is None or residual.stride(-1) == 1)):
         if residual is None:
@@ -426,7 +460,12 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 
 def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None,
             weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """One kernel launch. norm = (residual | None, residual_out, norm_weight, eps) for the RMSNorm prologue."""
+    """One kernel launch. norm = (residual | None, residual_out, norm_weight, eps) for the RMSNorm prologue; x is
+    fp8.Fp8Rows for a dot8q variant."""
+    if isinstance(x, fp8.Fp8Rows) != config.x_fp8:
+        raise ValueError(f"{config.short()} takes {'fp8.Fp8Rows' if config.x_fp8 else 'a tensor'} as x")
+    rows = x if config.x_fp8 else None
+    x = rows.codes if rows is not None else x
     if not HAS_TRITON:
         raise RuntimeError("the Triton GEMV was requested but triton is not installed")
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
@@ -438,7 +477,8 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None,
     m, n = x.shape[0], weight.shape[0]
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
-    dtype = _output_dtype(x, weight, weight_scale)
+    dtype = _output_dtype(x, weight, weight_scale)  # (which checks the weight and its scales)
+    dtype = rows.dtype if rows is not None else dtype
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
@@ -461,11 +501,12 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None,
         residual if residual is not None else x, residual_out, norm_weight, eps,
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, residual_out.stride(0),
         out.stride(0), p.k_per_split, weight_scale.shape[1] if block_scaled else 0,
+        rows.scales if rows is not None else partials, rows.scales.stride(0) if rows is not None else 0,
         BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
         NORM_K=max(1, min(p.block_k, prev_power_of_2(NORM_CHUNK // p.block_m))), USE_DOT=p.use_dot,
         EVEN_K=k % p.block_k == 0, HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None and not block_scaled,
         SCALE_BLOCK=fp8.BLOCK if block_scaled else 0, SCALE_NB=max(1, p.block_k // fp8.BLOCK),
-        ACT_FP8=p.act_fp8, REDUCE_CHUNK=p.reduce_chunk,
+        ACT_FP8=p.act_fp8, X_FP8=rows is not None, REDUCE_CHUNK=p.reduce_chunk,
         LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_IN_FP32=not x.is_cuda,  # the interpreter (CPU tensors) multiplies bf16 bit patterns as integers
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
@@ -570,17 +611,33 @@ def _dot_act_fp8(acc, w, x, w_scale, DOT_IN_FP32: tl.constexpr):
 
 
 @jit
+def _dot_fp8_rows(acc, w, x_ptr, xs_ptr, offs_m, cols, k, M, K, stride_xm, stride_xs, w_scale,
+                  DOT_IN_FP32: tl.constexpr):
+    """W8A8 on pre-quantized rows (fp8.Fp8Rows): acc += (w · w_scale) @ (codes · scales).T, the codes [BLOCK_M, cols]
+    loaded as they are (half the bytes of bf16, nothing to compute) and multiplied on the FP8 tensor cores."""
+    xq = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols, mask=(offs_m[:, None] < M) & (cols < K), other=0.0)
+    x_scale = tl.load(xs_ptr + offs_m * stride_xs + k // SCALE_GROUP_K, mask=offs_m < M, other=0.0)
+    if DOT_IN_FP32:
+        product = tl.dot(w.to(tl.float32), tl.trans(xq.to(tl.float32)), input_precision="ieee")
+    else:
+        product = tl.dot(w, tl.trans(xq))
+    return acc + product * x_scale[None, :] * w_scale
+
+
+@jit
 def _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_ptr, res_out_ptr, norm_w_ptr,
-                stride_xm, stride_rm, stride_rom, inv_rms, write_residual, w_scale,
+                stride_xm, stride_rm, stride_rom, inv_rms, write_residual, w_scale, xs_ptr, stride_xs,
                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                ACT_FP8: tl.constexpr):
+                ACT_FP8: tl.constexpr, X_FP8: tl.constexpr):
     """Fold the weight tile w [BLOCK_N, BLOCK_K] at column k into the accumulators. An fp8 tile is converted to the
     activation dtype (out's; exact: e4m3 values are bf16 / fp16 values) and multiplied like a bf16 one, or with
     ACT_FP8 multiplied as it is by x quantized to fp8 (w_scale: _tile_scale's)."""
     cols = k + offs_k[None, :]
     dtype = out_ptr.dtype.element_ty
-    if USE_DOT:
+    if X_FP8:  # x is fp8 codes already, with a scale per row and 128 columns
+        acc = _dot_fp8_rows(acc, w, x_ptr, xs_ptr, offs_m, cols, k, M, K, stride_xm, stride_xs, w_scale, DOT_IN_FP32)
+    elif USE_DOT:
         x = _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_m[:, None], offs_m[:, None] < M, cols, K,
                       stride_xm, stride_rm, stride_rom, inv_rms[:, None], write_residual, PROLOGUE, HAS_RESIDUAL)
         if ACT_FP8:
@@ -643,13 +700,13 @@ def _store_tile(acc, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_
 @jit(do_not_specialize=["M"])  # one compiled kernel for every batch
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
                  res_ptr, res_out_ptr, norm_w_ptr, eps,
-                 M, N, K, stride_xm, stride_rm, stride_rom, stride_om, k_per_split, scale_cols,
+                 M, N, K, stride_xm, stride_rm, stride_rom, stride_om, k_per_split, scale_cols, xs_ptr, stride_xs,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
                  USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                  REDUCE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  PREFETCH_LINES: tl.constexpr, PREFETCH_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                 SCALE_NB: tl.constexpr, ACT_FP8: tl.constexpr, USE_PDL: tl.constexpr):
+                 SCALE_NB: tl.constexpr, ACT_FP8: tl.constexpr, X_FP8: tl.constexpr, USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -684,8 +741,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
                                     res_out_ptr, norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms,
                                     write_residual, _tile_scale(scale_ptr, offs_n % N, k_start, scale_cols,
                                                                 SCALE_BLOCK if ACT_FP8 else 0),
-                                    BLOCK_M, BLOCK_K, USE_DOT, DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL,
-                                    ACT_FP8)
+                                    xs_ptr, stride_xs, BLOCK_M, BLOCK_K, USE_DOT, DOT_PRECISION, DOT_IN_FP32,
+                                    PROLOGUE, HAS_RESIDUAL, ACT_FP8, X_FP8)
     for k in tl.range(k_loop, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
         w = _load_weight(w_rows, k + offs_k[None, :], K, EVEN_K)
         if SCALE_BLOCK > 0 and not ACT_FP8:
@@ -693,8 +750,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
         acc, acc_wide = _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_ptr, res_out_ptr,
                                     norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms, write_residual,
                                     _tile_scale(scale_ptr, offs_n % N, k, scale_cols, SCALE_BLOCK if ACT_FP8 else 0),
-                                    BLOCK_M, BLOCK_K, USE_DOT, DOT_PRECISION, DOT_IN_FP32, PROLOGUE, HAS_RESIDUAL,
-                                    ACT_FP8)
+                                    xs_ptr, stride_xs, BLOCK_M, BLOCK_K, USE_DOT, DOT_PRECISION, DOT_IN_FP32,
+                                    PROLOGUE, HAS_RESIDUAL, ACT_FP8, X_FP8)
     if not USE_DOT and BLOCK_M == 1:
         acc = tl.sum(acc_wide, axis=1)[:, None]
 

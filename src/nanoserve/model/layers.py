@@ -146,7 +146,7 @@ class MLP(nn.Module):
         """The pre-norm MLP of a decoder layer: returns (its output, the residual stream)."""
         gate_up, residual = norm.then(self.gate_up_proj, x, residual)
         down = self.down_proj
-        out = gemv.linear(fused.silu_and_mul(gate_up), down.weight, down.bias, weight_scale=down.weight_scale)
+        out = gemv.silu_mul_linear(gate_up, down.weight, down.bias, weight_scale=down.weight_scale)
         return self.tp.all_reduce(out), residual
 
 

@@ -342,7 +342,7 @@ def measure_model(name: str, args, bandwidth: float, report: dict) -> dict:
         if args.prefill:
             _guarded(result, lambda: result.update(prefill=prefill_tokens_per_s(llm)))
             print(f"== {name} prefill 8 x 1024: {result.get('prefill')}", flush=True)
-            if args.quantization == "fp8":
+            if args.quantization == "fp8" and args.gemv_rows:  # with the sweep: PREFILL_TABLE's source
                 _guarded(result, lambda: result.update(prefill_products=prefill_products(cfg)))
         for b in sizes:
             rec = result["buckets"][str(b)] = {"floor_ms": floor_ms(cfg, b, args.context, bandwidth,
@@ -438,13 +438,13 @@ GEMV_CANDIDATES = {
 }
 
 
-# fp8 weights: W8A16 (fma / dot: the weight converted in registers) against W8A8 (dot8: x quantized per row and
-# tile in the GEMV; dot8q: by the kernel before it; the product on FP8 tensor cores, a wgmma needs block_n >= 64)
+# fp8 weights: W8A16 (fma: the weight converted in registers) against W8A8 (dot8q: x quantized by the kernel before
+# the product, which runs on FP8 tensor cores; a wgmma needs block_n >= 64)
 FP8_CANDIDATES = {  # "cublas": the library path (kernels/fp8.py: x quantized per token, torch._scaled_mm)
-    1: ["fma 8x1024 w4 st3 p0", "fma 16x512 w4 st4 p0", "dot8 64x128 w4 st4 p0", "dot8q 64x128 w4 st4 p0",
-        "dot8q 64x128 w4 st4 p1", "dot8q 128x128 w4 st4 p1"],
-    8: ["dot8 128x128 w4 st4 p1", "dot8 256x128 w8 st3 p1", "dot8q 64x128 w4 st4 p1", "dot8q 128x128 w4 st4 p1",
-        "dot8q 128x128 w8 st3 p1", "dot8q 256x128 w8 st3 p1", "dot8q 64x128 w4 st6 p2", "cublas"],
+    1: ["fma 8x1024 w4 st3 p0", "fma 16x512 w4 st4 p0", "dot8q 64x128 w4 st4 p0", "dot8q 64x128 w4 st4 p1",
+        "dot8q 128x128 w4 st4 p1"],
+    8: ["dot8q 64x128 w4 st4 p1", "dot8q 128x128 w4 st4 p1", "dot8q 128x128 w8 st3 p1", "dot8q 256x128 w8 st3 p1",
+        "dot8q 64x128 w4 st6 p2", "cublas"],
 }
 FP8_CANDIDATES[32] = FP8_CANDIDATES[64] = FP8_CANDIDATES[8]
 

@@ -98,12 +98,8 @@ for x in (x1, x3, x64):
 gemv.norm_linear(x3, x3.clone(), norm_w, 1e-6, q8, weight_scale=s8, force_triton=True)
 q8d, s8d = fp8.quantize(torch.randn(1024, 3072))
 gemv.linear(torch.randn(3, 3072, dtype=bf), q8d, weight_scale=s8d, force_triton=True)
-# W8A8: x quantized in the kernel, wgmma on e4m3 (per-channel and block scales, the norm prologue)
-gemv.linear(x3, q8, weight_scale=s8, force_triton=True, config=GemvConfig.parse("dot8 64x128 w4 st4 p1"))
-gemv.norm_linear(x64, x64.clone(), norm_w, 1e-6, q8, weight_scale=s8, force_triton=True,
-                 config=GemvConfig.parse("dot8 128x128 w8 st3 p1"))
 q8b, s8b = fp8.quantize(w.float(), (128, 128))
-gemv.linear(x1, q8b, weight_scale=s8b, force_triton=True, config=GemvConfig.parse("dot8 64x128 w4 st4 s2"))
+gemv.linear(x1, q8b, weight_scale=s8b, force_triton=True, config=GemvConfig.parse("dot8q 64x128 w4 st4 s2"))
 # W8A8 on rows quantized before: by a kernel of its own, by the norm, by the SiLU-mul
 dot8q = GemvConfig.parse("dot8q 128x128 w4 st4 p1")
 gemv.linear(x3, q8, weight_scale=s8, force_triton=True, config=dot8q)
@@ -125,6 +121,6 @@ def test_decode_kernels_compile_for_hopper_with_pdl():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0 and "all compiled" in proc.stdout, (proc.stdout[-3000:], proc.stderr[-3000:])
-    assert proc.stdout.count("compiled _gemv_kernel") == 5 + 5 + 3 + 3  # bf16, fp8 weights, W8A8, W8A8 on fp8 rows
-    assert proc.stdout.count("fp8 tensor cores") >= 6  # and the table's W8A8 variants
+    assert proc.stdout.count("compiled _gemv_kernel") == 5 + 5 + 1 + 3  # bf16, fp8 weights, then W8A8
+    assert proc.stdout.count("fp8 tensor cores") >= 4  # and the table's W8A8 variants
     assert "prefetched" in proc.stdout  # the slices longer than one tile

@@ -203,8 +203,8 @@ def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, BLOCK: tl.cons
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations [M, K] → (fp8 [M, K], fp32 scales [M, cdiv(K, group)]): one scale per token and `group` columns,
-    as the W8A8 GEMV quantizes each [rows, block_k] tile it loads (its PyTorch reference)."""
+    """Activations [M, K] → (fp8 [M, K], fp32 scales [M, cdiv(K, group)]): one scale per token and `group` columns
+    (the reference of the kernels that write Fp8Rows, with group = BLOCK)."""
     m, k = x.shape
     tiles = F.pad(x.float(), (0, -k % group)).view(m, -1, group)
     scale = (tiles.abs().amax(dim=2) / FP8_MAX).clamp_min(MIN_SCALE)

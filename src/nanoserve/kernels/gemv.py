@@ -27,7 +27,10 @@ The kernel (`_gemv_kernel`):
     Qwen3-0.6B b=1 0.828 vs 0.783 ms, SmolLM2-135M 0.526 vs 0.514, Llama-3.1-8B even — and removed.);
   * with programmatic dependent launch (see _triton.py) each program loads its first weight tile
     before gdc_wait, so the weights stream while the previous kernel finishes;
-  * FP8 weights (W8A16, kernels/fp8.py): the tile is read as float8_e4m3fn (half the bytes), converted to
+  * FP8 weights (kernels/fp8.py), W8A8 ("dot8q"): x arrives as e4m3 codes with a scale per row and 128 columns
+    (fp8.Fp8Rows, written by the kernel that produces x), both tiles go to the FP8 tensor cores as they are, and
+    each tile's fp32 product is scaled by its rows' x scales (and the weight's block scales) before it is summed;
+  * FP8 weights, W8A16 ("fma"): the tile is read as float8_e4m3fn (half the bytes), converted to
     the activation dtype in registers, accumulated in fp32 like the rest, and each output is multiplied
     by its channel's fp32 scale once, before the bias (and before the split-K sum is stored); with the
     128x128-block scales of block-quantized checkpoints (fp8.BLOCK) each weight is scaled in fp32 as its
@@ -46,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels import fp8, fused
-from nanoserve.kernels.fp8 import FP8_MAX_K, MIN_SCALE_K, SCALE_GROUP_K, e4m3_rounded
+from nanoserve.kernels.fp8 import SCALE_GROUP_K
 from nanoserve.kernels._triton import (HAS_TRITON, cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_enabled,
                                        pdl_start, pdl_wait, prev_power_of_2, tl)
 from nanoserve.kernels.rotary_kv import QKVRope
@@ -73,8 +76,9 @@ class GemvConfig:
     use_dot: bool = False
     programs_per_sm: float = 2.0  # split K until the grid has about this many programs per SM; 0: never
     split_k: int | None = None
-    act_fp8: bool = False  # W8A8: x quantized to fp8 per row of each K tile, the product on FP8 tensor cores
-    x_fp8: bool = False  # W8A8 with x quantized before (fp8.Fp8Rows, by the kernel that produces it), read as fp8
+    act_fp8: bool = False  # W8A8: x comes quantized (fp8.Fp8Rows, from the kernel that produces it), the product
+    # on the FP8 tensor cores. (x quantized per tile inside the GEMV instead was measured slower for every product
+    # and row count: Llama-3.1-8B fp8 b=64 8.67 vs 5.29 ms; results/experiments/fp8_sweep_*_h200.json.)
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "num_warps"):
@@ -85,31 +89,29 @@ class GemvConfig:
             raise ValueError(f"tl.dot needs block_n and block_k >= 16, got {self.block_n}, {self.block_k}")
         if self.num_stages < 1 or (self.split_k is not None and self.split_k < 1):
             raise ValueError(f"num_stages and split_k must be >= 1, got {self.num_stages}, {self.split_k}")
-        if self.x_fp8 and not self.act_fp8:
-            raise ValueError("x_fp8 (activations quantized before the product) is a W8A8 path: set act_fp8")
         if self.act_fp8 and not (self.use_dot and ACT_FP8_MIN_K <= self.block_k <= fp8.BLOCK):
-            raise ValueError(f"act_fp8 (W8A8) is a tl.dot path with block_k {ACT_FP8_MIN_K}..{fp8.BLOCK} (one activation "
-                             f"scale per row and tile, inside one weight scale block), got {self.short()}")
+            raise ValueError(f"act_fp8 (W8A8) is a tl.dot path with block_k {ACT_FP8_MIN_K}..{fp8.BLOCK} (a tile inside "
+                             f"one activation and weight scale block), got {self.short()}")
 
     def short(self) -> str:
         """A compact name for tables: path, tile, warps, stages and the split rule (parse() reads it back)."""
         split = f"s{self.split_k}" if self.split_k is not None else f"p{self.programs_per_sm:g}"
-        kind = "dot8q" if self.x_fp8 else "dot8" if self.act_fp8 else "dot" if self.use_dot else "fma"
+        kind = "dot8q" if self.act_fp8 else "dot" if self.use_dot else "fma"
         return f"{kind} {self.block_n}x{self.block_k} w{self.num_warps} st{self.num_stages} {split}"
 
     @classmethod
     def parse(cls, short: str) -> "GemvConfig":
-        """The config named by short(), e.g. 'fma 8x512 w4 st3 p0', 'dot 32x256 w4 st3 s4' or (W8A8, x quantized in
-        the kernel / before it) 'dot8 64x128 w4 st4 p1' / 'dot8q 128x128 w4 st4 p1'."""
+        """The config named by short(), e.g. 'fma 8x512 w4 st3 p0', 'dot 32x256 w4 st3 s4' or (W8A8)
+        'dot8q 128x128 w4 st4 p1'."""
         try:
             kind, tile, warps, stages, split = short.split()
             block_n, block_k = (int(v) for v in tile.split("x"))
-            if kind not in ("fma", "dot", "dot8", "dot8q") or warps[0] != "w" or stages[:2] != "st" \
+            if kind not in ("fma", "dot", "dot8q") or warps[0] != "w" or stages[:2] != "st" \
                     or split[0] not in "ps":
                 raise ValueError(short)
             rule = {"split_k": int(split[1:])} if split[0] == "s" else {"programs_per_sm": float(split[1:])}
             return cls(block_n, block_k, int(warps[1:]), int(stages[2:]), kind != "fma", **rule,
-                       act_fp8=kind.startswith("dot8"), x_fp8=kind == "dot8q")
+                       act_fp8=kind == "dot8q")
         except ValueError:
             raise ValueError(f"bad GEMV config {short!r}: expected e.g. 'fma 8x512 w4 st3 p0'") from None
 
@@ -200,14 +202,48 @@ GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
         (None, 'dot 64x128 w4 st4 p1', CUBLAS),
     ),
 }
-# FP8 weights (element size 1): the same rule; "dot8" variants are W8A8 (x quantized to e4m3 per row and tile in
-# the kernel, the product on FP8 tensor cores), "fma" / "dot" W8A16 (the weight converted in registers). Every
-# entry is the kernel: the alternative (kernels/fp8.py: dequantize + cuBLAS, or _scaled_mm with quantized
-# activations) costs more than the bytes at these row counts. Until the fp8 sweep in the model
-# (`python benchmarks/decode_floor.py model --quantization fp8 --gemv-rows 1 8 32 64`): W8A16 at one row, W8A8 above.
+# FP8 weights (element size 1): the same rule; "dot8q" variants are W8A8 (the kernel before the product writes x as
+# e4m3 codes + a scale per token and 128 columns: the RMSNorm, the SiLU-mul, or fp8.quantize_activations for the
+# attention output; the product on FP8 tensor cores), "fma" W8A16 (the weight converted in registers). From the H200
+# sweep in the model (benchmarks/results/experiments/fp8_sweep_{llama,qwen3}_h200.json: each product's candidates
+# with the rest as the table then said, `decode_floor.py model --quantization fp8 --gemv-rows 1 8 32 64`): W8A8
+# wins every product from 2 rows up (2-64 rows: Llama-3.1-8B 4.15 -> 3.38 ms at 8 rows, 8.67 -> 5.29 at 64), and
+# at one row the gate_up matrices over 56 MiB. _scaled_mm (CUBLAS) wins Llama's o_proj at 64 rows.
 FP8_GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
-    1: ((4, "fma 4x2048 w8 st3 p0", TRITON), (None, "fma 8x1024 w8 st3 p0", TRITON)),
-    64: ((None, "dot8q 128x128 w4 st4 p1", TRITON),),
+    1: (
+        (3.0, 'fma 8x1024 w4 st3 p0', TRITON),
+        (6.0, 'fma 16x512 w4 st4 p0', TRITON),
+        (16.0, 'fma 8x1024 w4 st3 p0', TRITON),
+        (24.0, 'fma 16x512 w4 st4 p0', TRITON),
+        (56.0, 'fma 8x1024 w4 st3 p0', TRITON),
+        (None, 'dot8q 128x128 w4 st4 p1', TRITON),
+    ),
+    8: (
+        (2.0, 'dot8q 64x128 w4 st4 p1', TRITON),
+        (4.0, 'dot8q 64x128 w4 st6 p2', TRITON),
+        (6.0, 'dot8q 64x128 w4 st4 p1', TRITON),
+        (16.0, 'dot8q 128x128 w4 st4 p1', TRITON),
+        (24.0, 'dot8q 64x128 w4 st6 p2', TRITON),
+        (None, 'dot8q 128x128 w4 st4 p1', TRITON),
+    ),
+    32: (
+        (2.0, 'dot8q 64x128 w4 st4 p1', TRITON),
+        (3.0, 'dot8q 64x128 w4 st6 p2', TRITON),
+        (4.0, 'dot8q 128x128 w8 st3 p1', TRITON),
+        (6.0, 'dot8q 256x128 w8 st3 p1', TRITON),
+        (16.0, 'dot8q 64x128 w4 st6 p2', TRITON),
+        (24.0, 'dot8q 128x128 w8 st3 p1', TRITON),
+        (56.0, 'dot8q 64x128 w4 st6 p2', TRITON),
+        (None, 'dot8q 128x128 w8 st3 p1', TRITON),
+    ),
+    64: (
+        (3.0, 'dot8q 64x128 w4 st4 p1', TRITON),
+        (4.0, 'dot8q 128x128 w8 st3 p1', TRITON),
+        (6.0, 'dot8q 64x128 w4 st4 p1', TRITON),
+        (16.0, 'dot8q 128x128 w4 st4 p1', CUBLAS),
+        (24.0, 'dot8q 64x128 w4 st4 p1', TRITON),
+        (None, 'dot8q 128x128 w4 st4 p1', TRITON),
+    ),
 }
 
 
@@ -383,7 +419,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     cfg = _variant(x, weight, bias, weight_scale, force_triton, config)
     if cfg is None:
         return _library_linear(x, weight, bias, weight_scale)
-    rows = fp8.quantize_activations(x, force_triton) if cfg.x_fp8 else x
+    rows = fp8.quantize_activations(x, force_triton) if cfg.act_fp8 else x
     return _launch(rows, weight, bias, x.shape[1], cfg, weight_scale=weight_scale)
 
 
@@ -394,7 +430,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     input quantized by the SiLU-mul kernel itself."""
     x = gate_up[:, :gate_up.shape[1] // 2]  # the shape, dtype and device of the product's input
     cfg = _variant(x, weight, bias, weight_scale, force_triton, config)
-    if cfg is not None and cfg.x_fp8:
+    if cfg is not None and cfg.act_fp8:
         return _launch(fused.silu_and_mul(gate_up, force_triton, quantize=True), weight, bias, x.shape[1], cfg,
                        weight_scale=weight_scale)
     return linear(fused.silu_and_mul(gate_up), weight, bias, weight_scale=weight_scale, force_triton=force_triton,
@@ -411,7 +447,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     Without a residual (the first layer) the new residual is x itself. A dot8q variant gets the normed rows quantized
     by the norm kernel itself."""
     cfg = _variant(x, weight, bias, weight_scale, force_triton, config)
-    if cfg is not None and cfg.x_fp8:
+    if cfg is not None and cfg.act_fp8:
         out = fused.rms_norm(x, norm_weight, eps, residual, force_triton=force_triton, quantize=True)
         rows, new_residual = out if residual is not None else (out, x)
         return _launch(rows, weight, bias, x.shape[1], cfg, weight_scale=weight_scale), new_residual
@@ -462,9 +498,9 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None,
             weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One kernel launch. norm = (residual | None, residual_out, norm_weight, eps) for the RMSNorm prologue; x is
     fp8.Fp8Rows for a dot8q variant."""
-    if isinstance(x, fp8.Fp8Rows) != config.x_fp8:
-        raise ValueError(f"{config.short()} takes {'fp8.Fp8Rows' if config.x_fp8 else 'a tensor'} as x")
-    rows = x if config.x_fp8 else None
+    if isinstance(x, fp8.Fp8Rows) != config.act_fp8:
+        raise ValueError(f"{config.short()} takes {'fp8.Fp8Rows' if config.act_fp8 else 'a tensor'} as x")
+    rows = x if config.act_fp8 else None
     x = rows.codes if rows is not None else x
     if not HAS_TRITON:
         raise RuntimeError("the Triton GEMV was requested but triton is not installed")
@@ -506,7 +542,7 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None,
         NORM_K=max(1, min(p.block_k, prev_power_of_2(NORM_CHUNK // p.block_m))), USE_DOT=p.use_dot,
         EVEN_K=k % p.block_k == 0, HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None and not block_scaled,
         SCALE_BLOCK=fp8.BLOCK if block_scaled else 0, SCALE_NB=max(1, p.block_k // fp8.BLOCK),
-        ACT_FP8=p.act_fp8, X_FP8=rows is not None, REDUCE_CHUNK=p.reduce_chunk,
+        ACT_FP8=p.act_fp8, REDUCE_CHUNK=p.reduce_chunk,
         LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_IN_FP32=not x.is_cuda,  # the interpreter (CPU tensors) multiplies bf16 bit patterns as integers
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
@@ -596,21 +632,6 @@ def _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, rows, row_ok, cols, K, st
 
 
 @jit
-def _dot_act_fp8(acc, w, x, w_scale, DOT_IN_FP32: tl.constexpr):
-    """W8A8: acc [BLOCK_N, BLOCK_M] += (w · w_scale) @ x.T with x [BLOCK_M, BLOCK_K] (fp32) quantized to e4m3 per
-    row (its largest |value| → 448, as fp8.quantize_groups) and the fp8 product on tensor cores, fp32 out;
-    w_scale: the tile's weight block scales [BLOCK_N, 1], or 1.0 (channel scales come at the store)."""
-    # IEEE divisions (Triton's `/` is approximate), once per row: the codes equal fp8.quantize_groups' bit for bit
-    x_scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX_K), MIN_SCALE_K)  # [BLOCK_M]
-    xs = tl.clamp(x * tl.div_rn(1.0, x_scale)[:, None], -FP8_MAX_K, FP8_MAX_K)
-    if DOT_IN_FP32:  # the interpreter: the same products (e4m3 x e4m3 is exact in fp32), summed in fp32
-        product = tl.dot(w.to(tl.float32), tl.trans(e4m3_rounded(xs)), input_precision="ieee")
-    else:
-        product = tl.dot(w, tl.trans(xs.to(tl.float8e4nv)))
-    return acc + product * x_scale[None, :] * w_scale
-
-
-@jit
 def _dot_fp8_rows(acc, w, x_ptr, xs_ptr, offs_m, cols, k, M, K, stride_xm, stride_xs, w_scale,
                   DOT_IN_FP32: tl.constexpr):
     """W8A8 on pre-quantized rows (fp8.Fp8Rows): acc += (w · w_scale) @ (codes · scales).T, the codes [BLOCK_M, cols]
@@ -629,20 +650,18 @@ def _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_p
                 stride_xm, stride_rm, stride_rom, inv_rms, write_residual, w_scale, xs_ptr, stride_xs,
                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                ACT_FP8: tl.constexpr, X_FP8: tl.constexpr):
+                ACT_FP8: tl.constexpr):
     """Fold the weight tile w [BLOCK_N, BLOCK_K] at column k into the accumulators. An fp8 tile is converted to the
     activation dtype (out's; exact: e4m3 values are bf16 / fp16 values) and multiplied like a bf16 one, or with
-    ACT_FP8 multiplied as it is by x quantized to fp8 (w_scale: _tile_scale's)."""
+    with ACT_FP8 multiplied as it is by x's fp8 codes (w_scale: _tile_scale's)."""
     cols = k + offs_k[None, :]
     dtype = out_ptr.dtype.element_ty
-    if X_FP8:  # x is fp8 codes already, with a scale per row and 128 columns
+    if ACT_FP8:  # x is fp8 codes, with a scale per row and 128 columns
         acc = _dot_fp8_rows(acc, w, x_ptr, xs_ptr, offs_m, cols, k, M, K, stride_xm, stride_xs, w_scale, DOT_IN_FP32)
     elif USE_DOT:
         x = _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_m[:, None], offs_m[:, None] < M, cols, K,
                       stride_xm, stride_rm, stride_rom, inv_rms[:, None], write_residual, PROLOGUE, HAS_RESIDUAL)
-        if ACT_FP8:
-            acc = _dot_act_fp8(acc, w, x, w_scale, DOT_IN_FP32)
-        elif DOT_IN_FP32:  # same products: bf16 x bf16 is exact in fp32
+        if DOT_IN_FP32:  # same products: bf16 x bf16 is exact in fp32
             acc = tl.dot(w.to(tl.float32), tl.trans(x), acc, input_precision="ieee")
         else:
             acc = tl.dot(w.to(dtype), tl.trans(x.to(dtype)), acc, input_precision=DOT_PRECISION)
@@ -706,7 +725,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
                  REDUCE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  PREFETCH_LINES: tl.constexpr, PREFETCH_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                 SCALE_NB: tl.constexpr, ACT_FP8: tl.constexpr, X_FP8: tl.constexpr, USE_PDL: tl.constexpr):
+                 SCALE_NB: tl.constexpr, ACT_FP8: tl.constexpr, USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -742,7 +761,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
                                     write_residual, _tile_scale(scale_ptr, offs_n % N, k_start, scale_cols,
                                                                 SCALE_BLOCK if ACT_FP8 else 0),
                                     xs_ptr, stride_xs, BLOCK_M, BLOCK_K, USE_DOT, DOT_PRECISION, DOT_IN_FP32,
-                                    PROLOGUE, HAS_RESIDUAL, ACT_FP8, X_FP8)
+                                    PROLOGUE, HAS_RESIDUAL, ACT_FP8)
     for k in tl.range(k_loop, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
         w = _load_weight(w_rows, k + offs_k[None, :], K, EVEN_K)
         if SCALE_BLOCK > 0 and not ACT_FP8:
@@ -751,7 +770,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
                                     norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms, write_residual,
                                     _tile_scale(scale_ptr, offs_n % N, k, scale_cols, SCALE_BLOCK if ACT_FP8 else 0),
                                     xs_ptr, stride_xs, BLOCK_M, BLOCK_K, USE_DOT, DOT_PRECISION, DOT_IN_FP32,
-                                    PROLOGUE, HAS_RESIDUAL, ACT_FP8, X_FP8)
+                                    PROLOGUE, HAS_RESIDUAL, ACT_FP8)
     if not USE_DOT and BLOCK_M == 1:
         acc = tl.sum(acc_wide, axis=1)[:, None]
 

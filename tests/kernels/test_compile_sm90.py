@@ -105,6 +105,7 @@ dot8q = GemvConfig.parse("dot8q 128x128 w4 st4 p1")
 gemv.linear(x3, q8, weight_scale=s8, force_triton=True, config=dot8q)
 gemv.norm_linear(x64, x64.clone(), norm_w, 1e-6, q8, weight_scale=s8, force_triton=True, config=dot8q)
 gemv.silu_mul_linear(torch.randn(3, 2048, dtype=bf), q8, weight_scale=s8, force_triton=True, config=dot8q)
+fp8.quantize_rows(torch.randn(5, 3000, dtype=bf), force_triton=True)  # prefill's per-token quantize (_scaled_mm)
 cu = torch.arange(4, dtype=torch.int32)
 meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, context_lens=lens, block_tables=tables, cu_seqlens_q=cu,
                          max_seqlen_q=1, has_cached_prefix=True)

@@ -91,8 +91,7 @@ def scale_block(q: torch.Tensor, scale: torch.Tensor) -> tuple[int, int] | None:
 
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [M, K] → (fp8 [M, K], fp32 scales [M, 1]): one scale per token, for torch._scaled_mm."""
-    scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(MIN_SCALE)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    return quantize_groups(x, x.shape[1])
 
 
 QUANTIZE_ROWS_MAX_K = 32768  # a row the kernel holds in registers at once (Llama-3.1-8B's widest input: 14336)
@@ -105,12 +104,8 @@ def quantize_rows(x: torch.Tensor, force_triton: bool = False) -> tuple[torch.Te
     m, k = x.shape
     if not (force_triton or (HAS_TRITON and x.is_cuda)) or k > QUANTIZE_ROWS_MAX_K or x.stride(1) != 1:
         return quantize_rows_ref(x)
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    block = next_power_of_2(k)
-    _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), BLOCK=block, EXACT_CAST=not x.is_cuda,
-                                num_warps=max(1, min(16, block // 1024)))
-    return q, scale
+    rows = _quantize(x, next_power_of_2(k), next_power_of_2(k))
+    return rows.codes, rows.scales
 
 
 @jit
@@ -122,19 +117,6 @@ def e4m3_rounded(v):
     return ((v / step + 12582912.0) - 12582912.0) * step  # + 1.5 * 2^23 rounds to an integer, ties to even
 
 
-@jit
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, BLOCK: tl.constexpr, EXACT_CAST: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX_K), MIN_SCALE_K)  # IEEE, as the reference's
-    v = tl.clamp(tl.div_rn(x, scale), -FP8_MAX_K, FP8_MAX_K)
-    if EXACT_CAST:  # the interpreter casts an e4m3 value exactly, not others
-        v = e4m3_rounded(v)
-    tl.store(q_ptr + row.to(tl.int64) * K + cols, v.to(q_ptr.dtype.element_ty), mask=cols < K)
-    tl.store(scale_ptr + row, scale)
-
-
 class Fp8Rows(NamedTuple):
     """Activations quantized for a W8A8 product: e4m3 codes [M, K] and fp32 scales [M, cdiv(K, BLOCK)], one per
     token and BLOCK columns (quantize_groups(x, BLOCK)), and the dtype they were in (the product's output dtype).
@@ -144,10 +126,6 @@ class Fp8Rows(NamedTuple):
     codes: torch.Tensor
     scales: torch.Tensor
     dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.codes.shape
 
 
 def groups_ref(x: torch.Tensor) -> Fp8Rows:
@@ -162,44 +140,51 @@ def quantize_activations(x: torch.Tensor, force_triton: bool = False) -> Fp8Rows
     """x [M, K] as Fp8Rows, one Triton kernel on CUDA (for a W8A8 product whose input no kernel quantized)."""
     if not (force_triton or (HAS_TRITON and x.is_cuda)) or x.stride(1) != 1:
         return groups_ref(x)
+    return _quantize(x, BLOCK, max(BLOCK, min(GROUPS_BLOCK, next_power_of_2(x.shape[1]))))
+
+
+def _quantize(x: torch.Tensor, group: int, block: int) -> Fp8Rows:
+    """x quantized per token and `group` columns (a power of two, <= block) by _quantize_groups_kernel."""
     m, k = x.shape
-    rows = empty_rows(m, k, x.dtype, x.device)
-    block = max(BLOCK, min(GROUPS_BLOCK, next_power_of_2(k)))
-    _quantize_groups_kernel[(m, -(-k // block))](x, rows.codes, rows.scales, k, x.stride(0), BLOCK=block,
-                                                 EXACT_CAST=not x.is_cuda, **pdl_args(x.device))
+    rows = empty_rows(m, k, x.dtype, x.device, group)
+    _quantize_groups_kernel[(m, -(-k // block))](x, rows.codes, rows.scales, k, x.stride(0), BLOCK=block, GROUP=group,
+                                                 EXACT_CAST=not x.is_cuda, num_warps=max(4, min(16, block // 1024)),
+                                                 **pdl_args(x.device))
     return rows
 
 
-def empty_rows(m: int, k: int, dtype: torch.dtype, device) -> Fp8Rows:
+def empty_rows(m: int, k: int, dtype: torch.dtype, device, group: int = BLOCK) -> Fp8Rows:
     return Fp8Rows(torch.empty(m, k, dtype=FP8_DTYPE, device=device),
-                   torch.empty(m, -(-k // BLOCK), dtype=torch.float32, device=device), dtype)
+                   torch.empty(m, -(-k // group), dtype=torch.float32, device=device), dtype)
 
 
 @jit
-def store_groups(y, q_ptr, scale_ptr, row, col0, K, BLOCK: tl.constexpr, EXACT_CAST: tl.constexpr):
-    """Quantize y [BLOCK] (fp32: columns col0 … col0 + BLOCK of a row, col0 a multiple of 128, zeros past K) per 128
-    columns, as quantize_groups: store the e4m3 codes at q_ptr [row, K] and the scales at scale_ptr [row, groups]."""
-    groups = tl.reshape(y, (BLOCK // SCALE_GROUP_K, SCALE_GROUP_K))
+def store_groups(y, q_ptr, scale_ptr, row, col0, K, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                 EXACT_CAST: tl.constexpr):
+    """Quantize y [BLOCK] (fp32: columns col0 … col0 + BLOCK of a row, col0 a multiple of GROUP, zeros past K) per
+    GROUP columns, as quantize_groups: store the e4m3 codes at q_ptr [row, K] and the scales at scale_ptr
+    [row, cdiv(K, GROUP)]."""
+    groups = tl.reshape(y, (BLOCK // GROUP, GROUP))
     scale = tl.maximum(tl.div_rn(tl.max(tl.abs(groups), axis=1), FP8_MAX_K), MIN_SCALE_K)
     v = tl.clamp(groups * tl.div_rn(1.0, scale)[:, None], -FP8_MAX_K, FP8_MAX_K)
     if EXACT_CAST:
         v = e4m3_rounded(v)
     cols = col0 + tl.arange(0, BLOCK)
     tl.store(q_ptr + row.to(tl.int64) * K + cols, tl.reshape(v, (BLOCK,)).to(q_ptr.dtype.element_ty), mask=cols < K)
-    n_groups = tl.cdiv(K, SCALE_GROUP_K)
-    g = col0 // SCALE_GROUP_K + tl.arange(0, BLOCK // SCALE_GROUP_K)
+    n_groups = tl.cdiv(K, GROUP)
+    g = col0 // GROUP + tl.arange(0, BLOCK // GROUP)
     tl.store(scale_ptr + row * n_groups + g, scale, mask=g < n_groups)
 
 
 @jit
-def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, BLOCK: tl.constexpr, EXACT_CAST: tl.constexpr,
-                            USE_PDL: tl.constexpr):
+def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                            EXACT_CAST: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     y = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-    store_groups(y, q_ptr, scale_ptr, row, tl.program_id(1) * BLOCK, K, BLOCK, EXACT_CAST)
+    store_groups(y, q_ptr, scale_ptr, row, tl.program_id(1) * BLOCK, K, BLOCK, GROUP, EXACT_CAST)
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -90,7 +90,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, res_out_ptr, str
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
     normed = (xf * inv_rms).to(dtype).to(tl.float32)
     if QUANTIZE:  # the values the bf16 path would store, quantized per 128 columns
-        fp8.store_groups((w * normed).to(dtype).to(tl.float32), out_ptr, scale_ptr, row, 0, n, BLOCK, EXACT_CAST)
+        fp8.store_groups((w * normed).to(dtype).to(tl.float32), out_ptr, scale_ptr, row, 0, n, BLOCK,
+                         fp8.SCALE_GROUP_K, EXACT_CAST)
     else:
         tl.store(out_ptr + row * n + cols, (w * normed).to(dtype), mask=mask)
 
@@ -109,6 +110,6 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, stride_x, half, BLOCK: tl.co
     out = (silu * up).to(x_ptr.dtype.element_ty)
     if QUANTIZE:
         fp8.store_groups(out.to(tl.float32), out_ptr, scale_ptr, row, tl.program_id(1) * BLOCK, half, BLOCK,
-                         EXACT_CAST)
+                         fp8.SCALE_GROUP_K, EXACT_CAST)
     else:
         tl.store(out_ptr + row * half + cols, out, mask=mask)

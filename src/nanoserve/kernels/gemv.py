@@ -513,8 +513,9 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None,
     m, n = x.shape[0], weight.shape[0]
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
-    dtype = _output_dtype(x, weight, weight_scale)  # (which checks the weight and its scales)
-    dtype = rows.dtype if rows is not None else dtype
+    dtype = _output_dtype(x, weight, weight_scale)  # which also checks the weight and its scales
+    if rows is not None:  # the codes' dtype is fp8; the product is written in the dtype they were quantized from
+        dtype = rows.dtype
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
@@ -653,7 +654,7 @@ def _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_p
                 ACT_FP8: tl.constexpr):
     """Fold the weight tile w [BLOCK_N, BLOCK_K] at column k into the accumulators. An fp8 tile is converted to the
     activation dtype (out's; exact: e4m3 values are bf16 / fp16 values) and multiplied like a bf16 one, or with
-    with ACT_FP8 multiplied as it is by x's fp8 codes (w_scale: _tile_scale's)."""
+    ACT_FP8 multiplied as it is by x's fp8 codes (w_scale: _tile_scale's)."""
     cols = k + offs_k[None, :]
     dtype = out_ptr.dtype.element_ty
     if ACT_FP8:  # x is fp8 codes, with a scale per row and 128 columns

@@ -4,6 +4,7 @@
                                             [--batch-sizes 1 8 32 64 256] [--switch-sizes 1 8 32]
                                             [--switch-sets all no_prefetch no_pdl ...] [--json PATH]
     python benchmarks/decode_floor.py attention [--json PATH]
+    python benchmarks/decode_floor.py products [--models ...] [--gemv-rows 1 8 32 64] [--json PATH]
 
 `model`: one engine per model (random bf16 weights, real shapes, a graph per --batch-sizes, contexts of --context
 tokens, max_model_len --max-model-len) and, per batch size, the same decode step timed every way this repo has
@@ -27,6 +28,10 @@ programmatic edge).
 `attention`: the decode attention kernel alone (+ its merge) over b = 1…32 rows and 1k–4k-token contexts, per
 split rule and pipeline depth: a graph of enough layers' calls that the KV cannot stay in L2, replayed back to
 back; GB/s against the copy bandwidth.
+
+`products`: each decode product of a layer alone, bf16 (the table's variant, cuBLAS) against the fp8 candidates, per
+rows: distinct weights of the shape in turn in one graph (as the layers follow each other), µs and the weight bytes'
+rate against the copy bandwidth.
 """
 from __future__ import annotations
 
@@ -175,13 +180,14 @@ def b2b_ms(fn, iters: int = B2B_ITERS, repeats: int = 3) -> float:
     return statistics.median(back_to_back_seconds(fn, iters) * 1e3 / iters for _ in range(repeats))
 
 
-def floor_ms(cfg: dict, b: int, context: int, bandwidth: float, fp8: bool = False) -> float:
+def floor_ms(cfg: dict, b: int, context: int, bandwidth: float, fp8: bool = False, fp8_head: bool = False) -> float:
     """Weights read once (the lm_head matrix whole, b embedding rows when it is not tied; the decoder layers' linear
-    weights one byte each with fp8) + KV, at bandwidth."""
+    weights one byte each with fp8, and the lm_head's with fp8_head) + KV, at bandwidth."""
     p = param_counts(cfg)
     head = cfg["vocab_size"] * cfg["hidden_size"]
     weight_params = p.layers + p.final_norm + head + (b * cfg["hidden_size"] if p.lm_head else 0)
     fp8_params = sum(n * k for n, k in decode_shapes(cfg).values()) * cfg["num_hidden_layers"] if fp8 else 0
+    fp8_params += head if fp8 and fp8_head else 0
     return (2 * weight_params - fp8_params + b * context * kv_bytes_per_token(cfg)) / bandwidth * 1e3
 
 
@@ -330,13 +336,14 @@ def measure_model(name: str, args, bandwidth: float, report: dict) -> dict:
     cfg, sizes = model_config(name), sorted(set(args.batch_sizes))
     result: dict = {"buckets": {}, "sets": {}}
     report["models"][name + (f" {args.quantization}" if args.quantization else "") + (" blocks" if args.fp8_block
-                             else "")] = result
+                             else "") + (" lm_head" if args.quantize_lm_head else "")] = result
     with tempfile.TemporaryDirectory() as tmp, fp8_blocks(args.fp8_block):
         t = time.perf_counter()
         llm = LLM(str(write_model_dir(cfg, tmp)), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                   max_num_seqs=max(sizes), max_model_len=args.max_model_len, cudagraph_capture_sizes=sizes,
                   prefill_graph_sizes="off", num_kv_blocks=max(sizes) * (args.context // 16 + 16) + 64,
-                  enable_prefix_caching=False, show_progress=False, quantization=args.quantization)
+                  enable_prefix_caching=False, show_progress=False, quantization=args.quantization,
+                  quantize_lm_head=args.quantize_lm_head)
         result["startup_s"] = time.perf_counter() - t
         runner = llm.engine.core.runner
         if args.prefill:
@@ -346,7 +353,7 @@ def measure_model(name: str, args, bandwidth: float, report: dict) -> dict:
                 _guarded(result, lambda: result.update(prefill_products=prefill_products(cfg)))
         for b in sizes:
             rec = result["buckets"][str(b)] = {"floor_ms": floor_ms(cfg, b, args.context, bandwidth,
-                                                                    args.quantization == "fp8")}
+                                                                    args.quantization == "fp8", args.quantize_lm_head)}
             _guarded(rec, lambda: rec.update(time_bucket(runner, b, args.context)))
             _guarded(rec, lambda: rec.update(engine_steps(llm, b, args.context)))
             _guarded(rec, lambda: rec.update(replay_at_step_context(runner, b, rec)))
@@ -441,10 +448,10 @@ GEMV_CANDIDATES = {
 # fp8 weights: W8A16 (fma: the weight converted in registers) against W8A8 (dot8q: x quantized by the kernel before
 # the product, which runs on FP8 tensor cores; a wgmma needs block_n >= 64)
 FP8_CANDIDATES = {  # "cublas": the library path (kernels/fp8.py: x quantized per token, torch._scaled_mm)
-    1: ["fma 8x1024 w4 st3 p0", "fma 16x512 w4 st4 p0", "dot8q 64x128 w4 st4 p0", "dot8q 64x128 w4 st4 p1",
+    1: ["fma 8x1024 w4 st3 p0", "fma 16x512 w4 st4 p0", "fma 4x1024 w4 st4 p0", "fma 8x1024 w4 st5 p0",
         "dot8q 128x128 w4 st4 p1"],
-    8: ["dot8q 64x128 w4 st4 p1", "dot8q 128x128 w4 st4 p1", "dot8q 128x128 w8 st3 p1", "dot8q 256x128 w8 st3 p1",
-        "dot8q 64x128 w4 st6 p2", "cublas"],
+    8: ["dot8q 64x128 w4 st4 p1", "dot8q 128x128 w4 st4 p1", "dot8q 128x128 w4 st6 p1", "dot8q 64x128 w4 st6 p2",
+        "dot8q 64x128 w4 st4 p4", "dot8q 128x128 w8 st3 p1", "cublas"],
 }
 FP8_CANDIDATES[32] = FP8_CANDIDATES[64] = FP8_CANDIDATES[8]
 
@@ -574,6 +581,80 @@ def gemv_sweep(runner, cfg: dict, rows_list: list[int], context: int, fp8: bool 
     return out
 
 
+# -- each decode product alone ----------------------------------------------------------------------------------
+PRODUCT_STREAM_BYTES = 768 * 2**20  # weight bytes per graph replay: copies of one shape, L2 (50 MB) holds none of it
+# Candidates of the product sweep beyond FP8_CANDIDATES': larger tiles for one fp8 row (the same bytes in flight as
+# bf16's 8x1024) and deeper pipelines / other splits for W8A8.
+PRODUCT_EXTRA = {1: ["fma 16x1024 w8 st3 p0", "fma 8x2048 w8 st3 p0", "fma 4x1024 w4 st6 p0", "fma 2x1024 w4 st4 p0",
+                     "fma 4x2048 w4 st3 p0", "dot8q 64x128 w4 st6 p2"],
+                 8: ["dot8q 128x128 w4 st8 p1", "dot8q 64x128 w4 st8 p2", "dot8q 128x128 w8 st4 p2",
+                     "dot8q 256x128 w8 st3 p1", "dot8q 128x64 w4 st8 p2"]}
+
+
+def product_point(n: int, k: int, m: int, fp8_weight: bool, candidates: list[str], bandwidth: float,
+                  norm: bool = False) -> dict:
+    """One [n, k] product of m rows, `copies` distinct weights in turn in one CUDA graph (PDL launches follow each other
+    as in a layer): per candidate (a GemvConfig, "table" = GEMV_TABLE's, "cublas" = the library path) µs per product
+    and the weight bytes' rate as a fraction of the copy bandwidth. With norm each product follows the RMSNorm that
+    makes its input, as qkv and gate_up do in a layer (quantizing for a dot8q variant): the µs are the pair's."""
+    from nanoserve.kernels import fp8, fused, gemv
+
+    size = 1 if fp8_weight else 2
+    copies = max(4, min(64, -(-PRODUCT_STREAM_BYTES // (n * k * size))))
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    rows = fp8.quantize_activations(x)
+    weights = []
+    for _ in range(copies):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k ** 0.5
+        weights.append(fp8.quantize(w) if fp8_weight else (w, None))
+        del w
+    norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+
+    def produced(quantize: bool):  # the product's input: made by a norm launch of its own, or the one made above
+        return (lambda: fused.rms_norm(x, norm_w, 1e-6, quantize=quantize)) if norm else \
+            (lambda: rows if quantize else x)
+
+    out = {}
+    for cand in candidates:
+        if cand == "cublas":
+            make = produced(False)
+            launch = lambda w, s: gemv._library_linear(make(), w, None, s)  # noqa: E731
+        else:
+            cfg = gemv.choose(m, n, k, size)[0] if cand == "table" else gemv.GemvConfig.parse(cand)
+            make = produced(cfg.act_fp8)
+            launch = lambda w, s, cfg=cfg, make=make: gemv._launch(make(), w, None, k, cfg, weight_scale=s)  # noqa
+        try:
+            us = graph_ms(lambda: [launch(w, s) for w, s in weights], calls=1) * 1e3 / copies
+        except Exception as exc:  # a variant this shape cannot take
+            out[cand] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+            continue
+        out[cand] = {"us": us, "of_copy_bw": n * k * size / (us * 1e-6) / bandwidth}
+    del weights
+    release_cuda_memory()
+    return out
+
+
+def products_sweep(args, bandwidth: float) -> dict:
+    """Per model, decode product and rows: bf16 (the table's variant, cuBLAS) and fp8 (FP8_CANDIDATES + PRODUCT_EXTRA)."""
+    report = {}
+    for name in args.models:
+        for prod, (n, k) in decode_shapes(model_config(name)).items():
+            for m in args.gemv_rows or [1, 8, 32, 64]:
+                bucket = min(b for b in FP8_CANDIDATES if b >= m)
+                fp8_cands = FP8_CANDIDATES[bucket] + PRODUCT_EXTRA.get(bucket, PRODUCT_EXTRA[8]) + ["table"]
+                norm = args.after_norm and prod in ("qkv", "gate_up")
+                rec = report[f"{name} {prod} {n}x{k} m={m}" + (" after norm" if norm else "")] = {
+                    "bf16": product_point(n, k, m, False, ["table", "cublas"], bandwidth, norm),
+                    "fp8": product_point(n, k, m, True, list(dict.fromkeys(fp8_cands)), bandwidth, norm)}
+                best = sorted((v["us"], c) for c, v in rec["fp8"].items() if "us" in v)[:3]
+                print(f"== product {name} {prod} {n}x{k} m={m}{' after norm' if norm else ''}: bf16 table {rec['bf16']['table'].get('us', 0):.1f} "
+                      f"us ({rec['bf16']['table'].get('of_copy_bw', 0):.0%}); fp8 table "
+                      f"{rec['fp8']['table'].get('us', 0):.1f}; best " +
+                      ", ".join(f"{c} {us:.1f} ({rec['fp8'][c]['of_copy_bw']:.0%})" for us, c in best), flush=True)
+    return report
+
+
 # -- decode attention alone ------------------------------------------------------------------------------
 ATTENTION_SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128)}  # heads, kv heads, head_dim
 L2_DEFEAT_BYTES = 256 * 2**20  # KV per replay, over all layers: several times the H200's 50 MB L2
@@ -634,7 +715,7 @@ def attention_sweep(args, bandwidth: float) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["model", "attention"])
+    p.add_argument("mode", choices=["model", "attention", "products"])
     p.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b", "smollm2-135m"])
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32, 64, 256])
     p.add_argument("--switch-sizes", nargs="+", type=int, default=[1, 8, 32])
@@ -644,6 +725,8 @@ def main() -> int:
                    help="rows buckets whose GEMV variants are swept in the model")
     p.add_argument("--quantization", choices=["fp8"], default=None)
     p.add_argument("--fp8-block", action="store_true", help="fp8 weights with 128x128-block scales")
+    p.add_argument("--quantize-lm-head", action="store_true", help="with --quantization fp8: the lm_head too")
+    p.add_argument("--after-norm", action="store_true", help="products: qkv and gate_up each after its RMSNorm")
     p.add_argument("--prefill", action="store_true", help="also prompt tokens/s of 8 x 1024-token prompts")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--attention-rows", nargs="+", type=int, default=[1, 4, 8, 16, 32])
@@ -658,8 +741,8 @@ def main() -> int:
     bandwidth = measure_copy_bandwidth()
     report = {"env": env_info(), "settings": vars(args) | {"json": str(args.json)}, "copy_bandwidth_bytes_per_s":
               bandwidth, "models": {}}
-    if args.mode == "attention":
-        report["attention"] = attention_sweep(args, bandwidth)
+    if args.mode in ("attention", "products"):
+        report[args.mode] = (attention_sweep if args.mode == "attention" else products_sweep)(args, bandwidth)
         write_json(args.json, report) if args.json else None
         return 0
     for name in args.models:

@@ -4,7 +4,9 @@
 #   bash benchmarks/decode_floor_gpu.sh attention  # decode attention alone: b = 1…32, 1k-4k contexts, split rules
 #   bash benchmarks/decode_floor_gpu.sh gemv       # Qwen3-0.6B and SmolLM2-135M: GEMV variants in the model
 #   bash benchmarks/decode_floor_gpu.sh fp8_sweep llama-3.1-8b  # fp8 tests; fp8 GEMV variants and prefill products
-#   bash benchmarks/decode_floor_gpu.sh fp8_final  # bf16 vs fp8 steps and prefill, one run (issue 21's ratios)
+#   bash benchmarks/decode_floor_gpu.sh fp8_final  # bf16 vs fp8 steps and prefill, one run (issue 21's ratios);
+#       env MODELS, BLOCKS=1 (also 128x128-block scales), LMHEAD=1 (also the lm_head in fp8)
+#   bash benchmarks/decode_floor_gpu.sh products   # each decode product alone: bf16 vs fp8 candidates, rows 1-64
 #   bash benchmarks/decode_floor_gpu.sh tests      # pytest -m gpu, the whole suite
 # JSON and logs go under $OUT. Wheels the image lacks are carried in .whl/ (benchmarks/serve_gpu_wheels.txt).
 set -uo pipefail
@@ -39,8 +41,13 @@ case ${1:-final} in
             floor "fp8_$m" model --models "$m" --batch-sizes 1 8 32 64 --switch-sets --prefill --quantization fp8
             [ -n "${BLOCKS:-}" ] && floor "fp8_blocks_$m" model --models "$m" --batch-sizes 1 8 32 64 --switch-sets \
                 --quantization fp8 --fp8-block
+            [ -n "${LMHEAD:-}" ] && floor "fp8_lm_head_$m" model --models "$m" --batch-sizes 1 8 32 64 --switch-sets \
+                --quantization fp8 --quantize-lm-head
         done ;;
+    products)
+        floor products_llama products --models llama-3.1-8b --gemv-rows 1 8 32 64
+        floor products_qwen3 products --models qwen3-0.6b --gemv-rows 1 8 ;;
     tests)
         python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 --tb=short tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-    *) echo "usage: $0 final|attention|gemv|fp8_sweep MODEL|fp8_final|tests"; exit 2 ;;
+    *) echo "usage: $0 final|attention|gemv|fp8_sweep MODEL|fp8_final|products|tests"; exit 2 ;;
 esac

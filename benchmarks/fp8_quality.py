@@ -99,7 +99,9 @@ def compare(ref_tokens, ref_logits, tokens, logits) -> dict:
     n, chosen = len(ref_tokens[0]), torch.tensor(ref_tokens)[..., None]
     prefixes = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), n) / n for a, b in zip(ref_tokens, tokens)]
     delta = logits.log_softmax(-1).gather(-1, chosen) - ref_logits.log_softmax(-1).gather(-1, chosen)
-    return {"teacher_forced_top1_agreement": (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(),
+    agree = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+    return {"teacher_forced_top1_agreement": agree,
+            "top1_agreement_stderr": (agree * (1 - agree) / chosen.numel()) ** 0.5,  # binomial, over the tokens
             "mean_abs_delta_logprob": delta.abs().mean().item(),
             "max_abs_delta_logit": (logits - ref_logits).abs().max().item(),
             "identical_sequences": sum(a == b for a, b in zip(ref_tokens, tokens)),

@@ -183,7 +183,7 @@ def test_fp8_norm_prologue(m, config, block, dtype):
     normed, want_residual = fused.rms_norm_ref(x, norm_w, 1e-6, residual)
     used = config or gemv.choose(m, w.shape[0], x.shape[1], 1)[0]
     if used.act_fp8:  # the table's W8A8 variant
-        check_w8a8(out, normed, w_ref, b, used, dtype)
+        check_w8a8(out, normed, w_ref, b, used, dtype, exact_input=False)
     else:
         check_fp8(out, normed, w_ref, b, dtype)
     torch.testing.assert_close(new_residual, want_residual, **tol(dtype))
@@ -201,25 +201,35 @@ def test_fp8_pdl_path_in_the_interpreter():
 
 # -- W8A8: activations quantized per row and tile, the product on FP8 tensor cores ----------------------------------
 def w8a8_reference(x: torch.Tensor, w_ref: torch.Tensor, b, group: int) -> torch.Tensor:
-    """x quantized as the kernel does (fp8.quantize_groups: per row and `group` columns) times the fp32 weight."""
-    xq, x_scale = fp8.quantize_groups(x.float(), group)
-    return F.linear(fp8.dequantize_groups(xq, x_scale, group), w_ref, None if b is None else b.float())
+    """x quantized as the kernel does (fp8.quantize_groups: per row and `group` columns) times the fp32 weight, on the
+    CPU: torch on CUDA divides by a scalar as a multiply by its reciprocal, so its scales can differ from the kernels'
+    IEEE quotient in the last bit and flip codes."""
+    xq, x_scale = fp8.quantize_groups(x.float().cpu(), group)
+    return F.linear(fp8.dequantize_groups(xq, x_scale, group), w_ref.cpu(), None if b is None else b.float().cpu())
 
 
-def check_w8a8(out, x, w_ref, b, config, dtype):
+def check_w8a8(out, x, w_ref, b, config, dtype, exact_input=True):
     """Against w8a8_reference in fp32: in the interpreter the same products summed in another order, rounded once to
-    dtype. On the GPU looser: the H200's measured W8A8 results differ from the reference by ~1e-4 of the largest
-    output in general (FP8 tensor cores accumulate with fewer bits than fp32) and by up to ~3 % at ~0.2 % of the
-    outputs (not explained yet: see notes/PERF.md round 6), so there the bound is on the whole product's error."""
+    dtype. On the GPU the FP8 tensor cores accumulate with fewer bits than fp32: the H200's results differ from the
+    reference by up to ~2.5e-4 of the largest output (cuBLAS's FP8 product of the same codes alike; our kernel with
+    its products in fp32 by as much as with them on tensor cores: benchmarks/w8a8_accuracy.py,
+    results/experiments/w8a8_accuracy_h200.json).
+    Where x comes from a GPU producer (norm, SiLU-mul) whose last bit may differ from its reference, one e4m3 code of
+    a large x can flip (a 6 % step of that value), so there the bound is on the whole product's error."""
     want = w8a8_reference(x, w_ref, b, fp8.BLOCK)
     assert out.dtype == dtype and out.shape == want.shape
-    if out.is_cuda:
+    scale, on_gpu, out = want.abs().max().item(), out.is_cuda, out.cpu()
+    if on_gpu and not exact_input:
         err = (out.float() - want).norm() / want.norm()
-        assert err < 1e-2 and (out.float() - want).abs().max() < 0.05 * want.abs().max(), err
+        assert err < 1e-2 and (out.float() - want).abs().max() < 0.05 * scale, err
+    elif on_gpu:
+        torch.testing.assert_close(out.float(), want, rtol=1e-5 if dtype == torch.float32 else 2 ** -8,
+                                   atol=5e-4 * scale)
     else:
-        atol = (1e-5 if dtype == torch.float32 else 1e-2) * want.abs().max().item()
+        atol = (1e-5 if dtype == torch.float32 else 1e-2) * scale
         torch.testing.assert_close(out.float(), want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=atol)
-    plain = F.linear(x.float(), w_ref, None if b is None else b.float())  # W8A16 on the same weight: near, not equal
+    # W8A16 on the same weight: near, not equal
+    plain = F.linear(x.float().cpu(), w_ref.cpu(), None if b is None else b.float().cpu())
     assert 0 < (want - plain).abs().max() < 0.05 * plain.abs().max()
 
 
@@ -247,13 +257,13 @@ def test_w8a8_on_prequantized_rows(m, config, block, dtype):
     check_w8a8(gemv.linear(x, q, b, weight_scale=s, force_triton=True, config=config), x, w_ref, b, config, dtype)
     gate_up = torch.cat([x, x.flip(1)], dim=1)
     out = gemv.silu_mul_linear(gate_up, q, b, weight_scale=s, force_triton=True, config=config)
-    check_w8a8(out, fused.silu_and_mul_ref(gate_up), w_ref, b, config, dtype)
+    check_w8a8(out, fused.silu_and_mul_ref(gate_up), w_ref, b, config, dtype, exact_input=False)
     if _exact(dtype):
         residual, norm_w = x.flip(0), torch.linspace(0.5, 2, k, device=x.device).to(dtype)
         out, new_residual = gemv.norm_linear(x, residual, norm_w, 1e-6, q, b, weight_scale=s, force_triton=True,
                                              config=config)
         normed, want_residual = fused.rms_norm_ref(x, norm_w, 1e-6, residual)
-        check_w8a8(out, normed, w_ref, b, config, dtype)
+        check_w8a8(out, normed, w_ref, b, config, dtype, exact_input=False)
         assert torch.equal(new_residual, want_residual)
 
 

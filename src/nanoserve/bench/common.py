@@ -156,7 +156,10 @@ def _cpu_model() -> str:
 
 
 def _git_commit() -> str | None:
-    """The commit of the checkout nanoserve runs from, None for an installed wheel (or without git)."""
+    """The commit of the checkout nanoserve runs from, None for an installed wheel (or without git). NANOSERVE_GIT_COMMIT
+    names it where the tree is a copy whose .git is not the sender's (a remote GPU machine)."""
+    if os.environ.get("NANOSERVE_GIT_COMMIT"):
+        return os.environ["NANOSERVE_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip() or None

@@ -207,16 +207,18 @@ GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
 # attention output; the product on FP8 tensor cores), "fma" W8A16 (the weight converted in registers). From the H200
 # sweep in the model (benchmarks/results/experiments/fp8_sweep_{llama,qwen3}_h200.json: each product's candidates
 # with the rest as the table then said, `decode_floor.py model --quantization fp8 --gemv-rows 1 8 32 64`): W8A8
-# wins every product from 2 rows up (2-64 rows: Llama-3.1-8B 4.15 -> 3.38 ms at 8 rows, 8.67 -> 5.29 at 64), and
-# at one row the gate_up matrices over 56 MiB. _scaled_mm (CUBLAS) wins Llama's o_proj at 64 rows.
+# wins every product from 2 rows up (2-64 rows: Llama-3.1-8B 4.15 -> 3.38 ms at 8 rows, 8.67 -> 5.29 at 64).
+# _scaled_mm (CUBLAS) wins Llama's o_proj at 64 rows. Rows 1 and 8 re-swept in the model on 2026-12-03 with more
+# candidates (experiments/fp8_sweep_llama_rows1_8_h200.json): fma 4x1024 st4 for Llama's o and gate_up at one row
+# (2.718 -> 2.684 ms), dot8q 64x128 p4 for its down at 8 rows.
 FP8_GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
     1: (
         (3.0, 'fma 8x1024 w4 st3 p0', TRITON),
         (6.0, 'fma 16x512 w4 st4 p0', TRITON),
-        (16.0, 'fma 8x1024 w4 st3 p0', TRITON),
+        (16.0, 'fma 4x1024 w4 st4 p0', TRITON),
         (24.0, 'fma 16x512 w4 st4 p0', TRITON),
         (56.0, 'fma 8x1024 w4 st3 p0', TRITON),
-        (None, 'dot8q 128x128 w4 st4 p1', TRITON),
+        (None, 'fma 4x1024 w4 st4 p0', TRITON),
     ),
     8: (
         (2.0, 'dot8q 64x128 w4 st4 p1', TRITON),
@@ -224,6 +226,7 @@ FP8_GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
         (6.0, 'dot8q 64x128 w4 st4 p1', TRITON),
         (16.0, 'dot8q 128x128 w4 st4 p1', TRITON),
         (24.0, 'dot8q 64x128 w4 st6 p2', TRITON),
+        (56.0, 'dot8q 64x128 w4 st4 p4', TRITON),
         (None, 'dot8q 128x128 w4 st4 p1', TRITON),
     ),
     32: (

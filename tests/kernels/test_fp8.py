@@ -152,6 +152,21 @@ def test_fp8_table_variants():
             check_fp8(out, x, w_ref, b, torch.float32)
 
 
+def test_block_scaled_weights_never_take_the_dequantizing_library_path(monkeypatch):
+    """Where FP8_GEMV_TABLE says cuBLAS (_scaled_mm), a weight with 128x128-block scales, which _scaled_mm's row-wise
+    mode cannot take, runs the Triton kernel instead of dequantizing the weight every call."""
+    cfg = GemvConfig.parse("dot8q 128x128 w4 st4 p1")
+    monkeypatch.setattr(gemv, "kernel_applies", lambda *a: True)
+    monkeypatch.setattr(gemv, "choose", lambda *a: (cfg, False))
+    x, w, _ = make(64, 256, 256, torch.bfloat16, False)
+    q, s = fp8.quantize(w.float().cpu())
+    qb, sb = fp8.quantize(w.float().cpu(), (fp8.BLOCK, fp8.BLOCK))
+    monkeypatch.setattr(fp8, "scaled_mm_applies", lambda x, q, s, b: s.dim() == 1)  # as on a Hopper GPU
+    assert gemv._variant(x, q, None, s, False, None) is None  # per channel: _scaled_mm
+    assert gemv._variant(x, qb, None, sb, False, None) == cfg
+    assert gemv._variant(x, w, None, None, False, None) is None  # bf16: cuBLAS
+
+
 @needs_triton
 def test_fp8_weight_needs_its_scale():
     x, w, _ = make(2, 16, 32, torch.float32, False)

@@ -405,10 +405,13 @@ def _library_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def _variant(x, weight, bias, weight_scale, force_triton: bool, config: GemvConfig | None) -> GemvConfig | None:
-    """The Triton variant that runs x @ weight.T (config, else the table's), or None where the library path does."""
+    """The Triton variant that runs x @ weight.T (config, else the table's), or None where the library path does. The
+    table's cuBLAS entries for fp8 weights are _scaled_mm's; where it does not apply (128x128-block scales) the library
+    path would dequantize the weight every call (Llama-3.1-8B block-scaled b=64: 10.7 ms a step vs 5.3 per channel)."""
     if force_triton or kernel_applies(x, weight, bias, weight_scale):
         cfg, triton_wins = choose(x.shape[0], weight.shape[0], x.shape[1], weight.element_size())
-        if force_triton or triton_wins:
+        if force_triton or triton_wins or (weight_scale is not None
+                                           and not fp8.scaled_mm_applies(x, weight, weight_scale, bias)):
             return config or cfg
     return None
 

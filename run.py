@@ -28,6 +28,7 @@ from benchmarks.common import (DTYPE_BYTES, kv_blocks_needed, kv_bytes_per_token
                                write_model_dir)
 from nanoserve.bench.common import release_memory as release_cuda_memory
 from nanoserve.bench.decode_step import decode_batch, time_decode_step
+from nanoserve.runner.dispatch import Kind
 
 DEFAULT_MODEL = "qwen3-0.6b"
 GEN_PROMPT_LENS = [5, 17, 33, 64, 100, 250]  # 6 sequences → decode batch 6 → bucket 8 with 2 padding rows
@@ -120,11 +121,11 @@ def gpu_demo(args: argparse.Namespace) -> int:
         llm = LLM(str(model_dir), dtype=args.dtype, num_kv_blocks=blocks, **options)
         startup = time.perf_counter() - t0
         runner = llm.engine.core.runner
-        gr = runner.graph_runner
+        gr = runner.graphs.runners.get(Kind.DECODE)
         if gr is None:
             print("this engine captured no graphs (enforce_eager?) — nothing to demonstrate")
             return 1
-        kv_gib = llm.engine.stats.kv_blocks_total * runner.kv.block_bytes / 2**30
+        kv_gib = llm.engine.stats.kv_blocks_total * runner.info.kv_block_bytes / 2**30
         print(f"\ncapture: {len(gr.capture_sizes)} graphs (batch sizes {gr.capture_sizes}) in "
               f"{gr.capture_seconds:.2f} s; "
               f"graph pool {gr.pool_bytes / 2**20:.1f} MiB; KV cache {llm.engine.stats.kv_blocks_total} blocks × 16 "
@@ -186,7 +187,7 @@ def _without_sizes(options: dict) -> dict:
 def timing_table(runner, eager_llm, args: argparse.Namespace) -> list[str]:
     """bucket_table against an enforce_eager engine of the same shape, released afterwards."""
     try:
-        return bucket_table(runner, eager_llm.engine.core.runner, runner.graph_runner.capture_sizes, args)
+        return bucket_table(runner, eager_llm.engine.core.runner, list(runner.info.decode_graph_sizes), args)
     finally:
         eager_llm = None  # noqa: F841
         release_cuda_memory()

@@ -101,7 +101,7 @@ def kv_blocks_needed(num_seqs: int, tokens_per_seq: int, block_size: int, spare:
 
 def padding_rows(batch_size: int, capture_sizes: list[int]) -> int:
     """Rows a graph computes for nothing (0 when the batch runs eagerly): the engine's bucket rule."""
-    from nanoserve.runner.bucket_plan import bucket_for
+    from nanoserve.runner.dispatch import bucket_for
 
     bucket = bucket_for(sorted(capture_sizes), batch_size)
     return 0 if bucket is None else bucket - batch_size

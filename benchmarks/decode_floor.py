@@ -11,7 +11,7 @@ tokens, max_model_len --max-model-len) and, per batch size, the same decode step
 timed it, so that they can be compared in one run:
   * replay_b2b_ms: the graph replayed back to back between two CUDA events (inputs loaded once) — how the
     engine's steps follow each other;
-  * replay_sync_ms: a synchronize before each replay (runner/timing.time_ms: the start-up probes);
+  * replay_sync_ms: a synchronize before each replay (runner/startup/timing.time_ms: the start-up probes);
   * execute_sync_ms / execute_b2b_ms: runner.execute (input load + replay, no sampling), synchronized or back
     to back (`nanoserve bench graphs` times execute);
   * step_ms: engine.step() back to back with b running requests (sampling, scheduling, outputs), and
@@ -163,6 +163,13 @@ def table_patched(name: str):
         yield
 
 
+def _decode_graphs(runner):
+    """The runner's decode graphs (runner/dispatch.py's table)."""
+    from nanoserve.runner.dispatch import Kind
+
+    return runner.graphs.runners[Kind.DECODE]
+
+
 def graph_edges(graph_runner, sizes: list[int]) -> dict:
     from benchmarks.graph_edges import inspect_graph
 
@@ -194,12 +201,12 @@ def floor_ms(cfg: dict, b: int, context: int, bandwidth: float, fp8: bool = Fals
 def time_bucket(runner, b: int, context: int) -> dict:
     """One decode step of b rows timed every way (see the module docstring), and its kernel profile."""
     from nanoserve.bench.decode_step import decode_batch, time_decode_step
-    from nanoserve.runner.timing import time_ms
+    from nanoserve.runner.startup.timing import time_ms
 
-    gr, batch = runner.graph_runner, decode_batch(runner, b, context)
+    gr, batch = _decode_graphs(runner), decode_batch(runner, b, context)
     rec = {"execute_sync_ms": statistics.median(time_decode_step(runner, batch, 5, 30)),
            "execute_b2b_ms": b2b_ms(lambda: runner.execute(batch))}
-    runner.decode_inputs.load(batch, b)
+    runner.buffers.decode_forward.load(batch, b)
     rec["replay_sync_ms"] = statistics.median(time_ms(lambda: gr.replay(b), runner.device, 5, 30))
     rec["replay_b2b_ms"] = b2b_ms(lambda: gr.replay(b))
     kernels = profile_step(lambda: gr.replay(b))
@@ -285,8 +292,8 @@ def replay_at_step_context(runner, b: int, rec: dict) -> dict:
     at large b the KV they read is a large part of the step): the replay step_ms compares with."""
     from nanoserve.bench.decode_step import decode_batch
 
-    runner.decode_inputs.load(decode_batch(runner, b, rec["step_context"]), b)
-    ms = b2b_ms(lambda: runner.graph_runner.replay(b))
+    runner.buffers.decode_forward.load(decode_batch(runner, b, rec["step_context"]), b)
+    ms = b2b_ms(lambda: _decode_graphs(runner).replay(b))
     return {"replay_b2b_step_context_ms": ms, "step_over_replay": rec["step_ms"] / ms}
 
 
@@ -316,12 +323,12 @@ def measure_switch_set(runner, name: str, sizes: list[int], context: int) -> dic
     try:
         with switched(**SWITCH_SETS[name]), table_patched(name), kept_graphs() as kept:
             rec["switches"] = dict(SWITCHES.__dict__)
-            gr = runner.graph_runner
+            gr = _decode_graphs(runner)
             gr.drop(sizes)
             gr.capture(sizes)
             rec["edges"] = graph_edges(gr, sizes) if kept else {"error": "torch has no keep_graph"}
             for b in sizes:
-                runner.decode_inputs.load(decode_batch(runner, b, context), b)
+                runner.buffers.decode_forward.load(decode_batch(runner, b, context), b)
                 kernels = profile_step(lambda: gr.replay(b))
                 rec["buckets"][str(b)] = {"replay_b2b_ms": b2b_ms(lambda: gr.replay(b)), **kind_table(kernels)}
     except Exception as exc:  # one failing set must not lose the others
@@ -559,10 +566,10 @@ def gemv_sweep(runner, cfg: dict, rows_list: list[int], context: int, fp8: bool 
 
     def replay(b: int, choices: dict) -> float:
         with choice_patched(choices, candidates):
-            runner.graph_runner.drop([b])
-            runner.graph_runner.capture([b])
-        runner.decode_inputs.load(decode_batch(runner, b, context), b)
-        return b2b_ms(lambda: runner.graph_runner.replay(b))
+            _decode_graphs(runner).drop([b])
+            _decode_graphs(runner).capture([b])
+        runner.buffers.decode_forward.load(decode_batch(runner, b, context), b)
+        return b2b_ms(lambda: _decode_graphs(runner).replay(b))
 
     out = {}
     for b in rows_list:

@@ -40,18 +40,17 @@ def measure(model_dir: str, lengths: list[int], options: dict, profile: bool = F
     llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
               show_progress=False, **options)
     runner = llm.engine.core.runner
-    tg, dg = runner.token_graphs, runner.graph_runner
-    rec = {"start_up_s": time.perf_counter() - start, "decode_sizes": dg.capture_sizes if dg else [],
-           "token_sizes": tg.capture_sizes if tg else [],
-           "capture_s": (dg.capture_seconds if dg else 0) + (tg.capture_seconds if tg else 0),
-           "pool_mib": ((dg.pool_bytes if dg else 0) + (tg.pool_bytes if tg else 0)) / 2**20, "ttft_ms": {}}
+    info, graphs = runner.info, runner.graphs
+    rec = {"start_up_s": time.perf_counter() - start, "decode_sizes": list(info.decode_graph_sizes),
+           "token_sizes": list(info.token_graph_sizes), "capture_s": graphs.capture_seconds,
+           "pool_mib": graphs.pool_bytes / 2**20, "ttft_ms": {}}
     for seed, n in enumerate(lengths):
-        graphed = runner.prefill_steps_graph
+        graphed = runner.counters.prefill_steps_graph
         result = run_latency(llm, 1, n, 1, num_iters=REPEATS, num_iters_warmup=1, seed=seed, temperature=0.0,
                              log=lambda line: None)
         samples = [s * 1e3 for s in result["latencies"]]
         rec["ttft_ms"][str(n)] = {"median": statistics.median(samples), "min": min(samples), "samples": samples,
-                                  "graphed_steps": runner.prefill_steps_graph - graphed}
+                                  "graphed_steps": runner.counters.prefill_steps_graph - graphed}
         if profile:
             rec.setdefault("profile", {})[str(n)] = _profile(llm, n, seed)
     llm.close()

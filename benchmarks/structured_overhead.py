@@ -182,7 +182,7 @@ PHASES = [("schedule", "nanoserve.engine.scheduler", "Scheduler", "schedule"),
           ("mask", "nanoserve.engine.grammar", "Grammars", "start_fill"),
           ("mask_wait", "nanoserve.engine.grammar", "MaskFill", "result"),
           ("launch_forward", "nanoserve.runner.model_runner", "ModelRunner", "execute"),
-          ("inputs", "nanoserve.runner.inputs", "DecodeInputs", "load"),
+          ("inputs", "nanoserve.runner.inputs", "DecodeInputs", "load"),  # (via DecodeForward.load)
           ("replay", "nanoserve.runner.cuda_graph", "GraphRunner", "replay"),
           ("launch_sampler", "nanoserve.runner.model_runner", "ModelRunner", "sample_deferred"),
           ("front_end", "nanoserve.engine.output", "OutputProcessor", "process")]

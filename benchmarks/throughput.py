@@ -81,7 +81,7 @@ def run_variant(model_dir: str, prompts, params, options: dict) -> dict:
               show_progress=False, **options)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, as nano-vllm does
     runner = llm.engine.core.runner
-    rec = {"kv_blocks": runner.num_kv_blocks, "capture_sizes": runner.graph_runner.capture_sizes if runner.graph_runner else [],
+    rec = {"kv_blocks": runner.info.num_kv_blocks, "capture_sizes": list(runner.info.decode_graph_sizes),
            "weight_bytes_per_step": weight_bytes_read_per_step(runner.model),
            "kv_bytes_per_token": runner.kv.bytes_per_token,
            "num_params": sum(p.numel() for p in runner.model.parameters())}

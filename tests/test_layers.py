@@ -9,7 +9,12 @@ must be placed there, or this test fails naming it):
              bench commands
     engine   requests → steps: the engine core (scheduler, block manager, batching), its process and the
              front end's output processing
-    runner   a step's batch on the device: inputs, CUDA graphs, sampler, tensor-parallel workers
+    runner   a step's batch on the device, in four rooms, top down:
+               parallel  tensor parallelism: the group of ranks, its workers, the process group
+               runner    ModelRunner (the step path's top) and RunnerInfo, what the engine core reads of it
+               startup   start-up: model load, memory plan, probes, graph planning and capture, the self-check,
+                         the timing loop
+               step      a step's pieces: typed inputs, the graph table (dispatch), CUDA graphs, forwards, sampler
     model    the Llama family, its layers, the TP communicator, the weight loaders, the runner↔model
              contract (model.attention_metadata)
     kernels  Triton kernels and their PyTorch references; they take tensors or duck-typed objects
@@ -35,7 +40,10 @@ PACKAGE = Path(nanoserve.__file__).parent
 LAYERS = [  # top first
     ("top", ("nanoserve.cli", "nanoserve.__main__", "nanoserve.server", "nanoserve.llm", "nanoserve.bench")),
     ("engine", ("nanoserve.engine",)),
-    ("runner", ("nanoserve.runner",)),
+    ("runner.parallel", ("nanoserve.runner.parallel",)),
+    ("runner", ("nanoserve.runner.model_runner", "nanoserve.runner.info")),
+    ("runner.startup", ("nanoserve.runner.startup",)),
+    ("runner.step", ("nanoserve.runner",)),
     ("model", ("nanoserve.model",)),
     ("kernels", ("nanoserve.kernels",)),
     ("ground", ("nanoserve", "nanoserve.config", "nanoserve.sampling", "nanoserve.model_files", "nanoserve.hub",

@@ -56,15 +56,15 @@ def test_cpu_kv_cache_costs_memory_only_as_it_is_used(tiny_model_dirs):
     with LLM(str(tiny_model_dirs["qwen3"]), device="cpu", max_model_len=2048, max_num_seqs=256, cpu_kv_cache_gb=0.25,
              show_progress=False) as llm:
         runner = llm.engine.core.runner
-        assert runner.num_kv_blocks * runner.kv.block_bytes == 2**28  # what the cap holds
+        assert runner.info.num_kv_blocks * runner.info.kv_block_bytes == 2**28  # what the cap holds
         out = llm.generate(["hello"] * 4, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
         grown = _rss_bytes() - before
         assert all(o.finish_reason for o in out)
         assert grown < 2**28 / 4, f"the process grew by {grown / 2**20:.0f} MiB"
-        assert float(runner.kv_cache[:, :, -100:].abs().sum()) == 0.0  # unwritten blocks are zeros
+        assert float(runner.buffers.kv_cache[:, :, -100:].abs().sum()) == 0.0  # unwritten blocks are zeros
     with LLM(str(tiny_model_dirs["qwen3"]), device="cpu", max_model_len=128, max_num_seqs=4,
              show_progress=False) as small:  # below the cap: what 4 full-length rows can use
-        assert small.engine.core.runner.num_kv_blocks == 4 * 128 // 16
+        assert small.engine.core.runner.info.num_kv_blocks == 4 * 128 // 16
 
 
 def test_start_up_says_what_it_runs(tiny_model_dirs):

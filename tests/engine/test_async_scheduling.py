@@ -51,7 +51,7 @@ def test_a_finished_sequence_discards_its_extra_token(tiny_model_dirs):
 def test_a_deleted_engine_is_collected(tiny_model_dirs):
     llm = LLM(str(tiny_model_dirs["llama"]), **OPTIONS)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
-    ref = weakref.ref(llm.engine.core.runner.kv_cache)
+    ref = weakref.ref(llm.engine.core.runner.buffers.kv_cache)
     del llm
     gc.collect()
     assert ref() is None

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.engine.scheduler import chunk_caps
+from nanoserve.runner.startup.bucket_plan import StepCurve
 from tests.engine.churn import check_blocks
 from tests.engine.test_engine import GREEDY, hf_greedy, prompts_of_lengths
 
@@ -105,3 +107,16 @@ def test_prompt_token_caps_bound_the_chunks_beside_decode_rows(tiny_model_dirs, 
     assert any(prompt > 5 for prompt, rows in mixed[1:] if not rows)  # nothing decoding: the whole budget
     expected = hf_greedy(path, prompts, 12)
     assert [done[str(i)] for i in range(3)] == expected and outs[0].token_ids == expected[0]
+
+
+def test_chunk_caps_keep_a_step_within_ratio_decode_steps():
+    decode = StepCurve.fit({1: 1.0, 256: 3.56})  # 1 + 0.01 (d - 1) ms
+    tokens = StepCurve.fit({16: 1.045, 2048: 7.141})  # 1 + 0.003 t ms
+    caps = chunk_caps(tokens, decode, 256, 2048, ratio=2.5)
+    assert len(caps) == 257 and caps[0] == 2048  # nothing decodes: the whole budget
+    for d in (1, 16, 64):
+        chunk = caps[d]
+        assert tokens(d + chunk) <= 2.5 * decode(d) + 1e-9 < tokens(d + chunk + 1)  # the most that fits
+    assert caps[1] < caps[16] < caps[64] < caps[200] == 2048 - 200  # more rows: a larger chunk, up to the budget
+    assert chunk_caps(tokens, decode, 256, 2048, ratio=1.0)[1] == 16  # the floor: prompts still progress
+    assert chunk_caps(tokens, decode, 256, 512, ratio=100)[256] == 512 - 256  # the budget left by the rows

@@ -166,7 +166,7 @@ def test_async_loop_gives_the_synchronous_tokens(tiny_model_dirs, monkeypatch):
 
     overlapped = []
     original = EngineCore._start_deferred
-    monkeypatch.setattr(EngineCore, "_start_deferred", lambda self: overlapped.append(bool(self._inflight)) or
+    monkeypatch.setattr(EngineCore, "_start_deferred", lambda self: overlapped.append(bool(len(self._pipeline))) or
                         original(self))
     runs = []
     for overlap in (True, False):

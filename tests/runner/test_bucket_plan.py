@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nanoserve.bench.padding import average_padded_rows, buckets, expected_padded_ms, expected_unpadded_ms, expected_waste
-from nanoserve.runner.bucket_plan import BatchDistribution, LinearCost, StepCurve, chunk_caps, plan_buckets
+from nanoserve.runner.startup.bucket_plan import BatchDistribution, LinearCost, StepCurve, plan_buckets
 
 MiB = 2**20
 # Graph replay ms on the H200 (benchmarks/results/decode_latency.json, context 512, bf16).
@@ -255,16 +255,3 @@ def test_plan_is_fast_at_1024_rows():
     curve = StepCurve.fit({1: 1.0, 64: 1.5, 1024: 40.0}, capture_seconds=H200_CAPTURE)
     plan = plan_buckets(curve, BatchDistribution.uniform(1024), 1024)
     assert plan[-1] == 1024 and curve.capture_seconds_for(plan) <= 5.0
-
-
-def test_chunk_caps_keep_a_step_within_ratio_decode_steps():
-    decode = StepCurve.fit({1: 1.0, 256: 3.56})  # 1 + 0.01 (d - 1) ms
-    tokens = StepCurve.fit({16: 1.045, 2048: 7.141})  # 1 + 0.003 t ms
-    caps = chunk_caps(tokens, decode, 256, 2048, ratio=2.5)
-    assert len(caps) == 257 and caps[0] == 2048  # nothing decodes: the whole budget
-    for d in (1, 16, 64):
-        chunk = caps[d]
-        assert tokens(d + chunk) <= 2.5 * decode(d) + 1e-9 < tokens(d + chunk + 1)  # the most that fits
-    assert caps[1] < caps[16] < caps[64] < caps[200] == 2048 - 200  # more rows: a larger chunk, up to the budget
-    assert chunk_caps(tokens, decode, 256, 2048, ratio=1.0)[1] == 16  # the floor: prompts still progress
-    assert chunk_caps(tokens, decode, 256, 512, ratio=100)[256] == 512 - 256  # the budget left by the rows

@@ -12,7 +12,8 @@ from nanoserve.config import EngineConfig, default_capture_sizes
 from nanoserve.kernels.step_inputs import prepare_decode
 from nanoserve.runner.batch import DecodeBatch, SamplingBatch
 from nanoserve.runner.cuda_graph import GraphRunner
-from nanoserve.runner.inputs import DecodeInputs, PersistentState
+from nanoserve.runner.dispatch import GraphTable, Kind
+from nanoserve.runner.inputs import DecodeInputs, PersistentState, decode_values
 
 
 
@@ -35,11 +36,20 @@ def test_custom_capture_sizes_are_sorted_and_deduplicated():
     assert EngineConfig("m", max_num_seqs=32, cudagraph_capture_sizes=[8, 1, 8, 3]).cudagraph_capture_sizes == [1, 3, 8]
 
 
-def test_bucket_is_the_smallest_captured_size_at_least_b():
-    runner = GraphRunner.__new__(GraphRunner)
-    runner.capture_sizes = [1, 2, 4, 8, 16, 24]
-    assert [runner.bucket_for(b) for b in (1, 2, 3, 5, 8, 9, 17, 24)] == [1, 2, 4, 8, 8, 16, 24, 24]
-    assert runner.bucket_for(25) is None  # eager fallback above the largest bucket
+def test_the_table_routes_each_step_to_the_smallest_captured_size_at_least_its_own():
+    table, forward = GraphTable(), lambda n: torch.zeros(n)
+    decode, sample = (GraphRunner(forward, lambda n: None, record=False) for _ in range(2))
+    decode.capture([1, 2, 4, 8, 16, 24])
+    sample.capture([1, 2, 4, 8, 16, 24])
+    table.add(Kind.DECODE, decode)
+    table.add(Kind.SAMPLE, sample)
+    route = lambda b: table.route(Kind.DECODE, b)  # noqa: E731
+    assert [route(b) for b in (1, 2, 3, 5, 8, 9, 17, 24)] == [1, 2, 4, 8, 8, 16, 24, 24]
+    assert route(25) is None  # eager fallback above the largest bucket
+    assert table.route(Kind.SAMPLE, 8) == 8 and table.route(Kind.SAMPLE, 3) is None  # the decode bucket's own
+    assert table.route(Kind.TOKENS, 8) is None and table.route(Kind.DECODE, 8, fits=False) is None
+    assert list(table.entries()) == ([(Kind.DECODE, s) for s in decode.capture_sizes] +
+                                     [(Kind.SAMPLE, s) for s in sample.capture_sizes])
 
 
 def test_static_inputs_pad_rows_to_the_dummy_slot_and_block():
@@ -51,14 +61,14 @@ def test_static_inputs_pad_rows_to_the_dummy_slot_and_block():
     batch = DecodeBatch(i32(2, 5, 0), i32(10, 20, 30), i32(17, 33, 50), i32(11, 21, 31), i32(-1, 1, -1),
                         i32(0, 7, 0), sampling)
     addresses = inputs.device_buf.data_ptr()
-    inputs.load(batch, rows=4)
+    inputs.load(decode_values(batch), rows=4)
     v = inputs.views(4)
     assert v.slots.tolist() == [2, 5, 0, 8] and v.positions.tolist() == [10, 20, 30, 0]  # slot 8: the dummy slot
     assert v.slot_mapping.tolist() == [17, 33, 50, 99 * 16]  # the padded row writes only to the dummy block
     assert v.context_lens.tolist() == [11, 21, 31, 1]
     assert v.new_block_cols.tolist() == [-1, 1, -1, -1] and v.new_block_ids.tolist() == [0, 7, 0, 0]
-    assert v.sampling.temperature.tolist() == pytest.approx([0.0, 0.7, 1.0, 0.0])
-    assert v.sampling.top_k.tolist() == [0, 5, 0, 0]
+    assert v.temperature.tolist() == pytest.approx([0.0, 0.7, 1.0, 0.0])
+    assert v.top_k.tolist() == [0, 5, 0, 0] and v.top_p.tolist() == pytest.approx([1.0, 0.9, 1.0, 1.0])
     ids, tables = prepare_decode(v.slots, v.new_block_cols, v.new_block_ids, state.last_tokens, state.block_tables)
     assert state.block_tables[5].tolist() == [99, 7, 99, 99] and state.block_tables[8].tolist() == [99] * 4
     assert tables.tolist() == [[99] * 4, [99, 7, 99, 99], [99] * 4, [99] * 4] and ids.tolist() == [0] * 4
@@ -81,7 +91,7 @@ def test_every_bucket_replay_equals_eager(tiny_model_dirs):
     bucket) equal an enforce_eager engine's on the same prompts of 257 tokens."""
     path = tiny_model_dirs["qwen3"]
     graphs, eager = _tiny_llm(path), _tiny_llm(path, enforce_eager=True)
-    gr = graphs.engine.core.runner.graph_runner
+    gr = graphs.engine.core.runner.graphs.runners[Kind.DECODE]
     assert gr.capture_sizes == [1, 2, 4, 8, 16] and set(gr.graphs) == set(gr.capture_sizes)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=0)
     for b in (1, 2, 3, 5, 8, 11, 16):
@@ -115,11 +125,11 @@ def test_greedy_tokens_identical_to_eager_for_each_bucket_over_64_steps(tiny_mod
 def test_static_addresses_never_change(tiny_model_dirs):
     llm = _tiny_llm(tiny_model_dirs["qwen2"])
     runner = llm.engine.core.runner
-    gr = runner.graph_runner
+    gr, b = runner.graphs.runners[Kind.DECODE], runner.buffers
 
     def addresses():
-        return (runner.decode_inputs.device_buf.data_ptr(), runner.kv_cache.data_ptr(),
-                runner.state.block_tables.data_ptr(), runner.state.last_tokens.data_ptr(),
+        return (b.decode_inputs.device_buf.data_ptr(), b.kv_cache.data_ptr(),
+                b.state.block_tables.data_ptr(), b.state.last_tokens.data_ptr(),
                 sorted(o.data_ptr() for o in gr.outputs.values()))
 
     before = addresses()
@@ -134,12 +144,13 @@ def test_padded_rows_never_touch_real_kv(tiny_model_dirs):
     llm = _tiny_llm(tiny_model_dirs["qwen3"])
     runner = llm.engine.core.runner
     llm.generate([[5] * 100, [6] * 50], SamplingParams(max_tokens=1), use_tqdm=False)
-    real = runner.kv_cache[:, :, :runner.num_kv_blocks].clone()
+    cache, blocks = runner.buffers.kv_cache, runner.info.num_kv_blocks
+    real = cache[:, :, :blocks].clone()
     batch = decode_batch(runner, 3, 40)  # bucket 4: one padded row
-    batch.slot_mapping[:] = runner.dummy_block * runner.config.block_size  # real rows also write only to the dummy block
+    batch.slot_mapping[:] = runner.buffers.dummy_block * runner.config.block_size  # real rows write only the dummy block
     run_decode_step(runner, batch)
-    assert runner.padding_rows >= 1
-    assert torch.equal(runner.kv_cache[:, :, :runner.num_kv_blocks], real)
+    assert runner.counters.padding_rows >= 1
+    assert torch.equal(cache[:, :, :blocks], real)
 
 
 @pytest.mark.gpu
@@ -166,15 +177,16 @@ def test_sampler_graph_replay_equals_the_oracle(tiny_model_dirs, monkeypatch):
 
     llm = _tiny_llm(tiny_model_dirs["qwen3"])
     runner = llm.engine.core.runner
-    sampler, sizes = runner.sampler, runner.graph_runner.capture_sizes
-    assert all(sorted(sampler.graphs[masked].graphs) == sizes for masked in (False, True))
+    sampler, sizes = runner.buffers.sampler, runner.graphs.sizes(Kind.DECODE)
+    kinds = {False: Kind.SAMPLE, True: Kind.SAMPLE_MASKED}
+    assert all(runner.graphs.sizes(kinds[masked]) == sizes for masked in (False, True))
     replays = []
     for masked in (False, True):
-        gr = sampler.graphs[masked]
+        gr = runner.graphs.runners[kinds[masked]]
         monkeypatch.setattr(gr, "replay", lambda rows, _gr=gr, _m=masked: replays.append((rows, _m)) or
                             GraphRunner.replay(_gr, rows))
     g = torch.Generator().manual_seed(0)
-    words = -(-runner.vocab_size // 32)
+    words = -(-runner.info.vocab_size // 32)
     for b in (1, 3, 8, 11, 16):
         for masked in (False, True):
             batch = decode_batch(runner, b, 64)
@@ -188,9 +200,9 @@ def test_sampler_graph_replay_equals_the_oracle(tiny_model_dirs, monkeypatch):
             key = int(sampler._seed.item())
             before = len(replays)
             got = runner.execute(batch).result().token_ids
-            logits = runner.decode_forward.static_logits[:b].float().cpu()
+            logits = runner.buffers.decode_forward.static_logits[:b].float().cpu()
             want = sample_tokens_ref(logits, bitmask if masked else None, torch.from_numpy(temperature), key)
             assert got == want.tolist(), (b, masked)
-            assert runner.state.last_tokens[torch.from_numpy(batch.slots).long().cuda()].tolist() == got
+            assert runner.buffers.state.last_tokens[torch.from_numpy(batch.slots).long().cuda()].tolist() == got
             assert int(sampler._seed.item()) == key + 1
-            assert replays[before:] == [(runner.graph_runner.bucket_for(b), masked)], (b, masked)
+            assert replays[before:] == [(runner.graphs.route(Kind.DECODE, b), masked)], (b, masked)

@@ -6,9 +6,11 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig, GraphSizes
-from nanoserve.runner.bucket_plan import BatchDistribution
-from nanoserve.runner.graph_setup import GraphCheckError, probe_sizes, self_check
-
+from nanoserve.runner.dispatch import Kind
+from nanoserve.runner.startup.bucket_plan import BatchDistribution
+from nanoserve.runner.startup.graphs import probe_sizes
+from nanoserve.runner.startup.probes import Probes
+from nanoserve.runner.startup.self_check import GraphCheckError, self_check
 
 
 def test_capture_size_modes_are_validated():
@@ -47,12 +49,19 @@ def _tiny_gpu_llm(path, **kw):
     return LLM(str(path), **dict(opts, **kw))
 
 
+def _self_check(runner) -> dict:
+    """The start-up self-check again, over the runner's graph table, on fresh probes."""
+    probes = Probes(runner.buffers, runner.config, runner.kv, runner.info.num_kv_blocks, runner.info.vocab_size,
+                    runner.rng, torch.Generator().manual_seed(1))
+    return self_check(runner.graphs, runner.buffers, probes, runner.dtype)
+
+
 @pytest.mark.gpu
 def test_auto_plan_captures_within_budget_and_checks_every_size(tiny_model_dirs, tmp_path):
     llm = _tiny_gpu_llm(tiny_model_dirs["qwen3"], cudagraph_capture_budget_s=5.0)
     runner = llm.engine.core.runner
-    gr = runner.graph_runner
-    assert gr.capture_sizes[-1] == 32 and runner.step_curve is not None
+    gr = runner.graphs.runners[Kind.DECODE]
+    assert gr.capture_sizes[-1] == 32 and runner.info.step_curve is not None
     assert gr.capture_seconds <= 5.0 + 1.0
     out = llm.generate([[5, 6, 7]] * 5, SamplingParams(max_tokens=8), use_tqdm=False)
     assert all(len(o.token_ids) == 8 for o in out) and llm.engine.stats.decode_steps_graph > 0
@@ -62,25 +71,25 @@ def test_auto_plan_captures_within_budget_and_checks_every_size(tiny_model_dirs,
 def test_self_check_catches_a_replaced_static_buffer(tiny_model_dirs):
     llm = _tiny_gpu_llm(tiny_model_dirs["llama"], cudagraph_capture_sizes=[1, 4, 32])
     runner = llm.engine.core.runner
-    sizes = runner.graph_runner.capture_sizes
-    assert self_check(sizes, runner._decode_check_pair, runner.dtype) < 5e-2
-    inputs = runner.decode_inputs
+    worst = _self_check(runner)
+    assert set(worst) == {Kind.DECODE, Kind.TOKENS, Kind.SAMPLE, Kind.SAMPLE_MASKED} and max(worst.values()) < 5e-2
+    inputs = runner.buffers.decode_inputs
     captured = inputs.device_buf  # kept alive: the graphs go on reading it (freed, it would hold anything)
     inputs.device_buf = torch.zeros_like(captured)
     inputs._views.clear()
     with pytest.raises(GraphCheckError, match="rows does not reproduce the eager forward"):
-        self_check(sizes, runner._decode_check_pair, runner.dtype)
+        _self_check(runner)
 
 
 @pytest.mark.gpu
 def test_token_graph_self_check_catches_a_replaced_static_buffer(tiny_model_dirs):
     llm = _tiny_gpu_llm(tiny_model_dirs["qwen3"], prefill_graph_sizes=[16, 64, 256], dtype="bfloat16")
     runner = llm.engine.core.runner
-    sizes = runner.token_graphs.capture_sizes
-    assert sizes == [16, 64, 256] and self_check(sizes, runner._token_check_pair, runner.dtype) < 5e-2
-    inputs = runner.token_forward.inputs
+    sizes = runner.graphs.sizes(Kind.TOKENS)
+    assert sizes == [16, 64, 256] and _self_check(runner)[Kind.TOKENS] < 5e-2
+    inputs = runner.buffers.token_forward.inputs
     captured = inputs.device_buf  # kept alive: the graphs go on reading it
     inputs.device_buf = torch.zeros_like(captured)
     inputs._views.clear()
-    with pytest.raises(GraphCheckError, match="graph of 256"):  # the last size loaded: its stale inputs stay valid
-        self_check([256], runner._token_check_pair, runner.dtype)
+    with pytest.raises(GraphCheckError, match="tokens \\(a mixed step\\) does not reproduce"):
+        _self_check(runner)

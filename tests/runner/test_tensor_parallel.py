@@ -14,8 +14,8 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.cli import _build_parser
-from nanoserve.runner import distributed
-from nanoserve.runner.group import WorkerError
+from nanoserve.runner.parallel import distributed
+from nanoserve.runner.parallel.group import WorkerError
 
 OPTIONS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=96, max_num_seqs=8,
                max_num_batched_tokens=16)  # the 23-token prompt is prefilled in chunks, decode rows ride along
@@ -41,7 +41,7 @@ def generate_all(llm: LLM) -> dict:
 
 def last_tokens(runner) -> list[int]:
     """On every rank (RunnerGroup.on_every_rank): the per-slot last sampled tokens."""
-    return runner.state.last_tokens.tolist()
+    return runner.buffers.state.last_tokens.tolist()
 
 
 def process_id(runner) -> int:
@@ -104,19 +104,21 @@ def test_a_start_up_error_is_raised_as_itself_and_leaves_no_worker(tiny_model_di
 
 
 class _RankZero:
-    vocab_size = 512
+    counters = "rank 0's counters"
 
     def replay(self) -> None:
         pass
 
 
-def test_rank_zero_attributes_read_but_its_methods_are_not_run_alone():
-    from nanoserve.runner.group import RunnerGroup
+def test_the_group_shows_rank_zeros_info_and_counters_and_nothing_else():
+    """What the core reads of a runner is the same record for one rank and a group; rank 0's other methods would run
+    on rank 0 alone (unmatched collectives), so the group does not forward them."""
+    from nanoserve.runner.parallel.group import RunnerGroup
 
     group = RunnerGroup.__new__(RunnerGroup)
-    group.runner = _RankZero()
-    assert group.vocab_size == 512
-    with pytest.raises(AttributeError, match="does not run replay"):
+    group.runner, group.info = _RankZero(), "rank 0's info"
+    assert group.counters == "rank 0's counters" and group.info == "rank 0's info"
+    with pytest.raises(AttributeError):
         group.replay()
 
 

@@ -18,7 +18,8 @@ import torch
 import torch.multiprocessing as torch_mp
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.runner import distributed
+from nanoserve.runner.dispatch import Kind
+from nanoserve.runner.parallel import distributed
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -30,7 +31,7 @@ OPTIONS = dict(device="cuda:0", dtype="float32", block_size=16, max_model_len=25
 
 
 def last_tokens(runner) -> list[int]:
-    return runner.state.last_tokens.tolist()
+    return runner.buffers.state.last_tokens.tolist()
 
 
 def _captured_all_reduce(rank: int, store: str, results) -> None:
@@ -94,7 +95,7 @@ def test_rank_zero_graphs_hold_the_collectives(tiny_model_dirs):
         with LLM(str(tiny_model_dirs["qwen3"]), tensor_parallel_size=2, **OPTIONS) as llm:
             runner = llm.engine.core.runner
             layers = runner.model.num_layers
-            graphs = runner.graph_runner.graphs
+            graphs = runner.runner.graphs.runners[Kind.DECODE].graphs  # rank 0's
             nccl = {b: sum("nccl" in n.lower() for n in kernel_names(g.raw_cuda_graph())) for b, g in graphs.items()}
     # per step: the embedding's all-reduce, o_proj's and down_proj's in every layer, the logits' all-gather
     assert sorted(nccl) == [1, 2, 4, 8]
@@ -106,7 +107,7 @@ def test_a_killed_worker_on_cuda_is_a_clear_error_not_a_hang(tiny_model_dirs):
     script = textwrap.dedent(f"""
         import os, signal, time
         from nanoserve import LLM, SamplingParams
-        from nanoserve.runner.group import WorkerError
+        from nanoserve.runner.parallel.group import WorkerError
 
         def pid(runner):
             return os.getpid()

@@ -12,9 +12,9 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.config import PREFILL_GRAPH_MAX_TOKENS, EngineConfig, GraphSizes
 from nanoserve.kernels.attention import prefill_work_capacity
 from nanoserve.runner.batch import BlockUpdates, PrefillBatch
-from nanoserve.runner.bucket_plan import StepCurve
-from nanoserve.runner.graph_setup import plan_tokens
-from nanoserve.runner.inputs import PersistentState, StepArrays, TokenInputs
+from nanoserve.runner.startup.bucket_plan import StepCurve
+from nanoserve.runner.startup.graphs import plan_tokens
+from nanoserve.runner.inputs import PersistentState, TokenInputs, token_values
 from tests.engine.churn import check_blocks
 from tests.engine.test_engine import GREEDY, hf_greedy, prompts_of_lengths
 
@@ -25,8 +25,8 @@ OPTIONS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, m
 
 def _graphed_only(llm) -> None:
     runner = llm.engine.core.runner
-    assert runner.token_graphs.capture_sizes == SIZES
-    assert runner.prefill_steps_graph > 0 and runner.prefill_steps_eager == 0
+    assert list(runner.info.token_graph_sizes) == SIZES
+    assert runner.counters.prefill_steps_graph > 0 and runner.counters.prefill_steps_eager == 0
 
 
 def test_static_token_inputs_pad_tokens_sequences_and_work():
@@ -38,7 +38,9 @@ def test_static_token_inputs_pad_tokens_sequences_and_work():
     batch = PrefillBatch(i32(2, 0), i32(9, 4), i32(1, 3), i32(-1, 11, 12, 13), i32(41, 16, 17, 18),
                          BlockUpdates(i32(0), i32(1), i32(4)), i32(0, 1), None, 3)
     address = inputs.device_buf.data_ptr()
-    tail = inputs.load(batch, StepArrays.of(batch, 2), 8)
+    static, variable = token_values(batch, 2)
+    assert inputs.fits(batch, variable)
+    tail = inputs.load(static, variable, 8)
     v = inputs.views(8)
     assert v.ids.tolist() == [-1, 11, 12, 13, 0, 0, 0, 0] and v.positions.tolist() == [9, 4, 5, 6, 0, 0, 0, 0]
     assert v.slot_mapping.tolist() == [41, 16, 17, 18] + [200] * 4  # padded tokens write only the dummy block
@@ -47,7 +49,8 @@ def test_static_token_inputs_pad_tokens_sequences_and_work():
     capacity = prefill_work_capacity(8, 4, 2)
     assert v.work_seq.tolist() == [0, 1, 1] + [-1] * (capacity - 3)  # tiles reading the most keys first
     assert v.work_start.tolist() == [0, 2, 0] + [-1] * (capacity - 3)
-    rows, sampled_slots, us, uc, ub = (t.tolist() for t in tail[:5])
+    rows, sampled_slots, us, uc, ub = (t.tolist() for t in (tail.sample_token_rows, tail.sampled_slots,
+                                                              tail.update_slots, tail.update_cols, tail.update_ids))
     assert rows == [0, 3] and sampled_slots == [2, 0] and (us, uc, ub) == ([0], [1], [4])
     assert inputs.device_buf.data_ptr() == address and inputs.views(8) is v
 
@@ -105,7 +108,7 @@ def test_prefix_hits_and_decode_rows_through_the_graph_path(tiny_model_dirs):
     while engine.has_unfinished_requests():
         done.update((o.request_id, o.token_ids) for o in engine.step())
         check_blocks(engine)
-    assert engine.stats.prefix_cache_hit_tokens >= 40 and engine.core.runner.padding_tokens > 0
+    assert engine.stats.prefix_cache_hit_tokens >= 40 and engine.core.runner.counters.padding_tokens > 0
     expected = hf_greedy(path, prompts[:3], 8) + hf_greedy(path, prompts[3:], 30)
     assert [done[str(i)] for i in range(4)] == expected
     _graphed_only(llm)
@@ -147,13 +150,13 @@ def test_graphed_prompt_steps_equal_eager_ones(arch, tiny_model_dirs):
     got = [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
     assert got == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     r = graphs.engine.core.runner
-    assert r.prefill_steps_graph > 0 and r.padding_tokens > 0 and eager.engine.core.runner.prefill_steps_graph == 0
+    assert r.counters.prefill_steps_graph > 0 and r.counters.padding_tokens > 0 and eager.engine.core.runner.counters.prefill_steps_graph == 0
 
 
 @pytest.mark.gpu
 def test_auto_token_sizes_are_planned_and_checked(tiny_model_dirs):
     llm = LLM(str(tiny_model_dirs["qwen3"]), dtype="bfloat16", **dict(GPU_OPTIONS, max_num_batched_tokens=512))
-    sizes = llm.engine.core.runner.token_graphs.capture_sizes
-    assert sizes[-1] == 512 and all(s % 16 == 0 for s in sizes) and llm.engine.core.runner.token_curve is not None
+    sizes = llm.engine.core.runner.info.token_graph_sizes
+    assert sizes[-1] == 512 and all(s % 16 == 0 for s in sizes) and llm.engine.core.runner.info.token_curve is not None
     outs = llm.generate([[5] * n for n in (10, 100, 300)], SamplingParams(max_tokens=4), use_tqdm=False)
     assert all(len(o.token_ids) == 4 for o in outs) and llm.engine.stats.prefill_steps_graph > 0

@@ -126,7 +126,7 @@ def stop_uvicorn(app, server: uvicorn.Server, thread: threading.Thread) -> None:
     server.should_exit = True
     thread.join(30)
     client = app.state.engine_client
-    assert not client.is_running and not client.core.process.is_alive(), "the engine core must stop with the server"
+    assert not client.is_running and not client.core_client.process.is_alive(), "the engine core must stop with the server"
 
 
 @pytest.fixture(scope="package")

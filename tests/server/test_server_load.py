@@ -197,7 +197,7 @@ def test_a_blocked_event_loop_never_stalls_the_engine(live):
     """The API's event loop held for 0.5 s mid-stream: the core keeps decoding (its CPU time grows meanwhile),
     and what it produced reaches the client merged into bigger chunks, every token once."""
     body = {**LONG, "max_tokens": 150, "stream": True, "return_token_ids": True}
-    loop = live.engine_client.core.reader.get_loop()
+    loop = live.engine_client.core_client.reader.get_loop()
     chunks: list[tuple[float, int]] = []
     with live.http() as http, http.stream("POST", "/v1/completions", json=body) as r:
         for line in r.iter_lines():

@@ -5,7 +5,7 @@ and the eager timings), one engine per size alone (its capture seconds and graph
 size set (its replay times, capture seconds and pool). Capture seconds are an engine's start-up time
 minus the eager engine's; graph memory is its growth of torch.cuda.memory_reserved() over the eager
 engine's — the same quantities start-up pays. The powers of two are measured first; the curve
-fitted to their replay times plans the sizes (nanoserve/runner/bucket_plan.py), which are then
+fitted to their replay times plans the sizes (nanoserve/runner/startup/bucket_plan.py), which are then
 measured too. Without CUDA (or with --enforce-eager) only the eager engine runs: the curve comes from
 eager timings and graph costs are absent, so the code path still runs on a CPU.
 """
@@ -26,7 +26,7 @@ from nanoserve.bench.padding import (average_padded_rows, buckets, expected_padd
                                      expected_waste)
 from nanoserve.config import EngineConfig, default_capture_sizes
 from nanoserve.kernels.paging import blocks_for
-from nanoserve.runner.bucket_plan import (DEFAULT_CAPTURE_BUDGET_S, DEFAULT_POOL_BUDGET_BYTES, BatchDistribution,
+from nanoserve.runner.startup.bucket_plan import (DEFAULT_CAPTURE_BUDGET_S, DEFAULT_POOL_BUDGET_BYTES, BatchDistribution,
                                           LinearCost, StepCurve, plan_buckets)
 
 MiB = 2**20
@@ -139,7 +139,7 @@ class _Probe:
     def _measure_set_engine(self, name: str, sizes: list[int], new: list[int]) -> None:
         llm, seconds, grown = _build(self.model, dict(self.options, cudagraph_capture_sizes=sizes))
         runner = llm.engine.core.runner
-        captured = list(runner.graph_runner.capture_sizes)
+        captured = list(runner.info.decode_graph_sizes)
         if captured != sorted(sizes):
             raise RuntimeError(f"asked for graphs of {sorted(sizes)} rows, the engine captured {captured}")
         for s in new:

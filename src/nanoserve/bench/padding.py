@@ -6,7 +6,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from nanoserve.runner.bucket_plan import BatchDistribution, StepTime, bucket_for
+from nanoserve.runner.dispatch import bucket_for
+from nanoserve.runner.startup.bucket_plan import BatchDistribution, StepTime
 
 
 def buckets(sizes: Iterable[int], max_num_seqs: int) -> np.ndarray:

@@ -23,16 +23,16 @@ safe because nothing is allocated between that free and that launch, and whateve
 allocates runs on the device after it. A sequence preempted while building N+2 keeps its pending tokens and
 rejoins once they are read.
 
-The core deals in token ids only; text, stop strings and n > 1 fan-out are the front end's
+The loop's state (the steps in flight, the deferred one) is one object, engine/pipeline.py, which checks these rules
+as they happen. The core deals in token ids only; text, stop strings and n > 1 fan-out are the front end's
 (engine/output.py), in the API process or in-process for the offline LLM.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.batching import build_batch
@@ -40,25 +40,17 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.grammar import Grammars
 from nanoserve.engine.messages import EngineRequest, EngineStats, SeqOutput
 from nanoserve.engine.preflight import check_engine_config
+from nanoserve.engine.pipeline import InFlight, StepPipeline
 from nanoserve.engine.prompts import check_params_token_ids, check_prompt_length, check_token_ids
-from nanoserve.engine.scheduler import ScheduledStep, Scheduler
+from nanoserve.engine.scheduler import ScheduledStep, Scheduler, chunk_caps
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.model_files import eos_token_ids, load_tokenizer
-from nanoserve.runner.batch import SampledTokens, SamplingBatch
-from nanoserve.runner.bucket_plan import chunk_caps
-from nanoserve.runner.group import WorkerError, create_runner
-from nanoserve.runner.sampler import SampleHandle
+from nanoserve.runner.batch import SampledTokens
+from nanoserve.runner.parallel.group import WorkerError, create_runner
 
 logger = logging.getLogger("nanoserve")
 
 GRAMMAR_WAIT_S = 0.01  # an idle loop with only grammars compiling waits this long for one, not spinning
-
-
-@dataclass
-class _InFlight:
-    step: ScheduledStep
-    sampled: list[Sequence]
-    handle: SampleHandle | None
 
 
 class EngineCore:
@@ -67,15 +59,14 @@ class EngineCore:
         start = time.perf_counter()
         self.config, hf_config = check_engine_config(config, hf_config)
         self.runner = create_runner(self.config, hf_config)  # a RunnerGroup under tensor parallelism
-        self.vocab_size = self.runner.vocab_size
+        self.info, self.counters = self.runner.info, self.runner.counters  # all the core reads of the runner
+        self.vocab_size = self.info.vocab_size
         self.eos_token_ids = [t for t in self._eos_ids(hf_config) if 0 <= t < self.vocab_size]
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
+        self.block_manager = BlockManager(self.info.num_kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.block_manager)
-        self.scheduler.prompt_token_caps = self._prompt_token_caps()
+        self.scheduler = Scheduler(self.config, self.block_manager, self._prompt_token_caps())
         self.sequences: dict[str, Sequence] = {}
-        self._inflight: deque[_InFlight] = deque()
-        self._deferred: tuple[_InFlight, SamplingBatch] | None = None  # a forward launched, its sampler not yet
+        self._pipeline = StepPipeline()
         self._num_penalty_seqs = self._num_grammar_seqs = 0
         self._grammars: Grammars | None = None  # made by the first structured-output request
         self._compiling: dict[str, Future] = {}  # request id → its grammar, compiling; the sequence waits for it
@@ -84,9 +75,9 @@ class EngineCore:
 
     def _ready_line(self, hf_config, seconds: float) -> str:
         """What the engine runs, in one line: architecture, dtype, limits, KV cache, graphs."""
-        c, r = self.config, self.runner
-        gib = r.num_kv_blocks * r.kv.block_bytes / 2**30
-        graphs = r.graph_runner.capture_sizes if r.graph_runner is not None else None
+        c, r = self.config, self.info
+        gib = r.num_kv_blocks * r.kv_block_bytes / 2**30
+        graphs = list(r.decode_graph_sizes)
         shown = f"CUDA graphs for {len(graphs)} batch sizes {graphs}" if graphs else \
             "no CUDA graphs (" + ("enforce_eager" if c.enforce_eager else "no CUDA device") + ")"
         return (f"engine ready in {seconds:.1f} s: {_architecture(hf_config)}, {c.dtype} on {c.device}"
@@ -97,7 +88,7 @@ class EngineCore:
     def _prompt_token_caps(self) -> list[int] | None:
         """chunk_time_ratio's caps from the runner's measured curves (batch-size and token-count: planned "auto"
         graphs); None when off or not measured (then only max_num_batched_tokens bounds a step)."""
-        ratio, runner = self.config.chunk_time_ratio, self.runner
+        ratio, runner = self.config.chunk_time_ratio, self.info
         if not ratio or runner.step_curve is None or runner.token_curve is None:
             if ratio:
                 logger.info("chunk_time_ratio %.1f is off: it needs measured step curves (planned CUDA graphs)", ratio)
@@ -128,7 +119,7 @@ class EngineCore:
         so = params.structured_outputs
         grammar = None if so is None else self._grammar_store().compile(so)
         seq = Sequence(rid, list(ids), params)
-        seq.generator = params.make_generator(self.runner.device)
+        seq.generator = params.make_generator(self.info.device)
         self.sequences[rid] = seq
         if grammar is None:
             self.scheduler.add(seq)
@@ -144,7 +135,7 @@ class EngineCore:
                                  "(skip_tokenizer_init)")
             c = self.config
             self._grammars = Grammars(lambda: load_tokenizer(c.tokenizer or c.model), self.vocab_size,
-                                      self.eos_token_ids, c.max_num_seqs, self.runner.device.type == "cuda")
+                                      self.eos_token_ids, c.max_num_seqs, self.info.device.startswith("cuda"))
         return self._grammars
 
     def _admit_compiled(self) -> list[SeqOutput]:
@@ -176,7 +167,7 @@ class EngineCore:
                 self._finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.sequences) or bool(self._inflight) or self._deferred is not None
+        return bool(self.sequences) or self._pipeline.busy
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
@@ -188,7 +179,7 @@ class EngineCore:
         overlap = self.config.async_scheduling and self._num_penalty_seqs == 0
         if not overlap:  # every token known before scheduling
             outputs += self._read_all()
-        started = self._start_deferred() if self._deferred is not None else None
+        started = self._start_deferred() if self._pipeline.deferred is not None else None
         step = self.scheduler.schedule()
         batch = build_batch(step, self.config.block_size, self.eos_token_ids) if step else None
         if started is not None:  # (overlap only) the step before it read, masked and sampled: see the docstring
@@ -197,10 +188,10 @@ class EngineCore:
                 step = None
         if step:
             outputs += self._launch(step, batch, overlap)
-        elif not self._inflight and self._compiling:  # nothing to run until a grammar is ready
+        elif not len(self._pipeline) and self._compiling:  # nothing to run until a grammar is ready
             wait(self._compiling.values(), GRAMMAR_WAIT_S, FIRST_COMPLETED)
-        while len(self._inflight) > (1 if overlap and step else 0):
-            outputs += self._complete(*self._read(self._inflight.popleft()))
+        while len(self._pipeline) > (1 if overlap and step else 0):
+            outputs += self._complete(*self._read(self._pipeline.oldest()))
         return outputs
 
     def _launch(self, step: ScheduledStep, batch, overlap: bool) -> list[SeqOutput]:
@@ -208,27 +199,27 @@ class EngineCore:
         self._mixed_steps += not step.is_decode
         sampled = [s for s, samples in zip(step.seqs, step.samples) if samples]
         if self._num_grammar_seqs and any(s.grammar is not None for s in sampled):
-            self.runner.execute(batch, defer_sampling=True)  # its sampler waits for the masks
-            self._deferred = (_InFlight(step, sampled, None), batch.sampling)
+            pending = self.runner.execute(batch, defer_sampling=True)  # its sampler waits for the masks
+            self._pipeline.defer(InFlight(step, sampled), batch.sampling, pending)
             return [] if overlap else self._sample_deferred()
-        self._inflight.append(_InFlight(step, sampled, self.runner.execute(batch)))
+        self._pipeline.launched(InFlight(step, sampled, self.runner.execute(batch)))
         return []
 
     def _read_all(self) -> list[SeqOutput]:
         """Launch the deferred sampler, if any, and read every step in flight."""
-        outputs = self._sample_deferred() if self._deferred is not None else []
-        while self._inflight:
-            outputs += self._complete(*self._read(self._inflight.popleft()))
+        outputs = self._sample_deferred() if self._pipeline.deferred is not None else []
+        while len(self._pipeline):
+            outputs += self._complete(*self._read(self._pipeline.oldest()))
         return outputs
 
     def _start_deferred(self):
         """Read the steps before the deferred one (their tokens advance the matchers; the device runs the deferred
         forward meanwhile) and start filling its masks (engine/grammar.py: on a thread from a few rows on). Rows whose
         grammar ended or refused a token in those reads are left unmasked: they end, their token is discarded."""
-        reads = [self._read(self._inflight.popleft()) for _ in range(len(self._inflight))]
+        reads = [self._read(done) for done in self._pipeline.take_all()]
         ending = {id(done.sampled[i]) for done, result, accepted in reads if accepted is not None
                   for i, ok in enumerate(accepted) if not ok or self._grammars.ends(result.token_ids[i])}
-        rows = [None if id(s) in ending else s.grammar for s in self._deferred[0].sampled]
+        rows = [None if id(s) in ending else s.grammar for s in self._pipeline.deferred.launched.sampled]
         return reads, self._grammars.start_fill(rows)
 
     def _sample_deferred(self, started=None) -> list[SeqOutput]:
@@ -239,14 +230,15 @@ class EngineCore:
         outputs = []
         for read in reads:  # (the mask fill runs meanwhile)
             outputs += self._complete(*read)
-        (pending, sampling), self._deferred = self._deferred, None
+        deferred = self._pipeline.take_deferred()
+        sampling = deferred.sampling
         if fill is not None:
-            sampling.grammar_rows, sampling.grammar_bitmask = fill.result()
-        pending.handle = self.runner.sample_deferred(sampling)
-        self._inflight.append(pending)
+            rows, bitmask = fill.result()
+            sampling = dataclasses.replace(sampling, grammar_rows=rows, grammar_bitmask=bitmask)
+        self._pipeline.sampler_launched(deferred, self.runner.sample_deferred(deferred.pending, sampling))
         return outputs
 
-    def _read(self, done: _InFlight) -> tuple[_InFlight, SampledTokens | None, list[bool] | None]:
+    def _read(self, done: InFlight) -> tuple[InFlight, SampledTokens | None, list[bool] | None]:
         """Wait for a step's sampled tokens and advance its rows' matchers by them: the step, its tokens, and per row
         whether the token fitted its grammar (None without grammar rows)."""
         if done.handle is None:
@@ -255,7 +247,7 @@ class EngineCore:
         accepted = self._grammars.accept(done.sampled, result.token_ids) if self._num_grammar_seqs else None
         return done, result, accepted
 
-    def _complete(self, done: _InFlight, result: SampledTokens | None, accepted: list[bool] | None) -> list[SeqOutput]:
+    def _complete(self, done: InFlight, result: SampledTokens | None, accepted: list[bool] | None) -> list[SeqOutput]:
         """Append a read step's tokens, register full blocks, finish; the deltas of live sequences."""
         if result is None:
             return []
@@ -328,8 +320,7 @@ class EngineCore:
         try:
             self._read_all()
         except WorkerError:  # a tensor-parallel rank died: what was in flight died with it
-            self._inflight.clear()
-            self._deferred = None
+            self._pipeline.clear()
         self.abort_requests(list(self.sequences))
         if self._grammars is not None:
             self._grammars.close()
@@ -341,7 +332,7 @@ class EngineCore:
     # -- observability ----------------------------------------------------------------------------
     @property
     def stats(self) -> EngineStats:
-        r = self.runner
+        r = self.counters
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self._compiling),  # (a grammar compiling: waiting too)

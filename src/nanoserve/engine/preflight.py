@@ -13,7 +13,7 @@ from nanoserve.config import EngineConfig, hf_config_dtype
 from nanoserve.model_files import ModelSpec
 from nanoserve.model_files import load_hf_config, model_max_len
 from nanoserve.model.communicator import check_sharding
-from nanoserve.runner.distributed import check_world
+from nanoserve.runner.parallel.distributed import check_world
 
 
 def check_engine_config(config: EngineConfig, hf_config=None):

@@ -20,9 +20,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.runner.startup.bucket_plan import StepTime
+
 
 @dataclass
 class ScheduledStep:
@@ -48,7 +52,8 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, prompt_token_caps: list[int] | None = None):
+        """prompt_token_caps: decode rows → prompt tokens a step may add beside them (chunk_caps), or None."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -58,7 +63,7 @@ class Scheduler:
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))  # popped from the end: low slots first
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
-        self.prompt_token_caps: list[int] | None = None  # decode rows → prompt tokens a step may add beside them
+        self.prompt_token_caps = prompt_token_caps
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -157,3 +162,15 @@ class Scheduler:
             seq.slot = None
         seq.decoding = False
 
+
+def chunk_caps(token_curve: StepTime, decode_curve: StepTime, max_rows: int, max_tokens: int, ratio: float,
+               floor: int = 16) -> list[int]:
+    """caps[d]: the prompt tokens a step with d decode rows may carry so that its time (token_curve at d + chunk
+    tokens) stays within ratio × the decode-only step of d rows (decode_curve(d)). caps[0] = max_tokens: with
+    nothing decoding, nobody waits on the chunk. At least `floor`, so prompts always progress."""
+    rows = np.arange(1, max_rows + 1)
+    limit = ratio * np.asarray(decode_curve(rows), dtype=np.float64)
+    step_ms = np.asarray(token_curve(np.arange(1, max_tokens + 1)), dtype=np.float64)  # non-decreasing
+    largest_total = np.searchsorted(step_ms, limit, side="right")  # the most tokens whose step fits the limit
+    caps = np.clip(largest_total - rows, floor, max_tokens)
+    return [max_tokens] + [int(c) for c in caps]

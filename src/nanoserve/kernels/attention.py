@@ -14,7 +14,6 @@ second kernel merges the partial (max, sum, acc) of the splits that ran.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import numpy as np
@@ -470,42 +469,37 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     """Causal varlen prefill → [num_new_tokens, num_heads, head_dim].
 
     Without a cached prefix every sequence's keys are exactly its new k/v (q_len == k_len), which is
-    what torch's flash varlen_attn computes (CUDA, fp16/bf16). Everything else (prefix-cache hits,
+    what torch's flash varlen forward computes (CUDA, fp16/bf16). Everything else (prefix-cache hits,
     fp32, older torch, k/v only in the cache) takes the paged Triton kernel over the cache.
     """
     if _can_use_varlen(q, k, v, meta):
-        return _varlen_attn(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q, meta.max_seqlen_q,
-                            scale=scale, **_VARLEN_KWARGS)
+        cu, longest = meta.cu_seqlens_q, meta.max_seqlen_q
+        return _FLASH_VARLEN(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale)[0]
     return paged_prefill_attention(q, k_cache, v_cache, meta, scale)
 
 
 # --------------------------------------------------------------------------------------------- helpers
 
 
-def _varlen_kwargs() -> tuple[object | None, dict]:
-    """torch's varlen_attn and the causal/GQA keywords this torch version understands."""
+def _flash_varlen():
+    """torch's flash varlen forward, called as the aten op that torch.nn.attention.varlen.varlen_attn wraps (causal;
+    flash takes GQA's fewer k/v heads as they are): the wrapper's custom-op and dynamo layers cost more host time than
+    the launch (eager prompt steps over the largest token-count graph are host-bound). None when this torch lacks
+    it."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
     try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None, {}
-    params = inspect.signature(varlen_attn).parameters
-    if "window_size" in params:
-        kwargs: dict = {"window_size": (-1, 0)}
-    elif "is_causal" in params:
-        kwargs = {"is_causal": True}
-    else:
-        return None, {}
-    if "enable_gqa" in params:  # newer torch checks head counts unless asked; flash itself handles GQA
-        kwargs["enable_gqa"] = True
-    return varlen_attn, kwargs
+        names = {a.name for a in op.default._schema.arguments} if op is not None else set()
+    except RuntimeError:
+        return None
+    return op.default if {"cum_seq_q", "max_q", "is_causal", "scale"} <= names else None
 
 
-_varlen_attn, _VARLEN_KWARGS = _varlen_kwargs()
+_FLASH_VARLEN = _flash_varlen()
 
 
 def _can_use_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionInputs) -> bool:
     head_dim = q.shape[-1]
-    return (_varlen_attn is not None and not meta.has_cached_prefix and q.is_cuda and k is not None and v is not None
+    return (_FLASH_VARLEN is not None and not meta.has_cached_prefix and q.is_cuda and k is not None and v is not None
             and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
             and head_dim % 8 == 0 and head_dim <= 256
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)

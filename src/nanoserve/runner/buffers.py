@@ -1,7 +1,7 @@
 """The buffers a step runs over, wired in one place: the KV cache, the persistent per-slot state, the decode and
 token forwards over their static inputs, the sampler.
 
-ModelRunner holds one set for its life; the start-up memory probe (runner/memory.py) builds the same set over a
+ModelRunner holds one set for its life; the start-up memory probe (runner/startup/memory.py) builds the same set over a
 probe-sized cache, measures what the steps and graphs add on top, and drops it.
 """
 from __future__ import annotations

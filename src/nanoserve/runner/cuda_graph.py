@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterable
 import torch
 from tqdm import tqdm
 
-from nanoserve.runner.bucket_plan import bucket_for
-
 logger = logging.getLogger("nanoserve")
 
 
@@ -57,9 +55,6 @@ class GraphRunner:
     @property
     def pool_bytes(self) -> int:
         return sum(self.pool_growth.values())
-
-    def bucket_for(self, batch_size: int) -> int | None:
-        return bucket_for(self.capture_sizes, batch_size)
 
     @torch.inference_mode()
     def capture(self, sizes: Iterable[int], show_progress: bool = False) -> None:

@@ -1,19 +1,19 @@
 """The two forwards a step runs: decode over device-resident inputs (what the batch-size graphs capture) and
 the prompt / mixed forward (eager at its own size, or over static inputs that the token-count graphs capture).
 Both take their input ids on the device where the host does not know them (a slot's last sampled token), and
-patch the persistent block table first."""
+patch the persistent block table first. Each reads its inputs by name from a typed record (runner/inputs.py)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from nanoserve.kernels.attention import prefill_q_per_tile
-from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.kernels.step_inputs import prepare_decode
+from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.runner import prompt_logprobs
 from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch
-from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepArrays, StepPacker, TokenInputs
-from nanoserve.runner.sampler import SamplingTensors
+from nanoserve.runner.inputs import (DecodeInputs, PersistentState, StepPacker, StepTail, TokenInputs, TokenViews,
+                                     decode_values, token_values)
 
 
 class DecodeForward:
@@ -26,6 +26,10 @@ class DecodeForward:
     def __init__(self, model, state: PersistentState, inputs: DecodeInputs):
         self.model, self.state, self.inputs = model, state, inputs
         self.static_logits: torch.Tensor | None = None  # made by the first warm-up, before any capture
+
+    def load(self, batch: DecodeBatch, rows: int) -> None:
+        """The batch into the region of `rows` ≥ its size (the rest is padding)."""
+        self.inputs.load(decode_values(batch), rows)
 
     def captured(self, rows: int) -> torch.Tensor:
         if self.static_logits is None:
@@ -47,8 +51,7 @@ class DecodeForward:
 
     def prepare_padding(self, rows: int) -> None:
         """Load an all-padding batch of `rows` rows (warm-up and capture)."""
-        empty = np.zeros(0, np.int32)
-        self.inputs.load(DecodeBatch(empty, empty, empty, empty, empty, empty, None), rows)
+        self.inputs.load({}, rows)
 
 
 class TokenForward:
@@ -70,29 +73,28 @@ class TokenForward:
         attn = model.attention_layers()[0]
         return prefill_q_per_tile(attn.num_heads, attn.num_kv_heads, attn.head_dim, model.dtype.itemsize)
 
-    def __call__(self, batch: PrefillBatch) -> tuple[torch.Tensor, SamplingTensors | None, torch.Tensor,
-                                                      prompt_logprobs.PromptLogprobsHandle | None]:
-        """(logits [n, vocab], the sampled rows' parameters on the device, their slots on the device, the
-        prompt logprobs asked for, on their way to the host)."""
-        a = StepArrays.of(batch, self.q_per_tile)
-        dev = self.packer.pack([batch.token_ids, a.positions, batch.slot_mapping, a.token_slots, batch.slots,
-                                a.cu_seqlens_q, a.context_lens, a.work_seq, a.work_start, *a.variable])
-        ids, pos, slot_mapping, tok_slots, slots, cu_q, ctx, work_seq, work_start = dev[:9]
-        self.state.apply(*dev[11:14])
-        meta = AttentionMetadata(
-            is_prefill=True, slot_mapping=slot_mapping, context_lens=ctx, block_tables=self.state.block_tables,
-            table_rows=slots, cu_seqlens_q=cu_q, max_seqlen_q=int(batch.query_lens.max()),
-            has_cached_prefix=batch.has_cached_context,
-            query_lens_host=batch.query_lens.tolist(), context_lens_host=a.context_lens.tolist(),
-            work_seq=work_seq, work_start=work_start)
-        return self.sample_logits(self._forward(ids, pos, tok_slots, meta), dev[9:], batch)
+    def arrays(self, batch: PrefillBatch) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """The step's host arrays (inputs.token_values), for load() or the eager forward."""
+        return token_values(batch, self.q_per_tile)
 
-    def load(self, batch: PrefillBatch, tokens: int) -> list[torch.Tensor] | None:
-        """Fill the static inputs of `tokens` for this batch and patch the block tables; the variable arrays'
-        device views for sample_logits, or None when the step does not fit the static buffer."""
-        tail = self.inputs.load(batch, StepArrays.of(batch, self.q_per_tile), tokens)
-        if tail is not None:
-            self.state.apply(*tail[2:5])
+    def __call__(self, batch: PrefillBatch, arrays=None):
+        """The eager forward: (logits [n, vocab], the sampled rows' parameters on the device, their slots on the
+        device, the prompt logprobs asked for, on their way to the host)."""
+        static, tail = self.packer.pack(*(arrays or self.arrays(batch)))
+        self.state.apply(tail)
+        meta = AttentionMetadata(
+            is_prefill=True, slot_mapping=static.slot_mapping, context_lens=static.context_lens,
+            block_tables=self.state.block_tables, table_rows=static.slots, cu_seqlens_q=static.cu_seqlens_q,
+            max_seqlen_q=int(batch.query_lens.max()), has_cached_prefix=batch.has_cached_context,
+            query_lens_host=batch.query_lens.tolist(), context_lens_host=(batch.starts + batch.query_lens).tolist(),
+            work_seq=static.work_seq, work_start=static.work_start)
+        return self.sample_logits(self._forward(static, meta), tail, batch)
+
+    def load(self, arrays, tokens: int) -> StepTail:
+        """Fill the static inputs of `tokens` with the step's arrays and patch the block tables; the tail's device
+        views for sample_logits (the caller checked inputs.fits)."""
+        tail = self.inputs.load(*arrays, tokens)
+        self.state.apply(tail)
         return tail
 
     def captured(self, tokens: int) -> torch.Tensor:
@@ -107,28 +109,28 @@ class TokenForward:
             block_tables=self.state.block_tables, table_rows=v.slots, cu_seqlens_q=v.cu_seqlens_q,
             max_seqlen_q=tokens, has_cached_prefix=True, work_seq=v.work_seq, work_start=v.work_start)
         out = self.static_hidden[:tokens]
-        out.copy_(self._forward(v.ids, v.positions, v.token_slots, meta))
+        out.copy_(self._forward(v, meta))
         return out
 
     def prepare_padding(self, tokens: int) -> None:
         """Load an all-padding step of `tokens` tokens (warm-up and capture)."""
         empty = np.zeros(0, np.int32)
-        batch = PrefillBatch(empty, empty, empty, empty, empty, BlockUpdates(), empty, None, 1)
-        self.inputs.load(batch, StepArrays.of(batch, self.q_per_tile), tokens)
+        self.load(self.arrays(PrefillBatch(empty, empty, empty, empty, empty, BlockUpdates(), empty, None, 1)), tokens)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        ids = torch.where(ids >= 0, ids, self.state.last_tokens[token_slots.long()])
-        return self.model(ids, positions, meta)
+    def _forward(self, v: TokenViews, meta: AttentionMetadata) -> torch.Tensor:
+        ids = torch.where(v.ids >= 0, v.ids, self.state.last_tokens[v.token_slots.long()])
+        return self.model(ids, v.positions, meta)
 
-    def sample_logits(self, hidden: torch.Tensor, tail: list[torch.Tensor], batch: PrefillBatch):
+    def sample_logits(self, hidden: torch.Tensor, tail: StepTail, batch: PrefillBatch):
         """(logits of the sampled rows, their sampling parameters, their slots, the prompt logprobs asked for)."""
-        rows, sampled_slots = tail[0], tail[1]
-        logits = self.model.compute_logits(hidden[rows.long()])
-        params = SamplingTensors(*tail[7:11]) if batch.sampling is not None else None
+        logits = self.model.compute_logits(hidden[tail.sample_token_rows.long()])
+        params = tail.sampling() if batch.sampling is not None else None
         prompt = None
         if len(batch.prompt_logprob_rows):
-            packed = prompt_logprobs.compute(self.model, hidden, tail[5], tail[6], batch.prompt_logprob_k,
-                                             self.logprob_chunk)
+            packed = prompt_logprobs.compute(self.model, hidden, tail.logprob_rows, tail.logprob_targets,
+                                             batch.prompt_logprob_k, self.logprob_chunk)
             prompt = prompt_logprobs.PromptLogprobsHandle(packed, len(batch.prompt_logprob_rows))
-        return logits, params, sampled_slots, prompt
+        return logits, params, tail.sampled_slots, prompt
+
+
+__all__ = ["DecodeForward", "TokenForward"]

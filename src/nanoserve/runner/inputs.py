@@ -1,37 +1,158 @@
-"""Device-resident step state and the one host→device copy of each step's inputs.
+"""Device-resident step state and the one host→device copy of each step's inputs, as typed records.
 
 PersistentState: per slot (a running sequence's fixed row) its block table and its last sampled token,
 both on the device; steps patch them, never rebuild them. Row max_num_seqs is the dummy slot that padded
 rows use: its block table points every entry at the reserved dummy block.
 
-DecodeInputs: the static buffer CUDA graphs read. For a bucket of B rows its regions are contiguous
-slices of a prefix: [slots | positions | slot_mapping | context_lens | new block col | new block id |
-temperature | top_p | top_k | min_p], B words each (floats stored as their bits). A step fills a pinned
-host mirror (two, alternating, so the host never waits for the previous copy) and moves it with ONE
-copy; padded rows get the dummy slot, the dummy KV slot and no new block.
+A step's inputs are records of named views over one flat int32 buffer (floats stored as their bits), filled in a
+pinned host mirror (two, alternating, so the host never waits for the previous copy) and moved with ONE copy.
+Each record is a dataclass whose fields declare their region (`region`: its length in rows, tokens, sequences or
+work-list entries, its pad value, its dtype); the layout is read from the fields, so a new step input (a KV scale,
+draft tokens, an expert map) is one line in its record, and no code slices the buffer by position.
 
-TokenInputs: the static buffer the token-count graphs (prompt and mixed steps) read. For T tokens:
-[ids | positions | slot_mapping | token slots] (T words each), [slots | context_lens] (max_num_seqs each),
-cu_seqlens_q (max_num_seqs + 1), the attention work list [sequence | first token] (its capacity for T each),
-then the step's variable-length arrays (sampled rows, block-table updates, sampling parameters), which
-only eager work after the replay reads: again ONE copy. Padded tokens run the dummy slot's token into the
-dummy KV slot; padded sequences are empty (no tokens, no context); unused work entries are -1.
+DecodeInputs: the static buffer the batch-size graphs read (DecodeViews), allocated once for max_num_seqs; a bucket
+of B rows reads the regions of a prefix laid out for B. Padded rows get the dummy slot, the dummy KV slot and no
+new block.
 
-StepPacker: the same one-copy scheme for eager (prefill / mixed) steps, whose arrays vary in length.
+TokenInputs: the static buffer the token-count graphs read: TokenViews laid out for T tokens, then the step's
+variable-length arrays (StepTail: sampled rows, block-table updates, prompt-logprob rows, sampling parameters),
+which only eager work after the replay reads. Padded tokens run the dummy slot's token into the dummy KV slot;
+padded sequences are empty; unused work entries are -1.
+
+StepPacker: the same records at their own lengths for eager prompt / mixed steps (one copy too).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from nanoserve.kernels.attention import prefill_work, prefill_work_capacity
-from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch, SamplingBatch
+from nanoserve.runner.batch import DecodeBatch, PrefillBatch, SamplingBatch
 from nanoserve.runner.sampler import SamplingTensors
 
-DECODE_INT_REGIONS = 6  # slots, positions, slot_mapping, context_lens, new block col, new block id
-SAMPLING_REGIONS = 4  # temperature, top_p, top_k, min_p
+# Region lengths: a static record's fields are laid out for a size (rows of a decode bucket, tokens of a token-count
+# graph); a field without a length kind has its array's own length (eager steps, the variable tail).
+ROWS, TOKENS, SEQS, SEQS_PLUS_1, WORK = "rows", "tokens", "seqs", "seqs+1", "work"
+DUMMY_SLOT, DUMMY_KV_SLOT, TOTAL = "dummy_slot", "dummy_kv_slot", "total"  # pads known only at run time
+
+ALIGN_WORDS = 4  # every region starts 16-byte aligned: Triton specializes kernels on pointer alignment, so
+# regions at arbitrary offsets would compile a new variant of a kernel whenever a step meets a new alignment mix
+
+
+def region(length: str | None = None, pad: Any = 0, dtype=np.int32):
+    """A record field: a region of `length` (a kind above, or the array's own), padded with `pad`."""
+    return dataclasses.field(default=None, metadata={"length": length, "pad": pad, "dtype": np.dtype(dtype)})
+
+
+@dataclass
+class DecodeViews:
+    """A decode bucket's inputs (what the batch-size graphs read)."""
+
+    slots: torch.Tensor = region(ROWS, DUMMY_SLOT)
+    positions: torch.Tensor = region(ROWS, 0)
+    slot_mapping: torch.Tensor = region(ROWS, DUMMY_KV_SLOT)
+    context_lens: torch.Tensor = region(ROWS, 1)
+    new_block_cols: torch.Tensor = region(ROWS, -1)  # the column of the row's one new block, or -1
+    new_block_ids: torch.Tensor = region(ROWS, 0)
+    temperature: torch.Tensor = region(ROWS, 0.0, np.float32)
+    top_p: torch.Tensor = region(ROWS, 1.0, np.float32)
+    top_k: torch.Tensor = region(ROWS, 0)
+    min_p: torch.Tensor = region(ROWS, 0.0, np.float32)
+
+    def sampling(self, rows: int) -> SamplingTensors:
+        return SamplingTensors(self.temperature[:rows], self.top_p[:rows], self.top_k[:rows], self.min_p[:rows])
+
+
+@dataclass
+class TokenViews:
+    """A prompt / mixed step's inputs (what the token-count graphs read; the eager forward too)."""
+
+    ids: torch.Tensor = region(TOKENS, 0)  # -1: the slot's last sampled token (a decode row)
+    positions: torch.Tensor = region(TOKENS, 0)
+    slot_mapping: torch.Tensor = region(TOKENS, DUMMY_KV_SLOT)
+    token_slots: torch.Tensor = region(TOKENS, DUMMY_SLOT)
+    slots: torch.Tensor = region(SEQS, DUMMY_SLOT)  # each sequence's slot (its block-table row)
+    context_lens: torch.Tensor = region(SEQS, 0)
+    cu_seqlens_q: torch.Tensor = region(SEQS_PLUS_1, TOTAL)
+    work_seq: torch.Tensor = region(WORK, -1)  # the paged prefill kernel's work list (kernels.attention)
+    work_start: torch.Tensor = region(WORK, -1)
+
+
+@dataclass
+class StepTail:
+    """A prompt / mixed step's variable-length arrays, read by the eager work after the forward."""
+
+    sample_token_rows: torch.Tensor = region()  # the token row of each sampled sequence's last token
+    sampled_slots: torch.Tensor = region()
+    update_slots: torch.Tensor = region()  # block_table[update_slots[i], update_cols[i]] = update_ids[i]
+    update_cols: torch.Tensor = region()
+    update_ids: torch.Tensor = region()
+    logprob_rows: torch.Tensor = region()  # token rows whose next prompt token's logprob is asked ...
+    logprob_targets: torch.Tensor = region()  # ... for these tokens
+    temperature: torch.Tensor = region(dtype=np.float32)  # the sampled rows' parameters (empty: no sampling)
+    top_p: torch.Tensor = region(dtype=np.float32)
+    top_k: torch.Tensor = region()
+    min_p: torch.Tensor = region(dtype=np.float32)
+
+    def sampling(self) -> SamplingTensors:
+        return SamplingTensors(self.temperature, self.top_p, self.top_k, self.min_p)
+
+
+def _aligned(words: int) -> int:
+    return -(-words // ALIGN_WORDS) * ALIGN_WORDS
+
+
+class _Field(NamedTuple):
+    name: str
+    length: str | None
+    pad: Any
+    is_float: bool
+
+
+@functools.cache
+def _fields(record: type) -> tuple[_Field, ...]:
+    """A record's regions in order (read once: the loads run every step)."""
+    return tuple(_Field(f.name, f.metadata["length"], f.metadata["pad"], f.metadata["dtype"] == np.float32)
+                 for f in dataclasses.fields(record))
+
+
+def _place(record: type, at: int, lengths: dict[str, int], values: dict[str, np.ndarray] | None = None):
+    """{field: (start, length)} of a record laid out from word `at` (a field's length from `lengths` by its kind, else
+    its value's own: an eager step's exact lengths), and the end."""
+    spans = {}
+    for f in _fields(record):
+        n = lengths[f.length] if f.length in lengths else len(values[f.name])
+        spans[f.name] = (at, n)
+        at += _aligned(n)
+    return spans, at
+
+
+def _write(host: np.ndarray, record: type, spans: dict, values: dict[str, np.ndarray], pads: dict) -> None:
+    """Each field's values into its region, the rest of the region padded."""
+    floats = host.view(np.float32)
+    for f in _fields(record):
+        start, width = spans[f.name]
+        v = values.get(f.name, ())
+        dst = floats if f.is_float else host
+        n = len(v)
+        dst[start:start + n] = v
+        if n < width:
+            dst[start + n:start + width] = pads[f.pad] if isinstance(f.pad, str) else f.pad
+
+
+def _views(record: type, device: torch.Tensor, spans: dict):
+    """The record of device views (float regions viewed as float32)."""
+    out = {}
+    for f in _fields(record):
+        start, n = spans[f.name]
+        view = device[start:start + n]
+        out[f.name] = view.view(torch.float32) if f.is_float else view
+    return record(**out)
 
 
 class PersistentState:
@@ -41,9 +162,9 @@ class PersistentState:
         self.block_tables = torch.full((max_num_seqs + 1, max_blocks), dummy_block, dtype=torch.int32, device=device)
         self.last_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
 
-    def apply(self, slots: torch.Tensor, cols: torch.Tensor, block_ids: torch.Tensor) -> None:
-        """block_tables[slots[i], cols[i]] = block_ids[i] on the device (graph-capturable)."""
-        self.block_tables.index_put_((slots.long(), cols.long()), block_ids)
+    def apply(self, tail: StepTail) -> None:
+        """A step's block-table updates on the device (graph-capturable)."""
+        self.block_tables.index_put_((tail.update_slots.long(), tail.update_cols.long()), tail.update_ids)
 
     def write_tables(self, slots: np.ndarray, tables: np.ndarray) -> None:
         """Whole rows at once, outside any graph (benchmarks and tests)."""
@@ -51,22 +172,10 @@ class PersistentState:
         self.block_tables[torch.from_numpy(slots).to(dev).long(), :tables.shape[1]] = torch.from_numpy(tables).to(dev)
 
 
-@dataclass
-class DecodeViews:
-    slots: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    context_lens: torch.Tensor
-    new_block_cols: torch.Tensor
-    new_block_ids: torch.Tensor
-    sampling: SamplingTensors
-
-
 class _PinnedRing:
     """Two pinned host buffers used in turn, each with an event marking its last copy to the device."""
 
     def __init__(self, words: int, on_cuda: bool):
-        self.on_cuda = on_cuda
         self.buffers = [torch.zeros(words, dtype=torch.int32, pin_memory=on_cuda) for _ in range(2)]
         self.events = [torch.cuda.Event() if on_cuda else None for _ in range(2)]
         self.turn = 0
@@ -78,7 +187,8 @@ class _PinnedRing:
             event.synchronize()  # its previous copy was queued two steps ago; normally long done
         return buf, event
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, event: torch.cuda.Event | None) -> None:
+    @staticmethod
+    def copy(dst: torch.Tensor, src: torch.Tensor, event: torch.cuda.Event | None) -> None:
         if event is None:
             dst.copy_(src)
         else:
@@ -88,58 +198,74 @@ class _PinnedRing:
 
 class DecodeInputs:
     def __init__(self, max_rows: int, state: PersistentState, dummy_kv_slot: int, device: torch.device):
-        self.max_rows, self.state, self.dummy_kv_slot = max_rows, state, dummy_kv_slot
-        self.words = max_rows * (DECODE_INT_REGIONS + SAMPLING_REGIONS)
+        self.max_rows, self.state = max_rows, state
+        self.pads = {DUMMY_SLOT: state.dummy_slot, DUMMY_KV_SLOT: dummy_kv_slot}
+        self.words = _place(DecodeViews, 0, {ROWS: max_rows})[1]
         self.device_buf = torch.zeros(self.words, dtype=torch.int32, device=device)
         self._ring = _PinnedRing(self.words, device.type == "cuda")
+        self._spans: dict[int, tuple[dict, int]] = {}
         self._views: dict[int, DecodeViews] = {}
+
+    def _layout(self, rows: int) -> tuple[dict, int]:
+        if rows not in self._spans:
+            self._spans[rows] = _place(DecodeViews, 0, {ROWS: rows})
+        return self._spans[rows]
 
     def views(self, rows: int) -> DecodeViews:
         """The device views of the region for `rows` rows (made once per row count: they never move)."""
         if rows not in self._views:
-            self._views[rows] = self._make_views(rows)
+            self._views[rows] = _views(DecodeViews, self.device_buf, self._layout(rows)[0])
         return self._views[rows]
 
-    def _make_views(self, rows: int) -> DecodeViews:
-        r, buf = rows, self.device_buf
-        ints = [buf[i * r:(i + 1) * r] for i in range(DECODE_INT_REGIONS)]
-        base = DECODE_INT_REGIONS * r
-        s = [buf[base + i * r:base + (i + 1) * r] for i in range(SAMPLING_REGIONS)]
-        sampling = SamplingTensors(s[0].view(torch.float32), s[1].view(torch.float32), s[2], s[3].view(torch.float32))
-        return DecodeViews(*ints, sampling)
-
-    def load(self, batch: DecodeBatch, rows: int) -> None:
-        """Write batch into the region of `rows` ≥ batch.size rows (the rest is padding), one copy to the device."""
-        r = rows
+    def load(self, values: dict[str, np.ndarray], rows: int) -> None:
+        """Write a decode step's arrays (decode_values) into the region of `rows` rows (the rest is padding), one
+        copy to the device."""
+        spans, end = self._layout(rows)
         host, event = self._ring.next()
-        h = host.numpy()
-        f = h.view(np.float32)
-        _fill(h, 0, r, batch.slots, self.state.dummy_slot)
-        _fill(h, r, r, batch.positions, 0)
-        _fill(h, 2 * r, r, batch.slot_mapping, self.dummy_kv_slot)
-        _fill(h, 3 * r, r, batch.context_lens, 1)
-        _fill(h, 4 * r, r, batch.new_block_cols, -1)
-        _fill(h, 5 * r, r, batch.new_block_ids, 0)
-        sb = batch.sampling
-        base = DECODE_INT_REGIONS * r
-        if sb is not None:
-            _fill(f, base, r, sb.temperature, 0.0)
-            _fill(f, base + r, r, sb.top_p, 1.0)
-            _fill(h, base + 2 * r, r, sb.top_k, 0)
-            _fill(f, base + 3 * r, r, sb.min_p, 0.0)
-        n = (DECODE_INT_REGIONS + SAMPLING_REGIONS) * r
-        self._ring.copy(self.device_buf[:n], host[:n], event)
+        _write(host.numpy(), DecodeViews, spans, values, self.pads)
+        self._ring.copy(self.device_buf[:end], host[:end], event)
 
 
-def _fill(dst: np.ndarray, start: int, width: int, values: np.ndarray, pad) -> None:
-    n = len(values)
-    dst[start:start + n] = values
-    dst[start + n:start + width] = pad
+def decode_values(batch: DecodeBatch) -> dict[str, np.ndarray]:
+    """A DecodeBatch's arrays by DecodeViews field (without sampling the sampling regions are padding)."""
+    values = {"slots": batch.slots, "positions": batch.positions, "slot_mapping": batch.slot_mapping,
+              "context_lens": batch.context_lens, "new_block_cols": batch.new_block_cols,
+              "new_block_ids": batch.new_block_ids}
+    return values | sampling_values(batch.sampling)
+
+
+def sampling_values(sb: SamplingBatch | None) -> dict[str, np.ndarray]:
+    if sb is None:
+        return {}
+    return {"temperature": sb.temperature, "top_p": sb.top_p, "top_k": sb.top_k, "min_p": sb.min_p}
+
+
+def token_values(batch: PrefillBatch, q_per_tile: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A prompt / mixed step's host arrays by TokenViews and by StepTail field, shared by its eager and graph
+    forms."""
+    total = int(batch.query_lens.sum())
+    offsets = np.repeat(np.cumsum(batch.query_lens) - batch.query_lens, batch.query_lens)
+    positions = np.arange(total, dtype=np.int64) - offsets + np.repeat(batch.starts, batch.query_lens)
+    cu_q = np.zeros(len(batch.slots) + 1, np.int32)
+    np.cumsum(batch.query_lens, out=cu_q[1:])
+    context_lens = (batch.starts + batch.query_lens).astype(np.int32)
+    work_seq, work_start = prefill_work(batch.query_lens, q_per_tile, context_lens)
+    static = {"ids": batch.token_ids, "positions": positions.astype(np.int32), "slot_mapping": batch.slot_mapping,
+              "token_slots": np.repeat(batch.slots, batch.query_lens), "slots": batch.slots,
+              "context_lens": context_lens, "cu_seqlens_q": cu_q, "work_seq": work_seq, "work_start": work_start}
+    u = batch.block_updates
+    tail = {"sample_token_rows": (cu_q[1:][batch.sample_rows] - 1).astype(np.int32),
+            "sampled_slots": batch.slots[batch.sample_rows], "update_slots": u.slots, "update_cols": u.cols,
+            "update_ids": u.block_ids, "logprob_rows": batch.prompt_logprob_rows,
+            "logprob_targets": batch.prompt_logprob_targets}
+    empty_f, empty_i = np.zeros(0, np.float32), np.zeros(0, np.int32)
+    tail |= {"temperature": empty_f, "top_p": empty_f, "top_k": empty_i, "min_p": empty_f}
+    return static, tail | sampling_values(batch.sampling)
 
 
 class StepPacker:
-    """Packs a step's variable-length int32/float32 arrays into one pinned buffer and copies it once.
-    One device buffer suffices: the next step's copy is queued behind this step's kernels on the stream."""
+    """Packs an eager step's records (at their own lengths) into one pinned buffer and copies it once. One device
+    buffer suffices: the next step's copy is queued behind this step's kernels on the stream."""
 
     def __init__(self, device: torch.device, words: int = 1 << 16):
         self.device = device
@@ -148,14 +274,16 @@ class StepPacker:
         self._ring = _PinnedRing(words, self._on_cuda)
         self._device_buf = torch.zeros(words, dtype=torch.int32, device=device)
 
-    def pack(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        total = sum(_aligned(len(a)) for a in arrays)
-        if total > self._words:
-            self._grow(total)
+    def pack(self, static: dict[str, np.ndarray], tail: dict[str, np.ndarray]) -> tuple[TokenViews, StepTail]:
+        spans, at = _place(TokenViews, 0, {}, static)
+        tail_spans, end = _place(StepTail, at, {}, tail)
+        if end > self._words:
+            self._grow(end)
         host, event = self._ring.next()
-        views, at = _pack(host.numpy(), self._device_buf, 0, arrays)
-        self._ring.copy(self._device_buf[:at], host[:at], event)
-        return views
+        _write(host.numpy(), TokenViews, spans, static, {})
+        _write(host.numpy(), StepTail, tail_spans, tail, {})
+        self._ring.copy(self._device_buf[:end], host[:end], event)
+        return _views(TokenViews, self._device_buf, spans), _views(StepTail, self._device_buf, tail_spans)
 
     def _grow(self, words: int) -> None:
         if self._on_cuda:
@@ -165,123 +293,46 @@ class StepPacker:
         self._device_buf = torch.zeros(self._words, dtype=torch.int32, device=self.device)
 
 
-@dataclass
-class TokenViews:
-    ids: torch.Tensor  # [T]; -1: the slot's last sampled token (a decode row)
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    token_slots: torch.Tensor
-    slots: torch.Tensor  # [S]: each sequence's slot (its block-table row)
-    context_lens: torch.Tensor  # [S]
-    cu_seqlens_q: torch.Tensor  # [S + 1]
-    work_seq: torch.Tensor  # [W]
-    work_start: torch.Tensor  # [W]
-
-
-@dataclass
-class StepArrays:
-    """The host arrays of a prompt / mixed step, shared by its eager and graph forms."""
-
-    positions: np.ndarray
-    token_slots: np.ndarray
-    cu_seqlens_q: np.ndarray
-    context_lens: np.ndarray
-    work_seq: np.ndarray
-    work_start: np.ndarray
-    variable: list[np.ndarray]  # sample token rows, sampled slots, block updates (3), prompt-logprob rows and
-    # targets, sampling (4) if any
-
-    @classmethod
-    def of(cls, batch: PrefillBatch, q_per_tile: int) -> "StepArrays":
-        total = int(batch.query_lens.sum())
-        offsets = np.repeat(np.cumsum(batch.query_lens) - batch.query_lens, batch.query_lens)
-        positions = (np.arange(total, dtype=np.int64) - offsets + np.repeat(batch.starts, batch.query_lens))
-        cu_q = np.zeros(len(batch.slots) + 1, np.int32)
-        np.cumsum(batch.query_lens, out=cu_q[1:])
-        sample_token_rows = (cu_q[1:][batch.sample_rows] - 1).astype(np.int32)
-        sampling = sampling_arrays(batch.sampling) if batch.sampling is not None else []
-        context_lens = (batch.starts + batch.query_lens).astype(np.int32)
-        return cls(positions.astype(np.int32), np.repeat(batch.slots, batch.query_lens), cu_q, context_lens,
-                   *prefill_work(batch.query_lens, q_per_tile, context_lens),
-                   [sample_token_rows, batch.slots[batch.sample_rows], *updates_arrays(batch.block_updates),
-                    batch.prompt_logprob_rows, batch.prompt_logprob_targets, *sampling])
-
-
 class TokenInputs:
-    VARIABLE_WORDS = 1 << 17  # a step whose variable arrays need more (many long prefix hits at once) runs eagerly
+    VARIABLE_WORDS = 1 << 17  # a step whose tail needs more (many long prefix hits at once) runs eagerly
 
     def __init__(self, max_tokens: int, max_seqs: int, q_per_tile: int, state: PersistentState, dummy_kv_slot: int,
                  device: torch.device):
         self.max_tokens, self.max_seqs, self.q_per_tile = max_tokens, max_seqs, q_per_tile
-        self.state, self.dummy_kv_slot = state, dummy_kv_slot
-        self.words = self.static_words(max_tokens) + self.VARIABLE_WORDS
+        self.state = state
+        self.pads = {DUMMY_SLOT: state.dummy_slot, DUMMY_KV_SLOT: dummy_kv_slot}
+        self.words = self._layout(max_tokens)[1] + self.VARIABLE_WORDS
         self.device_buf = torch.zeros(self.words, dtype=torch.int32, device=device)
         self._ring = _PinnedRing(self.words, device.type == "cuda")
+        self._spans: dict[int, tuple[dict, int]] = {}
         self._views: dict[int, TokenViews] = {}
 
-    def work_capacity(self, tokens: int) -> int:
-        return prefill_work_capacity(tokens, self.max_seqs, self.q_per_tile)
-
-    def static_words(self, tokens: int) -> int:
-        start, n = self._layout(tokens)[-1]
-        return _aligned(start + n)
-
-    def _layout(self, tokens: int) -> list[tuple[int, int]]:
-        """(start, length) of each TokenViews field in the buffer for `tokens` tokens."""
-        t, s, w = tokens, self.max_seqs, self.work_capacity(tokens)
-        lengths, out, at = [t, t, t, t, s, s, s + 1, w, w], [], 0
-        for n in lengths:
-            out.append((at, n))
-            at += _aligned(n)
-        return out
+    def _layout(self, tokens: int) -> tuple[dict, int]:
+        """TokenViews' regions for `tokens` tokens, and their end (where the tail starts)."""
+        lengths = {TOKENS: tokens, SEQS: self.max_seqs, SEQS_PLUS_1: self.max_seqs + 1,
+                   WORK: prefill_work_capacity(tokens, self.max_seqs, self.q_per_tile)}
+        return _place(TokenViews, 0, lengths)
 
     def views(self, tokens: int) -> TokenViews:
         if tokens not in self._views:
-            self._views[tokens] = TokenViews(*(self.device_buf[a:a + n] for a, n in self._layout(tokens)))
+            self._spans[tokens] = self._layout(tokens)
+            self._views[tokens] = _views(TokenViews, self.device_buf, self._spans[tokens][0])
         return self._views[tokens]
 
-    def load(self, batch: PrefillBatch, a: StepArrays, tokens: int) -> list[torch.Tensor] | None:
-        """Write the step into the region of `tokens` ≥ its token count (one copy); the device views of its
-        variable arrays, or None when they do not fit (the step then runs eagerly)."""
-        need = sum(_aligned(len(x)) for x in a.variable)
-        if need > self.VARIABLE_WORDS or len(batch.slots) > self.max_seqs:
-            return None
+    def fits(self, batch: PrefillBatch, tail: dict[str, np.ndarray]) -> bool:
+        """Whether the step fits the static buffer (its sequences and its variable arrays)."""
+        need = sum(_aligned(len(v)) for v in tail.values())
+        return need <= self.VARIABLE_WORDS and len(batch.slots) <= self.max_seqs
+
+    def load(self, static: dict[str, np.ndarray], tail: dict[str, np.ndarray], tokens: int) -> StepTail:
+        """Write the step (token_values) into the region of `tokens` ≥ its token count, one copy; the tail's device
+        views (the caller checked fits())."""
+        self.views(tokens)
+        spans, at = self._spans[tokens]
+        tail_spans, end = _place(StepTail, at, {}, tail)
         host, event = self._ring.next()
         h = host.numpy()
-        total = int(a.cu_seqlens_q[-1])
-        pads = [0, 0, self.dummy_kv_slot, self.state.dummy_slot, self.state.dummy_slot, 0, total, -1, -1]
-        values = [batch.token_ids, a.positions, batch.slot_mapping, a.token_slots, batch.slots, a.context_lens,
-                  a.cu_seqlens_q, a.work_seq, a.work_start]
-        for (start, n), v, pad in zip(self._layout(tokens), values, pads):
-            _fill(h, start, n, v, pad)
-        views, at = _pack(h, self.device_buf, self.static_words(tokens), a.variable)
-        self._ring.copy(self.device_buf[:at], host[:at], event)
-        return views
-
-
-ALIGN_WORDS = 4  # every packed array starts 16-byte aligned: Triton specializes kernels on pointer alignment, so
-# arrays at arbitrary offsets would compile a new variant of a kernel whenever a step meets a new alignment mix
-
-
-def _aligned(words: int) -> int:
-    return -(-words // ALIGN_WORDS) * ALIGN_WORDS
-
-
-def _pack(host: np.ndarray, device: torch.Tensor, at: int, arrays: list[np.ndarray]) -> tuple[list[torch.Tensor], int]:
-    """Write arrays into host[at:] (each aligned) and return their views in `device` and the end offset."""
-    views = []
-    for a in arrays:
-        n = len(a)
-        host[at:at + n] = a.view(np.int32) if a.dtype == np.float32 else a
-        view = device[at:at + n]
-        views.append(view.view(torch.float32) if a.dtype == np.float32 else view)
-        at += _aligned(n)
-    return views, at
-
-
-def sampling_arrays(sb: SamplingBatch) -> list[np.ndarray]:
-    return [sb.temperature, sb.top_p, sb.top_k, sb.min_p]
-
-
-def updates_arrays(u: BlockUpdates) -> list[np.ndarray]:
-    return [u.slots, u.cols, u.block_ids]
+        _write(h, TokenViews, spans, static, self.pads | {TOTAL: int(static["cu_seqlens_q"][-1])})
+        _write(h, StepTail, tail_spans, tail, {})
+        self._ring.copy(self.device_buf[:end], host[:end], event)
+        return _views(StepTail, self.device_buf, tail_spans)

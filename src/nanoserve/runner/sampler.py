@@ -8,7 +8,7 @@ memory without blocking. The host reads it one step later (`SampleHandle.result(
 On CUDA the common case (each row greedy or sampled at a temperature, under a grammar's bitmask or not) is one
 kernel (kernels/sampling.sample_tokens): the loop is host-bound at small models, and the ~15 torch ops of the general
 path cost more host time than the device spends on them. After a decode graph's replay that kernel is itself
-replayed from a CUDA graph of the same bucket (masked and not: capture_plain), over the static logits, the bucket's
+replayed from a CUDA graph of the same bucket (masked and not: runner/startup/graphs.py), over the static logits, the bucket's
 temperatures and slots and a static bitmask. Its noise key is a device counter, read by the kernel and advanced after
 it, starting from a seed drawn like the runner's generator's, so every tensor-parallel rank draws the same. The
 general path (top-k, top-p, min-p, logprobs, min_tokens bans, logit_bias, penalties, seeded rows) runs torch ops on a
@@ -19,7 +19,7 @@ whatever else is batched, and in the same order whether or not the host runs ahe
 """
 from __future__ import annotations
 
-import functools
+import enum
 import math
 import random
 from dataclasses import dataclass
@@ -31,8 +31,6 @@ from nanoserve.config import MAX_LOGPROBS
 from nanoserve.kernels._triton import HAS_TRITON
 from nanoserve.kernels.sampling import SampleScratch, masked_float_logits, sample_tokens
 from nanoserve.runner.batch import Penalties, SampledTokens, SamplingBatch
-from nanoserve.runner.cuda_graph import GraphRunner
-
 
 
 @dataclass
@@ -86,6 +84,12 @@ class SampleHandle:
         return SampledTokens(tokens, logprobs, top)
 
 
+class SamplingPath(enum.Enum):
+    FUSED = "fused"  # the one kernel (or its graph, after a decode graph): each row greedy or at a temperature
+    ARGMAX = "argmax"  # every row greedy, no logprobs, bans, biases, penalties or grammar, without the kernel
+    GENERAL = "general"  # torch ops on a float32 copy: top-k/p, min-p, logprobs, bans, biases, penalties, seeds
+
+
 class Sampler:
     """logits [n, V] + a SamplingBatch → sampled ids in the slots' last-token cells, and a SampleHandle."""
 
@@ -102,7 +106,6 @@ class Sampler:
         self._turn = 0
         fused = self.on_cuda and HAS_TRITON if fused is None else fused
         self._fused = SampleScratch(max_rows, device) if fused else None
-        self.graphs: dict[bool, GraphRunner] = {}  # masked → the plain sample of each decode bucket (capture_plain)
         self._bitmask = torch.full((max_rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device) \
             if self._fused is not None else None  # the plain sample's mask: static, so its graphs read it
         # the plain sample's noise key, on the device: read by the kernel and advanced after it, so a graph of the
@@ -114,21 +117,23 @@ class Sampler:
     def fuses(self) -> bool:
         return self._fused is not None
 
-    def capture_plain(self, sizes: list[int], logits: torch.Tensor, inputs, last_tokens: torch.Tensor, prepare,
-                      pool) -> float:
-        """Capture the plain sample of each decode bucket (masked and not) as a CUDA graph into the decode graphs'
-        pool: over the static logits' prefix, the bucket's temperature and slots (inputs(rows) → (temperature,
-        slots)), the static bitmask and the device seed. prepare(rows) loads an all-padding batch: padded rows are
-        greedy and store into the dummy slot. One replay instead of a Triton launch (~0.1 ms of host time). Returns
-        the seconds the captures took."""
-        def plain(rows: int, masked: bool) -> torch.Tensor:
+    def path(self, batch: SamplingBatch) -> SamplingPath:
+        """The one decision of how a batch is sampled."""
+        if self._fused is not None and batch.is_plain:
+            return SamplingPath.FUSED
+        if (batch.all_greedy and batch.num_logprobs is None and batch.penalties is None and not len(batch.banned_rows)
+                and not len(batch.bias_rows) and batch.grammar_rows is None):  # top-k/p, min-p, seeds: moot
+            return SamplingPath.ARGMAX
+        return SamplingPath.GENERAL
+
+    def plain_forward(self, logits: torch.Tensor, inputs, last_tokens: torch.Tensor, masked: bool):
+        """rows → the plain sample of a decode bucket, as its graph records it: over the static logits' prefix, the
+        bucket's temperatures and slots (inputs(rows) → (temperature, slots)), the static bitmask (masked) and the
+        device seed. Padded rows are greedy and store into the dummy slot."""
+        def plain(rows: int) -> torch.Tensor:
             temperature, slots = inputs(rows)
             return self._plain(logits[:rows], rows if masked else 0, temperature, slots, last_tokens)
-        for masked in (False, True):
-            gr = self.graphs[masked] = GraphRunner(functools.partial(plain, masked=masked), prepare, pool)
-            gr.capture(sizes)
-            pool = gr.pool
-        return sum(gr.wall_seconds for gr in self.graphs.values())
+        return plain
 
     def _plain(self, logits: torch.Tensor, masked_rows: int, temperature: torch.Tensor, slots: torch.Tensor,
                last_tokens: torch.Tensor) -> torch.Tensor:
@@ -140,27 +145,23 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors,
-                 last_tokens: torch.Tensor, slots: torch.Tensor, bucket: int | None = None) -> SampleHandle:
-        """Sample one token per row; store it at last_tokens[slots]; start the copy to the host. bucket: the decode
-        graph whose static logits these are (a plain batch then replays its sampler's graph)."""
+                 last_tokens: torch.Tensor, slots: torch.Tensor, replay=None) -> SampleHandle:
+        """Sample one token per row; store it at last_tokens[slots]; start the copy to the host. replay: the graph
+        of this plain sample (runner/dispatch.py routed it), when there is one."""
         n = len(batch)
         if logits.shape[0] != n:
             raise ValueError(f"got {logits.shape[0]} logit rows for {n} sampled rows")
-        if self._fused is not None and batch.is_plain:
+        path = self.path(batch)
+        if path is SamplingPath.FUSED:
             masked = batch.grammar_rows is not None
             if masked:  # (from pinned memory: no sync)
                 self._bitmask[:n].copy_(batch.grammar_bitmask, non_blocking=True)
-            graphs = self.graphs.get(masked)
-            if graphs is not None and bucket in graphs.graphs:
-                tokens = graphs.replay(bucket)[:n]
-            else:
-                tokens = self._plain(logits, n if masked else 0, params.temperature, slots, last_tokens)
+            tokens = replay()[:n] if replay is not None else \
+                self._plain(logits, n if masked else 0, params.temperature, slots, last_tokens)
             return self._to_host(tokens, None, None, None)
         top_k = batch.max_logprobs
-        simple = batch.all_greedy and top_k is None and batch.penalties is None and not len(batch.banned_rows) \
-            and not len(batch.bias_rows) and batch.grammar_rows is None
         raw_logprobs = None
-        if simple:
+        if path is SamplingPath.ARGMAX:
             tokens = logits.argmax(dim=-1)
         else:
             if batch.grammar_rows is not None:  # before the logprobs, as vLLM: they cover the allowed tokens

@@ -27,8 +27,8 @@ logger = logging.getLogger("nanoserve.server")
 class EngineClient(FrontEnd):
     def __init__(self, config: EngineConfig, tokenizer=None, log_level: str = "info", hf_config=None):
         """Start the engine core process and wait until it is ready (EngineStartError: why it could not start)."""
-        self.core = MPClient(config, log_level, hf_config)
-        super().__init__(self.core, tokenizer)
+        self.core_client: MPClient = MPClient(config, log_level, hf_config)
+        super().__init__(self.core_client, tokenizer)
         self._collectors: dict[str, tuple[RequestCollector, int]] = {}  # front-end request id → (collector, prompt)
         self._death_callbacks: list[Callable[[], None]] = []
         self._dead_reason: str | None = None
@@ -38,7 +38,7 @@ class EngineClient(FrontEnd):
     # -- state --------------------------------------------------------------------------------------
     @property
     def is_running(self) -> bool:
-        return self.core.connected and self._dead_reason is None
+        return self.core_client.connected and self._dead_reason is None
 
     @property
     def is_dead(self) -> bool:
@@ -47,7 +47,7 @@ class EngineClient(FrontEnd):
 
     @property
     def core_pid(self) -> int | None:
-        return self.core.process.pid
+        return self.core_client.process.pid
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._collectors)
@@ -59,16 +59,16 @@ class EngineClient(FrontEnd):
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
         """Connect to the core and start reading its outputs (on the event loop that will serve requests)."""
-        if self.core.connected or self._dead_reason is not None:
+        if self.core_client.connected or self._dead_reason is not None:
             return
-        await self.core.start(self._deliver, self._die)
+        await self.core_client.start(self._deliver, self._die)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the core in order; requests left fail with EngineStoppedError."""
         if self._closing:
             return
         self._closing = True
-        await self.core.shutdown(timeout)
+        await self.core_client.shutdown(timeout)
         self._die("the server is shutting down")
 
     # -- requests -----------------------------------------------------------------------------------
@@ -95,7 +95,7 @@ class EngineClient(FrontEnd):
         aborts = self.abort_requests(ids)
         if aborts and self.is_running:
             try:
-                self.core.abort_requests(aborts)
+                self.core_client.abort_requests(aborts)
             except CoreUnreachableError:
                 pass
 

@@ -1,6 +1,6 @@
 """A tensor-parallel worker: one process per rank after 0, running its own ModelRunner in lockstep with rank 0.
 
-Rank 0's RunnerGroup (runner/group.py, in the engine-core process) sends every step's batch and every other
+Rank 0's RunnerGroup (runner/parallel/group.py, in the engine-core process) sends every step's batch and every other
 runner call down this process's pipe, in order, and the worker makes the same call on its runner: same
 batch, same graph bucket, same sampling seeds, so the collectives inside each forward line up and every
 rank samples the same tokens into its own per-slot state. Its SampleHandles are never read (rank 0's are).
@@ -27,8 +27,8 @@ from multiprocessing.connection import wait
 import torch
 
 from nanoserve.runner.batch import DecodeBatch, PrefillBatch, SamplingBatch
-from nanoserve.runner.distributed import connect, disconnect
 from nanoserve.runner.model_runner import ModelRunner
+from nanoserve.runner.parallel.distributed import connect, disconnect
 
 
 def send(conn, message) -> None:
@@ -88,7 +88,7 @@ def run_worker(conn, rank: int, config, hf_config, store_path: str, log_level: i
         send(conn, ("joining",))
         tp = connect(store_path, rank, config.tensor_parallel_size, torch.device(config.device))
         runner = ModelRunner(config, hf_config, tp)
-        send(conn, ("ready", runner.num_kv_blocks))
+        send(conn, ("ready", runner.info.num_kv_blocks))
         _serve(conn, runner)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         os._exit(1)  # the engine is gone: nothing to report to
@@ -105,13 +105,16 @@ def run_worker(conn, rank: int, config, hf_config, store_path: str, log_level: i
 
 
 def _serve(conn, runner: ModelRunner) -> None:
+    pending = None  # this rank's PendingSample of a step whose sampler rank 0 deferred
     while True:
         message = recv(conn)
         kind = message[0]
         if kind == "execute":
-            runner.execute(restore(message[1], message[2], runner.device), message[3])
+            out = runner.execute(restore(message[1], message[2], runner.device), message[3])
+            pending = out if message[3] else None
         elif kind == "sample":
-            runner.sample_deferred(restore_sampling(message[1], message[2], runner.device))
+            runner.sample_deferred(pending, restore_sampling(message[1], message[2], runner.device))
+            pending = None
         elif kind == "call":
             _, fn, args, reply = message
             result = fn(runner, *args)

@@ -1,12 +1,14 @@
 """RunnerGroup: ModelRunner's API over tensor_parallel_size ranks, so the engine core's loop is unchanged.
 
 Rank 0 is a ModelRunner in this (the engine-core) process; ranks 1..N-1 are worker processes
-(runner/worker.py, torch.multiprocessing spawn) joined to it by the engine's own torch.distributed group.
+(runner/parallel/worker.py, torch.multiprocessing spawn) joined to it by the engine's own torch.distributed group.
 Each call that runs the model (execute, sample_deferred) is pickled once here
 and queued for a sender thread that writes it to every worker's pipe, then made on rank 0: one message per step
 (two when a structured-output step defers its sampler), and rank 0 never waits for a worker to read it, so async
 scheduling keeps its overlap. Only rank 0's
-SampleHandles are read; every other attribute the core reads (counters, graph sizes, KV blocks) is rank 0's.
+SampleHandles are read; what the core reads of a runner (`info`, `counters`: runner/info.py) is rank 0's, which runs
+every step the others do. Nothing else of rank 0's runner is reachable through the group: a call on rank 0 alone
+would leave the ranks' collectives unmatched (on_every_rank() runs a function on every rank).
 
 A dead worker becomes a WorkerError in the core, never a hang. A thread watches the workers' process
 sentinels. On CPU, gloo fails the collective rank 0 is in at once (the peer's connection closes); on CUDA
@@ -16,7 +18,6 @@ in progress, or the next one, raises naming the rank and its last error.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import os
 import pickle
@@ -31,9 +32,10 @@ from multiprocessing.connection import wait
 import torch.multiprocessing as torch_mp
 
 from nanoserve.config import EngineConfig
-from nanoserve.runner.distributed import TIMEOUT, connect, disconnect, rank_device
 from nanoserve.runner.model_runner import ModelRunner
-from nanoserve.runner.worker import portable, portable_sampling, recv, run_worker
+from nanoserve.runner.sampler import SampleHandle
+from nanoserve.runner.parallel.distributed import TIMEOUT, connect, disconnect, rank_device
+from nanoserve.runner.parallel.worker import portable, portable_sampling, recv, run_worker
 
 logger = logging.getLogger("nanoserve")
 
@@ -70,7 +72,7 @@ class RunnerGroup:
         if torch_mp.current_process().daemon:
             raise ValueError(f"tensor_parallel_size={size} starts worker processes, which a daemonic process "
                              "cannot: start the engine core in a non-daemonic process")
-        self.config, self.runner, self.tp = config, None, None
+        self.config, self.runner, self.tp, self.info = config, None, None, None
         self._dead: _Worker | None = None  # the first worker seen dead
         self._failure: str | None = None  # its error, once known: every later call raises it
         self._closing, self._busy, self._sender = False, 0, None
@@ -114,22 +116,29 @@ class RunnerGroup:
         threading.Thread(target=_watch, args=(weakref.ref(self), [w.process.sentinel for w in self._workers]),
                          name="nanoserve-tp-watch", daemon=True).start()
         self.runner = self._parts.runner = self._guarded(ModelRunner, self.config, hf_config, self.tp)
+        self.info = self.runner.info
         for w in self._workers:
             blocks = self._expect(w, "ready")[1]
-            if blocks != self.runner.num_kv_blocks:  # the memory plan agrees on the smallest count
-                raise RuntimeError(f"rank {w.rank} planned {blocks} KV blocks, rank 0 {self.runner.num_kv_blocks}")
+            if blocks != self.info.num_kv_blocks:  # the memory plan agrees on the smallest count
+                raise RuntimeError(f"rank {w.rank} planned {blocks} KV blocks, rank 0 {self.info.num_kv_blocks}")
 
     # -- ModelRunner's API ------------------------------------------------------------------------
-    def execute(self, batch, defer_sampling: bool = False):
-        """Every rank runs the step; rank 0's SampleHandle (None when nothing is sampled) comes back."""
-        self._broadcast(("execute", *portable(batch), defer_sampling))
-        handle = self._guarded(self.runner.execute, batch, defer_sampling)
-        return None if handle is None else _CheckedHandle(handle, self)
+    @property
+    def counters(self):
+        return self.runner.counters
 
-    def sample_deferred(self, sampling):
-        """Every rank launches the sampler it deferred, with this sampling batch (seeds, grammar bitmask)."""
+    def execute(self, batch, defer_sampling: bool = False):
+        """Every rank runs the step; rank 0's SampleHandle (None when nothing is sampled, its PendingSample when the
+        sampler is deferred) comes back."""
+        self._broadcast(("execute", *portable(batch), defer_sampling))
+        out = self._guarded(self.runner.execute, batch, defer_sampling)
+        return _CheckedHandle(out, self) if isinstance(out, SampleHandle) else out
+
+    def sample_deferred(self, pending, sampling):
+        """Every rank launches the sampler of the step it deferred (each keeps its own PendingSample), with this
+        sampling batch (seeds, grammar bitmask)."""
         self._broadcast(("sample", *portable_sampling(sampling)))
-        return _CheckedHandle(self._guarded(self.runner.sample_deferred, sampling), self)
+        return _CheckedHandle(self._guarded(self.runner.sample_deferred, pending, sampling), self)
 
     def save_batch_histogram(self) -> None:
         self.runner.save_batch_histogram()  # rank 0 saw every batch the others did
@@ -139,17 +148,6 @@ class RunnerGroup:
         self._broadcast(("call", fn, args, True))
         results = [self._guarded(fn, self.runner, *args)]
         return results + [self._expect(w, "result")[1] for w in self._workers]
-
-    def __getattr__(self, name: str):
-        """Rank 0's attributes (config, device, vocab_size, num_kv_blocks, counters, graph_runner, ...) for
-        reading. Its other methods would run on rank 0 alone and leave the collectives unmatched."""
-        runner = self.__dict__.get("runner")
-        if runner is None or name.startswith("__"):
-            raise AttributeError(name)
-        value = getattr(runner, name)
-        if inspect.ismethod(value):
-            raise AttributeError(f"RunnerGroup does not run {name}() on every rank; use on_every_rank()")
-        return value
 
     def _broadcast(self, message) -> None:
         self._check()

@@ -10,7 +10,6 @@ and a graph-pool budget. The runner measures; this module decides.
 """
 from __future__ import annotations
 
-import bisect
 import json
 import math
 import os
@@ -275,26 +274,6 @@ def _backtrack(cand: np.ndarray, parents: list[np.ndarray]) -> list[int]:
     return sorted(sizes)
 
 
-def chunk_caps(token_curve: StepTime, decode_curve: StepTime, max_rows: int, max_tokens: int, ratio: float,
-               floor: int = 16) -> list[int]:
-    """caps[d]: the prompt tokens a step with d decode rows may carry so that its time (token_curve at d + chunk
-    tokens) stays within ratio × the decode-only step of d rows (decode_curve(d)). caps[0] = max_tokens: with
-    nothing decoding, nobody waits on the chunk. At least `floor`, so prompts always progress."""
-    rows = np.arange(1, max_rows + 1)
-    limit = ratio * np.asarray(decode_curve(rows), dtype=np.float64)
-    step_ms = np.asarray(token_curve(np.arange(1, max_tokens + 1)), dtype=np.float64)  # non-decreasing
-    largest_total = np.searchsorted(step_ms, limit, side="right")  # the most tokens whose step fits the limit
-    caps = np.clip(largest_total - rows, floor, max_tokens)
-    return [max_tokens] + [int(c) for c in caps]
-
-
-def bucket_for(capture_sizes: list[int], batch_size: int) -> int | None:
-    """The bucket a batch of batch_size rows replays: the smallest captured size ≥ batch_size (sizes ascending);
-    None when it is larger than every bucket (it then runs eagerly)."""
-    i = bisect.bisect_left(capture_sizes, batch_size)
-    return capture_sizes[i] if i < len(capture_sizes) else None
-
-
 def _set_cost(sizes: Iterable[int], first: LinearCost, extra: LinearCost | None) -> float:
     ordered = sorted({int(s) for s in sizes})
     return float(first(ordered[-1]) + np.sum((extra or first)(ordered[:-1])))
@@ -347,5 +326,5 @@ def _is_count(c) -> bool:
     return isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c >= 0
 
 
-__all__ = ["LinearCost", "StepCurve", "BatchDistribution", "plan_buckets", "chunk_caps", "bucket_for", "MIN_RELATIVE_GAIN",
+__all__ = ["LinearCost", "StepCurve", "BatchDistribution", "plan_buckets", "MIN_RELATIVE_GAIN", "StepTime",
            "DEFAULT_CAPTURE_BUDGET_S", "DEFAULT_POOL_BUDGET_BYTES"]

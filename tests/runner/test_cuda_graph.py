@@ -125,11 +125,11 @@ def test_greedy_tokens_identical_to_eager_for_each_bucket_over_64_steps(tiny_mod
 def test_static_addresses_never_change(tiny_model_dirs):
     llm = _tiny_llm(tiny_model_dirs["qwen2"])
     runner = llm.engine.core.runner
-    gr, b = runner.graphs.runners[Kind.DECODE], runner.buffers
+    gr, buffers = runner.graphs.runners[Kind.DECODE], runner.buffers
 
     def addresses():
-        return (b.decode_inputs.device_buf.data_ptr(), b.kv_cache.data_ptr(),
-                b.state.block_tables.data_ptr(), b.state.last_tokens.data_ptr(),
+        return (buffers.decode_inputs.device_buf.data_ptr(), buffers.kv_cache.data_ptr(),
+                buffers.state.block_tables.data_ptr(), buffers.state.last_tokens.data_ptr(),
                 sorted(o.data_ptr() for o in gr.outputs.values()))
 
     before = addresses()

@@ -1,4 +1,5 @@
-"""RequestError: a request refused for what is in it, with the field at fault carried as data.
+"""RequestError: a request refused for what is in it, with the field at fault carried as data; ModelLoadError: a
+model folder or file that cannot be loaded.
 
 Front ends (the offline LLM, the server) raise and catch one type; the server answers it as OpenAI's error
 JSON with that field as `param` (400), instead of reading the field back out of the message text.
@@ -27,4 +28,8 @@ class RequestError(ValueError):
         return RequestError.of_field(param, self.problem)
 
 
-__all__ = ["RequestError"]
+class ModelLoadError(ValueError):
+    """A model folder or file that cannot be loaded; the message names the file or tensor at fault."""
+
+
+__all__ = ["RequestError", "ModelLoadError"]

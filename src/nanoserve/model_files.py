@@ -1,7 +1,7 @@
 """What a model's files say, read without building the model: HF config, its shape (ModelSpec), max length,
 tokenizer, EOS ids, and a GGUF file's metadata.
 
-The ground floor of the package (it imports no other nanoserve module but config's constants): the server, the engine and the
+The ground floor of the package (it imports only other ground modules: errors, checkpoint_formats): the server, the engine and the
 loader read a model folder or a .gguf file through here, and every refusal is one ModelLoadError line
 naming the file at fault, raised before any weight is read. No torch: the API process and the CLI read
 configs and tokenizers without it. Weights are model/loader.py's (safetensors) and model/gguf.py's.
@@ -16,7 +16,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanoserve.config import FP8_BLOCK
+from nanoserve.checkpoint_formats import Fp8Checkpoint, checkpoint_quantization  # noqa: F401 (re-exported)
+from nanoserve.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -35,10 +36,6 @@ _GGUF_SPECIAL_TOKEN_KEYS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_tok
                             "unk_token": "tokenizer.ggml.unknown_token_id",
                             "pad_token": "tokenizer.ggml.padding_token_id"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-class ModelLoadError(ValueError):
-    """A model folder or file that cannot be loaded; the message names the file or tensor at fault."""
 
 
 @dataclass(frozen=True)
@@ -183,83 +180,6 @@ def _check_spec(config, source: Path) -> None:
         ModelSpec.from_hf_config(config)
     except (ValueError, KeyError, AttributeError) as e:
         raise ModelLoadError(f"{source}: {first_line(e)}") from None
-
-
-@dataclass(frozen=True)
-class Fp8Checkpoint:
-    """How a pre-quantized FP8 checkpoint stores its linear weights: float8_e4m3fn codes in `<module>.weight`
-    beside fp32 scales in `<module>.<scale_name>`, of the layouts in `scales` (each tensor's shape says which):
-    "block" (one per 128x128 tile), "channel" (one per output row), "tensor" (one). Activation scales stored
-    for static quantization are not needed: activations stay in the serving dtype (W8A16) or are quantized per
-    token as they are used."""
-
-    method: str  # quantization_config.quant_method
-    scale_name: str
-    scales: tuple[str, ...]
-
-
-_FP8_FORMATS = ("float-quantized", "naive-quantized")  # compressed-tensors formats that store fp8 values as is
-
-
-def checkpoint_quantization(quant, source: Path | str) -> Fp8Checkpoint | None:
-    """The FP8 layout of a checkpoint from its quantization_config (None: not quantized); any other stored
-    format (GPTQ, AWQ, int4/int8, fp8 e5m2, other block sizes) is one ModelLoadError line naming it."""
-    if not quant:
-        return None
-    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-    if method == "fp8":
-        return _fp8_method(quant, source)
-    if method == "compressed-tensors":
-        return _compressed_tensors(quant, source)
-    raise ModelLoadError(f"{source}: the checkpoint is stored quantized (quantization_config.quant_method="
-                         f"{method!r}), a weight format nanoserve cannot load; it loads FP8 checkpoints "
-                         "('fp8' and 'compressed-tensors' FP8) and float32/bfloat16/float16 ones (--quantization fp8 "
-                         "quantizes one at load)")
-
-
-def _fp8_method(quant: dict, source) -> Fp8Checkpoint:
-    fmt = quant.get("fmt", "e4m3")
-    if fmt != "e4m3":
-        raise ModelLoadError(f"{source}: fp8 checkpoint in format {fmt!r}; nanoserve loads e4m3 only")
-    block = quant.get("weight_block_size")
-    if block is None:
-        return Fp8Checkpoint("fp8", "weight_scale", ("tensor", "channel"))
-    if list(block) != [FP8_BLOCK, FP8_BLOCK]:
-        raise ModelLoadError(f"{source}: fp8 checkpoint with weight_block_size {list(block)}; nanoserve loads "
-                             f"[{FP8_BLOCK}, {FP8_BLOCK}] blocks, per-channel and per-tensor scales")
-    return Fp8Checkpoint("fp8", "weight_scale_inv", ("block",))
-
-
-def _compressed_tensors(quant: dict, source) -> Fp8Checkpoint:
-    """compressed-tensors: every config group must hold 8-bit float weights (channel, tensor or 128x128 block
-    strategy) and 8-bit float or no input activations."""
-    fmt = quant.get("format")
-    if fmt not in _FP8_FORMATS:
-        raise ModelLoadError(f"{source}: compressed-tensors checkpoint in format {fmt!r}; nanoserve loads FP8 "
-                             f"weights stored {' or '.join(map(repr, _FP8_FORMATS))}")
-    if quant.get("sparsity_config"):
-        raise ModelLoadError(f"{source}: compressed-tensors checkpoint with a sparsity_config; nanoserve loads "
-                             "dense FP8 weights only")
-    groups = quant.get("config_groups") or {}
-    if not groups:
-        raise ModelLoadError(f"{source}: compressed-tensors checkpoint without config_groups")
-    scales = set()
-    for name, group in groups.items():
-        weights, acts = group.get("weights") or {}, group.get("input_activations")
-        what = (weights.get("type"), weights.get("num_bits"))
-        strategy = weights.get("strategy")
-        if what != ("float", 8) or strategy not in ("channel", "tensor", "block"):
-            raise ModelLoadError(f"{source}: compressed-tensors group {name!r} stores {what[1]}-bit {what[0]} "
-                                 f"weights with strategy {strategy!r}; nanoserve loads 8-bit float weights with "
-                                 "channel, tensor or block strategy")
-        if strategy == "block" and list(weights.get("block_structure") or []) != [FP8_BLOCK, FP8_BLOCK]:
-            raise ModelLoadError(f"{source}: compressed-tensors group {name!r} has block_structure "
-                                 f"{weights.get('block_structure')}; nanoserve loads [{FP8_BLOCK}, {FP8_BLOCK}]")
-        if acts and (acts.get("type"), acts.get("num_bits")) != ("float", 8):
-            raise ModelLoadError(f"{source}: compressed-tensors group {name!r} quantizes activations to "
-                                 f"{acts.get('num_bits')}-bit {acts.get('type')}; nanoserve takes FP8 or none")
-        scales.add(strategy)
-    return Fp8Checkpoint("compressed-tensors", "weight_scale", tuple(sorted(scales)))
 
 
 def model_max_len(hf_config) -> int:

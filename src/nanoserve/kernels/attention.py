@@ -21,13 +21,13 @@ import numpy as np
 import torch
 
 from nanoserve.kernels import reference
-from nanoserve.kernels._triton import (HAS_TRITON, cdiv, jit, next_power_of_2,
-                                       num_sms, pdl_args, pdl_start, pdl_wait, tl)
+from nanoserve.kernels._triton import (cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_start, pdl_wait, tl,
+                                       use_triton)
 from nanoserve.kernels.metadata import AttentionInputs
 
 
 def select_backend(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" and HAS_TRITON else "torch"
+    return "triton" if use_triton(device) else "torch"
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

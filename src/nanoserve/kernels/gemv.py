@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from nanoserve.kernels import fp8, fused
 from nanoserve.kernels.fp8 import SCALE_GROUP_K
 from nanoserve.kernels._triton import (HAS_TRITON, cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_enabled,
-                                       pdl_start, pdl_wait, prev_power_of_2, tl)
+                                       pdl_start, pdl_wait, prev_power_of_2, tl, use_triton)
 from nanoserve.kernels.rotary_kv import QKVRope
 from nanoserve.kernels.switches import SWITCHES
 
@@ -374,7 +374,7 @@ def _weight_ok(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 def kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    weight_scale: torch.Tensor | None = None) -> bool:
     """Whether the Triton kernel can take these arguments at all (where it is worth it is choose()'s call)."""
-    if not HAS_TRITON or not x.is_cuda or x.dim() != 2 or weight.dim() != 2:
+    if not use_triton(x) or x.dim() != 2 or weight.dim() != 2:
         return False
     m, k = x.shape
     n = weight.shape[0]
@@ -404,60 +404,59 @@ def _library_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return fp8.linear(x, weight, weight_scale, bias)
 
 
-def _variant(x, weight, bias, weight_scale, force_triton: bool, config: GemvConfig | None) -> GemvConfig | None:
-    """The Triton variant that runs x @ weight.T (config, else the table's), or None where the library path does. The
-    table's cuBLAS entries for fp8 weights are _scaled_mm's; where it does not apply (128x128-block scales) the library
-    path would dequantize the weight every call (Llama-3.1-8B block-scaled b=64: 10.7 ms a step vs 5.3 per channel)."""
-    if force_triton or kernel_applies(x, weight, bias, weight_scale):
+def _variant(x, weight, bias, weight_scale, config: GemvConfig | None) -> GemvConfig | None:
+    """The Triton variant that runs x @ weight.T (config, else the table's), or None where the library path does; the
+    tests' force_triton switch takes the kernel whatever kernel_applies and the table say. The table's cuBLAS entries
+    for fp8 weights are _scaled_mm's; where it does not apply (128x128-block scales) the library path would dequantize
+    the weight every call (Llama-3.1-8B block-scaled b=64: 10.7 ms a step vs 5.3 per channel)."""
+    forced = SWITCHES.force_triton
+    if forced or kernel_applies(x, weight, bias, weight_scale):
         cfg, triton_wins = choose(x.shape[0], weight.shape[0], x.shape[1], weight.element_size())
-        if force_triton or triton_wins or (weight_scale is not None
-                                           and not fp8.scaled_mm_applies(x, weight, weight_scale, bias)):
+        if forced or triton_wins or (weight_scale is not None
+                                     and not fp8.scaled_mm_applies(x, weight, weight_scale, bias)):
             return config or cfg
     return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           weight_scale: torch.Tensor | None = None, force_triton: bool = False,
-           config: GemvConfig | None = None) -> torch.Tensor:
+           weight_scale: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) (weight · weight_scale for fp8); the Triton kernel where GEMV_TABLE says it wins
-    (or with force_triton, on any device — CPU runs go through TRITON_INTERPRET=1). config overrides the table.
-    A dot8q variant first quantizes x in a kernel of its own (fp8.quantize_activations)."""
-    cfg = _variant(x, weight, bias, weight_scale, force_triton, config)
+    (or under the force_triton switch, on any device — CPU runs go through TRITON_INTERPRET=1). config overrides the
+    table. A dot8q variant first quantizes x in a kernel of its own (fp8.quantize_activations)."""
+    cfg = _variant(x, weight, bias, weight_scale, config)
     if cfg is None:
         return _library_linear(x, weight, bias, weight_scale)
-    rows = fp8.quantize_activations(x, force_triton) if cfg.act_fp8 else x
+    rows = fp8.quantize_activations(x) if cfg.act_fp8 else x
     return _launch(rows, weight, bias, x.shape[1], cfg, weight_scale=weight_scale)
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                    weight_scale: torch.Tensor | None = None, force_triton: bool = False,
-                    config: GemvConfig | None = None) -> torch.Tensor:
+                    weight_scale: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
     """(silu(gate) * up) @ weight.T + bias for gate_up [M, 2I] (the MLP's down projection): a dot8q variant gets its
     input quantized by the SiLU-mul kernel itself."""
     x = gate_up[:, :gate_up.shape[1] // 2]  # the shape, dtype and device of the product's input
-    cfg = _variant(x, weight, bias, weight_scale, force_triton, config)
+    cfg = _variant(x, weight, bias, weight_scale, config)
     if cfg is not None and cfg.act_fp8:
-        return _launch(fused.silu_and_mul(gate_up, force_triton, quantize=True), weight, bias, x.shape[1], cfg,
+        return _launch(fused.silu_and_mul(gate_up, quantize=True), weight, bias, x.shape[1], cfg,
                        weight_scale=weight_scale)
-    return linear(fused.silu_and_mul(gate_up), weight, bias, weight_scale=weight_scale, force_triton=force_triton,
-                  config=config)
+    return linear(fused.silu_and_mul(gate_up), weight, bias, weight_scale=weight_scale, config=config)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                 weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_scale: torch.Tensor | None = None,
-                force_triton: bool = False, config: GemvConfig | None = None):
+                config: GemvConfig | None = None):
     """(rms_norm(x + residual) · norm_weight) @ weight.T + bias, and the new residual x + residual.
 
     With SWITCHES.fuse_norm (up to fuse_max_m rows of fuse_norm_min_k…fuse_norm_max_k values) the norm runs inside the
     GEMV's prologue.
     Without a residual (the first layer) the new residual is x itself. A dot8q variant gets the normed rows quantized
     by the norm kernel itself."""
-    cfg = _variant(x, weight, bias, weight_scale, force_triton, config)
+    cfg = _variant(x, weight, bias, weight_scale, config)
     if cfg is not None and cfg.act_fp8:
-        out = fused.rms_norm(x, norm_weight, eps, residual, force_triton=force_triton, quantize=True)
+        out = fused.rms_norm(x, norm_weight, eps, residual, quantize=True)
         rows, new_residual = out if residual is not None else (out, x)
         return _launch(rows, weight, bias, x.shape[1], cfg, weight_scale=weight_scale), new_residual
-    if not (force_triton or _fuses(SWITCHES.fuse_norm, x, weight, bias, weight_scale)
+    if not (SWITCHES.force_triton or _fuses(SWITCHES.fuse_norm, x, weight, bias, weight_scale)
             and SWITCHES.fuse_norm_min_k <= x.shape[1] <= SWITCHES.fuse_norm_max_k and (residual is None or residual.stride(-1) == 1)):
         if residual is None:
             return linear(fused.rms_norm(x, norm_weight, eps), weight, bias, weight_scale=weight_scale), x

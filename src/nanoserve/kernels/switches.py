@@ -1,10 +1,13 @@
-"""On/off switches of the decode kernels: programmatic dependent launch and each fusion.
+"""On/off switches of the decode kernels: programmatic dependent launch, each fusion, and the tests' Triton path.
 
 Read once from the environment at import (NANOSERVE_PDL=0 turns PDL off, NANOSERVE_GEMV_PREFETCH=0 the GEMV's L2
 prefetch; NANOSERVE_FUSE_NORM=0 the RMSNorm prologue), so a benchmark can measure each
 one's worth: kernels read SWITCHES when they launch, so `switched(pdl=False)` followed by a fresh
 capture gives graphs without it, in the same process. Every switch only chooses between two paths
 that compute the same result (the tests check each fused path against the unfused one).
+
+force_triton (NANOSERVE_FORCE_TRITON=1) is for tests only: every kernel takes its Triton path whatever the device
+and the GEMV tables say (_triton.use_triton), so CPU tests run the kernels in Triton's interpreter.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 _ENV = {"pdl": "NANOSERVE_PDL", "gemv_prefetch": "NANOSERVE_GEMV_PREFETCH",
         "fuse_norm": "NANOSERVE_FUSE_NORM",
         "fuse_max_m": "NANOSERVE_FUSE_MAX_M", "fuse_norm_min_k": "NANOSERVE_FUSE_NORM_MIN_K",
-        "fuse_norm_max_k": "NANOSERVE_FUSE_NORM_MAX_K"}
+        "fuse_norm_max_k": "NANOSERVE_FUSE_NORM_MAX_K", "force_triton": "NANOSERVE_FORCE_TRITON"}
 _COUNTS = ("fuse_max_m", "fuse_norm_min_k", "fuse_norm_max_k")
 
 
@@ -41,6 +44,7 @@ class Switches:
     # program's product is short and the norm's two dependent reads sit after the PDL wait.
     fuse_norm_min_k: int = 1024
     fuse_norm_max_k: int = 2048
+    force_triton: bool = False  # tests: the Triton path on every device, GEMV tables bypassed (CPU: the interpreter)
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "Switches":

@@ -16,14 +16,13 @@ if TYPE_CHECKING:  # torch is imported where a value needs it: the CLI parses it
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # offline (LLM, generate, bench): throughput first
-# `nanoserve serve`'s default: chosen by measurement (benchmarks/results/serve_qwen3_budget*_h200.json, Qwen3-0.6B,
-# 1024 in / 128 out): against 8192 it cuts ITL p99 at 256 streams from 319 to 38 ms at 98% of the output tok/s;
-# 1024 cuts little more (36 ms) and loses 10% of the tok/s. 2048 is also the largest token-count graph.
+# `nanoserve serve`'s default: against the offline budget it cuts the ITL tail of streams decoding beside arriving
+# prompts at little cost in output tok/s, where a smaller one cuts little more and costs more; 2048 is also the
+# largest token-count graph (measured: notes/PERF.md, issue 34 figures, config.SERVE_MAX_NUM_BATCHED_TOKENS).
 SERVE_MAX_NUM_BATCHED_TOKENS = 2048
 # `nanoserve serve`'s chunk_time_ratio: a step that carries prompt tokens beside decode rows may take this many
-# decode steps' time (measured curves). Measured at 2048 tokens per step (benchmarks/results/serve_qwen3_ratio*_h200
-# .json): 4 keeps ITL p99 <= 3x p50 at 1-256 streams with TTFT p99 2.9x p50 at 16; 2.5 costs TTFT (4.5x at 16),
-# 0 (off) lets ITL p99 reach 3.1x / 3.6x at 16 / 256 streams.
+# decode steps' time (measured curves): the value that keeps the ITL tail near the median without costing TTFT
+# (measured: notes/PERF.md, issue 34 figures, config.SERVE_CHUNK_TIME_RATIO).
 SERVE_CHUNK_TIME_RATIO = 4.0
 # The EngineConfig fields whose `nanoserve serve` default differs (its --help shows these): a server's steps are
 # sized for its streams' ITL, not throughput.
@@ -61,8 +60,8 @@ TOOL_CALL_PARSER_CHOICES = ("auto", "none", *TOOL_CALL_PARSERS)
 # Structured outputs (engine/grammar.py): JSON may hold whitespace between tokens (as vLLM's default allows), at most
 # this many characters in a row, so a small model cannot loop on blanks; compiled grammars kept per engine core
 # (least recently used dropped); threads that compile them; a step's masks are filled on a thread of their own
-# (beside the host's scheduling) from this many grammar rows: below it the hand-off costs more than the fill (~15 µs a
-# row for a JSON schema over a 152k vocabulary)
+# (beside the host's scheduling) from this many grammar rows: below it the hand-off costs more than the fill
+# (measured: notes/PERF.md, issue 34 figures, config.GRAMMAR_FILL_THREAD_MIN_ROWS)
 STRUCTURED_JSON_MAX_WHITESPACE = 16
 GRAMMAR_CACHE_SIZE = 256
 GRAMMAR_COMPILE_THREADS = 2

@@ -15,8 +15,8 @@ called gdc_launch_dependents (or exited). Each kernel here that supports it take
     visible, and every program calls it, so completion is transitive along the chain;
   * its first statement lets the next kernel launch (gdc_launch_dependents, pdl_start): the next kernel's
     programs are then scheduled as soon as every program of this one has started, and issue their weight loads
-    while this one still waits or runs. (Triggering after the wait instead was measured slower: Llama-3.1-8B b=1
-    4.083 vs 3.925 ms, SmolLM2-135M b=8 0.844 vs 0.743; benchmarks/results/experiments/decode_floor_*_h200.json.)
+    while this one still waits or runs. (Triggering after the wait instead was measured slower:
+    notes/PERF.md, issue 34 figures, _triton.)
     Correctness does not depend on where the trigger is: the next kernel still waits for this one to complete.
 Kernels that are not PDL launches (cuBLAS, torch ops) wait for full completion as usual.
 """

@@ -71,7 +71,8 @@ def qk_norm_rope_ref(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=Non
 
 
 # Tokens per program: one head of one token is only HEAD_DIM values, so at prefill sizes a program per
-# (token, head) is ~10x slower than the bytes need (H200, Qwen3-0.6B at 1024 tokens: 0.86 ms of 4.35).
+# (token, head) is many times slower than the bytes need (measured: notes/PERF.md, issue 34 figures,
+# rotary_kv.ROPE_BLOCK_T).
 ROPE_BLOCK_T = 16
 ROPE_MIN_TOKENS_PER_BLOCK = 256  # below this many tokens, one token per program keeps the grid wide (decode)
 

@@ -15,7 +15,7 @@ the kernel's oracle.
 The bitmask is xgrammar's layout: [rows, ceil(vocab / 32)] int32, bit j of word w allows token 32w + j. The rest of
 the sampler (top-k, top-p, min-p, logprobs, bans, biases, penalties, seeded rows) works on a float32 copy of the
 logits, which a constrained step makes masked (`masked_float_logits`: xgrammar's apply_token_bitmask_inplace costs
-~0.18 ms of host time a call in its Python wrapper).
+more host time a call in its Python wrapper; measured: notes/PERF.md, issue 34 figures, kernels/sampling.py).
 """
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ def test_valid_edges_accepted():
 def test_make_generator():
     assert SamplingParams().make_generator("cpu") is None
     p = SamplingParams(seed=123)
-    a, b, c = p.make_generator("cpu"), p.make_generator("cpu"), p.make_generator("cpu", index=1)
+    a, b, c = p.make_generator("cpu"), p.make_generator("cpu"), SamplingParams(seed=124).make_generator("cpu")
     ra, rb, rc = (torch.rand(8, generator=g) for g in (a, b, c))
     assert torch.equal(ra, rb) and not torch.equal(ra, rc)
 

@@ -13,6 +13,7 @@ if not torch.cuda.is_available():  # CPU CI: Triton kernels run in the interpret
 
 import pytest
 
+from nanoserve.kernels.switches import switched
 from nanoserve.tiny import ARCHS, make_tiny_model
 
 
@@ -25,6 +26,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def force_triton():
+    """Every kernel takes its Triton path for this test, whatever the device and the GEMV tables say (CPU tensors: the
+    interpreter, so on a CUDA machine the test must keep its kernel inputs on the GPU)."""
+    with switched(force_triton=True):
+        yield
 
 
 @pytest.fixture(scope="session")

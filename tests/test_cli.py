@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from nanoserve import __version__
-from nanoserve.cli import _build_parser, main
+from nanoserve.cli import _build_parser, engine_config_from_args, main
 from nanoserve.config import (FIELD_HELP, SERVE_CHUNK_TIME_RATIO, SERVE_DEFAULTS, SERVE_MAX_NUM_BATCHED_TOKENS,
                               EngineConfig)
 
@@ -58,21 +58,46 @@ def test_a_broken_gguf_is_one_clear_line(tmp_path):
     assert "truncated or corrupt" in out.stderr and out.stderr.count("\n") == 1, out.stderr
 
 
-def test_every_engine_field_has_help_and_shows_its_default():
-    assert set(FIELD_HELP) == {f.name for f in dataclasses.fields(EngineConfig)}
-    commands = _build_parser()._subparsers._group_actions[0].choices  # argparse keeps subparsers here
-    bench = commands["bench"]._subparsers._group_actions[0].choices
-    for command, parser in [(c, commands[c]) for c in ("serve", "generate")] + [
-            ("bench " + c, bench[c]) for c in ("latency", "throughput", "graphs")]:
-        helps = {a.dest: a.help for a in parser._actions}
-        for f in dataclasses.fields(EngineConfig):
-            assert helps[f.name].startswith(FIELD_HELP[f.name]), (command, f.name)
-            default = SERVE_DEFAULTS.get(f.name, f.default) if command == "serve" else f.default
-            if default not in (None, dataclasses.MISSING):
-                shown = str(default).lower() if isinstance(default, bool) else str(default)
-                assert helps[f.name].endswith(f"(default: {shown})"), (command, f.name)
-    usage = commands["generate"].format_help()
-    assert "(default: 256)" in usage and "(default: true)" in usage
+ENGINE_COMMANDS = {"serve": ["serve", "--model", "m"], "generate": ["generate", "--model", "m", "--prompt", "p"],
+                   **{f"bench {c}": ["bench", c, "--model", "m"] for c in ("latency", "throughput", "graphs")}}
+
+
+def engine_helps(argv: list[str]) -> dict[str, str]:
+    """dest → help of the parser that parses argv (the subcommand's own)."""
+    parser = _build_parser()
+    for word in argv[:2] if argv[0] == "bench" else argv[:1]:
+        parser = parser._subparsers._group_actions[0].choices[word]  # argparse keeps subparsers here
+    return {a.dest: a.help for a in parser._actions}
+
+
+@pytest.mark.parametrize("command", sorted(ENGINE_COMMANDS))
+def test_every_engine_field_shows_the_default_the_command_really_uses(command):
+    """Each field's help is its own metadata; its "(default: X)" is the config the command builds when the flag is
+    left out, and where that is None, what the field says None stands for, checked against the resolved config."""
+    argv = ENGINE_COMMANDS[command]
+    args = _build_parser().parse_args(argv)
+    config = engine_config_from_args(args)
+    resolved = config.resolve(model_max_len=10 ** 6, model_dtype=None)
+    helps = engine_helps(argv)
+    for f in dataclasses.fields(EngineConfig):
+        assert FIELD_HELP[f.name] == f.metadata["help"] and helps[f.name].startswith(f.metadata["help"]), f.name
+        if f.name == "model":
+            continue
+        value = getattr(config, f.name)
+        if value is None:
+            shown = f.metadata["unset"]
+            if shown and shown.isdigit():  # a number None stands for: the one resolve() fills in
+                assert str(getattr(resolved, f.name)) == shown, (command, f.name)
+        else:
+            shown = str(value).lower() if isinstance(value, bool) else str(value)
+        assert helps[f.name].endswith(f"(default: {shown})" if shown else f.metadata["help"]), (command, f.name)
+    assert f"capped at {resolved.max_model_len}" in helps["max_model_len"]
+
+
+def test_serve_help_shows_its_own_defaults():
+    out = run_cli("serve", "--help").stdout
+    text = " ".join(out.split())  # argparse wraps the help
+    assert f"(default: {SERVE_MAX_NUM_BATCHED_TOKENS})" in text and f"(default: {SERVE_CHUNK_TIME_RATIO})" in text
 
 
 def parse(*flags):

@@ -95,7 +95,7 @@ def test_valid_edges_accepted():
 def test_make_generator():
     assert SamplingParams().make_generator("cpu") is None
     p = SamplingParams(seed=123)
-    a, b, c = p.make_generator("cpu"), p.make_generator("cpu"), p.make_generator("cpu", index=1)
+    a, b, c = p.make_generator("cpu"), p.make_generator("cpu"), SamplingParams(seed=124).make_generator("cpu")
     ra, rb, rc = (torch.rand(8, generator=g) for g in (a, b, c))
     assert torch.equal(ra, rb) and not torch.equal(ra, rc)
 
@@ -355,6 +355,7 @@ def test_cuda_seeded_and_greedy():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.usefixtures("force_triton")
 def test_plain_batches_take_the_one_kernel_and_the_others_do_not():
     """A plain batch (greedy and temperature rows, a bitmask or none) is sample_tokens' result, stored in the slots'
     cells and copied to the host; a batch with top-p takes the general path (the kernel's scratch is not touched)."""
@@ -365,7 +366,7 @@ def test_plain_batches_take_the_one_kernel_and_the_others_do_not():
     seqs = [Seq(SamplingParams(temperature=t)) for t in (0.0, 0.8, 1.0, 0.0, 1.3)]
     for i, s in enumerate(seqs):
         s.slot, s.num_pending = i, 1
-    s = Sampler(rows, torch.device("cpu"), torch.Generator().manual_seed(11), vocab, fused=True)  # as on CUDA
+    s = Sampler(rows, torch.device("cpu"), torch.Generator().manual_seed(11), vocab)  # as on CUDA
     first = random.Random(11).getrandbits(31)  # the first call's noise key; each call advances it by one
     for masked in (False, True):
         batch = sampling_batch(seqs, [])

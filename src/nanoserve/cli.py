@@ -31,13 +31,12 @@ _ALIASES = {"tensor_parallel_size": ["-tp"]}  # vLLM's short flag
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
-    """One flag per EngineConfig field. defaults: a command's own defaults for some fields (serve's), shown in its
-    --help; a flag left out passes None, so EngineConfig's default (or the command's) applies."""
+    """One flag per EngineConfig field, its help the field's own. defaults: a command's own defaults for some fields
+    (serve's), shown in its --help; a flag left out passes None, so EngineConfig's default (or the command's) applies."""
     group = parser.add_argument_group("engine options")
     for f in _ENGINE_FIELDS:
         flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, [])]
-        default = (defaults or {}).get(f.name, f.default)
-        text = FIELD_HELP[f.name] + ("" if default is None else f" (default: {_shown(default)})")
+        text = f.metadata["help"] + _default_shown(f, (defaults or {}).get(f.name, f.default))
         if "bool" in str(f.type):  # `--flag` alone means true
             group.add_argument(*flags, type=parse_bool, nargs="?", const=True, default=None, metavar="BOOL", help=text)
         elif f.name == "cudagraph_capture_sizes":  # auto | pow2 | N N ...: EngineConfig checks the words
@@ -53,8 +52,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser, defaults: dict | None = N
     parser.set_defaults(**(defaults or {}))
 
 
-def _shown(default) -> str:
-    return str(default).lower() if isinstance(default, bool) else str(default)
+def _default_shown(f: dataclasses.Field, default) -> str:
+    """" (default: X)": the value the command uses, or for None what the field says None stands for."""
+    if default is None:
+        return f" (default: {f.metadata['unset']})" if f.metadata["unset"] else ""
+    return f" (default: {str(default).lower() if isinstance(default, bool) else default})"
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -16,14 +16,13 @@ if TYPE_CHECKING:  # torch is imported where a value needs it: the CLI parses it
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # offline (LLM, generate, bench): throughput first
-# `nanoserve serve`'s default: chosen by measurement (benchmarks/results/serve_qwen3_budget*_h200.json, Qwen3-0.6B,
-# 1024 in / 128 out): against 8192 it cuts ITL p99 at 256 streams from 319 to 38 ms at 98% of the output tok/s;
-# 1024 cuts little more (36 ms) and loses 10% of the tok/s. 2048 is also the largest token-count graph.
+# `nanoserve serve`'s default: against the offline budget it cuts the ITL tail of streams decoding beside arriving
+# prompts at little cost in output tok/s, where a smaller one cuts little more and costs more; 2048 is also the
+# largest token-count graph (measured: notes/PERF.md, issue 34 figures, config.SERVE_MAX_NUM_BATCHED_TOKENS).
 SERVE_MAX_NUM_BATCHED_TOKENS = 2048
 # `nanoserve serve`'s chunk_time_ratio: a step that carries prompt tokens beside decode rows may take this many
-# decode steps' time (measured curves). Measured at 2048 tokens per step (benchmarks/results/serve_qwen3_ratio*_h200
-# .json): 4 keeps ITL p99 <= 3x p50 at 1-256 streams with TTFT p99 2.9x p50 at 16; 2.5 costs TTFT (4.5x at 16),
-# 0 (off) lets ITL p99 reach 3.1x / 3.6x at 16 / 256 streams.
+# decode steps' time (measured curves): the value that keeps the ITL tail near the median without costing TTFT
+# (measured: notes/PERF.md, issue 34 figures, config.SERVE_CHUNK_TIME_RATIO).
 SERVE_CHUNK_TIME_RATIO = 4.0
 # The EngineConfig fields whose `nanoserve serve` default differs (its --help shows these): a server's steps are
 # sized for its streams' ITL, not throughput.
@@ -61,8 +60,8 @@ TOOL_CALL_PARSER_CHOICES = ("auto", "none", *TOOL_CALL_PARSERS)
 # Structured outputs (engine/grammar.py): JSON may hold whitespace between tokens (as vLLM's default allows), at most
 # this many characters in a row, so a small model cannot loop on blanks; compiled grammars kept per engine core
 # (least recently used dropped); threads that compile them; a step's masks are filled on a thread of their own
-# (beside the host's scheduling) from this many grammar rows: below it the hand-off costs more than the fill (~15 µs a
-# row for a JSON schema over a 152k vocabulary)
+# (beside the host's scheduling) from this many grammar rows: below it the hand-off costs more than the fill
+# (measured: notes/PERF.md, issue 34 figures, config.GRAMMAR_FILL_THREAD_MIN_ROWS)
 STRUCTURED_JSON_MAX_WHITESPACE = 16
 GRAMMAR_CACHE_SIZE = 256
 GRAMMAR_COMPILE_THREADS = 2
@@ -87,45 +86,87 @@ class GraphSizes:
         return cls(tuple(sizes), False, max(sizes, default=0))
 
 
+def _field(default=dataclasses.MISSING, *, help: str, unset: str | None = None):
+    """An EngineConfig field with its --help text, said once here (the CLI adds "(default: X)"); unset: what a None
+    default stands for, shown as the default."""
+    return dataclasses.field(default=default, metadata={"help": help, "unset": unset})
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start. `model` is a local Hugging Face folder or a .gguf file.
 
-    What each field means is said once, in FIELD_HELP below (the CLI's --help shows it with the default).
+    What each field means is said once, in its own metadata (the CLI's --help shows it with the default).
     """
 
-    model: str
-    device: str = "auto"  # "auto" → cuda when available, else cpu
-    dtype: str = "auto"  # "auto" → the model's torch_dtype on CUDA, float32 on CPU
-    tensor_parallel_size: int = 1  # ranks (GPUs from `device` on; gloo processes on CPU) that share each layer
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # tokens per step (long prompts are prefilled in chunks); None → 8192
-    max_model_len: int | None = None  # None → the model's max_position_embeddings (capped at 32768)
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None → sized from memory (GPU) or cpu_kv_cache_gb (CPU)
-    gpu_memory_utilization: float = 0.90
-    cpu_kv_cache_gb: float = 1.0
-    enforce_eager: bool = False
-    # "auto": planned from measurements; "pow2"; sizes; []: none. A resolved config holds a GraphSizes.
-    cudagraph_capture_sizes: list[int] | str | GraphSizes = "auto"
-    prefill_graph_sizes: list[int] | str | GraphSizes = "auto"  # token counts of prompt / mixed steps with a graph
-    cudagraph_plan: str | None = None  # batch-size histogram file: read by "auto" at start, written on shutdown
-    cudagraph_capture_budget_s: float = CUDAGRAPH_CAPTURE_BUDGET_S  # "auto": capture time the planned sizes may take
-    cudagraph_pool_budget_mib: int = CUDAGRAPH_POOL_BUDGET_MIB  # "auto": graph-pool memory the planned sizes may take
-    skip_graph_check: bool = False  # skip replaying every captured size against the eager forward at start-up
-    enable_prefix_caching: bool = True
-    async_scheduling: bool = True  # the host schedules step N+1 while the device runs step N
-    chunk_time_ratio: float = 0.0  # prompt tokens beside decode rows: step time <= ratio x a decode step (0: off)
-    max_waiting_requests: int = 4096  # the server answers 503 beyond this
-    seed: int = 0
-    tokenizer: str | None = None  # None → the model folder
-    revision: str | None = None  # hub ids: the branch, tag or commit (None: main)
-    download_dir: str | None = None  # hub ids: the cache folder (None: huggingface_hub's, HF_HUB_CACHE)
-    skip_tokenizer_init: bool = False  # token-id prompts only; outputs carry no text
-    load_format: str = "auto"  # "auto": safetensors weights; "dummy": random weights from config.json (benchmarks)
-    quantization: str | None = None  # "fp8": linear weights stored as float8 e4m3 + per-channel scales (W8A16)
-    quantize_lm_head: bool = False  # with quantization: the lm_head too (it stays in dtype by default)
-    show_progress: bool = True  # tqdm bars during capture
+    model: str = _field(help="a local Hugging Face model folder (config.json + safetensors) or a .gguf file, or a "
+                             "hub id (org/name; a GGUF repository's file as org/name:QUANT or org/name/FILE.gguf)")
+    device: str = _field("auto", help="'cpu', 'cuda' or 'cuda:N'; 'auto' picks cuda when a GPU is visible, else cpu")
+    dtype: str = _field("auto", help="float32, bfloat16 or float16 (fp32/bf16/fp16); 'auto' is the checkpoint's half "
+                                     "type on CUDA (bfloat16 for float32 or quantized checkpoints) and float32 on CPU")
+    tensor_parallel_size: int = _field(1, help="GPUs (or gloo processes on CPU) to shard the model over, "
+                                               "Megatron-style; one worker process per extra rank (alias -tp)")
+    max_num_seqs: int = _field(256, help="most sequences decoded together in one step (the largest batch)")
+    max_num_batched_tokens: int | None = _field(
+        None, help="tokens one step may run (decode rows + prefill chunks); a longer prompt is prefilled in chunks "
+                   "over several steps; `serve` defaults to fewer (the ITL tail of streams decoding beside arriving "
+                   "prompts)", unset=str(DEFAULT_MAX_NUM_BATCHED_TOKENS))
+    max_model_len: int | None = _field(None, help="longest prompt + output, in tokens",
+                                       unset=f"the model's max_position_embeddings, capped at {MAX_DEFAULT_MODEL_LEN}")
+    block_size: int = _field(16, help="tokens per KV-cache block (the page size of the paged cache)")
+    num_kv_blocks: int | None = _field(None, help="KV-cache blocks to allocate",
+                                       unset="sized from free GPU memory (--gpu-memory-utilization) or from "
+                                             "--cpu-kv-cache-gb on CPU")
+    gpu_memory_utilization: float = _field(0.90, help="fraction of the GPU's memory the engine may use in all "
+                                                      "(weights, KV cache, graphs)")
+    cpu_kv_cache_gb: float = _field(1.0, help="GiB of KV cache on CPU (at most what max_num_seqs full-length "
+                                              "sequences need)")
+    enforce_eager: bool = _field(False, help="decode without CUDA graphs (slower; for debugging and comparison)")
+    # A resolved config holds a GraphSizes in both graph settings.
+    cudagraph_capture_sizes: list[int] | str | GraphSizes = _field(
+        "auto", help="batch sizes that get a CUDA graph: 'auto' plans them at start-up from measured replays (under "
+                     "the two budgets below), 'pow2' is 1, 2, 4, ... plus max_num_seqs, or give sizes")
+    prefill_graph_sizes: list[int] | str | GraphSizes = _field(
+        "auto", help="token counts (prefill chunks + decode rows) that get a CUDA graph for prompt and mixed steps: "
+                     f"'auto' plans them at start-up from measured replays (up to {PREFILL_GRAPH_MAX_TOKENS} tokens, "
+                     "within the budgets below, shared with the decode graphs), 'off', or give sizes; a step over the "
+                     "largest runs eagerly. Without CUDA, given sizes run the graphs' padded static-buffer forward "
+                     "without capture (their eager twin, which the CPU tests check)")
+    cudagraph_plan: str | None = _field(None, help="a batch-size histogram file: 'auto' plans for it when it exists; "
+                                                   "the engine writes the sizes it saw there on shutdown")
+    cudagraph_capture_budget_s: float = _field(CUDAGRAPH_CAPTURE_BUDGET_S,
+                                               help="seconds the planned graphs may take to capture ('auto')")
+    cudagraph_pool_budget_mib: int = _field(CUDAGRAPH_POOL_BUDGET_MIB,
+                                            help="MiB of graph memory pool the planned graphs may take ('auto')")
+    skip_graph_check: bool = _field(False, help="skip replaying every captured graph against the eager forward at "
+                                                "start-up")
+    enable_prefix_caching: bool = _field(True, help="reuse the KV blocks of a prompt prefix seen before")
+    async_scheduling: bool = _field(True, help="schedule step N+1 while the device runs step N (false: one step at "
+                                               "a time)")
+    chunk_time_ratio: float = _field(
+        0.0, help="cap the prompt tokens of a step that also decodes so that its time (the measured token-count "
+                  "curve) is at most this many decode steps of its rows (the batch-size curve): the streams' ITL tail "
+                  "beside arriving prompts; needs planned ('auto') CUDA graphs; 0: off")
+    max_waiting_requests: int = _field(4096, help="most requests queued at once; the server answers 503 beyond this")
+    seed: int = _field(0, help="seed of the engine's random state (per-request seeds are in the sampling parameters)")
+    tokenizer: str | None = _field(None, help="a tokenizer folder or .gguf file (or hub id) other than the model's",
+                                   unset="the model's own")
+    revision: str | None = _field(None, help="for a hub id: the branch, tag or commit to use", unset="main")
+    download_dir: str | None = _field(None, help="for a hub id: the cache folder to find or download it in "
+                                                 "(HF_HUB_OFFLINE=1 uses only what is cached)",
+                                      unset="huggingface_hub's cache, HF_HUB_CACHE")
+    skip_tokenizer_init: bool = _field(False, help="load no tokenizer: prompts must be token ids and outputs carry "
+                                                   "no text")
+    load_format: str = _field("auto", help="'auto' reads the weights from the model; 'dummy' makes random weights of "
+                                           "the model's shape (benchmarks without weight files)")
+    quantization: str | None = _field(
+        None, help="'fp8': linear weights stored as float8 e4m3 with one scale per output channel; on the GPU decode "
+                   "is W8A8 from two rows up (the activations quantized to fp8 too) and W8A16 at one row, prefill W8A8 "
+                   "through torch._scaled_mm; a pre-quantized FP8 checkpoint loads as stored either way",
+        unset="none")
+    quantize_lm_head: bool = _field(False, help="with quantization, the lm_head too (it stays in the serving dtype "
+                                                "otherwise)")
+    show_progress: bool = _field(True, help="show progress bars (CUDA-graph capture)")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
@@ -225,61 +266,8 @@ class EngineConfig:
             raise RuntimeError("this EngineConfig is not resolved yet: call resolve() with the model's limits")
 
 
-# Help text of every EngineConfig field: `nanoserve ... --help` shows it (with the default), tests require one each.
-FIELD_HELP = {
-    "model": "a local Hugging Face model folder (config.json + safetensors) or a .gguf file, or a hub id "
-             "(org/name; a GGUF repository's file as org/name:QUANT or org/name/FILE.gguf)",
-    "device": "'cpu', 'cuda' or 'cuda:N'; 'auto' picks cuda when a GPU is visible, else cpu",
-    "dtype": "float32, bfloat16 or float16 (fp32/bf16/fp16); 'auto' is the checkpoint's half type on CUDA "
-             "(bfloat16 for float32 or quantized checkpoints) and float32 on CPU",
-    "max_num_seqs": "most sequences decoded together in one step (the largest batch)",
-    "max_num_batched_tokens": "tokens one step may run (decode rows + prefill chunks); a longer prompt is "
-                              "prefilled in chunks over several steps; default: 8192, and 2048 for `serve` "
-                              "(the ITL tail of streams decoding beside arriving prompts)",
-    "max_model_len": "longest prompt + output, in tokens; default: the model's max_position_embeddings, "
-                     "capped at 32768",
-    "block_size": "tokens per KV-cache block (the page size of the paged cache)",
-    "num_kv_blocks": "KV-cache blocks to allocate; default: sized from free GPU memory "
-                     "(--gpu-memory-utilization) or from --cpu-kv-cache-gb on CPU",
-    "gpu_memory_utilization": "fraction of the GPU's memory the engine may use in all (weights, KV cache, graphs)",
-    "cpu_kv_cache_gb": "GiB of KV cache on CPU (at most what max_num_seqs full-length sequences need)",
-    "enforce_eager": "decode without CUDA graphs (slower; for debugging and comparison)",
-    "cudagraph_capture_sizes": "batch sizes that get a CUDA graph: 'auto' plans them at start-up from measured "
-                               "replays (under the two budgets below), 'pow2' is 1, 2, 4, ... plus max_num_seqs, "
-                               "or give sizes",
-    "prefill_graph_sizes": "token counts (prefill chunks + decode rows) that get a CUDA graph for prompt and mixed "
-                           "steps: 'auto' plans them at start-up from measured replays (up to "
-                           f"{PREFILL_GRAPH_MAX_TOKENS} tokens, within the budgets below, shared with the decode "
-                           "graphs), 'off', or give sizes; a step over the largest runs eagerly. Without CUDA, given sizes run the "
-                           "graphs' padded static-buffer forward without capture (their eager twin, which the CPU "
-                           "tests check)",
-    "cudagraph_plan": "a batch-size histogram file: 'auto' plans for it when it exists; the engine writes the "
-                      "sizes it saw there on shutdown",
-    "cudagraph_capture_budget_s": "seconds the planned graphs may take to capture ('auto')",
-    "cudagraph_pool_budget_mib": "MiB of graph memory pool the planned graphs may take ('auto')",
-    "skip_graph_check": "skip replaying every captured graph against the eager forward at start-up",
-    "async_scheduling": "schedule step N+1 while the device runs step N (false: one step at a time)",
-    "chunk_time_ratio": "cap the prompt tokens of a step that also decodes so that its time (the measured token-count "
-                        "curve) is at most this many decode steps of its rows (the batch-size curve): the streams' "
-                        "ITL tail beside arriving prompts; needs planned ('auto') CUDA graphs; 0: off; `serve` uses 2.5 "
-                        "unless given",
-    "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before",
-    "max_waiting_requests": "most requests queued at once; the server answers 503 beyond this",
-    "seed": "seed of the engine's random state (per-request seeds are in the sampling parameters)",
-    "tokenizer": "a tokenizer folder or .gguf file (or hub id) other than the model's; default: the model's own",
-    "revision": "for a hub id: the branch, tag or commit to use (default: main)",
-    "download_dir": "for a hub id: the cache folder to find or download it in (default: huggingface_hub's cache, "
-                    "HF_HUB_CACHE; HF_HUB_OFFLINE=1 uses only what is cached)",
-    "skip_tokenizer_init": "load no tokenizer: prompts must be token ids and outputs carry no text",
-    "load_format": "'auto' reads the weights from the model; 'dummy' makes random weights of the model's shape "
-                   "(benchmarks without weight files)",
-    "show_progress": "show progress bars (CUDA-graph capture)",
-    "quantization": "'fp8': linear weights stored as float8 e4m3 with one scale per output channel, dequantized "
-                    "in the GEMV (W8A16); default: none (a pre-quantized FP8 checkpoint loads as stored either way)",
-    "quantize_lm_head": "with quantization, the lm_head too (it stays in the serving dtype otherwise)",
-    "tensor_parallel_size": "GPUs (or gloo processes on CPU) to shard the model over, Megatron-style; one worker "
-                            "process per extra rank (alias -tp)",
-}
+# Each field's help, for code that wants one (the --model of commands without engine flags).
+FIELD_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(EngineConfig)}
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:

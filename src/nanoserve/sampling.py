@@ -169,12 +169,13 @@ class SamplingParams:
         The sampler asks it of the tokens before the one it samples: stop tokens are banned until then."""
         return num_output_tokens >= self.min_tokens
 
-    def make_generator(self, device: torch.device | str, index: int = 0) -> torch.Generator | None:
-        """Per-sequence RNG for seeded requests; completion `index` of n uses seed + index (as vLLM does)."""
+    def make_generator(self, device: torch.device | str) -> torch.Generator | None:
+        """Per-sequence RNG for seeded requests (the n completions of one request reach the core with seeds of their
+        own: engine/output.py)."""
         if self.seed is None:
             return None
         g = torch.Generator(device=device)
-        g.manual_seed((self.seed + index) % 2**64)
+        g.manual_seed(self.seed % 2**64)
         return g
 
 

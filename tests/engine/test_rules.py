@@ -2,7 +2,7 @@
 and when min_tokens lets a stop end the output."""
 import pytest
 
-from nanoserve.engine.prompts import QueueFullError, check_prompt_length, check_queue
+from nanoserve.engine.prompts import QueueFullError, check_prompt_ids, check_prompt_length, check_queue, tokenize
 from nanoserve.engine.sequence import Sequence
 from nanoserve.sampling import SamplingParams
 
@@ -23,6 +23,20 @@ def test_check_prompt_length():
         check_prompt_length(0, 8)
     with pytest.raises(ValueError, match="the prompt has 8 tokens; max_model_len is 8"):
         check_prompt_length(8, 8)
+
+
+def test_check_prompt_ids_length_first_then_the_vocabulary():
+    check_prompt_ids([0, 9], vocab_size=10, max_model_len=3)
+    with pytest.raises(ValueError, match="empty"):
+        check_prompt_ids([], 10, 3)
+    with pytest.raises(ValueError, match="the prompt has 3 tokens"):  # too long and out of range: the length first
+        check_prompt_ids([1, 2, 99], 10, 3)
+    with pytest.raises(ValueError, match="token id -1 is outside the vocabulary") as err:
+        check_prompt_ids([1, -1], 10, 3)
+    assert err.value.param == "prompt"
+    assert tokenize(None, (4, 5), 10, 3) == (None, [4, 5])  # token-id prompts go through it
+    with pytest.raises(ValueError, match="the prompt has 3 tokens"):
+        tokenize(None, [1, 2, 99], 10, 3)
 
 
 def test_length_limit_counts_pending_tokens_only_when_asked():

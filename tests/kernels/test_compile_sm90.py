@@ -24,6 +24,7 @@ from triton.runtime.jit import JITFunction
 
 from nanoserve.kernels import attention, fp8, fused, gemv, rotary_kv
 from nanoserve.kernels.gemv import GemvConfig
+from nanoserve.kernels.switches import SWITCHES
 from nanoserve.model.attention_metadata import AttentionMetadata
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
@@ -67,45 +68,46 @@ JITFunction.run = compile_instead
 for module in (attention, fp8, fused, gemv, rotary_kv):
     module.pdl_args = lambda device: {"USE_PDL": True, "launch_pdl": True}
 gemv.pdl_enabled = lambda device: True  # and the GEMVs prefetch their slices into L2 before the wait
+SWITCHES.force_triton = True  # every entry point launches its kernel on these CPU tensors
 
 attention.num_sms = lambda device: 132
 bf = torch.bfloat16
 x1, x3, x64 = (torch.randn(m, 1024, dtype=bf) for m in (1, 3, 64))
 w, norm_w = torch.randn(4096, 1024, dtype=bf), torch.ones(1024, dtype=bf)
-gemv.linear(x1, w, force_triton=True, config=GemvConfig.parse("fma 4x1024 w4 st3 p0"))
-gemv.linear(torch.randn(20, 1024, dtype=bf), w, torch.randn(4096, dtype=bf), force_triton=True,
+gemv.linear(x1, w, config=GemvConfig.parse("fma 4x1024 w4 st3 p0"))
+gemv.linear(torch.randn(20, 1024, dtype=bf), w, torch.randn(4096, dtype=bf),
             config=GemvConfig.parse("dot 64x128 w4 st4 s3"))
-gemv.norm_linear(x1, x1.clone(), norm_w, 1e-6, w, force_triton=True, config=GemvConfig.parse("fma 8x512 w4 st3 s4"))
-gemv.norm_linear(x64, x64.clone(), norm_w, 1e-6, w, force_triton=True, config=GemvConfig.parse("dot 32x256 w4 st3 p1"))
-gemv.linear(torch.randn(3, 3072, dtype=bf), torch.randn(1024, 3072, dtype=bf), force_triton=True,
+gemv.norm_linear(x1, x1.clone(), norm_w, 1e-6, w, config=GemvConfig.parse("fma 8x512 w4 st3 s4"))
+gemv.norm_linear(x64, x64.clone(), norm_w, 1e-6, w, config=GemvConfig.parse("dot 32x256 w4 st3 p1"))
+gemv.linear(torch.randn(3, 3072, dtype=bf), torch.randn(1024, 3072, dtype=bf),
             config=GemvConfig.parse("fma 8x512 w4 st3 p0"))
 kc, vc = torch.zeros(10, 16, 8, 128, dtype=bf), torch.zeros(10, 16, 8, 128, dtype=bf)
 cos_sin = torch.randn(4096, 256, dtype=bf)
-fused.rms_norm(x3, norm_w, 1e-6, x3.clone(), force_triton=True)
-fused.silu_and_mul(torch.randn(3, 6144, dtype=bf), force_triton=True)
+fused.rms_norm(x3, norm_w, 1e-6, x3.clone())
+fused.silu_and_mul(torch.randn(3, 6144, dtype=bf))
 qkv = torch.randn(3, 4096, dtype=bf)
 q, k, v = qkv[:, :2048].view(3, 16, 128), qkv[:, 2048:3072].view(3, 8, 128), qkv[:, 3072:].view(3, 8, 128)
 slots = torch.zeros(3, dtype=torch.int64)
 rotary_kv.qk_norm_rope(q, k, cos_sin, slots, torch.ones(128, dtype=bf), torch.ones(128, dtype=bf), 1e-6,
-                       kv_store=(v, kc, vc, slots), force_triton=True)
+                       kv_store=(v, kc, vc, slots))
 attention.store_kv(k, v, kc, vc, slots)
 tables, lens = torch.zeros(3, 32, dtype=torch.int32), torch.full((3,), 500, dtype=torch.int32)
 attention.decode_attention(torch.randn(3, 16, 128, dtype=bf), kc, vc, tables, lens, 0.1)
 # fp8 weights (W8A16): the table's variants and every fused path
 q8, s8 = fp8.quantize(w)
 for x in (x1, x3, x64):
-    gemv.linear(x, q8, weight_scale=s8, force_triton=True)
-gemv.norm_linear(x3, x3.clone(), norm_w, 1e-6, q8, weight_scale=s8, force_triton=True)
+    gemv.linear(x, q8, weight_scale=s8)
+gemv.norm_linear(x3, x3.clone(), norm_w, 1e-6, q8, weight_scale=s8)
 q8d, s8d = fp8.quantize(torch.randn(1024, 3072))
-gemv.linear(torch.randn(3, 3072, dtype=bf), q8d, weight_scale=s8d, force_triton=True)
+gemv.linear(torch.randn(3, 3072, dtype=bf), q8d, weight_scale=s8d)
 q8b, s8b = fp8.quantize(w.float(), (128, 128))
-gemv.linear(x1, q8b, weight_scale=s8b, force_triton=True, config=GemvConfig.parse("dot8q 64x128 w4 st4 s2"))
+gemv.linear(x1, q8b, weight_scale=s8b, config=GemvConfig.parse("dot8q 64x128 w4 st4 s2"))
 # W8A8 on rows quantized before: by a kernel of its own, by the norm, by the SiLU-mul
 dot8q = GemvConfig.parse("dot8q 128x128 w4 st4 p1")
-gemv.linear(x3, q8, weight_scale=s8, force_triton=True, config=dot8q)
-gemv.norm_linear(x64, x64.clone(), norm_w, 1e-6, q8, weight_scale=s8, force_triton=True, config=dot8q)
-gemv.silu_mul_linear(torch.randn(3, 2048, dtype=bf), q8, weight_scale=s8, force_triton=True, config=dot8q)
-fp8.quantize_rows(torch.randn(5, 3000, dtype=bf), force_triton=True)  # prefill's per-token quantize (_scaled_mm)
+gemv.linear(x3, q8, weight_scale=s8, config=dot8q)
+gemv.norm_linear(x64, x64.clone(), norm_w, 1e-6, q8, weight_scale=s8, config=dot8q)
+gemv.silu_mul_linear(torch.randn(3, 2048, dtype=bf), q8, weight_scale=s8, config=dot8q)
+fp8.quantize_rows(torch.randn(5, 3000, dtype=bf))  # prefill's per-token quantize (_scaled_mm)
 cu = torch.arange(4, dtype=torch.int32)
 meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, context_lens=lens, block_tables=tables, cu_seqlens_q=cu,
                          max_seqlen_q=1, has_cached_prefix=True)

@@ -114,17 +114,19 @@ def check_fp8(out, x, w_ref, b, dtype):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("m,config", [(1, FMA_SPLIT), (1, FMA_WHOLE_K), (3, FMA_SPLIT), (3, DOT_SPLIT),
                                       (16, DOT_WHOLE_K), (33, DOT_SPLIT), (64, DOT_WHOLE_K)])
+@pytest.mark.usefixtures("force_triton")
 def test_fp8_gemv_equals_the_dequantized_product(m, config, bias, dtype):
     k = 192 if config.use_dot else 200  # odd N; for fma K not a multiple of block_k
     x, w, b = make(m, 37, k, dtype, bias, seed=m)
     q, s, w_ref = quantized(w.float())
-    check_fp8(gemv.linear(x, q, b, weight_scale=s, force_triton=True, config=config), x, w_ref, b, dtype)
+    check_fp8(gemv.linear(x, q, b, weight_scale=s, config=config), x, w_ref, b, dtype)
 
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,config", [(1, FMA_SPLIT), (1, FMA_WHOLE_K), (3, GemvConfig(8, 256, split_k=2)),
                                       (5, DOT_SPLIT), (20, DOT_WHOLE_K)])
+@pytest.mark.usefixtures("force_triton")
 def test_block_scaled_fp8_gemv_equals_the_dequantized_product(m, config, dtype):
     """Scales per 128x128 tile (block-quantized checkpoints): N and K cross tile borders, tiles of the kernel
     smaller and larger than a scale block."""
@@ -133,19 +135,20 @@ def test_block_scaled_fp8_gemv_equals_the_dequantized_product(m, config, dtype):
     w = w * torch.logspace(-2, 1, k, device=w.device)  # blocks of different range: a wrong scale shows
     q, s, w_ref = quantized(w.float(), block=True)
     assert s.shape == (2, 3)
-    check_fp8(gemv.linear(x, q, b, weight_scale=s, force_triton=True, config=config), x, w_ref, b, dtype)
+    check_fp8(gemv.linear(x, q, b, weight_scale=s, config=config), x, w_ref, b, dtype)
     out = fp8.linear(x.float().cpu(), q.cpu(), s.cpu(), b.float().cpu())  # the many-rows path: dequantize
     check_fp8(out, x.float().cpu(), w_ref.cpu(), b.float().cpu(), torch.float32)
 
 
 @needs_triton
+@pytest.mark.usefixtures("force_triton")
 def test_fp8_table_variants():
     for m in (1, 3, 8, 40):  # the fp8 table's fma variant, then its dot variants
         x, w, b = make(m, 40, 256, torch.float32, True, seed=m)
         q, s, w_ref = quantized(w)
         cfg, triton_wins = gemv.choose(m, 40, 256, 1)
         assert triton_wins and gemv.plan(cfg, m, 40, 256, 132)
-        out = gemv.linear(x, q, b, weight_scale=s, force_triton=True)
+        out = gemv.linear(x, q, b, weight_scale=s)
         if cfg.act_fp8:
             check_w8a8(out, x, w_ref, b, cfg, torch.float32)
         else:
@@ -162,19 +165,20 @@ def test_block_scaled_weights_never_take_the_dequantizing_library_path(monkeypat
     q, s = fp8.quantize(w.float().cpu())
     qb, sb = fp8.quantize(w.float().cpu(), (fp8.BLOCK, fp8.BLOCK))
     monkeypatch.setattr(fp8, "scaled_mm_applies", lambda x, q, s, b: s.dim() == 1)  # as on a Hopper GPU
-    assert gemv._variant(x, q, None, s, False, None) is None  # per channel: _scaled_mm
-    assert gemv._variant(x, qb, None, sb, False, None) == cfg
-    assert gemv._variant(x, w, None, None, False, None) is None  # bf16: cuBLAS
+    assert gemv._variant(x, q, None, s, None) is None  # per channel: _scaled_mm
+    assert gemv._variant(x, qb, None, sb, None) == cfg
+    assert gemv._variant(x, w, None, None, None) is None  # bf16: cuBLAS
 
 
 @needs_triton
+@pytest.mark.usefixtures("force_triton")
 def test_fp8_weight_needs_its_scale():
     x, w, _ = make(2, 16, 32, torch.float32, False)
     q, s, _ = quantized(w)
     with pytest.raises(ValueError, match="weight_scale"):
-        gemv.linear(x, q, force_triton=True)
+        gemv.linear(x, q)
     with pytest.raises(ValueError, match="per-channel"):
-        gemv.linear(x, q, weight_scale=s[:8], force_triton=True)
+        gemv.linear(x, q, weight_scale=s[:8])
     with pytest.raises(ValueError, match="per block"):
         fp8.dequant_linear(x, q, s[:, None])
 
@@ -190,10 +194,11 @@ def test_fp8_plan_counts_a_weight_byte_and_an_activation_tile():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,config,block", [(1, None, False), (3, FMA_SPLIT, False), (20, DOT_SPLIT, False),
                                             (1, FMA_SPLIT, True), (20, DOT_SPLIT, True)])
+@pytest.mark.usefixtures("force_triton")
 def test_fp8_norm_prologue(m, config, block, dtype):
     x, residual, norm_w, w, b = norm_case(m, 160 if block else 96, 40, dtype, True)
     q, s, w_ref = quantized(w.float(), block)
-    out, new_residual = gemv.norm_linear(x, residual, norm_w, 1e-6, q, b, weight_scale=s, force_triton=True,
+    out, new_residual = gemv.norm_linear(x, residual, norm_w, 1e-6, q, b, weight_scale=s,
                                          config=config)
     normed, want_residual = fused.rms_norm_ref(x, norm_w, 1e-6, residual)
     used = config or gemv.choose(m, w.shape[0], x.shape[1], 1)[0]
@@ -205,13 +210,13 @@ def test_fp8_norm_prologue(m, config, block, dtype):
 
 
 @needs_triton
-@pytest.mark.usefixtures("pdl_in_interpreter")
+@pytest.mark.usefixtures("pdl_in_interpreter", "force_triton")
 def test_fp8_pdl_path_in_the_interpreter():
     """The first fp8 tile is loaded before gdc_wait; every path still sees each tile once and scales once."""
     for (m, config), block in itertools.product(((1, FMA_SPLIT), (16, DOT_SPLIT)), (False, True)):
         x, w, b = make(m, 37, 192 if config.use_dot else 200, torch.float32, True, seed=m)
         q, s, w_ref = quantized(w, block)
-        check_fp8(gemv.linear(x, q, b, weight_scale=s, force_triton=True, config=config), x, w_ref, b, torch.float32)
+        check_fp8(gemv.linear(x, q, b, weight_scale=s, config=config), x, w_ref, b, torch.float32)
 
 
 # -- W8A8: activations quantized per row and tile, the product on FP8 tensor cores ----------------------------------
@@ -262,6 +267,7 @@ def _exact(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block", [False, True])
 @pytest.mark.parametrize("m,config", [(1, DOT8Q_SPLIT), (5, DOT8Q_WHOLE_K), (33, DOT8Q_SPLIT), (64, DOT8Q_WHOLE_K)])
+@pytest.mark.usefixtures("force_triton")
 def test_w8a8_on_prequantized_rows(m, config, block, dtype):
     """dot8q: linear quantizes x in a kernel of its own, norm_linear in the norm, silu_mul_linear in the SiLU-mul;
     each product equals the W8A8 reference on the rows its producer's reference gives."""
@@ -269,13 +275,13 @@ def test_w8a8_on_prequantized_rows(m, config, block, dtype):
     x, w, b = make(m, n, k, dtype, True, seed=m)
     x = x * torch.logspace(-2, 1, k, device=x.device).to(dtype)
     q, s, w_ref = quantized(w.float(), block)
-    check_w8a8(gemv.linear(x, q, b, weight_scale=s, force_triton=True, config=config), x, w_ref, b, config, dtype)
+    check_w8a8(gemv.linear(x, q, b, weight_scale=s, config=config), x, w_ref, b, config, dtype)
     gate_up = torch.cat([x, x.flip(1)], dim=1)
-    out = gemv.silu_mul_linear(gate_up, q, b, weight_scale=s, force_triton=True, config=config)
+    out = gemv.silu_mul_linear(gate_up, q, b, weight_scale=s, config=config)
     check_w8a8(out, fused.silu_and_mul_ref(gate_up), w_ref, b, config, dtype, exact_input=False)
     if _exact(dtype):
         residual, norm_w = x.flip(0), torch.linspace(0.5, 2, k, device=x.device).to(dtype)
-        out, new_residual = gemv.norm_linear(x, residual, norm_w, 1e-6, q, b, weight_scale=s, force_triton=True,
+        out, new_residual = gemv.norm_linear(x, residual, norm_w, 1e-6, q, b, weight_scale=s,
                                              config=config)
         normed, want_residual = fused.rms_norm_ref(x, norm_w, 1e-6, residual)
         check_w8a8(out, normed, w_ref, b, config, dtype, exact_input=False)
@@ -285,6 +291,7 @@ def test_w8a8_on_prequantized_rows(m, config, block, dtype):
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("k", [96, 200, 1536, 3000])
+@pytest.mark.usefixtures("force_triton")
 def test_quantizing_kernels_equal_their_references(k, dtype):
     """rms_norm / silu_and_mul with quantize=True and quantize_activations: fp8.groups_ref of the same kernel's
     unquantized output (itself tested against its reference), codes and scales bit for bit in the interpreter."""
@@ -292,12 +299,12 @@ def test_quantizing_kernels_equal_their_references(k, dtype):
     x = (torch.randn(3, k, generator=g) * torch.logspace(-3, 1, k)).to(DEVICE, dtype)
     norm_w = torch.randn(k, generator=g).to(DEVICE, dtype)
     gate_up = torch.cat([x, x.flip(1)], 1)
-    results = [(fused.rms_norm(x, norm_w, 1e-6, force_triton=True, quantize=True),
-                fused.rms_norm(x, norm_w, 1e-6, force_triton=True)),
-               (fused.rms_norm(x, norm_w, 1e-6, x.flip(0), force_triton=True, quantize=True)[0],
-                fused.rms_norm(x, norm_w, 1e-6, x.flip(0), force_triton=True)[0]),
-               (fused.silu_and_mul(gate_up, True, quantize=True), fused.silu_and_mul(gate_up, True)),
-               (fp8.quantize_activations(x, force_triton=True), x)]
+    results = [(fused.rms_norm(x, norm_w, 1e-6, quantize=True),
+                fused.rms_norm(x, norm_w, 1e-6)),
+               (fused.rms_norm(x, norm_w, 1e-6, x.flip(0), quantize=True)[0],
+                fused.rms_norm(x, norm_w, 1e-6, x.flip(0))[0]),
+               (fused.silu_and_mul(gate_up, quantize=True), fused.silu_and_mul(gate_up)),
+               (fp8.quantize_activations(x), x)]
     for rows, plain in results:
         want = fp8.groups_ref(plain.cpu())
         assert rows.codes.dtype == fp8.FP8_DTYPE and rows.scales.shape == (3, -(-k // 128)) and rows.dtype == dtype
@@ -310,13 +317,13 @@ def test_quantizing_kernels_equal_their_references(k, dtype):
 
 
 @needs_triton
-@pytest.mark.usefixtures("pdl_in_interpreter")
+@pytest.mark.usefixtures("pdl_in_interpreter", "force_triton")
 def test_w8a8_pdl_path_in_the_interpreter():
     """The first fp8 weight tile is loaded before gdc_wait, the codes and their scales after it."""
     for block in (False, True):
         x, w, b = make(7, 130, 256, torch.float32, True, seed=7)
         q, s, w_ref = quantized(w, block)
-        check_w8a8(gemv.linear(x, q, b, weight_scale=s, force_triton=True, config=DOT8Q_SPLIT), x, w_ref, b,
+        check_w8a8(gemv.linear(x, q, b, weight_scale=s, config=DOT8Q_SPLIT), x, w_ref, b,
                    DOT8Q_SPLIT, torch.float32)
 
 
@@ -332,13 +339,15 @@ def test_w8a8_configs_are_dot_paths_within_one_scale_block():
 
 
 @needs_triton
+@pytest.mark.usefixtures("force_triton")
 def test_w8a8_needs_an_fp8_weight():
     x, w, _ = make(4, 16, 64, torch.bfloat16, False)
     with pytest.raises(ValueError, match="W8A8"):
-        gemv.linear(x, w, force_triton=True, config=DOT8Q_SPLIT)
+        gemv.linear(x, w, config=DOT8Q_SPLIT)
 
 
 @needs_triton
+@pytest.mark.usefixtures("force_triton")
 def test_interpreter_e4m3_rounding_and_the_row_quantize_kernel():
     """fp8.e4m3_rounded (the interpreter's stand-in for the GPU's fp32 → e4m3 cast) rounds like torch; the Triton
     quantize_rows equals its reference (one scale per token)."""
@@ -347,7 +356,7 @@ def test_interpreter_e4m3_rounding_and_the_row_quantize_kernel():
     x[2] = 0.0
     x[4, :8] = torch.tensor([127.9, 15.5, -9.5, 8.5, 2.0 ** -9 * 1.5, 2.0 ** -9 * 2.5, 240.0, -300.0])
     for xb in (x, x.to(torch.bfloat16)):
-        q, scale = fp8.quantize_rows(xb.to(DEVICE), force_triton=True)
+        q, scale = fp8.quantize_rows(xb.to(DEVICE))
         q_ref, scale_ref = fp8.quantize_rows_ref(xb)
         assert q.dtype == fp8.FP8_DTYPE and scale.shape == (6, 1)
         torch.testing.assert_close(scale.cpu(), scale_ref, rtol=0, atol=0)
@@ -381,6 +390,7 @@ def test_gpu_fp8_real_shapes_table_variant(m, n, k):
 @pytest.mark.parametrize("block", [False, True])
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("m", [1, 4, 32])
+@pytest.mark.usefixtures("force_triton")
 def test_gpu_fp8_fused_paths(m, pdl, block):
     with switched(pdl=pdl):
         test_fp8_norm_prologue(m, None, block, torch.bfloat16)
@@ -408,6 +418,7 @@ def test_gpu_scaled_mm_and_dequant_agree_with_the_reference(m, bias):
 @pytest.mark.gpu
 @needs_triton
 @pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.usefixtures("force_triton")
 def test_gpu_fp8_cuda_graph_replays_a_chain(pdl):
     """fp8 products (split-K included) chained in one graph, replayed with new inputs."""
     x, w, b = make(3, 1024, 1024, torch.bfloat16, True, seed=3)
@@ -417,7 +428,7 @@ def test_gpu_fp8_cuda_graph_replays_a_chain(pdl):
     def chain():
         h = x
         for cfg in cfgs * 2:
-            h = gemv.linear(h, q, b, weight_scale=s, force_triton=True, config=cfg)
+            h = gemv.linear(h, q, b, weight_scale=s, config=cfg)
         return h
 
     def reference():

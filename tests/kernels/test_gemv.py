@@ -56,9 +56,10 @@ def exact_on_gpu(dtype):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("config", [FMA_SPLIT, FMA_WHOLE_K], ids=["fma-split", "fma"])
 @pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.usefixtures("force_triton")
 def test_fma_path(m, config, bias, dtype):
     x, w, b = make(m, 37, 200, dtype, bias)  # odd N, K not a multiple of block_k
-    check(gemv.linear(x, w, b, force_triton=True, config=config), x, w, b)
+    check(gemv.linear(x, w, b, config=config), x, w, b)
 
 
 @needs_triton
@@ -66,51 +67,56 @@ def test_fma_path(m, config, bias, dtype):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("config", [DOT_SPLIT, DOT_WHOLE_K], ids=["dot-split", "dot"])
 @pytest.mark.parametrize("m", [1, 3, 16, 33, 64])
+@pytest.mark.usefixtures("force_triton")
 def test_dot_path(m, config, bias, dtype):
     x, w, b = make(m, 37, 192, dtype, bias, seed=m)  # K a multiple of block_k: the unmasked loads
-    check(gemv.linear(x, w, b, force_triton=True, config=config), x, w, b)
+    check(gemv.linear(x, w, b, config=config), x, w, b)
 
 
 @needs_triton
 @pytest.mark.parametrize("m", [8, 16])
+@pytest.mark.usefixtures("force_triton")
 def test_fma_path_many_rows(m):
     x, w, b = make(m, 21, 64, torch.float32, True, seed=m)
-    check(gemv.linear(x, w, b, force_triton=True, config=GemvConfig(block_n=8, block_k=32, split_k=2)), x, w, b)
+    check(gemv.linear(x, w, b, config=GemvConfig(block_n=8, block_k=32, split_k=2)), x, w, b)
 
 
 @needs_triton
+@pytest.mark.usefixtures("force_triton")
 def test_table_configs_and_strided_x():
     for m in (1, 8, 40):  # the table's fma variant, then its dot variants
         x, w, b = make(m, 40, 128, torch.float32, True, seed=m)
-        check(gemv.linear(x, w, b, force_triton=True), x, w, b)
+        check(gemv.linear(x, w, b), x, w, b)
     wide = torch.randn(3, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     x = wide[:, 64:192]  # row stride 256, unit column stride: used in place
     _, w, _ = make(3, 40, 128, torch.float32, False)
-    check(gemv.linear(x, w, force_triton=True, config=FMA_SPLIT), x, w, None)
+    check(gemv.linear(x, w, config=FMA_SPLIT), x, w, None)
 
 
 @needs_triton
+@pytest.mark.usefixtures("force_triton")
 def test_split_k_counters_are_reset_and_result_is_deterministic():
     x, w, b = make(3, 37, 200, torch.float32, True)
-    first = gemv.linear(x, w, b, force_triton=True, config=DOT_SPLIT)
+    first = gemv.linear(x, w, b, config=DOT_SPLIT)
     counters = gemv._counters[x.device]
     assert int(counters.count_nonzero()) == 0, "the last program of each tile must reset its counter"
-    second = gemv.linear(x, w, b, force_triton=True, config=DOT_SPLIT)  # reuses the same counters
+    second = gemv.linear(x, w, b, config=DOT_SPLIT)  # reuses the same counters
     assert gemv._counters[x.device] is counters and int(counters.count_nonzero()) == 0
     assert torch.equal(first, second)  # partials are summed in split order, not arrival order
     check(second, x, w, b)
     x2, w2, _ = make(2, 50, 96, torch.float32, False, seed=9)  # another shape through the same slots
-    check(gemv.linear(x2, w2, force_triton=True, config=FMA_SPLIT), x2, w2, None)
+    check(gemv.linear(x2, w2, config=FMA_SPLIT), x2, w2, None)
 
 
 @needs_triton
+@pytest.mark.usefixtures("force_triton")
 def test_too_many_rows_are_refused():
     x, w, _ = make(gemv.MAX_M + 1, 8, 32, torch.float32, False)
     with pytest.raises(ValueError, match="rows"):
-        gemv.linear(x, w, force_triton=True)
+        gemv.linear(x, w)
     x, w, _ = make(gemv.FMA_MAX_ROWS + 1, 8, 32, torch.float32, False)
     with pytest.raises(ValueError, match="dot config"):
-        gemv.linear(x, w, force_triton=True, config=FMA_SPLIT)
+        gemv.linear(x, w, config=FMA_SPLIT)
 
 
 # -- host-side logic (no kernel) ----------------------------------------------------------------------
@@ -174,8 +180,8 @@ def test_linear_falls_back_off_gpu_and_without_triton(monkeypatch):
     torch.testing.assert_close(gemv.linear(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
     monkeypatch.setattr(gemv, "HAS_TRITON", False)
     torch.testing.assert_close(gemv.linear(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match="not installed"):
-        gemv.linear(x, w, b, force_triton=True)
+    with switched(force_triton=True), pytest.raises(RuntimeError, match="not installed"):
+        gemv.linear(x, w, b)
 
 
 # -- fused prologues: residual add + RMSNorm, SiLU-and-mul --------------------------------------------
@@ -191,7 +197,7 @@ def norm_case(m, k, n, dtype, with_residual, seed=11):
 
 def check_norm_linear(m, dtype, with_residual, config):
     x, residual, norm_w, w, b = norm_case(m, 96, 40, dtype, with_residual)  # K, N not multiples of the tiles
-    out, new_residual = gemv.norm_linear(x, residual, norm_w, 1e-6, w, b, force_triton=True, config=config)
+    out, new_residual = gemv.norm_linear(x, residual, norm_w, 1e-6, w, b, config=config)
     if residual is None:
         normed, want_residual = fused.rms_norm_ref(x, norm_w, 1e-6), x
         assert new_residual is x
@@ -205,6 +211,7 @@ def check_norm_linear(m, dtype, with_residual, config):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("m,config", [(1, None), (1, FMA_SPLIT), (3, FMA_SPLIT), (3, DOT_SPLIT), (20, None)])
+@pytest.mark.usefixtures("force_triton")
 def test_norm_prologue_equals_rms_norm_then_linear(m, config, dtype, with_residual):
     check_norm_linear(m, dtype, with_residual, config)
 
@@ -272,15 +279,15 @@ def test_norm_qkv_rope_equals_qkv_then_qk_norm_rope(m, qk_norm, bias, dtype):
 
 # -- the USE_PDL path ------------------------------------------------------------------------------------
 @needs_triton
-@pytest.mark.usefixtures("pdl_in_interpreter")
+@pytest.mark.usefixtures("pdl_in_interpreter", "force_triton")
 def test_pdl_path_in_the_interpreter():
     """The first weight tile is loaded before gdc_wait and the loop starts one tile later; one K tile, several,
     splits, every prologue and the epilogue must still see every tile exactly once."""
     for m, config in ((1, FMA_SPLIT), (3, FMA_WHOLE_K), (16, DOT_SPLIT), (40, DOT_WHOLE_K)):
         x, w, b = make(m, 37, 64 if config.use_dot else 200, torch.float32, True, seed=m)
-        check(gemv.linear(x, w, b, force_triton=True, config=config), x, w, b)
+        check(gemv.linear(x, w, b, config=config), x, w, b)
     x, w, b = make(2, 37, 16, torch.float32, True)  # K = one tile: nothing left for the loop
-    check(gemv.linear(x, w, b, force_triton=True, config=FMA_WHOLE_K), x, w, b)
+    check(gemv.linear(x, w, b, config=FMA_WHOLE_K), x, w, b)
     check_norm_linear(3, torch.float32, True, FMA_SPLIT)
     check_norm_linear(20, torch.float32, True, DOT_SPLIT)
 
@@ -294,23 +301,25 @@ REAL_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 40
 @needs_triton
 @pytest.mark.parametrize("n,k", REAL_SHAPES)
 @pytest.mark.parametrize("m", [1, 5, 32, 64])
+@pytest.mark.usefixtures("force_triton")
 def test_gpu_real_shapes_table_and_split_variants(m, n, k):
     """The table's variant (with PDL where the GPU has it) and a split-K variant of the other path."""
     x, w, b = make(m, n, k, torch.bfloat16, True, seed=n + m)
-    check(gemv.linear(x, w, b, force_triton=True), x, w, b)
+    check(gemv.linear(x, w, b), x, w, b)
     other = GemvConfig(8, 256, split_k=4) if gemv.choose(m, n, k, 2)[0].use_dot and m <= 16 else \
         GemvConfig(32, 256, use_dot=True, split_k=3)
-    check(gemv.linear(x, w, None, force_triton=True, config=other), x, w, None)
+    check(gemv.linear(x, w, None, config=other), x, w, None)
 
 
 @pytest.mark.gpu
 @needs_triton
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("m", [1, 4, 32])
+@pytest.mark.usefixtures("force_triton")
 def test_gpu_fused_paths_real_shapes(m, pdl):
     with switched(pdl=pdl):
         x, residual, norm_w, w, b = norm_case(m, 4096, 6144, torch.bfloat16, True)
-        out, new_residual = gemv.norm_linear(x, residual, norm_w, 1e-5, w, b, force_triton=True)
+        out, new_residual = gemv.norm_linear(x, residual, norm_w, 1e-5, w, b)
         normed, want_residual = fused.rms_norm_ref(x, norm_w, 1e-5, residual)
         check(out, normed, w, b)
         assert torch.equal(new_residual, want_residual)
@@ -337,6 +346,7 @@ def test_gpu_auto_rule():
 @needs_triton
 @pytest.mark.parametrize("fresh_counters", [False, True])
 @pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.usefixtures("force_triton")
 def test_gpu_cuda_graph_replays_a_chain(fresh_counters, pdl, monkeypatch):
     """A chain of dependent products (split-K included) in one graph: each reads the previous one's output,
     which with PDL is only safe after gdc_wait. Replays reuse the persistent counters; without them at capture
@@ -349,7 +359,7 @@ def test_gpu_cuda_graph_replays_a_chain(fresh_counters, pdl, monkeypatch):
     def chain():
         h = x
         for cfg in cfgs * 2:
-            h = gemv.linear(h, w, b, force_triton=True, config=cfg)
+            h = gemv.linear(h, w, b, config=cfg)
         return h
 
     def reference():
@@ -367,7 +377,7 @@ def test_gpu_cuda_graph_replays_a_chain(fresh_counters, pdl, monkeypatch):
         torch.cuda.current_stream().wait_stream(stream)
         if fresh_counters:  # compile outside the capture, but leave the counters missing
             for cfg in cfgs:
-                gemv.linear(x, w, b, force_triton=True, config=GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps,
+                gemv.linear(x, w, b, config=GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps,
                                                                          cfg.num_stages, cfg.use_dot, split_k=1))
             monkeypatch.setattr(gemv, "_counters", {})
         graph = torch.cuda.CUDAGraph()

@@ -4,6 +4,7 @@ import torch
 
 from nanoserve.kernels import rotary_kv
 from nanoserve.kernels._triton import HAS_TRITON
+from nanoserve.kernels.switches import switched
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -15,6 +16,7 @@ def tol(dtype):
 
 @pytest.mark.parametrize("with_norm", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("force_triton")
 def test_qk_norm_rope_on_strided_views(with_norm, dtype):
     g = torch.Generator().manual_seed(2)
     tokens, heads, kv_heads, d = 4, 4, 2, 32
@@ -26,7 +28,7 @@ def test_qk_norm_rope_on_strided_views(with_norm, dtype):
     positions = torch.tensor([0, 5, 63, 17], device=DEVICE)
     qw = torch.randn(d, generator=g).to(DEVICE, dtype) if with_norm else None
     kw = torch.randn(d, generator=g).to(DEVICE, dtype) if with_norm else None
-    got = rotary_kv.qk_norm_rope(q, k, cache, positions, qw, kw, 1e-6, force_triton=True)
+    got = rotary_kv.qk_norm_rope(q, k, cache, positions, qw, kw, 1e-6)
     want = rotary_kv.qk_norm_rope_ref(q, k, cache, positions, qw, kw, 1e-6)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol(dtype))
@@ -47,8 +49,8 @@ def test_qk_norm_rope_stores_k_and_v_in_the_paged_cache(dtype):
     for force in (True, False):
         k_cache = torch.zeros(blocks, block_size, kv_heads, d, dtype=dtype, device=DEVICE)
         v_cache = torch.zeros_like(k_cache)
-        q_out, k_out = rotary_kv.qk_norm_rope(q, k, cache, positions, kv_store=(v, k_cache, v_cache, slots),
-                                              force_triton=force)
+        with switched(force_triton=force):
+            q_out, k_out = rotary_kv.qk_norm_rope(q, k, cache, positions, kv_store=(v, k_cache, v_cache, slots))
         caches.append((q_out, k_out, k_cache, v_cache))
     for a, b in zip(*caches):
         torch.testing.assert_close(a, b, **tol(dtype))
@@ -60,13 +62,14 @@ def test_qk_norm_rope_stores_k_and_v_in_the_paged_cache(dtype):
     assert not k_cache[untouched.to(DEVICE)].any() and not v_cache[untouched.to(DEVICE)].any()
 
 
-@pytest.mark.usefixtures("pdl_in_interpreter")
+@pytest.mark.usefixtures("pdl_in_interpreter", "force_triton")
 def test_pdl_path_in_the_interpreter():
     test_qk_norm_rope_on_strided_views(True, torch.float32)
     test_qk_norm_rope_stores_k_and_v_in_the_paged_cache(torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("force_triton")
 def test_token_blocked_kernel_matches_reference(dtype, monkeypatch):
     """Prefill sizes take several tokens per program (the last block partial); same values and cache."""
     monkeypatch.setattr(rotary_kv, "ROPE_BLOCK_T", 4)
@@ -85,8 +88,7 @@ def test_token_blocked_kernel_matches_reference(dtype, monkeypatch):
     for fn in (rotary_kv.qk_norm_rope, rotary_kv.qk_norm_rope_ref):
         k_cache = torch.zeros(5, 4, kv_heads, d, dtype=dtype, device=DEVICE)
         v_cache = torch.zeros_like(k_cache)
-        kwargs = {"force_triton": True} if fn is rotary_kv.qk_norm_rope else {}
-        out = fn(q, k, cache, positions, qw, kw, 1e-6, kv_store=(v, k_cache, v_cache, slots), **kwargs)
+        out = fn(q, k, cache, positions, qw, kw, 1e-6, kv_store=(v, k_cache, v_cache, slots))
         results.append((*out, k_cache, v_cache))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, **tol(dtype))

@@ -27,12 +27,13 @@ def random_case(rows: int, vocab: int, dtype, seed: int = 0):
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows, vocab", [(1, 100), (3, 2 * sampling.MASK_BLOCK + 77), (5, 4096)])
+@pytest.mark.usefixtures("force_triton")
 def test_kernel_equals_reference(dtype, rows, vocab):
     logits, bitmask = random_case(rows, vocab, dtype, seed=vocab)
     wide = torch.zeros(rows, vocab + 64, dtype=dtype)  # rows of a wider buffer: the row stride is not the vocab
     wide[:, :vocab] = logits
     logits, bitmask = wide[:, :vocab].to(DEVICE), bitmask.to(DEVICE)
-    got = sampling.masked_float_logits(logits, bitmask, force_triton=True)
+    got = sampling.masked_float_logits(logits, bitmask)
     want = sampling.masked_float_logits_ref(logits, bitmask)
     assert got.dtype == torch.float32 and torch.equal(got.isinf(), want.isinf())
     torch.testing.assert_close(got, want)

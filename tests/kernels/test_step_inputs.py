@@ -7,12 +7,13 @@ import torch
 from nanoserve.kernels._triton import HAS_TRITON
 from nanoserve.kernels.step_inputs import prepare_decode, prepare_decode_ref
 
-DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # force_triton on CPU tensors needs the interpreter
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # Triton on CPU tensors needs the interpreter
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows, width, gathered", [(1, 4, None), (5, 37, None), (8, 1100, 300), (3, 16, 1)])
+@pytest.mark.usefixtures("force_triton")
 def test_prepare_decode_matches_reference(device, rows, width, gathered):
     g = torch.Generator().manual_seed(rows * 1000 + width)
     num_slots = rows + 4
@@ -26,7 +27,7 @@ def test_prepare_decode_matches_reference(device, rows, width, gathered):
     args = [t.to(device) for t in (slots, cols, blocks, last)]
     ref_tables, got_tables = tables.clone().to(device), tables.clone().to(device)
     want = prepare_decode_ref(*args, ref_tables, gathered)
-    got = prepare_decode(*args, got_tables, gathered, force_triton=True)
+    got = prepare_decode(*args, got_tables, gathered)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(got_tables, ref_tables)  # the persistent table is patched the same way
     assert (cols >= 0).any() or rows == 1

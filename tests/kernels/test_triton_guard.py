@@ -9,22 +9,24 @@ sys.modules["triton"] = None  # `import triton` now raises ImportError
 import torch
 import torch.nn.functional as F
 from nanoserve.kernels import _triton, attention, fused, gemv, rotary_kv
+from nanoserve.kernels.switches import switched
 assert not _triton.HAS_TRITON and attention.select_backend(torch.device("cuda")) == "torch"
 x, w = torch.randn(2, 32), torch.randn(8, 32)
 assert torch.equal(gemv.linear(x, w), F.linear(x, w))
 assert torch.equal(fused.silu_and_mul(x), fused.silu_and_mul_ref(x))
-try:
-    gemv.linear(x, w, force_triton=True)
-except RuntimeError as e:
-    assert "triton is not installed" in str(e)
-else:
-    raise AssertionError("force_triton without triton must fail")
-try:
-    fused.silu_and_mul(x, force_triton=True)
-except RuntimeError as e:
-    assert "triton is not installed" in str(e), e
-else:
-    raise AssertionError("a kernel launch without triton must fail")
+with switched(force_triton=True):
+    try:
+        gemv.linear(x, w)
+    except RuntimeError as e:
+        assert "triton is not installed" in str(e)
+    else:
+        raise AssertionError("the force_triton switch without triton must fail")
+    try:
+        fused.silu_and_mul(x)
+    except RuntimeError as e:
+        assert "triton is not installed" in str(e), e
+    else:
+        raise AssertionError("a kernel launch without triton must fail")
 print("ok")
 """
 

@@ -49,20 +49,28 @@ def _bad(prompt):
 
 def tokenize(tokenizer, prompt: Prompt, vocab_size: int, max_model_len: int,
              add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
-    """(prompt text or None, token ids), or RequestError (param "prompt"): empty, ids outside the vocabulary, no room
-    to generate."""
+    """(prompt text or None, token ids), or RequestError (param "prompt"): empty, no room to generate, ids outside
+    the vocabulary."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise RequestError("this engine was started with skip_tokenizer_init: give prompts as token ids",
                                param="prompt")
-        text, ids = prompt, tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-    elif is_token_ids(prompt):
-        text, ids = None, list(prompt)
-        check_token_ids(ids, vocab_size)
-    else:
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        check_prompt_length(len(ids), max_model_len)
+        return prompt, ids
+    if not is_token_ids(prompt):
         _bad(prompt)
+    ids = list(prompt)
+    check_prompt_ids(ids, vocab_size, max_model_len)
+    return None, ids
+
+
+def check_prompt_ids(ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
+    """The one check of a token-id prompt, for every front end and the core: RequestError (param "prompt") for an
+    empty prompt or one without room to generate, then for an id outside the vocabulary (cheapest first: the
+    length before looking at every id)."""
     check_prompt_length(len(ids), max_model_len)
-    return text, ids
+    check_token_ids(ids, vocab_size)
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:

@@ -2,8 +2,9 @@
 
 triton is optional (CPU-only installs have none): `triton` / `tl` are then None, `jit` returns a
 stand-in whose launch raises a clear error, and every entry point takes its plain-PyTorch path.
-Off CUDA with triton installed, the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set
-before the kernel modules are imported, as tests/conftest.py does).
+Whether an entry point runs its Triton kernel is use_triton's answer, the one place that rule lives. Off CUDA (the
+tests' force_triton switch) the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before the kernel modules
+are imported, as tests/conftest.py does).
 
 Programmatic dependent launch (PDL, Hopper and newer): a kernel launched with `launch_pdl=True` may
 start while its predecessor in the stream is still running, once every program of the predecessor
@@ -14,8 +15,8 @@ called gdc_launch_dependents (or exited). Each kernel here that supports it take
     visible, and every program calls it, so completion is transitive along the chain;
   * its first statement lets the next kernel launch (gdc_launch_dependents, pdl_start): the next kernel's
     programs are then scheduled as soon as every program of this one has started, and issue their weight loads
-    while this one still waits or runs. (Triggering after the wait instead was measured slower: Llama-3.1-8B b=1
-    4.083 vs 3.925 ms, SmolLM2-135M b=8 0.844 vs 0.743; benchmarks/results/experiments/decode_floor_*_h200.json.)
+    while this one still waits or runs. (Triggering after the wait instead was measured slower:
+    notes/PERF.md, issue 34 figures, _triton.)
     Correctness does not depend on where the trigger is: the next kernel still waits for this one to complete.
 Kernels that are not PDL launches (cuBLAS, torch ops) wait for full completion as usual.
 """
@@ -47,6 +48,13 @@ class _MissingKernel:
 
     def __getitem__(self, grid):
         raise RuntimeError(f"the Triton kernel {self.__name__} was requested but triton is not installed")
+
+
+def use_triton(x: torch.Tensor | torch.device) -> bool:
+    """Whether a kernel entry point takes its Triton path for x (a tensor or its device): triton installed and x on
+    CUDA, or the tests' force_triton switch on (then even without triton, so that a missing triton fails loudly)."""
+    device = x if isinstance(x, torch.device) else x.device
+    return SWITCHES.force_triton or (HAS_TRITON and device.type == "cuda")
 
 
 def jit(fn=None, **kwargs):

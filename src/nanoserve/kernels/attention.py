@@ -20,13 +20,13 @@ import numpy as np
 import torch
 
 from nanoserve.kernels import reference
-from nanoserve.kernels._triton import (HAS_TRITON, cdiv, jit, next_power_of_2,
-                                       num_sms, pdl_args, pdl_start, pdl_wait, tl)
+from nanoserve.kernels._triton import (cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_start, pdl_wait, tl,
+                                       use_triton)
 from nanoserve.kernels.metadata import AttentionInputs
 
 
 def select_backend(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" and HAS_TRITON else "torch"
+    return "triton" if use_triton(device) else "torch"
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -261,9 +261,9 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
 class DecodePartials:
     """The split-K decode attention before its merge: per (sequence, head, split) the fp32 partial output and its
     (max, sum); merge_partials turns it into the attention output. (Merging in the o_proj GEMV's prologue instead
-    was measured slower everywhere on the H200 — Qwen3-0.6B b=1 1.230 vs 0.847 ms: every program re-reads every
-    head's partials, one split at a time — and removed: benchmarks/results/experiments/decode_floor_first_h200.json.
-    Loading the first K/V tile before the PDL wait was slower too: Qwen3 b=8 1.349 vs 1.231 ms.)"""
+    was measured slower everywhere on the H200 — every program re-reads every head's partials, one split at a time —
+    and removed; loading the first K/V tile before the PDL wait was slower too: notes/PERF.md, issue 34 figures,
+    attention.DecodePartials.)"""
 
     acc: torch.Tensor  # [num_seqs * num_heads * num_splits * head_dim] fp32
     ml: torch.Tensor  # [num_seqs * num_heads * num_splits * 2] fp32

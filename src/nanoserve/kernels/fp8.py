@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from nanoserve.config import FP8_BLOCK
 
-from nanoserve.kernels._triton import HAS_TRITON, jit, next_power_of_2, pdl_args, pdl_start, pdl_wait, tl
+from nanoserve.kernels._triton import HAS_TRITON, jit, next_power_of_2, pdl_args, pdl_start, pdl_wait, tl, use_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -97,12 +97,12 @@ def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 QUANTIZE_ROWS_MAX_K = 32768  # a row the kernel holds in registers at once (Llama-3.1-8B's widest input: 14336)
 
 
-def quantize_rows(x: torch.Tensor, force_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows_ref as one Triton kernel on CUDA (a row per program: read once in bf16, written once in fp8;
     the six PyTorch ops of the reference move ~9 bytes a value, which at 8k prompt tokens cost as much as the
     product saves)."""
     m, k = x.shape
-    if not (force_triton or (HAS_TRITON and x.is_cuda)) or k > QUANTIZE_ROWS_MAX_K or x.stride(1) != 1:
+    if not use_triton(x) or k > QUANTIZE_ROWS_MAX_K or x.stride(1) != 1:
         return quantize_rows_ref(x)
     rows = _quantize(x, next_power_of_2(k), next_power_of_2(k))
     return rows.codes, rows.scales
@@ -136,9 +136,9 @@ def groups_ref(x: torch.Tensor) -> Fp8Rows:
 GROUPS_BLOCK = 1024  # columns a program of _quantize_groups_kernel quantizes (8 groups)
 
 
-def quantize_activations(x: torch.Tensor, force_triton: bool = False) -> Fp8Rows:
+def quantize_activations(x: torch.Tensor) -> Fp8Rows:
     """x [M, K] as Fp8Rows, one Triton kernel on CUDA (for a W8A8 product whose input no kernel quantized)."""
-    if not (force_triton or (HAS_TRITON and x.is_cuda)) or x.stride(1) != 1:
+    if not use_triton(x) or x.stride(1) != 1:
         return groups_ref(x)
     return _quantize(x, BLOCK, max(BLOCK, min(GROUPS_BLOCK, next_power_of_2(x.shape[1]))))
 

@@ -11,12 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels import fp8
-from nanoserve.kernels._triton import (HAS_TRITON, cdiv, jit, next_power_of_2,
-                                       pdl_args, pdl_start, pdl_wait, tl)
-
-
-def use_triton(x: torch.Tensor) -> bool:
-    return HAS_TRITON and x.is_cuda
+from nanoserve.kernels._triton import cdiv, jit, next_power_of_2, pdl_args, pdl_start, pdl_wait, tl, use_triton
 
 
 # -- residual add + RMSNorm --------------------------------------------------------------------
@@ -31,10 +26,10 @@ def rms_norm_ref(x, weight, eps, residual=None):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             force_triton: bool = False, quantize: bool = False):
+             quantize: bool = False):
     """rms_norm(x) or, given a residual, (rms_norm(x + residual), x + residual). x is [T, N]. With quantize the
     normed rows come as fp8.Fp8Rows (for a W8A8 product), quantized by the same kernel."""
-    if not (force_triton or use_triton(x)):
+    if not use_triton(x):
         out = rms_norm_ref(x, weight, eps, residual)
         if not quantize:
             return out
@@ -56,9 +51,9 @@ def silu_and_mul_ref(x):
     return F.silu(gate) * up
 
 
-def silu_and_mul(x: torch.Tensor, force_triton: bool = False, quantize: bool = False):
+def silu_and_mul(x: torch.Tensor, quantize: bool = False):
     """[T, 2I] holding [gate, up] → silu(gate) * up, [T, I]; with quantize as fp8.Fp8Rows (for a W8A8 product)."""
-    if not (force_triton or use_triton(x)):
+    if not use_triton(x):
         return fp8.groups_ref(silu_and_mul_ref(x)) if quantize else silu_and_mul_ref(x)
     rows, width = x.shape
     half = width // 2

@@ -23,8 +23,8 @@ The kernel (`_gemv_kernel`):
     once, which is therefore zero again after every call and every CUDA-graph replay;
   * a prologue transforms x as it is loaded, so the op before the product needs no launch of its
     own: residual add + RMSNorm (norm_linear; every program first takes the rows' norms over all of
-    K). (A SiLU-and-mul prologue for the down projection was measured slower than the separate kernel —
-    Qwen3-0.6B b=1 0.828 vs 0.783 ms, SmolLM2-135M 0.526 vs 0.514, Llama-3.1-8B even — and removed.);
+    K). (A SiLU-and-mul prologue for the down projection was measured slower than the separate kernel and
+    removed: notes/PERF.md, issue 34 figures, gemv.);
   * with programmatic dependent launch (see _triton.py) each program loads its first weight tile
     before gdc_wait, so the weights stream while the previous kernel finishes;
   * FP8 weights (kernels/fp8.py), W8A8 ("dot8q"): x arrives as e4m3 codes with a scale per row and 128 columns
@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from nanoserve.kernels import fp8, fused
 from nanoserve.kernels.fp8 import SCALE_GROUP_K
 from nanoserve.kernels._triton import (HAS_TRITON, cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_enabled,
-                                       pdl_start, pdl_wait, prev_power_of_2, tl)
+                                       pdl_start, pdl_wait, prev_power_of_2, tl, use_triton)
 from nanoserve.kernels.rotary_kv import QKVRope
 from nanoserve.kernels.switches import SWITCHES
 
@@ -78,7 +78,7 @@ class GemvConfig:
     split_k: int | None = None
     act_fp8: bool = False  # W8A8: x comes quantized (fp8.Fp8Rows, from the kernel that produces it), the product
     # on the FP8 tensor cores. (x quantized per tile inside the GEMV instead was measured slower for every product
-    # and row count: Llama-3.1-8B fp8 b=64 8.67 vs 5.29 ms; results/experiments/fp8_sweep_*_h200.json.)
+    # and row count: notes/PERF.md, issue 34 figures, gemv.GemvConfig.act_fp8.)
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "num_warps"):
@@ -207,10 +207,10 @@ GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
 # attention output; the product on FP8 tensor cores), "fma" W8A16 (the weight converted in registers). From the H200
 # sweep in the model (benchmarks/results/experiments/fp8_sweep_{llama,qwen3}_h200.json: each product's candidates
 # with the rest as the table then said, `decode_floor.py model --quantization fp8 --gemv-rows 1 8 32 64`): W8A8
-# wins every product from 2 rows up (2-64 rows: Llama-3.1-8B 4.15 -> 3.38 ms at 8 rows, 8.67 -> 5.29 at 64).
-# _scaled_mm (CUBLAS) wins Llama's o_proj at 64 rows. Rows 1 and 8 re-swept in the model on 2026-12-03 with more
-# candidates (experiments/fp8_sweep_llama_rows1_8_h200.json): fma 4x1024 st4 for Llama's o and gate_up at one row
-# (2.718 -> 2.684 ms), dot8q 64x128 p4 for its down at 8 rows.
+# wins every product from 2 rows up. _scaled_mm (CUBLAS) wins Llama's o_proj at 64 rows. Rows 1 and 8 re-swept in
+# the model on 2026-12-03 with more candidates (experiments/fp8_sweep_llama_rows1_8_h200.json): fma 4x1024 st4 for
+# Llama's o and gate_up at one row, dot8q 64x128 p4 for its down at 8 rows (step times:
+# notes/PERF.md, issue 34 figures, gemv.FP8_GEMV_TABLE).
 FP8_GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
     1: (
         (3.0, 'fma 8x1024 w4 st3 p0', TRITON),
@@ -374,7 +374,7 @@ def _weight_ok(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 def kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    weight_scale: torch.Tensor | None = None) -> bool:
     """Whether the Triton kernel can take these arguments at all (where it is worth it is choose()'s call)."""
-    if not HAS_TRITON or not x.is_cuda or x.dim() != 2 or weight.dim() != 2:
+    if not use_triton(x) or x.dim() != 2 or weight.dim() != 2:
         return False
     m, k = x.shape
     n = weight.shape[0]
@@ -404,60 +404,59 @@ def _library_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return fp8.linear(x, weight, weight_scale, bias)
 
 
-def _variant(x, weight, bias, weight_scale, force_triton: bool, config: GemvConfig | None) -> GemvConfig | None:
-    """The Triton variant that runs x @ weight.T (config, else the table's), or None where the library path does. The
-    table's cuBLAS entries for fp8 weights are _scaled_mm's; where it does not apply (128x128-block scales) the library
-    path would dequantize the weight every call (Llama-3.1-8B block-scaled b=64: 10.7 ms a step vs 5.3 per channel)."""
-    if force_triton or kernel_applies(x, weight, bias, weight_scale):
+def _variant(x, weight, bias, weight_scale, config: GemvConfig | None) -> GemvConfig | None:
+    """The Triton variant that runs x @ weight.T (config, else the table's), or None where the library path does; the
+    tests' force_triton switch takes the kernel whatever kernel_applies and the table say. The table's cuBLAS entries
+    for fp8 weights are _scaled_mm's; where it does not apply (128x128-block scales) the library path would dequantize
+    the weight every call (measured: notes/PERF.md, issue 34 figures, gemv._variant)."""
+    forced = SWITCHES.force_triton
+    if forced or kernel_applies(x, weight, bias, weight_scale):
         cfg, triton_wins = choose(x.shape[0], weight.shape[0], x.shape[1], weight.element_size())
-        if force_triton or triton_wins or (weight_scale is not None
-                                           and not fp8.scaled_mm_applies(x, weight, weight_scale, bias)):
+        if forced or triton_wins or (weight_scale is not None
+                                     and not fp8.scaled_mm_applies(x, weight, weight_scale, bias)):
             return config or cfg
     return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           weight_scale: torch.Tensor | None = None, force_triton: bool = False,
-           config: GemvConfig | None = None) -> torch.Tensor:
+           weight_scale: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) (weight · weight_scale for fp8); the Triton kernel where GEMV_TABLE says it wins
-    (or with force_triton, on any device — CPU runs go through TRITON_INTERPRET=1). config overrides the table.
-    A dot8q variant first quantizes x in a kernel of its own (fp8.quantize_activations)."""
-    cfg = _variant(x, weight, bias, weight_scale, force_triton, config)
+    (or under the force_triton switch, on any device — CPU runs go through TRITON_INTERPRET=1). config overrides the
+    table. A dot8q variant first quantizes x in a kernel of its own (fp8.quantize_activations)."""
+    cfg = _variant(x, weight, bias, weight_scale, config)
     if cfg is None:
         return _library_linear(x, weight, bias, weight_scale)
-    rows = fp8.quantize_activations(x, force_triton) if cfg.act_fp8 else x
+    rows = fp8.quantize_activations(x) if cfg.act_fp8 else x
     return _launch(rows, weight, bias, x.shape[1], cfg, weight_scale=weight_scale)
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                    weight_scale: torch.Tensor | None = None, force_triton: bool = False,
-                    config: GemvConfig | None = None) -> torch.Tensor:
+                    weight_scale: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
     """(silu(gate) * up) @ weight.T + bias for gate_up [M, 2I] (the MLP's down projection): a dot8q variant gets its
     input quantized by the SiLU-mul kernel itself."""
     x = gate_up[:, :gate_up.shape[1] // 2]  # the shape, dtype and device of the product's input
-    cfg = _variant(x, weight, bias, weight_scale, force_triton, config)
+    cfg = _variant(x, weight, bias, weight_scale, config)
     if cfg is not None and cfg.act_fp8:
-        return _launch(fused.silu_and_mul(gate_up, force_triton, quantize=True), weight, bias, x.shape[1], cfg,
+        return _launch(fused.silu_and_mul(gate_up, quantize=True), weight, bias, x.shape[1], cfg,
                        weight_scale=weight_scale)
-    return linear(fused.silu_and_mul(gate_up), weight, bias, weight_scale=weight_scale, force_triton=force_triton,
-                  config=config)
+    return linear(fused.silu_and_mul(gate_up), weight, bias, weight_scale=weight_scale, config=config)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                 weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_scale: torch.Tensor | None = None,
-                force_triton: bool = False, config: GemvConfig | None = None):
+                config: GemvConfig | None = None):
     """(rms_norm(x + residual) · norm_weight) @ weight.T + bias, and the new residual x + residual.
 
     With SWITCHES.fuse_norm (up to fuse_max_m rows of fuse_norm_min_k…fuse_norm_max_k values) the norm runs inside the
     GEMV's prologue.
     Without a residual (the first layer) the new residual is x itself. A dot8q variant gets the normed rows quantized
     by the norm kernel itself."""
-    cfg = _variant(x, weight, bias, weight_scale, force_triton, config)
+    cfg = _variant(x, weight, bias, weight_scale, config)
     if cfg is not None and cfg.act_fp8:
-        out = fused.rms_norm(x, norm_weight, eps, residual, force_triton=force_triton, quantize=True)
+        out = fused.rms_norm(x, norm_weight, eps, residual, quantize=True)
         rows, new_residual = out if residual is not None else (out, x)
         return _launch(rows, weight, bias, x.shape[1], cfg, weight_scale=weight_scale), new_residual
-    if not (force_triton or _fuses(SWITCHES.fuse_norm, x, weight, bias, weight_scale)
+    if not (SWITCHES.force_triton or _fuses(SWITCHES.fuse_norm, x, weight, bias, weight_scale)
             and SWITCHES.fuse_norm_min_k <= x.shape[1] <= SWITCHES.fuse_norm_max_k and (residual is None or residual.stride(-1) == 1)):
         if residual is None:
             return linear(fused.rms_norm(x, norm_weight, eps), weight, bias, weight_scale=weight_scale), x
@@ -476,8 +475,8 @@ def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     """The attention input of a decoder layer: (q, k, v, new residual) after rms_norm(x + residual) → qkv
     projection (norm_linear) → q/k RMSNorm (Qwen3) + RoPE with k and v stored in the paged cache (one kernel,
     rotary_kv.qk_norm_rope). A qkv-epilogue variant (one head per output tile) was removed: it left the qkv
-    GEMV N / head_dim programs and no split-K, and the H200 measured it slower (Llama-3.1-8B b=1 5.694 ms
-    vs 5.400 without)."""
+    GEMV N / head_dim programs and no split-K, and the H200 measured it slower (notes/PERF.md, issue 34 figures,
+    gemv.norm_qkv_rope)."""
     qkv, residual = norm_linear(x, residual, norm_weight, eps, weight, bias, weight_scale=weight_scale)
     q, k, v = rope.split(qkv)
     q, k = rope.apply(q, k, v)
@@ -560,14 +559,16 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None,
 
 PREFETCH_MAX_LINES = 4096  # 512 KiB a program: more than any variant's slice of the decode matrices
 # Matrices up to this size are prefetched (L2 holds 50 MB; Llama-3.1-8B's 32-224 MB matrices, whose resident programs
-# alone ask for more than it holds, ran 14-29% slower with the prefetch at b = 1 and 8).
+# alone ask for more than it holds, ran slower with the prefetch: notes/PERF.md, issue 34 figures,
+# gemv.PREFETCH_MAX_WEIGHT_BYTES).
 PREFETCH_MAX_WEIGHT_BYTES = 16 * 2**20
 
 
 def _prefetch_lines(p: LaunchPlan, weight_bytes: int, element_size: int, device: torch.device) -> int:
     """Lines each program prefetches into L2 before the PDL wait (a power of two; 0: none): its whole slice of W,
-    when SWITCHES.gemv_prefetch is on, PDL runs, the matrix is small, there are several rows (at one row it cost
-    ~1%: Qwen3-0.6B 0.828 vs 0.817 ms) and the slice is more than the one tile loaded before the wait."""
+    when SWITCHES.gemv_prefetch is on, PDL runs, the matrix is small, there are several rows (at one row it cost a
+    little: notes/PERF.md, issue 34 figures, gemv._prefetch_lines) and the slice is more than the one tile
+    loaded before the wait."""
     if not (SWITCHES.gemv_prefetch and pdl_enabled(device)) or p.k_per_split <= p.block_k or p.block_m == 1 \
             or weight_bytes > PREFETCH_MAX_WEIGHT_BYTES:
         return 0

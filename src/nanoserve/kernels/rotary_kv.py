@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels import reference
-from nanoserve.kernels._triton import cdiv, jit, pdl_args, pdl_start, pdl_wait, tl
-from nanoserve.kernels.fused import rms_norm_ref, use_triton
+from nanoserve.kernels._triton import cdiv, jit, pdl_args, pdl_start, pdl_wait, tl, use_triton
+from nanoserve.kernels.fused import rms_norm_ref
 
 
 @dataclass
@@ -43,11 +43,10 @@ class QKVRope:
         t = qkv.shape[0]
         return q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, force_triton: bool = False):
+    def apply(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """The separate kernel: (q, k) normalised and rotated; k and v stored in the cache."""
         return qk_norm_rope(q, k, self.cos_sin_cache, self.positions, self.q_norm_weight, self.k_norm_weight,
-                            self.eps, kv_store=(v, self.k_cache, self.v_cache, self.slot_mapping),
-                            force_triton=force_triton)
+                            self.eps, kv_store=(v, self.k_cache, self.v_cache, self.slot_mapping))
 
 
 def qk_norm_rope_ref(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, eps=1e-6, kv_store=None):
@@ -72,15 +71,15 @@ def qk_norm_rope_ref(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=Non
 
 
 # Tokens per program: one head of one token is only HEAD_DIM values, so at prefill sizes a program per
-# (token, head) is ~10x slower than the bytes need (H200, Qwen3-0.6B at 1024 tokens: 0.86 ms of 4.35).
+# (token, head) is many times slower than the bytes need (measured: notes/PERF.md, issue 34 figures,
+# rotary_kv.ROPE_BLOCK_T).
 ROPE_BLOCK_T = 16
 ROPE_MIN_TOKENS_PER_BLOCK = 256  # below this many tokens, one token per program keeps the grid wide (decode)
 
 
-def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, eps=1e-6, kv_store=None,
-                 force_triton=False):
+def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, eps=1e-6, kv_store=None):
     """One kernel for all q and k heads (and the KV-cache store); q/k/v may be strided views of the qkv output."""
-    if not (force_triton or use_triton(q)) or q.shape[-1] & (q.shape[-1] - 1):  # kernel needs a power-of-2 head_dim
+    if not use_triton(q) or q.shape[-1] & (q.shape[-1] - 1):  # kernel needs a power-of-2 head_dim
         return qk_norm_rope_ref(q, k, cos_sin_cache, positions, q_norm_w, k_norm_w, eps, kv_store)
     tokens, num_heads, d = q.shape
     num_kv_heads = k.shape[1]

@@ -15,14 +15,14 @@ the kernel's oracle.
 The bitmask is xgrammar's layout: [rows, ceil(vocab / 32)] int32, bit j of word w allows token 32w + j. The rest of
 the sampler (top-k, top-p, min-p, logprobs, bans, biases, penalties, seeded rows) works on a float32 copy of the
 logits, which a constrained step makes masked (`masked_float_logits`: xgrammar's apply_token_bitmask_inplace costs
-~0.18 ms of host time a call in its Python wrapper).
+more host time a call in its Python wrapper; measured: notes/PERF.md, issue 34 figures, kernels/sampling.py).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from nanoserve.kernels._triton import HAS_TRITON, cdiv, jit, tl
+from nanoserve.kernels._triton import cdiv, jit, tl, use_triton
 
 MASK_BLOCK = 2048  # tokens per program of the masked copy: 64 rows of a 152k vocabulary are ~4.8k programs
 SAMPLE_LANES = 256  # columns per Philox lane block: one randint4x call gives the noise of 4 such blocks
@@ -38,14 +38,14 @@ def masked_float_logits_ref(logits: torch.Tensor, bitmask: torch.Tensor) -> torc
     return logits.float().masked_fill(~allowed, float("-inf"))
 
 
-def masked_float_logits(logits: torch.Tensor, bitmask: torch.Tensor, force_triton: bool = False) -> torch.Tensor:
+def masked_float_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """float32 logits [n, vocab] with every token whose bit is 0 at -inf; bitmask [n, >= ceil(vocab / 32)] int32 on
     the logits' device. A new tensor: the logits are left as they are."""
     n, vocab = logits.shape
     if bitmask.dtype != torch.int32 or bitmask.shape[0] != n or bitmask.shape[1] * 32 < vocab:
         raise ValueError(f"a token bitmask for {n} rows of {vocab} tokens is int32 [{n}, >= {cdiv(vocab, 32)}], "
                          f"got {bitmask.dtype} {list(bitmask.shape)}")
-    if not (force_triton or (HAS_TRITON and logits.is_cuda)):
+    if not use_triton(logits):
         return masked_float_logits_ref(logits, bitmask)
     out = torch.empty(n, vocab, dtype=torch.float32, device=logits.device)
     if n:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.kernels._triton import HAS_TRITON, jit, tl, triton
+from nanoserve.kernels._triton import jit, next_power_of_2, tl, use_triton
 
 
 def prepare_decode_ref(slots: torch.Tensor, new_block_cols: torch.Tensor, new_block_ids: torch.Tensor,
@@ -25,17 +25,17 @@ def prepare_decode_ref(slots: torch.Tensor, new_block_cols: torch.Tensor, new_bl
 
 
 def prepare_decode(slots: torch.Tensor, new_block_cols: torch.Tensor, new_block_ids: torch.Tensor,
-                   last_tokens: torch.Tensor, block_tables: torch.Tensor, width: int | None = None,
-                   force_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   last_tokens: torch.Tensor, block_tables: torch.Tensor,
+                   width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Graph-capturable on CUDA (no host sync); see prepare_decode_ref for the contract."""
-    if not (HAS_TRITON and (slots.is_cuda or force_triton)):
+    if not use_triton(slots):
         return prepare_decode_ref(slots, new_block_cols, new_block_ids, last_tokens, block_tables, width)
     rows = slots.shape[0]
     width = block_tables.shape[1] if width is None else width
     ids = torch.empty(rows, dtype=torch.int32, device=slots.device)
     tables = torch.empty(rows, width, dtype=torch.int32, device=slots.device)
     if rows:
-        block = min(triton.next_power_of_2(width), 1024)
+        block = min(next_power_of_2(width), 1024)
         _prepare_decode_kernel[(rows,)](slots, new_block_cols, new_block_ids, last_tokens, block_tables, ids, tables,
                                         width, block_tables.stride(0), BLOCK=block)
     return ids, tables

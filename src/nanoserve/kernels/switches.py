@@ -1,10 +1,13 @@
-"""On/off switches of the decode kernels: programmatic dependent launch and each fusion.
+"""On/off switches of the decode kernels: programmatic dependent launch, each fusion, and the tests' Triton path.
 
 Read once from the environment at import (NANOSERVE_PDL=0 turns PDL off, NANOSERVE_GEMV_PREFETCH=0 the GEMV's L2
 prefetch; NANOSERVE_FUSE_NORM=0 the RMSNorm prologue), so a benchmark can measure each
 one's worth: kernels read SWITCHES when they launch, so `switched(pdl=False)` followed by a fresh
 capture gives graphs without it, in the same process. Every switch only chooses between two paths
 that compute the same result (the tests check each fused path against the unfused one).
+
+force_triton (NANOSERVE_FORCE_TRITON=1) is for tests only: every kernel takes its Triton path whatever the device
+and the GEMV tables say (_triton.use_triton), so CPU tests run the kernels in Triton's interpreter.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 _ENV = {"pdl": "NANOSERVE_PDL", "gemv_prefetch": "NANOSERVE_GEMV_PREFETCH",
         "fuse_norm": "NANOSERVE_FUSE_NORM",
         "fuse_max_m": "NANOSERVE_FUSE_MAX_M", "fuse_norm_min_k": "NANOSERVE_FUSE_NORM_MIN_K",
-        "fuse_norm_max_k": "NANOSERVE_FUSE_NORM_MAX_K"}
+        "fuse_norm_max_k": "NANOSERVE_FUSE_NORM_MAX_K", "force_triton": "NANOSERVE_FORCE_TRITON"}
 _COUNTS = ("fuse_max_m", "fuse_norm_min_k", "fuse_norm_max_k")
 
 
@@ -25,22 +28,22 @@ _COUNTS = ("fuse_max_m", "fuse_norm_min_k", "fuse_norm_max_k")
 class Switches:
     pdl: bool = True  # programmatic dependent launch between consecutive kernels (Hopper and newer)
     # The GEMV asks L2 for all its weight lines before the PDL wait, not only its first tile (several rows, matrices
-    # up to gemv.PREFETCH_MAX_WEIGHT_BYTES): SmolLM2-135M b=8 0.797 vs 0.827 ms, b=32 0.954 vs 1.000; Qwen3-0.6B b=8
-    # 1.193 vs 1.228 (Llama-3.1-8B's matrices are over the cap).
+    # up to gemv.PREFETCH_MAX_WEIGHT_BYTES): small models' steps are faster so
+    # (measured: notes/PERF.md, issue 34 figures, switches.gemv_prefetch).
     gemv_prefetch: bool = True
     fuse_norm: bool = True  # residual add + RMSNorm in the prologue of the GEMV that follows
     # Rows up to which the fused prologues run. Each program of a prologue-fused GEMV re-reads (and re-normalises)
-    # all its rows' activations, which is free for one row and costs as much as the weights by tens of rows: with
-    # 64 the H200 ran Llama-3.1-8B's b=32 step in 14.4 ms against 5.35 ms unfused (benchmarks/results/
-    # experiments/decode_latency_fused64_h200.json).
+    # all its rows' activations, which is free for one row and costs as much as the weights by tens of rows
+    # (measured: notes/PERF.md, issue 34 figures, switches.fuse_max_m).
     fuse_max_m: int = 1
     # The activation rows whose RMSNorm is fused, by width: every program of the GEMV recomputes the norm over the
-    # whole row before its product. For Llama-3.1-8B's 4096 (3584 programs in gate_up) that cost more than the norm
-    # kernel it saves (b=1 4.242 vs 4.030 ms unfused); Qwen3-0.6B's 1024 gains (b=1 0.792 vs 0.851); SmolLM2-135M's
-    # 576 loses, twice measured (b=1 0.510 vs 0.477, 0.512 vs 0.476: results/decode_floor_h200.json), where each
-    # program's product is short and the norm's two dependent reads sit after the PDL wait.
+    # whole row before its product. For Llama-3.1-8B's 4096 (3584 programs in gate_up) that costs more than the norm
+    # kernel it saves; Qwen3-0.6B's 1024 gains; SmolLM2-135M's 576 loses, where each program's product is short and
+    # the norm's two dependent reads sit after the PDL wait (measured: notes/PERF.md, issue 34 figures,
+    # switches.fuse_norm_min_k).
     fuse_norm_min_k: int = 1024
     fuse_norm_max_k: int = 2048
+    force_triton: bool = False  # tests: the Triton path on every device, GEMV tables bypassed (CPU: the interpreter)
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "Switches":

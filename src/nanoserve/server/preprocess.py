@@ -68,8 +68,6 @@ class Preprocessor:
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """The front end's rule (engine/prompts.tokenize: RequestError on "prompt"), with this thread's tokenizer."""
-        if not isinstance(prompt, str):  # the length first, before looking at every id
-            check_prompt_length(len(prompt), self.max_model_len)
         return tokenize(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
 
     def check_text_length(self, text: str, param: str) -> None:

@@ -41,7 +41,7 @@ from nanoserve.engine.grammar import Grammars
 from nanoserve.engine.messages import EngineRequest, EngineStats, SeqOutput
 from nanoserve.engine.preflight import check_engine_config
 from nanoserve.engine.pipeline import InFlight, StepPipeline
-from nanoserve.engine.prompts import check_params_token_ids, check_prompt_length, check_token_ids
+from nanoserve.engine.prompts import check_params_token_ids, check_prompt_ids
 from nanoserve.engine.scheduler import ScheduledStep, Scheduler, chunk_caps
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.model_files import eos_token_ids, load_tokenizer
@@ -113,8 +113,7 @@ class EngineCore:
             raise ValueError(f"request id {rid!r} is already in use")
         if params.n != 1:
             raise ValueError(f"the engine core runs single sequences (n=1), got n={params.n}")
-        check_prompt_length(len(ids), self.config.max_model_len)
-        check_token_ids(ids, self.vocab_size)
+        check_prompt_ids(ids, self.vocab_size, self.config.max_model_len)
         check_params_token_ids(params, self.vocab_size)
         so = params.structured_outputs
         grammar = None if so is None else self._grammar_store().compile(so)

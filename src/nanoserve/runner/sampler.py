@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from nanoserve.config import MAX_LOGPROBS
-from nanoserve.kernels._triton import HAS_TRITON
+from nanoserve.kernels._triton import use_triton
 from nanoserve.kernels.sampling import SampleScratch, masked_float_logits, sample_tokens
 from nanoserve.runner.batch import Penalties, SampledTokens, SamplingBatch
 
@@ -94,9 +94,9 @@ class Sampler:
     """logits [n, V] + a SamplingBatch → sampled ids in the slots' last-token cells, and a SampleHandle."""
 
     def __init__(self, max_rows: int, device: torch.device, generator: torch.Generator | None = None,
-                 vocab_size: int = 0, fused: bool | None = None):
-        """generator: the noise of unseeded rows (None: torch's default RNG). fused: whether plain batches take the
-        one kernel (None: on CUDA with Triton; the CPU tests force it, the interpreter running it)."""
+                 vocab_size: int = 0):
+        """generator: the noise of unseeded rows (None: torch's default RNG). Plain batches take the one kernel
+        where the kernels run Triton (kernels/_triton.use_triton)."""
         self.device, self.generator = device, generator
         self.on_cuda = device.type == "cuda"
         words = max_rows * (2 + 2 * MAX_LOGPROBS)
@@ -104,8 +104,7 @@ class Sampler:
         self._host = [torch.zeros(words, dtype=torch.int32, pin_memory=self.on_cuda) for _ in range(2)]
         self._events = [torch.cuda.Event() if self.on_cuda else None for _ in range(2)]
         self._turn = 0
-        fused = self.on_cuda and HAS_TRITON if fused is None else fused
-        self._fused = SampleScratch(max_rows, device) if fused else None
+        self._fused = SampleScratch(max_rows, device) if use_triton(device) else None
         self._bitmask = torch.full((max_rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device) \
             if self._fused is not None else None  # the plain sample's mask: static, so its graphs read it
         # the plain sample's noise key, on the device: read by the kernel and advanced after it, so a graph of the

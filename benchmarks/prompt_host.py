@@ -4,7 +4,8 @@
 
 Each variant runs in a process of its own (env: kernel switches such as NANOSERVE_PDL=0).
 
-    python benchmarks/prompt_host.py [--model qwen3-0.6b] [--tokens 4000] [--variants default no_pdl] [--json FILE]
+    python benchmarks/prompt_host.py [--model qwen3-0.6b] [--tokens 4000] [--variants default no_pdl chunks]
+                                     [--rounds N] [--json FILE]
 """
 from __future__ import annotations
 
@@ -25,11 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import env_info, write_json, write_model_dir  # noqa: E402
 
-REPEATS = 7
-VARIANTS = {"default": {}, "no_pdl": {"NANOSERVE_PDL": "0"}}
+REPEATS = 9
+# (environment, engine options) per variant; "chunks": the prompt as graphed chunks of at most 2048 tokens
+VARIANTS = {"default": ({}, {}), "no_pdl": ({"NANOSERVE_PDL": "0"}, {}),
+            "chunks": ({}, {"max_num_batched_tokens": 2048})}
 
 
-def measure(model: str, tokens: int) -> dict:
+def measure(model: str, tokens: int, options: dict) -> dict:
     import torch
 
     from benchmarks.decode_floor import kind_table, profile_step
@@ -37,17 +40,24 @@ def measure(model: str, tokens: int) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(str(write_model_dir(model, tmp)), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                  max_model_len=max(4096, tokens + 16), show_progress=False)
+                  max_model_len=max(4096, tokens + 16), show_progress=False, **options)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=1, temperature=0.0)
+    launches = []
 
     def run() -> float:
+        """Wall ms of one prompt; the host ms until its first step() returned (the step launched) kept aside."""
         prompt = torch.randint(0, 10000, (tokens,), generator=gen).tolist()
         start = time.perf_counter()
-        llm.generate([prompt], params, use_tqdm=False)
+        llm.engine.add_request("p", prompt, params, stream=False)
+        llm.engine.step()
+        launches.append((time.perf_counter() - start) * 1e3)
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
         return (time.perf_counter() - start) * 1e3
 
     run()
+    launches.clear()
     samples = [run() for _ in range(REPEATS)]
     prompt = torch.randint(0, 10000, (tokens,), generator=gen).tolist()
     kinds = kind_table(profile_step(lambda: llm.generate([prompt], params, use_tqdm=False)))
@@ -63,6 +73,7 @@ def measure(model: str, tokens: int) -> dict:
     pstats.Stats(prof, stream=cum).sort_stats("cumulative").print_stats(40)
     llm.close()
     return {"wall_ms": {"median": statistics.median(samples), "samples": samples},
+            "first_step_host_ms": {"median": statistics.median(launches), "samples": launches},
             "kernels": {k: kinds[k] for k in ("kernels", "span_us", "busy_us")}, "kinds": kinds.get("kinds"),
             "cprofile_tottime": text.getvalue()[-6000:], "cprofile_cumulative": cum.getvalue()[-8000:]}
 
@@ -72,25 +83,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--tokens", type=int, default=4000)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--json", type=Path)
-    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
-        print("RESULT " + json.dumps(measure(args.model, args.tokens)))
+        print("RESULT " + json.dumps(measure(args.model, args.tokens, VARIANTS[args.one][1])))
         return 0
     report = {"env": env_info(), "command": " ".join(sys.argv), "model": args.model, "tokens": args.tokens,
               "variants": {}}
-    for name in args.variants:
-        env = {**os.environ, **VARIANTS[name]}
-        proc = subprocess.run([sys.executable, __file__, "--one", "--model", args.model, "--tokens", str(args.tokens)],
-                              capture_output=True, text=True, env=env)
-        if proc.returncode:
-            print(proc.stderr[-3000:])
-            continue
-        rec = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
-        report["variants"][name] = rec
-        print(f"{name}: wall {rec['wall_ms']['median']:.2f} ms, kernels {rec['kernels']}", flush=True)
-        print(rec["cprofile_tottime"][-3500:], flush=True)
+    for round_ in range(args.rounds):
+        for name in args.variants:
+            env = {**os.environ, **VARIANTS[name][0]}
+            proc = subprocess.run([sys.executable, __file__, "--one", name, "--model", args.model, "--tokens",
+                                   str(args.tokens)], capture_output=True, text=True, env=env)
+            if proc.returncode:
+                print(proc.stderr[-3000:])
+                continue
+            rec = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+            report["variants"][f"{name}_{round_}"] = rec
+            print(f"{name} round {round_}: wall {rec['wall_ms']['median']:.2f} ms (first step's host "
+                  f"{rec['first_step_host_ms']['median']:.2f} ms), kernels {rec['kernels']}", flush=True)
     if args.json:
         write_json(args.json, report)
     return 0

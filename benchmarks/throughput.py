@@ -32,6 +32,7 @@ from benchmarks.common import (RESULTS_DIR, back_to_back_seconds, env_info, meas
 VARIANTS = {  # engine options per variant
     "async": dict(async_scheduling=True),
     "async-no-prefill-graphs": dict(async_scheduling=True, prefill_graph_sizes="off"),
+    "async-8192": dict(async_scheduling=True, max_num_batched_tokens=8192),  # the offline budget before round 7
     "sync": dict(async_scheduling=False),
 }
 

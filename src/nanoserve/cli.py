@@ -77,7 +77,12 @@ def _add_serve(sub) -> None:
     serve.add_argument("--model", default=None, help=FIELD_HELP["model"])
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /version, /metrics")
+    serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                       help="origins (http://host:port, or *) whose web pages may call this server through a browser "
+                            "(CORS); also vLLM's JSON list form '[\"http://a\"]'. Default: none, a cross-origin "
+                            "request is answered 403")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name the API reports and accepts; default: the --model path as given")
     serve.add_argument("--trust-request-chat-template", action="store_true",
@@ -185,7 +190,7 @@ def _cmd_serve(args) -> int:
                  served_model_name=args.served_model_name, trust_request_chat_template=args.trust_request_chat_template,
                  shutdown_timeout=args.shutdown_timeout, request_body_timeout=args.request_body_timeout,
                  max_stop_strings=args.max_stop_strings, max_stop_string_len=args.max_stop_string_len,
-                 tool_call_parser=args.tool_call_parser)
+                 tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins)
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -9,7 +9,9 @@ import asyncio
 import json
 
 import httpx
+import openai
 import pytest
+from pydantic import BaseModel
 
 from nanoserve.engine.output import CompletionOutput, RequestOutput
 from nanoserve.server.collector import RequestCollector
@@ -297,6 +299,54 @@ def test_auto_and_none_leave_the_output_unconstrained(live, scripted, hermes):
     for choice in ("auto", "none"):
         live.client().chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice)
         assert seen[-1].structured_outputs is None
+
+
+# -- issue 39: parameters with $defs / $ref (pydantic_function_tool, zod, MCP) --------------------------------------
+class Address(BaseModel):
+    street: str
+    city: str
+
+
+class Person(BaseModel):
+    name: str
+    home: Address
+    friends: list["Person"] = []
+
+
+TREE = {"type": "function", "function": {"name": "tree", "parameters": {
+    "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"]}}}
+
+
+def test_forced_calls_take_tools_with_defs_and_refs(live):
+    """Was a 400 "Cannot find field '$defs'": the definitions stayed inside the wrapper the schema was put in."""
+    person = openai.pydantic_function_tool(Person)
+    for choice in ("required", {"type": "function", "function": {"name": "Person"}}):
+        r = live.client().chat.completions.create(model=MODEL, messages=ASK, tools=[person, TREE], tool_choice=choice,
+                                                  max_tokens=4)
+        assert r.choices[0].finish_reason in ("length", "tool_calls", "stop"), r
+
+
+def _accepts(schema: dict, text: str) -> bool:
+    import xgrammar as xgr
+
+    return xgr.testing._is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(schema)), text)
+
+
+def test_hoisted_refs_point_where_they_pointed():
+    """The enforced grammar accepts what each tool's own schema accepts, and "#" is the tool's parameters, not the
+    array of calls around them."""
+    functions = [FunctionDefinition(**openai.pydantic_function_tool(Person)["function"]),
+                 FunctionDefinition(**TREE["function"])]
+    schema = required_schema(functions, parallel=True)
+    person = {"name": "Ann", "home": {"street": "Rue 1", "city": "Paris"},
+              "friends": [{"name": "Bo", "home": {"street": "A", "city": "B"}, "friends": []}]}
+    assert _accepts(schema, json.dumps([{"name": "Person", "parameters": person}]))
+    assert not _accepts(schema, json.dumps([{"name": "Person", "parameters": {**person, "home": {"city": "x"}}}]))
+    assert _accepts(schema, json.dumps([{"name": "tree", "parameters": {"kids": [{"kids": []}]}}]))
+    assert not _accepts(schema, json.dumps([{"name": "tree", "parameters": {"kids": [[{"name": "tree",
+                                                                                       "parameters": {"kids": []}}]]}}]))
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"$ref": "#/$defs/tool1"}
+    assert TREE["function"]["parameters"]["properties"]["kids"]["items"] == {"$ref": "#"}  # the request's untouched
 
 
 # -- end to end: "required" and named choices on the real SmolLM2 GGUF, enforced by the engine's grammar ----------

@@ -14,6 +14,7 @@ arguments it got and the finish_reason "length".
 """
 from __future__ import annotations
 
+import json
 from functools import partial
 
 from nanoserve.sampling import StructuredOutputsParams
@@ -32,14 +33,71 @@ def auto_parser_name(setting: str, chat_template) -> str | None:
 
 
 def required_schema(functions: list, parallel: bool) -> dict:
-    """The JSON schema of tool_choice "required": [{"name": <one of the functions>, "parameters": <its schema>}]."""
+    """The JSON schema of tool_choice "required": [{"name": <one of the functions>, "parameters": <its schema>}]. A
+    parameters schema with definitions or local references ($defs / $ref, as pydantic, zod and MCP servers write
+    them) moves into the root's $defs (its own definitions beside it), so its references still point where they
+    pointed; a plain one stays inline."""
+    defs: dict = {}
     items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f.name]},
-                                               "parameters": f.parameters or NO_PARAMETERS},
-              "required": ["name", "parameters"], "additionalProperties": False} for f in functions]
+                                               "parameters": _placed(f.parameters or NO_PARAMETERS, f"tool{i}", defs)},
+              "required": ["name", "parameters"], "additionalProperties": False} for i, f in enumerate(functions)]
     schema = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
+
+
+_DEF_KEYS = ("$defs", "definitions")
+_LITERAL_KEYS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas: no $ref to rewrite
+
+
+def _placed(parameters: dict, name: str, defs: dict) -> dict:
+    """`parameters` as it goes inside the wrapper: itself, or a $ref to its copy in `defs` (under `name`, its own
+    definitions under name.$defs.X) with every local $ref rewritten to the new place."""
+    if not any(k in parameters for k in _DEF_KEYS) and not _has_local_ref(parameters):
+        return parameters
+    base = f"#/$defs/{name}"
+    moved = {k: v for k, v in parameters.items() if k not in _DEF_KEYS}
+    defs[name] = _rewrite_refs(moved, base)
+    for key in _DEF_KEYS:
+        for sub, schema in (parameters.get(key) or {}).items():
+            defs[f"{name}.{key}.{sub}"] = _rewrite_refs(schema, base)
+    return {"$ref": base}
+
+
+def _walk(node):
+    """Every dict in a schema (iteratively: no recursion limit to reach), literals skipped."""
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            yield item
+            stack.extend(v for k, v in item.items() if k not in _LITERAL_KEYS)
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def _has_local_ref(schema: dict) -> bool:
+    return any(isinstance(d.get("$ref"), str) and d["$ref"].startswith("#") for d in _walk(schema))
+
+
+def _rewrite_refs(schema, base: str):
+    """A copy of `schema` whose local refs point into its hoisted place: "#" → base, "#/$defs/X…" → base.$defs.X…,
+    any other "#/path" → base/path."""
+    copy = json.loads(json.dumps(schema))
+    for d in _walk(copy):
+        ref = d.get("$ref")
+        if not (isinstance(ref, str) and ref.startswith("#")):
+            continue
+        path = ref[1:].lstrip("/")
+        key, _, rest = path.partition("/")
+        if key in _DEF_KEYS and rest:
+            d["$ref"] = f"{base}.{key}.{rest}"
+        else:
+            d["$ref"] = f"{base}/{path}" if path else base
+    return copy
 
 
 class ToolCalling:

@@ -85,6 +85,9 @@ def _add_serve(sub) -> None:
                             "request is answered 403")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name the API reports and accepts; default: the --model path as given")
+    serve.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                       help="the chat template to render chat prompts with (a file, or the Jinja text), instead of "
+                            "the tokenizer's")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept `chat_template` in chat requests (rendered in a sandbox process, time-limited)")
     serve.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
@@ -190,7 +193,8 @@ def _cmd_serve(args) -> int:
                  served_model_name=args.served_model_name, trust_request_chat_template=args.trust_request_chat_template,
                  shutdown_timeout=args.shutdown_timeout, request_body_timeout=args.request_body_timeout,
                  max_stop_strings=args.max_stop_strings, max_stop_string_len=args.max_stop_string_len,
-                 tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins)
+                 tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins,
+                 chat_template=args.chat_template)
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -15,6 +15,7 @@ that goes away has its request aborted. If the engine core dies, requests in fli
 from __future__ import annotations
 
 import logging
+import os
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -96,13 +97,15 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
               chat_template_timeout_s: float = DEFAULT_TIMEOUT_S, log_level: str = "info",
               request_body_timeout: float = REQUEST_BODY_TIMEOUT_S, max_stop_strings: int = MAX_STOP_STRINGS,
               max_stop_string_len: int = MAX_STOP_STRING_LEN, tool_call_parser: str = "auto",
-              allowed_origins: list[str] | None = None, **engine_options) -> FastAPI:
+              allowed_origins: list[str] | None = None, chat_template: str | None = None,
+              **engine_options) -> FastAPI:
     """The FastAPI app. `model` is a model folder (+ EngineConfig options as keywords), an EngineConfig, or
     a started EngineClient. The engine core process is started here (EngineStartError if it cannot start),
     connected when the app's lifespan starts and stopped when it ends."""
     _check_server_limits(request_body_timeout=request_body_timeout, max_stop_strings=max_stop_strings,
                          max_stop_string_len=max_stop_string_len)
     origins = parse_origins(allowed_origins)  # origins a browser page may call this server from (server/guard.py)
+    chat_template = _template_text(chat_template) if chat_template is not None else None
     if tool_call_parser not in TOOL_CALL_PARSER_CHOICES:
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSER_CHOICES)}, got "
                          f"{tool_call_parser!r}")
@@ -126,6 +129,8 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
         EngineClient(model, load_tokenizer(tokenizer_path) if with_tokenizer else None, log_level, hf_config)
     # the tokenizer thread gets a tokenizer of its own: the event loop's detokenizer never shares one
     prompt_tokenizer = load_tokenizer(tokenizer_path) if with_tokenizer else None
+    if chat_template is not None and prompt_tokenizer is not None:
+        prompt_tokenizer.chat_template = chat_template
     sandbox = None
     max_model_len = client.config.max_model_len
     preprocessor = Preprocessor(prompt_tokenizer, client.vocab_size, max_model_len)
@@ -157,6 +162,16 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
     _add_routes(app, server, client, metrics)
     add_tokenize_routes(app, server)
     return app
+
+
+def _template_text(template: str) -> str:
+    """--chat-template as vLLM takes it: a file's path, or the template itself."""
+    if os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in template:
+        raise ValueError(f"--chat-template: {template!r} is neither a file nor a Jinja template")
+    return template
 
 
 def _check_server_limits(**limits) -> None:

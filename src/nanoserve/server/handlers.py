@@ -33,7 +33,7 @@ from nanoserve.server.metrics import ServerMetrics, Tracker
 from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
 from nanoserve.server.sse import SSEResponse
-from nanoserve.server.tool_calls import ToolCalling, auto_parser_name
+from nanoserve.server.tool_calls import ToolCalling, auto_parser_name, renders_tools
 
 
 LARGE_BODY_BYTES = 1 << 20
@@ -108,6 +108,7 @@ class OpenAIServer:
         self.model_name, self.metrics = model_name, metrics
         self.trust_request_chat_template = trust_request_chat_template
         self.created = int(time.time())
+        self._renders_tools: dict[str, bool] = {}  # chat template → whether it renders `tools`
 
     # -- checks -----------------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -266,6 +267,11 @@ class OpenAIServer:
         if body.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         tools = self.tool_calling(body)
+        if tools.mode == "auto" and body.chat_template is None and not await self.template_renders_tools():
+            raise APIError(400, 'tool_choice "auto" (the default with tools): this model\'s chat template does not '
+                                'render `tools`, so the model would never see them. Use tool_choice "required" or a '
+                                'named function (the output is constrained to a call, with any model) or "none", or '
+                                'serve a template that renders tools (--chat-template).', param="tool_choice")
         params = self.sampling_params({**body.sampling_kwargs(), "max_tokens": max_tokens,
                                        "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
                                        **self.tool_constraint(body, tools)}, names)
@@ -282,9 +288,11 @@ class OpenAIServer:
         if body.stream:
             role = tuple({"choices": [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                        "finish_reason": None}]} for j in range(params.n))  # the role first, as OpenAI
+            if body.return_token_ids:  # vLLM's place for a chat stream: the first chunk's top level
+                role = ({**role[0], "prompt_token_ids": ids}, *role[1:])
             choice = self._chat_chunk_choice(body.logprobs, num_top, tools, body.return_token_ids)
             events = self._events(collector, tracker, {**head, "object": "chat.completion.chunk"}, body,
-                                  body.logprobs, choice, role)
+                                  body.logprobs, choice, role, prompt_ids_in_choices=False)
             return SSEResponse(events, on_close=lambda: _close(collector, tracker))
         choices = []
         for c in [c for _, out in await self.result(request, collector, tracker) for c in out.outputs]:
@@ -300,6 +308,16 @@ class OpenAIServer:
         if body.return_token_ids:
             answer["prompt_token_ids"] = ids
         return json_response(answer)
+
+    async def template_renders_tools(self) -> bool:
+        """Whether the model's chat template shows `tools` to the model: probed once per template, on the tokenizer
+        thread."""
+        tokenizer = self.preprocessor.tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        key = template if isinstance(template, str) else repr(template)
+        if key not in self._renders_tools:
+            self._renders_tools[key] = await self.preprocessor._run(renders_tools, tokenizer)
+        return self._renders_tools[key]
 
     def tool_calling(self, body: ChatCompletionRequest) -> ToolCalling:
         """The request's tool choice; its "auto" parser is the server's, or the request template's when it sends one
@@ -339,9 +357,11 @@ class OpenAIServer:
 
     # -- streaming --------------------------------------------------------------------------------
     async def _events(self, collector: RequestCollector, tracker: Tracker, head: dict, body, want_logprobs: bool,
-                      choice_for: Callable, preamble: tuple[dict, ...] = ()) -> AsyncIterator[bytes]:
+                      choice_for: Callable, preamble: tuple[dict, ...] = (),
+                      prompt_ids_in_choices: bool = True) -> AsyncIterator[bytes]:
         """Server-sent events of a streamed request: each completion's new text (token ids, logprobs) as it
-        grows, then usage if asked and [DONE]. An engine failure arrives as an error event."""
+        grows, then usage if asked and [DONE]. An engine failure arrives as an error event. With return_token_ids a
+        completion's first choice chunk carries its prompt's ids (a chat stream has them in its preamble)."""
         extra = {"usage": None} if body.include_usage else {}
         with_ids, n = body.return_token_ids, collector.n
         first_chunk = set(range(len(collector.request_ids) * n))
@@ -360,7 +380,7 @@ class OpenAIServer:
                             continue
                         if with_ids:
                             choice["token_ids"] = c.token_ids
-                            if index in first_chunk:
+                            if index in first_chunk and prompt_ids_in_choices:
                                 choice["prompt_token_ids"] = out.prompt_token_ids
                         first_chunk.discard(index)
                         events.append(_sse({**head, "choices": [choice], **extra}))

@@ -10,7 +10,9 @@ tool_choice (OpenAI's default: "auto" with tools, "none" without):
 - a named function: the output is constrained to its parameters' schema and is its arguments; finish_reason stays
   "stop", as OpenAI and vLLM answer a forced call.
 parallel_tool_calls false keeps the first call only (vLLM's behaviour). A call cut off by max_tokens keeps the
-arguments it got and the finish_reason "length".
+arguments it got and the finish_reason "length"; a forced output never becomes content, even cut off before a call.
+"auto" on a model whose chat template does not render `tools` is a 400 (the model would never see them; vLLM
+refuses "auto" it cannot serve too), unless the request brings its own template; `renders_tools` is the probe.
 """
 from __future__ import annotations
 
@@ -30,6 +32,25 @@ def auto_parser_name(setting: str, chat_template) -> str | None:
     if setting == "auto":
         return detect_tool_parser(chat_template)
     return None if setting == "none" else setting
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "nanoserve_probe_tool", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+def renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template shows `tools` to the model (its rendering changes when given one);
+    True when it cannot tell (no template, a render error: the chat request itself then says what is wrong)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return True
+    messages = [{"role": "user", "content": "Hi"}]
+    try:
+        with_tool = tokenizer.apply_chat_template(messages, tools=[_PROBE_TOOL], tokenize=False,
+                                                  add_generation_prompt=True)
+        without = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 (templates raise anything)
+        return True
+    return with_tool != without
 
 
 def required_schema(functions: list, parallel: bool) -> dict:
@@ -123,6 +144,12 @@ class ToolCalling:
     def parses(self) -> bool:
         return self._parser is not None
 
+    @property
+    def forced(self) -> bool:
+        """The output is the constraint's text (a call's JSON), never content: a call cut off before it opened (by
+        max_tokens, at '[') leaves no content behind."""
+        return self.mode in ("required", "named")
+
     def new_parser(self) -> ToolParser:
         return self._parser()
 
@@ -138,9 +165,10 @@ class ToolCalling:
             return {"role": "assistant", "content": text}, finish_reason
         parsed = self.new_parser().parse(text)
         calls = self.kept(parsed.calls)
+        content = None if self.forced else parsed.content
         if not calls:
-            return {"role": "assistant", "content": parsed.content}, finish_reason
-        message = {"role": "assistant", "content": parsed.content or None, "tool_calls": _tool_calls(calls)}
+            return {"role": "assistant", "content": content}, finish_reason
+        message = {"role": "assistant", "content": content or None, "tool_calls": _tool_calls(calls)}
         return message, self.finish_reason(True, finish_reason)
 
     def stream(self) -> ToolStream:
@@ -160,7 +188,7 @@ class ToolStream:
         return self._delta(parsed), self.calling.finish_reason(self.called, finish_reason)
 
     def _delta(self, parsed: ParsedDelta) -> dict:
-        delta: dict = {"content": parsed.content} if parsed.content else {}
+        delta: dict = {"content": parsed.content} if parsed.content and not self.calling.forced else {}
         calls = self.calling.kept(parsed.calls)
         if calls:
             self.called = True
@@ -178,4 +206,4 @@ def _tool_calls(calls: list[CallDelta]) -> list[dict]:
     return [{k: v for k, v in _tool_call(c).items() if k != "index"} for c in calls]
 
 
-__all__ = ["ToolCalling", "ToolStream", "auto_parser_name", "required_schema"]
+__all__ = ["ToolCalling", "ToolStream", "auto_parser_name", "renders_tools", "required_schema"]

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from nanoserve.engine.output import CompletionOutput, RequestOutput
 from nanoserve.server.collector import RequestCollector
 from nanoserve.server.tool_calls import NO_PARAMETERS, required_schema
+from nanoserve.server import protocol
 from nanoserve.server.protocol import FunctionDefinition
 
 MODEL = "tiny"
@@ -343,6 +344,36 @@ def test_streamed_chat_token_ids_are_where_vllm_puts_them(live):
     assert all("prompt_token_ids" not in choice for c in chunks for choice in c["choices"])
     assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or ()] == \
         answer["choices"][0]["token_ids"]
+
+
+# -- issue 39, 8: the deprecated functions / function_call ----------------------------------------------------------
+def test_legacy_functions_are_tools_answered_in_their_shape(live, scripted, hermes):
+    seen = scripted('{"city": "Paris"}')
+    legacy = dict(functions=[WEATHER["function"], TIME["function"]], function_call={"name": "get_weather"})
+    r = live.client().chat.completions.create(model=MODEL, messages=ASK, **legacy)
+    message = r.choices[0].message
+    assert (message.function_call.name, message.function_call.arguments) == ("get_weather", '{"city":"Paris"}')
+    assert message.tool_calls is None and seen[-1].structured_outputs.json == WEATHER["function"]["parameters"]
+    scripted(CALLS)
+    r = live.client().chat.completions.create(model=MODEL, messages=ASK, functions=legacy["functions"])
+    assert r.choices[0].finish_reason == "function_call" and r.choices[0].message.function_call.name == "get_weather"
+    name, arguments = None, ""
+    for chunk in live.client().chat.completions.create(model=MODEL, messages=ASK, functions=legacy["functions"],
+                                                       function_call="auto", stream=True):
+        call = chunk.choices[0].delta.function_call if chunk.choices else None
+        name, arguments = (name or (call.name if call else None)), arguments + (call.arguments or "" if call else "")
+    assert (name, arguments) == TWO_CALLS[0]
+
+
+def test_legacy_function_messages_render_as_tool_history(live, scripted, renders_tools):
+    scripted("It is sunny.")
+    history = ASK + [{"role": "assistant", "content": None,
+                      "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                     {"role": "function", "name": "get_weather", "content": "18 C, sunny"}]
+    body = protocol.ChatCompletionRequest.model_validate({"model": MODEL, "messages": history})
+    assert body.messages[1].tool_calls[0].id == body.messages[2].tool_call_id == "call_legacy_1"
+    r = live.client().chat.completions.create(model=MODEL, messages=history, functions=[WEATHER["function"]])
+    assert r.choices[0].message.content == "It is sunny."
 
 
 # -- issue 39: parameters with $defs / $ref (pydantic_function_tool, zod, MCP) --------------------------------------

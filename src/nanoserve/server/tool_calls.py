@@ -126,6 +126,7 @@ class ToolCalling:
 
     def __init__(self, body: ChatCompletionRequest, auto_parser: str | None):
         self.mode, self.parallel = body.chosen_mode, body.parallel_tool_calls
+        self.legacy = getattr(body, "functions", None) is not None  # answered as `function_call`, not `tool_calls`
         functions = [t.function for t in body.tools or ()]
         self.structured_outputs = None
         self._parser = None
@@ -154,7 +155,9 @@ class ToolCalling:
         return self._parser()
 
     def finish_reason(self, called: bool, reason: str | None) -> str | None:
-        return "tool_calls" if called and reason == "stop" and self.mode in ("auto", "required") else reason
+        if called and reason == "stop" and self.mode in ("auto", "required"):
+            return "function_call" if self.legacy else "tool_calls"
+        return reason
 
     def kept(self, calls: list[CallDelta]) -> list[CallDelta]:
         return calls if self.parallel else [c for c in calls if c.index == 0]
@@ -169,6 +172,8 @@ class ToolCalling:
         if not calls:
             return {"role": "assistant", "content": content}, finish_reason
         message = {"role": "assistant", "content": content or None, "tool_calls": _tool_calls(calls)}
+        if self.legacy:
+            message["function_call"] = message.pop("tool_calls")[0]["function"]
         return message, self.finish_reason(True, finish_reason)
 
     def stream(self) -> ToolStream:
@@ -194,6 +199,8 @@ class ToolStream:
             self.called = True
             delta["tool_calls"] = [_tool_call(c) if c.id is not None else
                                    {"index": c.index, "function": {"arguments": c.arguments}} for c in calls]
+            if self.calling.legacy:  # one call, its name on the first delta
+                delta["function_call"] = delta.pop("tool_calls")[0]["function"]
         return delta
 
 

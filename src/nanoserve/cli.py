@@ -104,6 +104,9 @@ def _add_serve(sub) -> None:
                        help="how tool_choice \"auto\" outputs become tool_calls: auto (the format the chat template "
                             "asks for: <tool_call> → hermes, Llama 3.1's JSON → llama3_json), none (left as content), "
                             "or a parser (default: %(default)s)")
+    serve.add_argument("--responses-store-bytes", type=int, default=64 * 2**20, metavar="BYTES",
+                       help="memory for the conversations of /v1/responses answers, read by previous_response_id; "
+                            "the oldest go first (0: none kept; default: %(default)s)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM command lines: tool_choice \"auto\" is always on here")
     _add_engine_flags(serve, SERVE_DEFAULTS)
@@ -194,7 +197,7 @@ def _cmd_serve(args) -> int:
                  shutdown_timeout=args.shutdown_timeout, request_body_timeout=args.request_body_timeout,
                  max_stop_strings=args.max_stop_strings, max_stop_string_len=args.max_stop_string_len,
                  tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins,
-                 chat_template=args.chat_template)
+                 chat_template=args.chat_template, responses_store_bytes=args.responses_store_bytes)
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -2,7 +2,8 @@
 
 The engine core runs in a process of its own (server/client.py); this process does HTTP, validation,
 tokenization and chat templates (off the event loop), detokenization and stop strings, and SSE.
-Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, and
+Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST
+/v1/responses (server/responses.py), and
 vLLM's /version, /ping, /tokenize, /detokenize (server/tokenize_routes.py).
 Every error answers in OpenAI's format {"error": {"message", "type", "param", "code"}}: invalid
 requests 400 (unknown fields too, as api.openai.com does), wrong key 401, a cross-origin request from an origin
@@ -40,6 +41,8 @@ from nanoserve.server.logprobs import TokenTexts
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.protocol import APIError, error_body, validation_message
+from nanoserve.server.responses import ResponsesAPI
+from nanoserve.server.responses_protocol import RESPONSES_STORE_BYTES, ResponseStore
 from nanoserve.server.shutdown import DrainingServer
 from nanoserve.server.template_sandbox import DEFAULT_TIMEOUT_S, TemplateSandbox
 from nanoserve.server.tokenize_routes import add_tokenize_routes
@@ -98,12 +101,15 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
               request_body_timeout: float = REQUEST_BODY_TIMEOUT_S, max_stop_strings: int = MAX_STOP_STRINGS,
               max_stop_string_len: int = MAX_STOP_STRING_LEN, tool_call_parser: str = "auto",
               allowed_origins: list[str] | None = None, chat_template: str | None = None,
-              **engine_options) -> FastAPI:
+              responses_store_bytes: int = RESPONSES_STORE_BYTES, **engine_options) -> FastAPI:
     """The FastAPI app. `model` is a model folder (+ EngineConfig options as keywords), an EngineConfig, or
     a started EngineClient. The engine core process is started here (EngineStartError if it cannot start),
     connected when the app's lifespan starts and stopped when it ends."""
     _check_server_limits(request_body_timeout=request_body_timeout, max_stop_strings=max_stop_strings,
                          max_stop_string_len=max_stop_string_len)
+    if isinstance(responses_store_bytes, bool) or not isinstance(responses_store_bytes, int) or \
+            responses_store_bytes < 0:
+        raise ValueError(f"responses_store_bytes must be a number of bytes >= 0, got {responses_store_bytes!r}")
     origins = parse_origins(allowed_origins)  # origins a browser page may call this server from (server/guard.py)
     chat_template = _template_text(chat_template) if chat_template is not None else None
     if tool_call_parser not in TOOL_CALL_PARSER_CHOICES:
@@ -160,6 +166,12 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
                            allow_credentials="*" not in origins)
     _add_error_handlers(app)
     _add_routes(app, server, client, metrics)
+    app.state.responses = responses = ResponsesAPI(server, ResponseStore(responses_store_bytes))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        return await responses.create(request)
+
     add_tokenize_routes(app, server)
     return app
 

@@ -256,6 +256,15 @@ class OpenAIServer:
     # -- /v1/chat/completions ---------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         body = await parse_request(request, ChatCompletionRequest)
+        collector, tracker, tools, ids, params = await self.start_chat(body)
+        return await self.chat_answer(request, body, collector, tracker, tools, ids, params)
+
+    async def start_chat(self, body: ChatCompletionRequest, max_tokens_param: str | None = None,
+                         prefix: str = "chatcmpl") -> tuple[RequestCollector, Tracker, ToolCalling, list[int],
+                                                            SamplingParams]:
+        """A chat request's checks, prompt and submission (for chat and the Responses API, server/responses.py):
+        its collector and tracker, tool calling, prompt ids and parameters. max_tokens_param: the request's name for
+        max_tokens, where a 400 about it points."""
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
@@ -265,7 +274,7 @@ class OpenAIServer:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         names = {"logprobs": "top_logprobs"}
         if body.max_completion_tokens is not None:
-            names["max_tokens"] = "max_completion_tokens"
+            names["max_tokens"] = max_tokens_param or "max_completion_tokens"
         tools = self.tool_calling(body)
         if tools.mode == "auto" and body.chat_template is None and not await self.template_renders_tools():
             raise APIError(400, 'tool_choice "auto" (the default with tools): this model\'s chat template does not '
@@ -281,7 +290,12 @@ class OpenAIServer:
         ids = await self.preprocessor.chat_prompt([m.for_template() for m in body.messages],
                                                   body.add_generation_prompt, body.chat_template, body.template_tools())
         self.check_max_tokens(len(ids), params.max_tokens, names.get("max_tokens", "max_tokens"))
-        collector, tracker = self.submit([(None, ids)], params, "chatcmpl")
+        collector, tracker = self.submit([(None, ids)], params, prefix)
+        return collector, tracker, tools, ids, params
+
+    async def chat_answer(self, request: Request, body: ChatCompletionRequest, collector: RequestCollector,
+                          tracker: Tracker, tools: ToolCalling, ids: list[int], params: SamplingParams) -> Response:
+        """The chat completion object, or its stream of chunks."""
         head = {"id": collector.request_ids[0].rsplit("-", 1)[0], "created": int(time.time()),
                 "model": self.model_name}
         num_top = body.top_logprobs or 0

@@ -42,7 +42,9 @@ from nanoserve.config import (GRAMMAR_CACHE_SIZE, GRAMMAR_COMPILE_THREADS, GRAMM
 from nanoserve.errors import RequestError
 from nanoserve.sampling import StructuredOutputsParams
 
-_JSON_OPTIONS = {"any_whitespace": True, "max_whitespace_cnt": STRUCTURED_JSON_MAX_WHITESPACE}
+# compact JSON (json.dumps' ", " and ": "), unless the request allows whitespace: then bounded at each place
+_JSON_OPTIONS = {False: {"any_whitespace": False},
+                 True: {"any_whitespace": True, "max_whitespace_cnt": STRUCTURED_JSON_MAX_WHITESPACE}}
 _ANY_OBJECT = '{"type": "object"}'  # json_object: OpenAI's JSON mode asks for an object
 # xgrammar's errors start with a timestamp, a source location and sometimes the failed check: not the user's concern
 _NOISE = re.compile(r"^\[[\d:]+\] [^:]+:\d+: (Check failed: .*? is false: )?")
@@ -61,12 +63,12 @@ def grammar_of(so: StructuredOutputsParams, where: str | None = None):
     """The constraint as an xgrammar Grammar (no tokenizer needed); a ValueError naming what is wrong, said of
     `where` (the field it came from; structured_outputs.<kind> by default)."""
     xgr = xgrammar()
-    kind, text = so.key
+    kind, text, whitespace = so.key
     try:
         if kind == "json":
-            return xgr.Grammar.from_json_schema(text, **_JSON_OPTIONS)
+            return xgr.Grammar.from_json_schema(text, **_JSON_OPTIONS[whitespace])
         if kind == "json_object":
-            return xgr.Grammar.from_json_schema(_ANY_OBJECT, **_JSON_OPTIONS)
+            return xgr.Grammar.from_json_schema(_ANY_OBJECT, **_JSON_OPTIONS[whitespace])
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind == "choice":  # EBNF string literals take JSON's escapes

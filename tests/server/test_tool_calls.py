@@ -418,8 +418,8 @@ def test_hoisted_refs_point_where_they_pointed():
     assert _accepts(schema, json.dumps([{"name": "Person", "parameters": person}]))
     assert not _accepts(schema, json.dumps([{"name": "Person", "parameters": {**person, "home": {"city": "x"}}}]))
     assert _accepts(schema, json.dumps([{"name": "tree", "parameters": {"kids": [{"kids": []}]}}]))
-    assert not _accepts(schema, json.dumps([{"name": "tree", "parameters": {"kids": [[{"name": "tree",
-                                                                                       "parameters": {"kids": []}}]]}}]))
+    wrapper_shaped = [{"name": "tree", "parameters": {"kids": [[{"name": "tree", "parameters": {"kids": []}}]]}}]
+    assert not _accepts(schema, json.dumps(wrapper_shaped))
     assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"$ref": "#/$defs/tool1"}
     assert TREE["function"]["parameters"]["properties"]["kids"]["items"] == {"$ref": "#"}  # the request's untouched
 

@@ -54,7 +54,8 @@ class OutputBuilder:
                          "content": []}
             self.items.append(self.open)
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            events += [self.event("response.output_item.added", output_index=len(self.items) - 1, item=_copy(self.open)),
+            events += [self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                  item=_copy(self.open)),
                        self.event("response.content_part.added", **self._where(), content_index=0, part=part)]
             self.open["content"].append(dict(part))
         self.open["content"][0]["text"] += text
@@ -85,7 +86,8 @@ class OutputBuilder:
         item["status"] = status
         if item["type"] == "message":
             part = item["content"][0]
-            events += [self.event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[]),
+            events += [self.event("response.output_text.done", **where, content_index=0, text=part["text"],
+                                  logprobs=[]),
                        self.event("response.content_part.done", **where, content_index=0, part=_copy(part))]
         else:
             events.append(self.event("response.function_call_arguments.done", **where, name=item["name"],

@@ -105,8 +105,8 @@ def _has_local_ref(schema: dict) -> bool:
 
 
 def _rewrite_refs(schema, base: str):
-    """A copy of `schema` whose local refs point into its hoisted place: "#" → base, "#/$defs/X…" → base.$defs.X…,
-    any other "#/path" → base/path."""
+    """A copy of `schema` whose local refs point into its hoisted place: "#" → base, "#/$defs/X…" →
+    base.$defs.X…, any other "#/path" → base/path."""
     copy = json.loads(json.dumps(schema))
     for d in _walk(copy):
         ref = d.get("$ref")

@@ -79,9 +79,17 @@ def _add_serve(sub) -> None:
     serve.add_argument("--model", default=None, help=FIELD_HELP["model"])
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /version, /metrics")
+    serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                       help="origins (http://host:port, or *) whose web pages may call this server through a browser "
+                            "(CORS); also vLLM's JSON list form '[\"http://a\"]'. Default: none, a cross-origin "
+                            "request is answered 403")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name the API reports and accepts; default: the --model path as given")
+    serve.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                       help="the chat template to render chat prompts with (a file, or the Jinja text), instead of "
+                            "the tokenizer's")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept `chat_template` in chat requests (rendered in a sandbox process, time-limited)")
     serve.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
@@ -98,6 +106,9 @@ def _add_serve(sub) -> None:
                        help="how tool_choice \"auto\" outputs become tool_calls: auto (the format the chat template "
                             "asks for: <tool_call> → hermes, Llama 3.1's JSON → llama3_json), none (left as content), "
                             "or a parser (default: %(default)s)")
+    serve.add_argument("--responses-store-bytes", type=int, default=64 * 2**20, metavar="BYTES",
+                       help="memory for the conversations of /v1/responses answers, read by previous_response_id; "
+                            "the oldest go first (0: none kept; default: %(default)s)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM command lines: tool_choice \"auto\" is always on here")
     _add_engine_flags(serve, SERVE_DEFAULTS)
@@ -187,7 +198,8 @@ def _cmd_serve(args) -> int:
                  served_model_name=args.served_model_name, trust_request_chat_template=args.trust_request_chat_template,
                  shutdown_timeout=args.shutdown_timeout, request_body_timeout=args.request_body_timeout,
                  max_stop_strings=args.max_stop_strings, max_stop_string_len=args.max_stop_string_len,
-                 tool_call_parser=args.tool_call_parser)
+                 tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins,
+                 chat_template=args.chat_template, responses_store_bytes=args.responses_store_bytes)
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -66,6 +66,10 @@ TOOL_CALL_PARSER_CHOICES = ("auto", "none", *TOOL_CALL_PARSERS)
 # (measured: notes/PERF.md, issue 34 figures, config.GRAMMAR_FILL_THREAD_MIN_ROWS)
 STRUCTURED_JSON_MAX_WHITESPACE = 16
 GRAMMAR_CACHE_SIZE = 256
+# compiled grammars' memory: the cache holds at most this many bytes of them (least recently used dropped first),
+# and a constraint whose compiled grammar alone is larger is refused (a 50k-value enum is ~180 MB over a 49k vocabulary)
+GRAMMAR_CACHE_BYTES = 512 * 2**20
+GRAMMAR_MAX_BYTES = 64 * 2**20
 GRAMMAR_COMPILE_THREADS = 2
 GRAMMAR_FILL_THREAD_MIN_ROWS = 8
 

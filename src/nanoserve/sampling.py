@@ -43,6 +43,10 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # JSON (json, json_object) is written compact by default, with json.dumps' separators ", " and ": " and no other
+    # whitespace: a small model can otherwise fill max_tokens with newlines between tokens. vLLM's name; False allows
+    # whitespace between tokens again, at most STRUCTURED_JSON_MAX_WHITESPACE characters at each place.
+    disable_any_whitespace: bool | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
@@ -57,6 +61,8 @@ class StructuredOutputsParams:
                                        all(isinstance(c, str) for c in self.choice)),
                "structured_outputs.choice", "a non-empty list of strings", self.choice)
         _check(self.json_object in (None, True, False), "structured_outputs.json_object", "a bool", self.json_object)
+        _check(self.disable_any_whitespace in (None, True, False), "structured_outputs.disable_any_whitespace",
+               "a bool", self.disable_any_whitespace)
         if self.choice is not None:
             self.choice = list(self.choice)
         if isinstance(self.json, str):
@@ -71,16 +77,21 @@ class StructuredOutputsParams:
         return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
     @property
-    def key(self) -> tuple[str, str]:
-        """(kind, text), the same for equal constraints (a schema as an object or as text, spaced any way; its key
-        order is kept, as it orders the output's properties): compiled grammars are cached by it."""
+    def json_whitespace(self) -> bool:
+        """Whether JSON output may hold whitespace beyond the compact separators."""
+        return self.disable_any_whitespace is False and self.kind in ("json", "json_object")
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """(kind, text, json_whitespace), the same for equal constraints (a schema as an object or as text, spaced any
+        way; its key order is kept, as it orders the output's properties): compiled grammars are cached by it."""
         kind = self.kind
         if kind == "json":
             schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            return kind, json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+            return kind, json.dumps(schema, separators=(",", ":"), ensure_ascii=False), self.json_whitespace
         if kind == "choice":
-            return kind, json.dumps(self.choice, ensure_ascii=False)
-        return kind, "" if kind == "json_object" else getattr(self, kind)
+            return kind, json.dumps(self.choice, ensure_ascii=False), False
+        return kind, "" if kind == "json_object" else getattr(self, kind), self.json_whitespace
 
 
 @dataclass
@@ -135,7 +146,7 @@ class SamplingParams:
                "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
         self.logit_bias = _logit_bias(self.logit_bias)
         if isinstance(self.structured_outputs, dict):
-            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_KINDS))
+            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_KINDS) - {"disable_any_whitespace"})
             if unknown:
                 raise RequestError.of_field("structured_outputs", f"has unknown fields {unknown}; it takes one of "
                                             f"{', '.join(STRUCTURED_KINDS)}")

@@ -245,3 +245,25 @@ def test_on_cuda_graph_replays_mask_and_keep_the_synchronous_tokens(tiny_model_d
         runs.append(ids)
         assert all(t in ("xy", "z") for t in texts[2]) and re.fullmatch("[a-c]{5,30}", texts[4][0])
     assert runs[0] == runs[1]
+
+
+def test_the_grammar_cache_is_bounded_in_bytes_and_a_huge_grammar_is_refused(tiny_model_dirs):
+    """Issue 39, 2: the cache was bounded by count only (eight 50k-value enums held ~1.45 GB). It now holds at most
+    cache_bytes of compiled grammars, least recently used dropped first, and refuses one larger than max_bytes."""
+    from nanoserve.engine.grammar import Grammars
+    from nanoserve.model_files import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dirs["qwen3"])
+    grammars = Grammars(lambda: tok, len(tok), [tok.eos_token_id], 2, pin_memory=False)
+    enums = [Constraint(json={"enum": [f"value-{k}-{i}" for i in range(300)]}) for k in range(6)]
+    sizes = [grammars.compile(so).result().memory_size_bytes for so in enums[:2]]
+    assert grammars.cached_bytes == sum(sizes) and min(sizes) > 0
+    grammars.cache_bytes = int(2.5 * max(sizes))
+    for so in enums[2:]:
+        grammars.compile(so).result()
+        assert grammars.cached_bytes <= grammars.cache_bytes
+    assert len(grammars._cache) == 2 and enums[-1].key in grammars._cache and enums[0].key not in grammars._cache
+    grammars.max_bytes = 1024
+    with pytest.raises(ValueError, match=r"its compiled grammar takes \d+ MiB, more than this server allows"):
+        grammars.compile(Constraint(json={"enum": [f"other-{i}" for i in range(300)]})).result()
+    grammars.close()

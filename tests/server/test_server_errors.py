@@ -195,11 +195,46 @@ def test_unknown_model_is_openai_not_found(live):
     assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
 
 
-def test_health_and_metrics_need_no_key(live):
+def test_only_the_probes_need_no_key(live):
+    """Issue 39: /tokenize and /detokenize were served without the key; every route but the probes takes it."""
     with live.http(auth=False) as http:
-        assert http.get("/health").status_code == 200
-        assert http.get("/metrics").status_code == 200
+        for path in ("/health", "/metrics", "/version", "/ping"):
+            assert http.get(path).status_code == 200, path
+        assert http.post("/ping").status_code == 200
         assert http.get("/v1/models").status_code == 401
+        for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1, 2]})):
+            r = http.post(path, json=body)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+    with live.http() as http:
+        assert http.post("/tokenize", json={"prompt": "Hi"}).status_code == 200
+        assert http.post("/detokenize", json={"tokens": [1, 2]}).status_code == 200
+
+
+BODIES = {CMPL: cmpl(max_tokens=1), CHAT: chat(max_tokens=1), "/tokenize": {"prompt": "Hi"},
+          "/detokenize": {"tokens": [1, 2]}}
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+@pytest.mark.parametrize("content_type", ["text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_a_body_that_is_not_json_is_415(live, path, content_type):
+    """Issue 39: what a web page may POST without a CORS preflight (text/plain, a form, multipart) was served."""
+    with live.http() as http:
+        r = http.post(path, content=json.dumps(BODIES[path]), headers={"Content-Type": content_type})
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["message"].startswith("The request body must be JSON (Content-Type: application/json)")
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "application/vnd.api+json", None])
+def test_json_bodies_are_served_whatever_their_json_type(live, content_type):
+    """A charset or a +json type is JSON; no Content-Type at all is read as JSON (FastAPI's rule: requests.post(data=)
+    sends none)."""
+    with live.http() as http:
+        headers = {"Content-Type": content_type} if content_type else {}
+        request = http.build_request("POST", CMPL, content=json.dumps(BODIES[CMPL]), headers=headers)
+        assert content_type or "content-type" not in request.headers
+        r = http.send(request)
+    assert r.status_code == 200, r.text
 
 
 def test_queue_full_is_503_and_never_fitting_is_400(live, monkeypatch):

@@ -19,6 +19,7 @@ MODEL = "tiny"
 MAX_GAP_S = 0.5
 FLAGS = ("--device", "cpu", "--max-model-len", "1024", "--max-num-seqs", "8", "--num-kv-blocks", "512",
          "--served-model-name", MODEL)
+GOOD_ORIGIN = "http://good.example:3000"
 LONG = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 900, "ignore_eos": True, "stream": True}
 
 
@@ -66,7 +67,7 @@ def assert_orderly(log: str) -> None:
 
 @pytest.fixture(scope="module")
 def server(model_dir, serve_process):
-    return serve_process(model_dir, *FLAGS, "--request-body-timeout", "1")
+    return serve_process(model_dir, *FLAGS, "--request-body-timeout", "1", "--allowed-origins", GOOD_ORIGIN)
 
 
 # -- 1. JSON nesting -------------------------------------------------------------------------------
@@ -148,12 +149,12 @@ def _sse_lines(server, body: dict) -> list[str]:
 
 
 # -- 7. slow bodies -----------------------------------------------------------------------------------
-def _dribble(base_url: str, answers: list, stop: threading.Event) -> None:
+def _dribble(base_url: str, answers: list, stop: threading.Event, path: str = "/v1/completions") -> None:
     """Declare a 10 kB body, send it a byte every 50 ms; record what comes back and whether the socket closed."""
     url = urlsplit(base_url)
     with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 10000\r\n\r\n")
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 10000\r\n\r\n" % path.encode())
         sock.setblocking(False)
         answer, started = b"", time.monotonic()
         while not stop.is_set() and time.monotonic() - started < 10:
@@ -196,6 +197,41 @@ def test_a_dribbled_body_is_cut_off_at_its_deadline(server):
         assert closed and seconds < 5, (seconds, closed)
     assert stream.max_gap(t0, t1) < MAX_GAP_S
     assert post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/v1/chat/completions"])
+def test_every_route_has_the_body_deadline(server, path):
+    """Issue 39: /tokenize and /detokenize held a short body for 45 s; every route answers 408 at the deadline."""
+    answers: list = []
+    _dribble(server.base_url, answers, threading.Event(), path)
+    [(answer, seconds, closed)] = answers
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert closed and seconds < 5, (seconds, closed)
+
+
+# -- issue 39, 5: a web page cannot drive the server through its user's browser --------------------------------------
+def test_a_cross_origin_request_is_refused_unless_allowed(server):
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    evil = httpx.post(server.base_url + "/v1/completions", content=body,
+                      headers={"Content-Type": "application/json", "Origin": "http://evil.example"}, timeout=60)
+    assert evil.status_code == 403 and "'http://evil.example' is not allowed" in evil.json()["error"]["message"]
+    assert "access-control-allow-origin" not in evil.headers
+    for method, path in (("GET", "/v1/models"), ("POST", "/tokenize")):  # "null": a sandboxed page or a file
+        r = httpx.request(method, server.base_url + path, headers={"Origin": "null"}, timeout=60,
+                          content=json.dumps({"prompt": "Hi"}) if method == "POST" else None)
+        assert r.status_code == 403, (path, r.text)
+    # the allowed origin: its preflight is answered, its request served with the CORS headers a browser needs
+    preflight = httpx.options(server.base_url + "/v1/completions", timeout=60, headers={
+        "Origin": GOOD_ORIGIN, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type, authorization"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == GOOD_ORIGIN
+    good = httpx.post(server.base_url + "/v1/completions", content=body, timeout=60,
+                      headers={"Content-Type": "application/json", "Origin": GOOD_ORIGIN})
+    assert good.status_code == 200 and good.headers["access-control-allow-origin"] == GOOD_ORIGIN
+    # a page of the server's own origin, and clients that send no Origin (curl, SDKs), are served
+    own = httpx.post(server.base_url + "/v1/completions", content=body, timeout=60,
+                     headers={"Content-Type": "application/json", "Origin": server.base_url})
+    assert own.status_code == 200, own.text
 
 
 # -- 3. shutdown ----------------------------------------------------------------------------------------

@@ -110,3 +110,22 @@ def test_bad_constraints_are_400s_naming_the_problem(live, extra, message, param
     if param is not None:
         assert e.value.body["param"] == param
     live.wait_idle()  # nothing reached the core
+
+
+def test_json_is_compact_by_default_and_whitespace_is_opt_in(live):
+    """Issue 39, 6: a small model wrote whitespace between JSON tokens until max_tokens. By default the output is
+    json.dumps' form (", " and ": ", one line) and ends well within max_tokens; disable_any_whitespace: false (vLLM's
+    field) allows whitespace again, bounded at each place."""
+    client = live.client()
+    for kw in (dict(response_format=json_schema_format()), dict(response_format={"type": "json_object"})):
+        for seed in range(3):
+            r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=60, temperature=1.0, seed=seed,
+                                               **kw)
+            text = r.choices[0].message.content
+            assert r.choices[0].finish_reason == "stop" and text == json.dumps(json.loads(text)), text
+    loose = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, extra_body={
+        "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": False}})
+    assert loose.choices[0].message.content.startswith("{")
+    with pytest.raises(openai.BadRequestError, match="disable_any_whitespace"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, extra_body={
+            "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": "no"}})

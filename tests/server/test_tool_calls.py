@@ -9,11 +9,14 @@ import asyncio
 import json
 
 import httpx
+import openai
 import pytest
+from pydantic import BaseModel
 
 from nanoserve.engine.output import CompletionOutput, RequestOutput
 from nanoserve.server.collector import RequestCollector
 from nanoserve.server.tool_calls import NO_PARAMETERS, required_schema
+from nanoserve.server import protocol
 from nanoserve.server.protocol import FunctionDefinition
 
 MODEL = "tiny"
@@ -177,8 +180,18 @@ def calls_of(message):
     return [(t.function.name, t.function.arguments) for t in message.tool_calls or ()]
 
 
+async def _renders(self=None) -> bool:
+    return True
+
+
 @pytest.fixture
-def hermes(live, monkeypatch):
+def renders_tools(live, monkeypatch):
+    """The server as it is for a model whose template renders `tools` (the tiny model's does not)."""
+    monkeypatch.setattr(live.app.state.server, "template_renders_tools", _renders)
+
+
+@pytest.fixture
+def hermes(live, monkeypatch, renders_tools):
     """The server as it is for a model whose template asks for <tool_call> (--tool-call-parser auto → hermes)."""
     monkeypatch.setattr(live.app.state.server, "model_tool_parser", "hermes")
 
@@ -203,7 +216,7 @@ def test_a_call_only_answer_has_null_content_and_parallel_false_keeps_the_first(
     assert body.choices[0].message.content is None and calls_of(body.choices[0].message) == TWO_CALLS[:1]
 
 
-def test_without_a_parser_or_with_none_the_text_is_content(live, scripted, monkeypatch):
+def test_without_a_parser_or_with_none_the_text_is_content(live, scripted, monkeypatch, renders_tools):
     scripted(CALLS)
     r = live.client().chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER])  # no parser known
     assert r.choices[0].message.content == CALLS and r.choices[0].finish_reason == "stop"
@@ -241,7 +254,7 @@ def test_streamed_calls_reassemble_to_the_answer(live, scripted, hermes, piece):
     assert (plain, none, plain_reason) == ("plain", [], "stop")
 
 
-def test_llama3_json_calls(live, scripted, monkeypatch):
+def test_llama3_json_calls(live, scripted, monkeypatch, renders_tools):
     monkeypatch.setattr(live.app.state.server, "model_tool_parser", "llama3_json")  # --tool-call-parser llama3_json
     scripted('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}; '
              '{"name": "get_time", "parameters": {}}', piece=5)
@@ -297,6 +310,118 @@ def test_auto_and_none_leave_the_output_unconstrained(live, scripted, hermes):
     for choice in ("auto", "none"):
         live.client().chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice)
         assert seen[-1].structured_outputs is None
+
+
+# -- issue 39, 7 ------------------------------------------------------------------------------------------------------
+def test_auto_on_a_template_that_drops_tools_is_a_400(live, monkeypatch):
+    """The tiny model's template (as SmolLM2's) ignores `tools`: "auto" would silently drop them."""
+    for kw in ({}, {"tool_choice": "auto"}):
+        r = post_chat(live, tools=[TIME], **kw)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+        assert "chat template does not render `tools`" in r.json()["error"]["message"]
+    for kw in ({"tool_choice": "none"}, {"tool_choice": "required"}):  # they need no template support
+        assert post_chat(live, tools=[TIME], **kw).status_code == 200
+    monkeypatch.setattr(live.prompt_tokenizer, "chat_template", QWEN_TEMPLATE)  # as --chat-template gives it
+    assert post_chat(live, tools=[TIME], max_tokens=1).status_code == 200
+
+
+def test_a_required_call_cut_off_leaves_no_content(live):
+    """max_tokens cut the constrained output at its start ('['): that text is no answer to show as content."""
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=1)
+    r = live.client().chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content is None, r
+    chunks = list(live.client().chat.completions.create(stream=True, **kw))
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks
+
+
+def test_streamed_chat_token_ids_are_where_vllm_puts_them(live):
+    """prompt_token_ids on the first chunk's top level (as the non-streamed answer has them), token_ids per choice."""
+    kw = dict(model=MODEL, messages=ASK, max_tokens=4, extra_body={"return_token_ids": True, "ignore_eos": True})
+    answer = live.client().chat.completions.create(temperature=0, **kw).model_dump()
+    chunks = [c.model_dump() for c in live.client().chat.completions.create(stream=True, temperature=0, **kw)]
+    assert chunks[0]["prompt_token_ids"] == answer["prompt_token_ids"] and answer["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert all("prompt_token_ids" not in choice for c in chunks for choice in c["choices"])
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or ()] == \
+        answer["choices"][0]["token_ids"]
+
+
+# -- issue 39, 8: the deprecated functions / function_call ----------------------------------------------------------
+def test_legacy_functions_are_tools_answered_in_their_shape(live, scripted, hermes):
+    seen = scripted('{"city": "Paris"}')
+    legacy = dict(functions=[WEATHER["function"], TIME["function"]], function_call={"name": "get_weather"})
+    r = live.client().chat.completions.create(model=MODEL, messages=ASK, **legacy)
+    message = r.choices[0].message
+    assert (message.function_call.name, message.function_call.arguments) == ("get_weather", '{"city":"Paris"}')
+    assert message.tool_calls is None and seen[-1].structured_outputs.json == WEATHER["function"]["parameters"]
+    scripted(CALLS)
+    r = live.client().chat.completions.create(model=MODEL, messages=ASK, functions=legacy["functions"])
+    assert r.choices[0].finish_reason == "function_call" and r.choices[0].message.function_call.name == "get_weather"
+    name, arguments = None, ""
+    for chunk in live.client().chat.completions.create(model=MODEL, messages=ASK, functions=legacy["functions"],
+                                                       function_call="auto", stream=True):
+        call = chunk.choices[0].delta.function_call if chunk.choices else None
+        name, arguments = (name or (call.name if call else None)), arguments + (call.arguments or "" if call else "")
+    assert (name, arguments) == TWO_CALLS[0]
+
+
+def test_legacy_function_messages_render_as_tool_history(live, scripted, renders_tools):
+    scripted("It is sunny.")
+    history = ASK + [{"role": "assistant", "content": None,
+                      "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                     {"role": "function", "name": "get_weather", "content": "18 C, sunny"}]
+    body = protocol.ChatCompletionRequest.model_validate({"model": MODEL, "messages": history})
+    assert body.messages[1].tool_calls[0].id == body.messages[2].tool_call_id == "call_legacy_1"
+    r = live.client().chat.completions.create(model=MODEL, messages=history, functions=[WEATHER["function"]])
+    assert r.choices[0].message.content == "It is sunny."
+
+
+# -- issue 39: parameters with $defs / $ref (pydantic_function_tool, zod, MCP) --------------------------------------
+class Address(BaseModel):
+    street: str
+    city: str
+
+
+class Person(BaseModel):
+    name: str
+    home: Address
+    friends: list["Person"] = []
+
+
+TREE = {"type": "function", "function": {"name": "tree", "parameters": {
+    "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"]}}}
+
+
+def test_forced_calls_take_tools_with_defs_and_refs(live):
+    """Was a 400 "Cannot find field '$defs'": the definitions stayed inside the wrapper the schema was put in."""
+    person = openai.pydantic_function_tool(Person)
+    for choice in ("required", {"type": "function", "function": {"name": "Person"}}):
+        r = live.client().chat.completions.create(model=MODEL, messages=ASK, tools=[person, TREE], tool_choice=choice,
+                                                  max_tokens=4)
+        assert r.choices[0].finish_reason in ("length", "tool_calls", "stop"), r
+
+
+def _accepts(schema: dict, text: str) -> bool:
+    import xgrammar as xgr
+
+    return xgr.testing._is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(schema)), text)
+
+
+def test_hoisted_refs_point_where_they_pointed():
+    """The enforced grammar accepts what each tool's own schema accepts, and "#" is the tool's parameters, not the
+    array of calls around them."""
+    functions = [FunctionDefinition(**openai.pydantic_function_tool(Person)["function"]),
+                 FunctionDefinition(**TREE["function"])]
+    schema = required_schema(functions, parallel=True)
+    person = {"name": "Ann", "home": {"street": "Rue 1", "city": "Paris"},
+              "friends": [{"name": "Bo", "home": {"street": "A", "city": "B"}, "friends": []}]}
+    assert _accepts(schema, json.dumps([{"name": "Person", "parameters": person}]))
+    assert not _accepts(schema, json.dumps([{"name": "Person", "parameters": {**person, "home": {"city": "x"}}}]))
+    assert _accepts(schema, json.dumps([{"name": "tree", "parameters": {"kids": [{"kids": []}]}}]))
+    wrapper_shaped = [{"name": "tree", "parameters": {"kids": [[{"name": "tree", "parameters": {"kids": []}}]]}}]
+    assert not _accepts(schema, json.dumps(wrapper_shaped))
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"$ref": "#/$defs/tool1"}
+    assert TREE["function"]["parameters"]["properties"]["kids"]["items"] == {"$ref": "#"}  # the request's untouched
 
 
 # -- end to end: "required" and named choices on the real SmolLM2 GGUF, enforced by the engine's grammar ----------

@@ -3,7 +3,9 @@ each step's token bitmask.
 
 A constrained request's grammar is compiled on a thread pool by one xgrammar GrammarCompiler for the engine's
 tokenizer (its vocabulary as wide as the model's logits, the core's EOS ids as stop tokens). Compiled grammars are
-cached by the constraint's normalised key, so the n > 1 children of a request and repeated schemas compile once. The
+cached by the constraint's normalised key, so the n > 1 children of a request and repeated schemas compile once; the
+cache is bounded by the compiled grammars' bytes (GRAMMAR_CACHE_BYTES), and a grammar that alone takes more than
+GRAMMAR_MAX_BYTES fails its request with an error saying so. The
 sequence waits outside the scheduler until its grammar is ready; the others keep running meanwhile. Each sequence
 then has its own GrammarMatcher; every token the host learns is accepted by it, and a matcher that terminates (the
 grammar is complete and a stop token was accepted) finishes its sequence with "stop".
@@ -37,12 +39,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from nanoserve.config import (GRAMMAR_CACHE_SIZE, GRAMMAR_COMPILE_THREADS, GRAMMAR_FILL_THREAD_MIN_ROWS,
-                              STRUCTURED_JSON_MAX_WHITESPACE)
+from nanoserve.config import (GRAMMAR_CACHE_BYTES, GRAMMAR_CACHE_SIZE, GRAMMAR_COMPILE_THREADS,
+                              GRAMMAR_FILL_THREAD_MIN_ROWS, GRAMMAR_MAX_BYTES, STRUCTURED_JSON_MAX_WHITESPACE)
 from nanoserve.errors import RequestError
 from nanoserve.sampling import StructuredOutputsParams
 
-_JSON_OPTIONS = {"any_whitespace": True, "max_whitespace_cnt": STRUCTURED_JSON_MAX_WHITESPACE}
+# compact JSON (json.dumps' ", " and ": "), unless the request allows whitespace: then bounded at each place
+_JSON_OPTIONS = {False: {"any_whitespace": False},
+                 True: {"any_whitespace": True, "max_whitespace_cnt": STRUCTURED_JSON_MAX_WHITESPACE}}
 _ANY_OBJECT = '{"type": "object"}'  # json_object: OpenAI's JSON mode asks for an object
 # xgrammar's errors start with a timestamp, a source location and sometimes the failed check: not the user's concern
 _NOISE = re.compile(r"^\[[\d:]+\] [^:]+:\d+: (Check failed: .*? is false: )?")
@@ -61,12 +65,12 @@ def grammar_of(so: StructuredOutputsParams, where: str | None = None):
     """The constraint as an xgrammar Grammar (no tokenizer needed); a ValueError naming what is wrong, said of
     `where` (the field it came from; structured_outputs.<kind> by default)."""
     xgr = xgrammar()
-    kind, text = so.key
+    kind, text, whitespace = so.key
     try:
         if kind == "json":
-            return xgr.Grammar.from_json_schema(text, **_JSON_OPTIONS)
+            return xgr.Grammar.from_json_schema(text, **_JSON_OPTIONS[whitespace])
         if kind == "json_object":
-            return xgr.Grammar.from_json_schema(_ANY_OBJECT, **_JSON_OPTIONS)
+            return xgr.Grammar.from_json_schema(_ANY_OBJECT, **_JSON_OPTIONS[whitespace])
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind == "choice":  # EBNF string literals take JSON's escapes
@@ -104,7 +108,10 @@ class Grammars:
         self._pool = ThreadPoolExecutor(GRAMMAR_COMPILE_THREADS, thread_name_prefix="nanoserve-grammar")
         self._mask_jobs: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._mask_thread, name="nanoserve-mask", daemon=True).start()
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self._sizes: dict[tuple, int] = {}  # compiled grammars' bytes, by key
+        self.cached_bytes, self.cache_bytes, self.max_bytes = 0, GRAMMAR_CACHE_BYTES, GRAMMAR_MAX_BYTES
         bitmask = self._xgr.allocate_token_bitmask(max_rows, vocab_size)  # [rows, ceil(vocab / 32)] int32
         self._batch = self._xgr.BatchGrammarMatcher()
         self._bitmask = bitmask.pin_memory() if pin_memory else bitmask
@@ -112,17 +119,36 @@ class Grammars:
     def compile(self, so: StructuredOutputsParams) -> Future:
         """The compiled grammar of this constraint, as a future (done at once when cached)."""
         key = so.key
-        future = self._cache.get(key)
-        if future is not None:
-            self._cache.move_to_end(key)
-            return future
-        future = self._cache[key] = self._pool.submit(self._compile, so)
-        if len(self._cache) > GRAMMAR_CACHE_SIZE:
-            self._cache.popitem(last=False)
+        with self._cache_lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            future = self._cache[key] = self._pool.submit(self._compile, so)
+            self._evict()
         return future
 
     def _compile(self, so: StructuredOutputsParams):
-        return self._the_compiler().compile_grammar(grammar_of(so))
+        """On the pool: the compiled grammar, refused (a ValueError the core answers as the request's error) when it
+        alone takes more than max_bytes; its size counts against the cache's bytes."""
+        compiled = self._the_compiler().compile_grammar(grammar_of(so))
+        size = compiled.memory_size_bytes
+        if size > self.max_bytes:
+            raise ValueError(f"its compiled grammar takes {size / 2**20:.0f} MiB, more than this server allows for one "
+                             f"({self.max_bytes / 2**20:.0f} MiB): constrain the output with a smaller schema (fewer "
+                             "enum values or alternatives, shorter bounded repeats)")
+        with self._cache_lock:
+            if so.key in self._cache:
+                self._sizes[so.key] = size
+                self.cached_bytes += size
+                self._evict()
+        return compiled
+
+    def _evict(self) -> None:
+        """Drop the least recently used grammars beyond GRAMMAR_CACHE_SIZE entries or cache_bytes (under the lock)."""
+        while len(self._cache) > GRAMMAR_CACHE_SIZE or (self.cached_bytes > self.cache_bytes and len(self._cache) > 1):
+            key, _ = self._cache.popitem(last=False)
+            self.cached_bytes -= self._sizes.pop(key, 0)
 
     def _the_compiler(self):
         """Made by the first compilation (the others wait for it); compilations then run in parallel."""

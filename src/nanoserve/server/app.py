@@ -1,25 +1,27 @@
-"""OpenAI-compatible HTTP API: the FastAPI app, its ASGI guards, and `serve()` (what `nanoserve serve` runs).
+"""OpenAI-compatible HTTP API: the FastAPI app, its error handlers, and `serve()` (what `nanoserve serve` runs).
 
 The engine core runs in a process of its own (server/client.py); this process does HTTP, validation,
 tokenization and chat templates (off the event loop), detokenization and stop strings, and SSE.
-Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, and
+Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST
+/v1/responses (server/responses.py), and
 vLLM's /version, /ping, /tokenize, /detokenize (server/tokenize_routes.py).
 Every error answers in OpenAI's format {"error": {"message", "type", "param", "code"}}: invalid
-requests 400 (unknown fields too, as api.openai.com does), wrong key 401, unknown model 404, body not
-received within --request-body-timeout 408, body too large 413, full waiting queue 503, engine failure
-500; a RequestError from the engine's checks is a 400 whose `param` is the field it carries. A client
+requests 400 (unknown fields too, as api.openai.com does), wrong key 401, a cross-origin request from an origin
+not in --allowed-origins 403, unknown model 404, body not received within --request-body-timeout 408, body too
+large 413, a body that is not JSON 415 (server/guard.py: one gate for every route), full waiting queue 503,
+engine failure 500; a RequestError from the engine's checks is a 400 whose `param` is the field it carries. A client
 that goes away has its request aborted. If the engine core dies, requests in flight fail at once and
 `serve()` exits non-zero; SIGTERM/SIGINT drain (server/shutdown.py) and exit 0.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-import secrets
+import os
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -33,87 +35,22 @@ from nanoserve.errors import RequestError
 from nanoserve.hub import resolve_config
 from nanoserve.model_files import load_tokenizer
 from nanoserve.server.client import EngineClient
+from nanoserve.server.guard import BodyTimeout, BodyTooLarge, RequestGuard, parse_origins, too_large
 from nanoserve.server.handlers import ClientGone, OpenAIServer, json_response
 from nanoserve.server.logprobs import TokenTexts
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.protocol import APIError, error_body, validation_message
+from nanoserve.server.responses import ResponsesAPI
+from nanoserve.server.responses_protocol import RESPONSES_STORE_BYTES, ResponseStore
 from nanoserve.server.shutdown import DrainingServer
 from nanoserve.server.template_sandbox import DEFAULT_TIMEOUT_S, TemplateSandbox
 from nanoserve.server.tokenize_routes import add_tokenize_routes
 
 logger = logging.getLogger("nanoserve.server")
 
-MAX_BODY_BYTES = 32 * 2**20  # a 32k-token prompt as token ids is ~0.3 MiB of JSON
-
-
 def _error_response(e: APIError) -> Response:
     return json_response(error_body(e.message, e.type, e.param, e.code), status=e.status)
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-class _BodyTimeout(Exception):
-    pass
-
-
-class _V1Middleware:
-    """For /v1 routes: checks the API key before anything else (so a bad key is 401 even for a bad body),
-    refuses bodies over MAX_BODY_BYTES or not received in full within body_timeout seconds of the request's
-    start (408, and the connection closes: a client dribbling its body cannot hold a socket for long), and
-    counts responses by status code."""
-
-    def __init__(self, app, api_key: str | None, metrics: ServerMetrics,
-                 body_timeout: float = REQUEST_BODY_TIMEOUT_S):
-        self.app, self.api_key, self.metrics, self.body_timeout = app, api_key, metrics, body_timeout
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
-            return await self.app(scope, receive, send)
-        status = 500  # what the outer ServerErrorMiddleware answers if the app raises
-
-        async def counting_send(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        received, body_done, deadline = 0, False, asyncio.get_running_loop().time() + self.body_timeout
-
-        async def limited_receive():  # bodies sent without Content-Length (chunked) are counted as they come
-            nonlocal received, body_done
-            if body_done:  # only a disconnect can follow: no deadline on waiting for it
-                return await receive()
-            try:
-                async with asyncio.timeout_at(deadline):
-                    message = await receive()
-            except TimeoutError:
-                raise _BodyTimeout() from None
-            received += len(message.get("body", b""))
-            body_done = message["type"] != "http.request" or not message.get("more_body", False)
-            if received > MAX_BODY_BYTES:
-                raise _BodyTooLarge()
-            return message
-
-        try:
-            if self.api_key is not None and not self._authorized(scope):
-                error = APIError(401, "Invalid or missing API key: send the header 'Authorization: Bearer <key>'.",
-                                 code="invalid_api_key")
-                return await _error_response(error)(scope, receive, counting_send)
-            length = dict(scope["headers"]).get(b"content-length", b"0")
-            if not length.isdigit() or int(length) > MAX_BODY_BYTES:
-                error = APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
-                return await _error_response(error)(scope, receive, counting_send)
-            await self.app(scope, limited_receive, counting_send)
-        finally:
-            self.metrics.requests.labels(str(status)).inc()
-
-    def _authorized(self, scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = header.partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -121,12 +58,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _api_error(request: Request, exc: APIError):
         return _error_response(exc)
 
-    @app.exception_handler(_BodyTooLarge)
-    async def _too_large(request: Request, exc: _BodyTooLarge):
-        return _error_response(APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes."))
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, exc: BodyTooLarge):
+        return _error_response(too_large())
 
-    @app.exception_handler(_BodyTimeout)
-    async def _body_timeout(request: Request, exc: _BodyTimeout):
+    @app.exception_handler(BodyTimeout)
+    async def _body_timeout(request: Request, exc: BodyTimeout):
         timeout = request.app.state.body_timeout
         response = _error_response(APIError(408, f"The request body was not received within {timeout:g} s "
                                                  "(--request-body-timeout).", code="request_timeout"))
@@ -163,12 +100,18 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
               chat_template_timeout_s: float = DEFAULT_TIMEOUT_S, log_level: str = "info",
               request_body_timeout: float = REQUEST_BODY_TIMEOUT_S, max_stop_strings: int = MAX_STOP_STRINGS,
               max_stop_string_len: int = MAX_STOP_STRING_LEN, tool_call_parser: str = "auto",
-              **engine_options) -> FastAPI:
+              allowed_origins: list[str] | None = None, chat_template: str | None = None,
+              responses_store_bytes: int = RESPONSES_STORE_BYTES, **engine_options) -> FastAPI:
     """The FastAPI app. `model` is a model folder (+ EngineConfig options as keywords), an EngineConfig, or
     a started EngineClient. The engine core process is started here (EngineStartError if it cannot start),
     connected when the app's lifespan starts and stopped when it ends."""
     _check_server_limits(request_body_timeout=request_body_timeout, max_stop_strings=max_stop_strings,
                          max_stop_string_len=max_stop_string_len)
+    if isinstance(responses_store_bytes, bool) or not isinstance(responses_store_bytes, int) or \
+            responses_store_bytes < 0:
+        raise ValueError(f"responses_store_bytes must be a number of bytes >= 0, got {responses_store_bytes!r}")
+    origins = parse_origins(allowed_origins)  # origins a browser page may call this server from (server/guard.py)
+    chat_template = _template_text(chat_template) if chat_template is not None else None
     if tool_call_parser not in TOOL_CALL_PARSER_CHOICES:
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSER_CHOICES)}, got "
                          f"{tool_call_parser!r}")
@@ -192,6 +135,8 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
         EngineClient(model, load_tokenizer(tokenizer_path) if with_tokenizer else None, log_level, hf_config)
     # the tokenizer thread gets a tokenizer of its own: the event loop's detokenizer never shares one
     prompt_tokenizer = load_tokenizer(tokenizer_path) if with_tokenizer else None
+    if chat_template is not None and prompt_tokenizer is not None:
+        prompt_tokenizer.chat_template = chat_template
     sandbox = None
     max_model_len = client.config.max_model_len
     preprocessor = Preprocessor(prompt_tokenizer, client.vocab_size, max_model_len)
@@ -214,11 +159,31 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
     app = FastAPI(title="nanoserve", lifespan=lifespan)
     app.state.engine_client, app.state.metrics, app.state.server, app.state.sandbox = client, metrics, server, sandbox
     app.state.body_timeout = request_body_timeout
-    app.add_middleware(_V1Middleware, api_key=api_key, metrics=metrics, body_timeout=request_body_timeout)
+    app.add_middleware(RequestGuard, api_key=api_key, metrics=metrics, body_timeout=request_body_timeout,
+                       allowed_origins=origins)
+    if origins:  # answers the allowed origins' preflights (before the key check: a preflight carries no key)
+        app.add_middleware(CORSMiddleware, allow_origins=sorted(origins), allow_methods=["*"], allow_headers=["*"],
+                           allow_credentials="*" not in origins)
     _add_error_handlers(app)
     _add_routes(app, server, client, metrics)
-    add_tokenize_routes(app, server, MAX_BODY_BYTES)
+    app.state.responses = responses = ResponsesAPI(server, ResponseStore(responses_store_bytes))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        return await responses.create(request)
+
+    add_tokenize_routes(app, server)
     return app
+
+
+def _template_text(template: str) -> str:
+    """--chat-template as vLLM takes it: a file's path, or the template itself."""
+    if os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in template:
+        raise ValueError(f"--chat-template: {template!r} is neither a file nor a Jinja template")
+    return template
 
 
 def _check_server_limits(**limits) -> None:

@@ -33,7 +33,7 @@ from nanoserve.server.metrics import ServerMetrics, Tracker
 from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
 from nanoserve.server.sse import SSEResponse
-from nanoserve.server.tool_calls import ToolCalling, auto_parser_name
+from nanoserve.server.tool_calls import ToolCalling, auto_parser_name, renders_tools
 
 
 LARGE_BODY_BYTES = 1 << 20
@@ -108,6 +108,7 @@ class OpenAIServer:
         self.model_name, self.metrics = model_name, metrics
         self.trust_request_chat_template = trust_request_chat_template
         self.created = int(time.time())
+        self._renders_tools: dict[str, bool] = {}  # chat template → whether it renders `tools`
 
     # -- checks -----------------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -255,6 +256,15 @@ class OpenAIServer:
     # -- /v1/chat/completions ---------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         body = await parse_request(request, ChatCompletionRequest)
+        collector, tracker, tools, ids, params = await self.start_chat(body)
+        return await self.chat_answer(request, body, collector, tracker, tools, ids, params)
+
+    async def start_chat(self, body: ChatCompletionRequest, max_tokens_param: str | None = None,
+                         prefix: str = "chatcmpl") -> tuple[RequestCollector, Tracker, ToolCalling, list[int],
+                                                            SamplingParams]:
+        """A chat request's checks, prompt and submission (for chat and the Responses API, server/responses.py):
+        its collector and tracker, tool calling, prompt ids and parameters. max_tokens_param: the request's name for
+        max_tokens, where a 400 about it points."""
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
@@ -264,8 +274,13 @@ class OpenAIServer:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         names = {"logprobs": "top_logprobs"}
         if body.max_completion_tokens is not None:
-            names["max_tokens"] = "max_completion_tokens"
+            names["max_tokens"] = max_tokens_param or "max_completion_tokens"
         tools = self.tool_calling(body)
+        if tools.mode == "auto" and body.chat_template is None and not await self.template_renders_tools():
+            raise APIError(400, 'tool_choice "auto" (the default with tools): this model\'s chat template does not '
+                                'render `tools`, so the model would never see them. Use tool_choice "required" or a '
+                                'named function (the output is constrained to a call, with any model) or "none", or '
+                                'serve a template that renders tools (--chat-template).', param="tool_choice")
         params = self.sampling_params({**body.sampling_kwargs(), "max_tokens": max_tokens,
                                        "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
                                        **self.tool_constraint(body, tools)}, names)
@@ -275,16 +290,23 @@ class OpenAIServer:
         ids = await self.preprocessor.chat_prompt([m.for_template() for m in body.messages],
                                                   body.add_generation_prompt, body.chat_template, body.template_tools())
         self.check_max_tokens(len(ids), params.max_tokens, names.get("max_tokens", "max_tokens"))
-        collector, tracker = self.submit([(None, ids)], params, "chatcmpl")
+        collector, tracker = self.submit([(None, ids)], params, prefix)
+        return collector, tracker, tools, ids, params
+
+    async def chat_answer(self, request: Request, body: ChatCompletionRequest, collector: RequestCollector,
+                          tracker: Tracker, tools: ToolCalling, ids: list[int], params: SamplingParams) -> Response:
+        """The chat completion object, or its stream of chunks."""
         head = {"id": collector.request_ids[0].rsplit("-", 1)[0], "created": int(time.time()),
                 "model": self.model_name}
         num_top = body.top_logprobs or 0
         if body.stream:
             role = tuple({"choices": [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                        "finish_reason": None}]} for j in range(params.n))  # the role first, as OpenAI
+            if body.return_token_ids:  # vLLM's place for a chat stream: the first chunk's top level
+                role = ({**role[0], "prompt_token_ids": ids}, *role[1:])
             choice = self._chat_chunk_choice(body.logprobs, num_top, tools, body.return_token_ids)
             events = self._events(collector, tracker, {**head, "object": "chat.completion.chunk"}, body,
-                                  body.logprobs, choice, role)
+                                  body.logprobs, choice, role, prompt_ids_in_choices=False)
             return SSEResponse(events, on_close=lambda: _close(collector, tracker))
         choices = []
         for c in [c for _, out in await self.result(request, collector, tracker) for c in out.outputs]:
@@ -300,6 +322,16 @@ class OpenAIServer:
         if body.return_token_ids:
             answer["prompt_token_ids"] = ids
         return json_response(answer)
+
+    async def template_renders_tools(self) -> bool:
+        """Whether the model's chat template shows `tools` to the model: probed once per template, on the tokenizer
+        thread."""
+        tokenizer = self.preprocessor.tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        key = template if isinstance(template, str) else repr(template)
+        if key not in self._renders_tools:
+            self._renders_tools[key] = await self.preprocessor._run(renders_tools, tokenizer)
+        return self._renders_tools[key]
 
     def tool_calling(self, body: ChatCompletionRequest) -> ToolCalling:
         """The request's tool choice; its "auto" parser is the server's, or the request template's when it sends one
@@ -339,9 +371,11 @@ class OpenAIServer:
 
     # -- streaming --------------------------------------------------------------------------------
     async def _events(self, collector: RequestCollector, tracker: Tracker, head: dict, body, want_logprobs: bool,
-                      choice_for: Callable, preamble: tuple[dict, ...] = ()) -> AsyncIterator[bytes]:
+                      choice_for: Callable, preamble: tuple[dict, ...] = (),
+                      prompt_ids_in_choices: bool = True) -> AsyncIterator[bytes]:
         """Server-sent events of a streamed request: each completion's new text (token ids, logprobs) as it
-        grows, then usage if asked and [DONE]. An engine failure arrives as an error event."""
+        grows, then usage if asked and [DONE]. An engine failure arrives as an error event. With return_token_ids a
+        completion's first choice chunk carries its prompt's ids (a chat stream has them in its preamble)."""
         extra = {"usage": None} if body.include_usage else {}
         with_ids, n = body.return_token_ids, collector.n
         first_chunk = set(range(len(collector.request_ids) * n))
@@ -360,7 +394,7 @@ class OpenAIServer:
                             continue
                         if with_ids:
                             choice["token_ids"] = c.token_ids
-                            if index in first_chunk:
+                            if index in first_chunk and prompt_ids_in_choices:
                                 choice["prompt_token_ids"] = out.prompt_token_ids
                         first_chunk.discard(index)
                         events.append(_sse({**head, "choices": [choice], **extra}))

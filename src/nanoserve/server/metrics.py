@@ -58,8 +58,8 @@ class ServerMetrics:
 
     def __init__(self, stats_source):
         self.registry = CollectorRegistry()
-        self.requests = Counter("nanoserve_http_requests", "HTTP requests to /v1 routes by status code", ["status"],
-                                registry=self.registry)
+        self.requests = Counter("nanoserve_http_requests", "HTTP requests to the API routes (all but the probes) by "
+                                "status code", ["status"], registry=self.registry)
         self.finished = Counter("nanoserve_completions_finished",
                                 "Completions ended, by finish reason (abort: client went away; error: engine failed)",
                                 ["reason"], registry=self.registry)

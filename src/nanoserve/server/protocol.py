@@ -10,6 +10,7 @@ field, as api.openai.com does; value ranges are checked once, by SamplingParams.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any, Literal
 
@@ -27,6 +28,23 @@ _LONE_SURROGATE = re.compile(
 
 
 _TOO_DEEP = "The request body nests arrays or objects too deeply to be a request."
+logger = logging.getLogger("nanoserve.server")
+
+# Fields current OpenAI SDKs and agent frameworks send that change nothing here: accepted and ignored, as vLLM does
+# (each name logged once). Fields this server honours keep their checks.
+IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier", "reasoning_effort", "modalities", "prompt_cache_key",
+                            "safety_identifier", "verbosity", "user"})
+_logged_ignored: set[str] = set()
+
+
+def without_ignored(data, ignored: frozenset[str] = IGNORED_FIELDS):
+    """The request body less the fields accepted and ignored (logged once per field name)."""
+    if not isinstance(data, dict) or ignored.isdisjoint(data):
+        return data
+    for name in ignored.intersection(data) - _logged_ignored:
+        _logged_ignored.add(name)
+        logger.info("request field %r is accepted and ignored (logged once)", name)
+    return {k: v for k, v in data.items() if k not in ignored}
 
 
 class APIError(Exception):
@@ -109,10 +127,14 @@ class _SamplingRequest(_Strict):
     return_token_ids: bool = False  # vLLM's: choices carry token_ids (and prompt_token_ids, first chunk only)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored, as an end-user id is only for abuse tracking
     logit_bias: dict[str, float] | None = None  # JSON keys are text: token ids as strings, as OpenAI sends them
     # vLLM's (extra_body): one of json, regex, choice, grammar, json_object (checked by SamplingParams)
     structured_outputs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data):
+        return without_ignored(data)
 
     @field_validator("logit_bias")
     @classmethod
@@ -324,12 +346,56 @@ class ToolFields(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    functions: list[FunctionDefinition] | None = None  # legacy: mapped to `tools` (kept: the answer's legacy shape)
+    function_call: Any = None  # legacy: mapped to `tool_choice`
     max_completion_tokens: int | None = None
     max_tokens: int | None = None  # deprecated OpenAI name; max_completion_tokens wins when both are set
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # checked here: SamplingParams calls it logprobs
     chat_template: str | None = None  # needs --trust-request-chat-template
     add_generation_prompt: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_functions(cls, data):
+        """OpenAI's deprecated `functions` / `function_call` (and their messages) as tools: one call at most, as
+        they had; the answer then carries `message.function_call` (server/tool_calls.py)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if isinstance(data.get("messages"), list):
+            data["messages"] = legacy_messages(data["messages"])
+        if data.get("functions") is None and data.get("function_call") is None:
+            return data
+        if "tools" in data or "tool_choice" in data:
+            raise ValueError("functions: give `tools` and `tool_choice`, or the deprecated `functions` and "
+                             "`function_call`, not both")
+        if data.get("functions") is not None:
+            functions = data["functions"]
+            data["tools"] = [{"type": "function", "function": f} for f in functions] \
+                if isinstance(functions, list) else functions
+            data["parallel_tool_calls"] = False
+        choice = data.get("function_call")
+        if isinstance(choice, dict):
+            data["tool_choice"] = {"type": "function", "function": choice}
+        elif choice is not None:
+            data["tool_choice"] = choice
+        return data
+
+
+def legacy_messages(messages: list) -> list:
+    """Deprecated message forms as today's: an assistant's `function_call` → one tool call (id call_legacy_<i>),
+    a `function` role message → the tool message answering the last such call."""
+    out, last_id = [], None
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("function_call"), dict):
+            last_id = f"call_legacy_{i}"
+            m = {k: v for k, v in m.items() if k != "function_call"}
+            m["tool_calls"] = [{"id": last_id, "type": "function", "function": messages[i]["function_call"]}]
+        elif isinstance(m, dict) and m.get("role") == "function":
+            m = {**m, "role": "tool", "tool_call_id": last_id or f"call_legacy_{m.get('name')}"}
+        out.append(m)
+    return out
 
 
 # ---- parsing -------------------------------------------------------------------------------------------

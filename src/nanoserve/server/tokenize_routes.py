@@ -1,9 +1,10 @@
 """The small routes a vLLM user reaches for, with vLLM's shapes: GET /version, GET|POST /ping, POST /tokenize
 (a prompt, or chat messages and tools rendered by the model's template) and POST /detokenize.
 
-Like vLLM's, they live outside /v1 (no API key). Tokenizing runs on the preprocessor's tokenizer thread, off
+Like vLLM's, they live outside /v1; they take the API key, the body limits and the JSON rule as every route does
+(server/guard.py; only /version and /ping are open). Tokenizing runs on the preprocessor's tokenizer thread, off
 the event loop; a tokenize request is not refused for being longer than max_model_len (it answers `count`
-and `max_model_len`, so a client can check before it sends), but its body is bounded as /v1 bodies are.
+and `max_model_len`, so a client can check before it sends).
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pydantic import Field, model_validator
 
 from nanoserve import __version__
 from nanoserve.engine.prompts import check_token_ids
-from nanoserve.server.protocol import APIError, ChatMessage, ToolDefinition, _Strict, parse_body, tools_for_template
+from nanoserve.server.handlers import parse_request
+from nanoserve.server.protocol import APIError, ChatMessage, ToolDefinition, _Strict, tools_for_template
 
 
 class TokenizeRequest(_Strict):
@@ -42,7 +44,7 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-def add_tokenize_routes(app: FastAPI, server, max_body_bytes: int) -> None:
+def add_tokenize_routes(app: FastAPI, server) -> None:
     """server: the OpenAIServer (its model name, preprocessor and engine limits)."""
 
     @app.get("/version")
@@ -55,7 +57,7 @@ def add_tokenize_routes(app: FastAPI, server, max_body_bytes: int) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = parse_body(await _bounded_body(request, max_body_bytes), TokenizeRequest)
+        body = await parse_request(request, TokenizeRequest)
         tokenizer = _tokenizer(server, body.model)
         ids = await server.preprocessor._run(_encode, tokenizer, body)
         return {"count": len(ids), "max_model_len": server.client.config.max_model_len, "tokens": ids,
@@ -63,7 +65,7 @@ def add_tokenize_routes(app: FastAPI, server, max_body_bytes: int) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = parse_body(await _bounded_body(request, max_body_bytes), DetokenizeRequest)
+        body = await parse_request(request, DetokenizeRequest)
         tokenizer = _tokenizer(server, body.model)
         check_token_ids(body.tokens, server.client.vocab_size, "tokens")  # a RequestError: 400 naming `tokens`
         return {"prompt": await server.preprocessor._run(tokenizer.decode, body.tokens)}
@@ -92,20 +94,6 @@ def _encode(tokenizer, body: TokenizeRequest) -> list[int]:
     except Exception as e:  # jinja errors, raise_exception() in templates
         raise APIError(400, f"The chat template could not render these messages: {e}", param="messages") from None
     return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
-
-
-async def _bounded_body(request: Request, limit: int) -> bytes:
-    """The body, refused with a 413 once it is larger than `limit` (declared or as it arrives)."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise APIError(413, f"The request body is larger than {limit} bytes.")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"The request body is larger than {limit} bytes.")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 __all__ = ["add_tokenize_routes"]

@@ -195,3 +195,23 @@ def test_the_runner_model_contract_gives_the_kernels_what_they_read():
     given = {f.name for f in dataclasses.fields(AttentionMetadata)} | {"num_seqs"}
     assert read <= given, f"the kernels read {sorted(read - given)}, which AttentionMetadata lacks"
     assert isinstance(AttentionMetadata.num_seqs, property)
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60  # outside kernels/, whose Triton kernels are long by nature
+
+
+def test_modules_and_functions_stay_small():
+    """Readable rooms: no module outside kernels/ over MAX_MODULE_LINES lines, no function over MAX_FUNCTION_LINES."""
+    too_long = []
+    for module, path in sorted(MODULES.items()):
+        if module.startswith("nanoserve.kernels"):
+            continue
+        source = path.read_text()
+        if len(source.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{module}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    too_long.append(f"{module}.{node.name}: {lines} lines")
+    assert not too_long, "too long:\n" + "\n".join(too_long)

@@ -107,32 +107,13 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
     connected when the app's lifespan starts and stopped when it ends."""
     _check_server_limits(request_body_timeout=request_body_timeout, max_stop_strings=max_stop_strings,
                          max_stop_string_len=max_stop_string_len)
-    if isinstance(responses_store_bytes, bool) or not isinstance(responses_store_bytes, int) or \
-            responses_store_bytes < 0:
-        raise ValueError(f"responses_store_bytes must be a number of bytes >= 0, got {responses_store_bytes!r}")
+    _check_app_options(tool_call_parser, responses_store_bytes)
     origins = parse_origins(allowed_origins)  # origins a browser page may call this server from (server/guard.py)
     chat_template = _template_text(chat_template) if chat_template is not None else None
-    if tool_call_parser not in TOOL_CALL_PARSER_CHOICES:
-        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSER_CHOICES)}, got "
-                         f"{tool_call_parser!r}")
-    if isinstance(model, str):
-        model = EngineConfig.from_kwargs(model, **engine_options)
-    elif engine_options:
-        raise TypeError(f"engine options {sorted(engine_options)} are only accepted with a model folder")
-    if not isinstance(model, (EngineConfig, EngineClient)):
-        raise TypeError(f"build_app runs the engine core in its own process: give a model folder, an EngineConfig "
-                        f"or an EngineClient, not {type(model).__name__}")
-    if isinstance(model, EngineConfig):  # a hub id is served under its id, not under its snapshot folder
-        served_model_name = served_model_name or model.model
-        model = resolve_config(model)
-    config = model.config if isinstance(model, EngineClient) else model
-    hf_config = None
-    if isinstance(model, EngineConfig):  # a bad model or option fails here, before tokenizers load or the core starts
-        hf_config = check_engine_config(model)[1]
+    client, served_model_name = _engine_client(model, served_model_name, log_level, engine_options)
+    config = client.config
     tokenizer_path = config.tokenizer or config.model
     with_tokenizer = not config.skip_tokenizer_init
-    client = model if isinstance(model, EngineClient) else \
-        EngineClient(model, load_tokenizer(tokenizer_path) if with_tokenizer else None, log_level, hf_config)
     # the tokenizer thread gets a tokenizer of its own: the event loop's detokenizer never shares one
     prompt_tokenizer = load_tokenizer(tokenizer_path) if with_tokenizer else None
     if chat_template is not None and prompt_tokenizer is not None:
@@ -144,8 +125,8 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
         sandbox = preprocessor.sandbox = TemplateSandbox(tokenizer_path, preprocessor.max_chars,
                                                          chat_template_timeout_s)
     metrics = ServerMetrics(client)
-    server = OpenAIServer(client, preprocessor, TokenTexts(client.tokenizer),
-                          served_model_name or client.config.model, metrics, trust_request_chat_template,
+    server = OpenAIServer(client, preprocessor, TokenTexts(client.tokenizer), served_model_name, metrics,
+                          trust_request_chat_template,
                           stop_limits=(max_stop_strings, max_stop_string_len), tool_call_parser=tool_call_parser)
 
     async def lifespan(app: FastAPI):
@@ -174,6 +155,34 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
 
     add_tokenize_routes(app, server)
     return app
+
+
+def _check_app_options(tool_call_parser: str, responses_store_bytes: int) -> None:
+    if tool_call_parser not in TOOL_CALL_PARSER_CHOICES:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSER_CHOICES)}, got "
+                         f"{tool_call_parser!r}")
+    if isinstance(responses_store_bytes, bool) or not isinstance(responses_store_bytes, int) or \
+            responses_store_bytes < 0:
+        raise ValueError(f"responses_store_bytes must be a number of bytes >= 0, got {responses_store_bytes!r}")
+
+
+def _engine_client(model, served_model_name: str | None, log_level: str, engine_options: dict):
+    """(the EngineClient, the name the API serves) for a model folder (+ options), an EngineConfig, or a started
+    EngineClient; a bad model or option fails before any tokenizer loads or the core starts."""
+    if isinstance(model, str):
+        model = EngineConfig.from_kwargs(model, **engine_options)
+    elif engine_options:
+        raise TypeError(f"engine options {sorted(engine_options)} are only accepted with a model folder")
+    if isinstance(model, EngineClient):
+        return model, served_model_name or model.config.model
+    if not isinstance(model, EngineConfig):
+        raise TypeError(f"build_app runs the engine core in its own process: give a model folder, an EngineConfig "
+                        f"or an EngineClient, not {type(model).__name__}")
+    served_model_name = served_model_name or model.model  # a hub id is served under its id, not its snapshot folder
+    model = resolve_config(model)
+    hf_config = check_engine_config(model)[1]
+    tokenizer = None if model.skip_tokenizer_init else load_tokenizer(model.tokenizer or model.model)
+    return EngineClient(model, tokenizer, log_level, hf_config), served_model_name
 
 
 def _template_text(template: str) -> str:

@@ -10,7 +10,6 @@ chunks, never a backlog. A RequestError the engine's checks raise is answered 40
 from __future__ import annotations
 
 import asyncio
-import mmap
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -31,16 +30,10 @@ from nanoserve.server.echo import echo_choices
 from nanoserve.server.logprobs import TokenTexts
 from nanoserve.server.metrics import ServerMetrics, Tracker
 from nanoserve.server.preprocess import Preprocessor
-from nanoserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
+from nanoserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from nanoserve.server.request_body import ClientGone, parse_request
 from nanoserve.server.sse import SSEResponse
 from nanoserve.server.tool_calls import ToolCalling, auto_parser_name, renders_tools
-
-
-LARGE_BODY_BYTES = 1 << 20
-
-
-class ClientGone(Exception):
-    """The client disconnected before its non-streaming answer was ready (its request was aborted)."""
 
 
 def json_response(obj, status: int = 200) -> Response:
@@ -64,30 +57,6 @@ def _engine_error(e: Exception) -> APIError:
     if isinstance(e, EngineStoppedError):
         return APIError(503, str(e), type="server_error", code="engine_stopped")
     return APIError(500, str(e), type="server_error", code="engine_dead")
-
-
-async def read_body(request: Request) -> bytes | mmap.mmap:
-    """The body, copied chunk by chunk into one buffer of its declared length. A large body goes into an
-    anonymous memory map, whose pages are touched as chunks arrive: neither a final join nor zeroing a big
-    buffer up front holds the event loop for one long stretch."""
-    length = request.headers.get("content-length", "")
-    if not length.isdigit() or int(length) < LARGE_BODY_BYTES:
-        return await request.body()
-    body = mmap.mmap(-1, int(length))
-    async for chunk in request.stream():
-        body.write(chunk)
-    if body.tell() != len(body):  # the client went away mid-body
-        raise ClientGone()
-    return body
-
-
-async def parse_request(request: Request, model):
-    raw = await read_body(request)
-    try:
-        return parse_body(raw, model)
-    finally:
-        if isinstance(raw, mmap.mmap):
-            raw.close()
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -21,7 +21,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from nanoserve.server.collector import EngineError, RequestRejectedError
-from nanoserve.server.handlers import OpenAIServer, _close, _engine_error, json_response, parse_request
+from nanoserve.server.handlers import OpenAIServer, _close, _engine_error, json_response
+from nanoserve.server.request_body import parse_request
 from nanoserve.server.responses_protocol import ResponsesRequest, ResponseStore
 from nanoserve.server.sse import SSEResponse
 

@@ -4,7 +4,7 @@
 
 Each variant runs in a process of its own (env: kernel switches such as NANOSERVE_PDL=0).
 
-    python benchmarks/prompt_host.py [--model qwen3-0.6b] [--tokens 4000] [--variants default no_pdl chunks]
+    python benchmarks/prompt_host.py [--model qwen3-0.6b] [--tokens 4000] [--variants default eager eager_no_pdl]
                                      [--rounds N] [--json FILE]
 """
 from __future__ import annotations
@@ -27,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import env_info, write_json, write_model_dir  # noqa: E402
 
 REPEATS = 9
-# (environment, engine options) per variant; "chunks": the prompt as graphed chunks of at most 2048 tokens
-VARIANTS = {"default": ({}, {}), "no_pdl": ({"NANOSERVE_PDL": "0"}, {}),
-            "chunks": ({}, {"max_num_batched_tokens": 2048})}
+# (environment, engine options) per variant: "default" runs the prompt as graphed chunks of at most the largest
+# token-count graph (the default token budget on CUDA since round 7), "eager" in one eager step (8192 tokens a step)
+VARIANTS = {"default": ({}, {}), "eager": ({}, {"max_num_batched_tokens": 8192}),
+            "eager_no_pdl": ({"NANOSERVE_PDL": "0"}, {"max_num_batched_tokens": 8192})}
 
 
 def measure(model: str, tokens: int, options: dict) -> dict:

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from nanoserve.server import protocol
+from nanoserve.server import request_body
 
 MODEL = "tiny"
 ASK = [{"role": "user", "content": "Hi"}]
@@ -17,7 +17,7 @@ IGNORED = {"store": True, "metadata": {"run": "7"}, "service_tier": "auto", "rea
 
 
 def test_fields_agents_send_are_accepted_ignored_and_logged_once(live, monkeypatch, caplog):
-    monkeypatch.setattr(protocol, "_logged_ignored", set())
+    monkeypatch.setattr(request_body, "_logged_ignored", set())
     caplog.set_level(logging.INFO, logger="nanoserve.server")
     client = live.client()
     for _ in range(2):

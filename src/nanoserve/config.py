@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # torch is imported where a value needs it: the CLI parses it
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # offline (LLM, generate, bench) without token-count graphs: throughput first
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # offline (LLM, generate, bench): throughput first
 # `nanoserve serve`'s default: against the offline budget it cuts the ITL tail of streams decoding beside arriving
 # prompts at little cost in output tok/s, where a smaller one cuts little more and costs more; 2048 is also the
 # largest token-count graph (measured: notes/PERF.md, issue 34 figures, config.SERVE_MAX_NUM_BATCHED_TOKENS).
@@ -31,9 +31,8 @@ MAX_DEFAULT_MODEL_LEN = 32768
 CAPTURE_SIZE_MODES = ("auto", "pow2")
 PREFILL_GRAPH_MODES = ("auto", "off")
 # Token-count graphs ("auto"): planned among multiples of PREFILL_GRAPH_TOKEN_STEP up to this many tokens (and
-# max_num_batched_tokens); with them, an unset max_num_batched_tokens is this many, so that every prompt step replays
-# a graph: a larger step runs eagerly, and an eager step of thousands of tokens is host-bound (its Python launches
-# more slowly than its kernels run; measured: notes/PERF.md, round 7).
+# max_num_batched_tokens); a larger step runs eagerly. (Capping the offline budget here, so that every prompt step
+# replays a graph, made one long prompt faster and nano-vllm's workload slower: notes/PERF.md, round 7.)
 PREFILL_GRAPH_MAX_TOKENS = 2048
 PREFILL_GRAPH_TOKEN_STEP = 16
 # Planned ("auto") graphs: the capture time and graph-pool memory they may take (flags of the same names)
@@ -115,9 +114,8 @@ class EngineConfig:
     max_num_seqs: int = _field(256, help="most sequences decoded together in one step (the largest batch)")
     max_num_batched_tokens: int | None = _field(
         None, help="tokens one step may run (decode rows + prefill chunks); a longer prompt is prefilled in chunks "
-                   "over several steps; unset: with token-count graphs ('auto', CUDA) the largest graph, "
-                   f"{PREFILL_GRAPH_MAX_TOKENS} (every prompt step replays one), else {DEFAULT_MAX_NUM_BATCHED_TOKENS}; "
-                   "`serve` defaults to fewer (the ITL tail of streams decoding beside arriving prompts)",
+                   "over several steps; `serve` defaults to fewer (the ITL tail of streams decoding beside arriving "
+                   "prompts)",
         unset=str(DEFAULT_MAX_NUM_BATCHED_TOKENS))
     max_model_len: int | None = _field(None, help="longest prompt + output, in tokens",
                                        unset=f"the model's max_position_embeddings, capped at {MAX_DEFAULT_MODEL_LEN}")
@@ -228,18 +226,11 @@ class EngineConfig:
         if dtype == "auto":
             dtype = "float32" if device == "cpu" else _serving_dtype(model_dtype)
         use_graphs = device.startswith("cuda") and not self.enforce_eager
-        budget = self.max_num_batched_tokens or self._default_budget(use_graphs)
+        budget = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         return dataclasses.replace(
             self, device=device, dtype=dtype, max_model_len=max_model_len, max_num_batched_tokens=budget,
             cudagraph_capture_sizes=self._decode_graphs() if use_graphs else GraphSizes(),
             prefill_graph_sizes=self._token_graphs(use_graphs, budget, max_model_len))
-
-    def _default_budget(self, use_graphs: bool) -> int:
-        """An unset max_num_batched_tokens: the largest token-count graph where "auto" plans them (every prompt step
-        then replays one; at least max_num_seqs, for the decode rows), else DEFAULT_MAX_NUM_BATCHED_TOKENS."""
-        if use_graphs and self.prefill_graph_sizes == "auto":
-            return max(PREFILL_GRAPH_MAX_TOKENS, self.max_num_seqs)
-        return DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     def _decode_graphs(self) -> GraphSizes:
         sizes = self.cudagraph_capture_sizes

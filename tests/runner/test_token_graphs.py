@@ -80,11 +80,6 @@ def test_prefill_graph_sizes_config():
     assert EngineConfig("m")._token_graphs(True, 512, 4096) == GraphSizes((), True, 512)
     assert EngineConfig("m")._token_graphs(True, 8192, 4096) == GraphSizes((), True, PREFILL_GRAPH_MAX_TOKENS)
     assert EngineConfig("m", max_num_seqs=2)._token_graphs(True, 8192, 100) == GraphSizes((), True, 200)
-    # an unset token budget: the largest token-count graph where "auto" plans them, so no prompt step runs eagerly
-    assert EngineConfig("m")._default_budget(True) == PREFILL_GRAPH_MAX_TOKENS
-    assert EngineConfig("m", max_num_seqs=4096)._default_budget(True) == 4096  # the decode rows fit
-    assert EngineConfig("m", prefill_graph_sizes="off")._default_budget(True) == DEFAULT_MAX_NUM_BATCHED_TOKENS
-    assert EngineConfig("m")._default_budget(False) == DEFAULT_MAX_NUM_BATCHED_TOKENS
     assert cpu.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 

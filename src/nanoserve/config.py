@@ -73,6 +73,10 @@ GRAMMAR_MAX_BYTES = 64 * 2**20
 GRAMMAR_COMPILE_THREADS = 2
 GRAMMAR_FILL_THREAD_MIN_ROWS = 8
 
+# A hub id is resolved (hub.py) after one connection to the hub's host opens within this long; otherwise from the
+# cache only: huggingface_hub would retry an unreachable hub five times with backoff (~25 s of warnings)
+HUB_PROBE_TIMEOUT_S = 2.0
+
 
 @dataclass(frozen=True)
 class GraphSizes:

@@ -386,5 +386,6 @@ class OpenAIServer:
         return {"object": "list", "data": [self.model_card()]}
 
     def model_card(self) -> dict:
+        # root: the model's path, as vLLM's cards give it (a served name is not one): `bench serve` reads the tokenizer
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "nanoserve",
-                "max_model_len": self.client.config.max_model_len}
+                "root": self.client.config.model, "max_model_len": self.client.config.max_model_len}

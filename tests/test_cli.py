@@ -141,14 +141,25 @@ def test_serve_refuses_a_busy_port_before_loading_the_model(capsys):
     ([], (SERVE_MAX_NUM_BATCHED_TOKENS, SERVE_CHUNK_TIME_RATIO)),
     (["--max-num-batched-tokens", "8192"], (8192, SERVE_CHUNK_TIME_RATIO)),
     (["--chunk-time-ratio", "0"], (SERVE_MAX_NUM_BATCHED_TOKENS, 0.0))])
-def test_serve_defaults_to_the_serving_token_budget(monkeypatch, flag, expected):
+def test_serve_defaults_to_the_serving_token_budget(monkeypatch, tmp_path, flag, expected):
     """`serve` sizes its steps for the streams' ITL (config.SERVE_MAX_NUM_BATCHED_TOKENS, SERVE_CHUNK_TIME_RATIO);
     a given flag wins."""
     import nanoserve.server.app as app
 
     seen = {}
     monkeypatch.setattr(app, "serve", lambda config, **kw: seen.setdefault("config", config) and 0)
-    assert main(["serve", "--model", "/some/model", "--port", "0", *flag]) == 0
+    assert main(["serve", "--model", str(tmp_path), "--port", "0", *flag]) == 0
     assert (seen["config"].max_num_batched_tokens, seen["config"].chunk_time_ratio) == expected
     with pytest.raises(ValueError, match="chunk_time_ratio must be 0"):
         EngineConfig(model="m", chunk_time_ratio=0.5)
+
+
+def test_serve_a_missing_model_answers_before_torch_is_imported():
+    """`nanoserve serve /nonexistent`: one line in a fraction of a second (it took 5 s of imports)."""
+    code = ("import sys, time; from nanoserve.cli import main; t = time.monotonic(); "
+            "code = main(['serve', '/no/such/model', '--port', '0']); "
+            "print(code, round(time.monotonic() - t, 2), 'torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    rc, seconds, torch_in, transformers_in = out.stdout.split()
+    assert rc == "2" and "does not exist" in out.stderr and out.stderr.count("\n") == 1, out.stderr
+    assert float(seconds) <= 0.5 and torch_in == transformers_in == "False", out.stdout

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from nanoserve import hub
 from nanoserve.hub import HubModelError, is_hub_id, resolve_model
 from tests.hub_cache import COMMIT, populate_hub_cache
 
@@ -86,3 +89,41 @@ def test_generate_with_a_missing_hub_model_is_one_line(hub_cache):
                env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)})
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "nobody/nothing-here" in out.stderr and "hf download nobody/nothing-here" in out.stderr
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_hub_answers_at_once_in_one_line(hub_cache):
+    """No network: one line naming the id and what to do, in seconds, not huggingface_hub's retries (~27 s)."""
+    start = time.monotonic()
+    out = _cli("serve", "nobody/nothing-here", "--port", str(_closed_port()),
+               env={"HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "HF_HUB_CACHE": str(hub_cache)})
+    assert time.monotonic() - start <= 3.0
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "'nobody/nothing-here'" in out.stderr and "cannot be reached" in out.stderr
+    assert "HF_HUB_OFFLINE=1" in out.stderr and "local model folder" in out.stderr
+
+
+def test_an_unreachable_hub_resolves_from_the_cache(hub_cache, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    folder = Path(resolve_model("tiny-org/tiny-qwen3", download_dir=str(hub_cache)))
+    assert folder == hub_cache / "models--tiny-org--tiny-qwen3" / "snapshots" / COMMIT
+
+
+def test_the_hub_probe_is_bounded_in_time(monkeypatch):
+    """A lookup or connection that hangs (a firewall dropping packets) is given up on after the probe's timeout."""
+    def hang(*args, **kwargs):
+        time.sleep(3)
+        raise OSError("timed out")
+
+    monkeypatch.setattr(hub.socket, "create_connection", hang)
+    start = time.monotonic()
+    assert not hub.hub_reachable(timeout=0.3)
+    assert time.monotonic() - start < 1.5

@@ -155,7 +155,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _resolved_config(args) -> EngineConfig:
+    """The command's EngineConfig, its hub ids resolved and a missing model refused before torch and transformers
+    are imported (seconds): a typo or an unreachable hub answers at once."""
+    from nanoserve.hub import resolve_config
+
+    return resolve_config(engine_config_from_args(args))
+
+
 def _cmd_generate(args) -> int:
+    config = _resolved_config(args)
+    args.model, args.tokenizer = config.model, config.tokenizer
     from nanoserve import LLM, SamplingParams
 
     llm = LLM(args.model, **_engine_options(args))
@@ -190,12 +200,14 @@ def _serve_model_argument(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 
 def _cmd_serve(args) -> int:
-    config = engine_config_from_args(args)  # option errors before anything is imported or loaded
+    engine_config_from_args(args)  # option errors before anything is imported or loaded
     check_port_free(args.host, args.port)  # before the model load: a busy port should not cost a minute
+    config = _resolved_config(args)
     from nanoserve.server.app import serve
 
+    # a hub id is served under its id, not its snapshot folder
     return serve(config, host=args.host, port=args.port, api_key=args.api_key,
-                 served_model_name=args.served_model_name, trust_request_chat_template=args.trust_request_chat_template,
+                 served_model_name=args.served_model_name or args.model, trust_request_chat_template=args.trust_request_chat_template,
                  shutdown_timeout=args.shutdown_timeout, request_body_timeout=args.request_body_timeout,
                  max_stop_strings=args.max_stop_strings, max_stop_string_len=args.max_stop_string_len,
                  tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins,

@@ -72,6 +72,18 @@ GRAMMAR_MAX_BYTES = 64 * 2**20
 GRAMMAR_COMPILE_THREADS = 2
 GRAMMAR_FILL_THREAD_MIN_ROWS = 8
 
+# A request's output constraint is checked in the API process (server/constraint_check.py) on threads of its own, so
+# that one client's schema cannot hold the threads other requests use, within a time budget (queueing included): a
+# schema whose check outlasts it is answered 400 (a JSON-schema pattern like ^(ab|cd){1,5000}$ takes xgrammar 7-33 s;
+# ordinary schemas, a 50k-value enum included, take well under 0.1 s)
+CONSTRAINT_CHECK_THREADS = 2
+CONSTRAINT_CHECK_TIMEOUT_S = 5.0
+CONSTRAINT_CHECK_SLOW_KEPT = 256  # constraints that outlasted the budget, remembered (and refused at once)
+
+# A hub id is resolved (hub.py) after one connection to the hub's host opens within this long; otherwise from the
+# cache only: huggingface_hub would retry an unreachable hub five times with backoff (~25 s of warnings)
+HUB_PROBE_TIMEOUT_S = 2.0
+
 
 @dataclass(frozen=True)
 class GraphSizes:

@@ -9,8 +9,9 @@ generation files and the safetensors weights, or exactly one GGUF file of a GGUF
     org/name:Q4_K_M          the .gguf file whose name carries that quantization tag
     org/name/model.Q8_0.gguf that file
 
-A model that is neither local nor cached (offline) or not on the hub is one error line naming it and how to
-fetch it. Resolution happens once, before the engine starts (LLM, build_app); the engine sees local paths.
+Whether the hub can be reached is asked once, by one connection bounded in time (HUB_PROBE_TIMEOUT_S), before
+huggingface_hub is: without network the cache alone answers at once. A model that is neither local nor cached
+(offline, or the hub unreachable) or not on the hub is one error line naming it and how to fetch it. Resolution happens once, before the engine starts (LLM, build_app); the engine sees local paths.
 """
 from __future__ import annotations
 
@@ -18,7 +19,12 @@ import dataclasses
 import fnmatch
 import os
 import re
+import socket
+import threading
 from pathlib import Path
+from urllib.parse import urlsplit
+
+from nanoserve.config import HUB_PROBE_TIMEOUT_S
 
 # What a safetensors model folder needs: config and generation config, tokenizer files, chat template, weights.
 SNAPSHOT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
@@ -42,11 +48,38 @@ def offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
 
 
+def hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the hub's host (HF_ENDPOINT) opens within `timeout`. Name lookup included,
+    which a socket timeout does not bound: the probe runs on a daemon thread that is given up on."""
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    address = (url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
+    done, opened = threading.Event(), []
+
+    def probe() -> None:
+        try:
+            socket.create_connection(address, timeout=timeout).close()
+            opened.append(True)
+        except OSError:
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=probe, name="nanoserve-hub-probe", daemon=True).start()
+    return done.wait(timeout) and bool(opened)
+
+
 def resolve_config(config):
-    """The EngineConfig with `model` (and a hub-id `tokenizer`) replaced by local paths; local ones unchanged."""
+    """The EngineConfig with `model` (and a hub-id `tokenizer`) replaced by local paths; local ones unchanged, a
+    missing one refused."""
+    from nanoserve.model_files import check_model_exists
+
     changes = {}
     if is_hub_id(config.model):
         changes["model"] = resolve_model(config.model, config.revision, config.download_dir)
+    else:
+        check_model_exists(config.model)
     if config.tokenizer is not None and is_hub_id(config.tokenizer):
         changes["tokenizer"] = resolve_model(config.tokenizer, config.revision, config.download_dir,
                                              TOKENIZER_PATTERNS)
@@ -60,28 +93,29 @@ def resolve_model(name: str, revision: str | None = None, download_dir: str | No
         return name
     m = _HUB_ID.match(name)
     repo, quant, file = m.group("repo"), m.group("quant"), m.group("file")
+    local = offline() or not hub_reachable()
     try:
         if file is None:
-            files = _repo_files(repo, revision, download_dir)
+            files = _repo_files(repo, revision, download_dir, local)
             weights = [f for f in files if f.endswith(".safetensors")]
             if patterns is not None or (weights and quant is None):
-                folder = _snapshot(repo, revision, download_dir, patterns or SNAPSHOT_PATTERNS)
+                folder = _snapshot(repo, revision, download_dir, patterns or SNAPSHOT_PATTERNS, local)
                 if patterns is None and not (Path(folder) / "config.json").is_file():
                     raise HubModelError(f"hub model {name!r} has safetensors but no config.json ({folder})")
                 return folder
             file = _pick_gguf(name, [f for f in files if f.endswith(".gguf")], quant)
         from huggingface_hub import hf_hub_download
 
-        return hf_hub_download(repo, file, revision=revision, cache_dir=download_dir, local_files_only=offline())
+        return hf_hub_download(repo, file, revision=revision, cache_dir=download_dir, local_files_only=local)
     except HubModelError:
         raise
     except Exception as e:  # huggingface_hub's errors: not cached offline, no such repo / revision / file, network
         raise HubModelError(_explain(name, repo, revision, download_dir, e)) from None
 
 
-def _repo_files(repo: str, revision: str | None, download_dir: str | None) -> list[str]:
+def _repo_files(repo: str, revision: str | None, download_dir: str | None, local: bool) -> list[str]:
     """The repository's file names: from the hub when online, else from the cached snapshot."""
-    if not offline():
+    if not local:
         from huggingface_hub import HfApi
 
         try:
@@ -94,11 +128,11 @@ def _repo_files(repo: str, revision: str | None, download_dir: str | None) -> li
 
 
 def _snapshot(repo: str, revision: str | None, download_dir: str | None, patterns: list[str] | None,
-              local_only: bool = False) -> str:
+              local_only: bool) -> str:
     from huggingface_hub import snapshot_download
 
     return snapshot_download(repo, revision=revision, cache_dir=download_dir, allow_patterns=patterns,
-                             local_files_only=local_only or offline())
+                             local_files_only=local_only)
 
 
 def _pick_gguf(name: str, ggufs: list[str], quant: str | None) -> str:
@@ -130,16 +164,13 @@ def _explain(name: str, repo: str, revision: str | None, download_dir: str | Non
                 "is gated or private: log in with `hf auth login` or set HF_TOKEN)")
     if kind in ("RevisionNotFoundError", "EntryNotFoundError", "RemoteEntryNotFoundError"):
         return f"model {name!r}: {str(e).splitlines()[0]}"
-    cache = download_dir or _default_cache()
-    why = "HF_HUB_OFFLINE is set" if offline() else "the hub cannot be reached"
-    return (f"model {name!r}{where} is neither a local path nor in the Hugging Face cache {cache}, and {why}; "
-            f"fetch it first with {fetch}")
-
-
-def _default_cache() -> str:
     from huggingface_hub import constants
 
-    return str(constants.HF_HUB_CACHE)
+    cache = download_dir or constants.HF_HUB_CACHE
+    why = "HF_HUB_OFFLINE is set" if offline() else f"the hub ({constants.ENDPOINT}) cannot be reached"
+    return (f"model {name!r}{where} is neither a local path nor in the Hugging Face cache {cache}, and {why}; "
+            f"fetch it first with {fetch} where there is network (HF_HUB_OFFLINE=1 then runs from the cache), "
+            "or give a local model folder or .gguf file")
 
 
 __all__ = ["resolve_config", "resolve_model", "is_hub_id", "HubModelError", "SNAPSHOT_PATTERNS"]

@@ -149,8 +149,7 @@ def load_hf_config(model_dir: str | Path):
     from transformers import AutoConfig
 
     path = Path(model_dir)
-    if not path.exists():
-        raise ModelLoadError(f"model folder {str(path)!r} does not exist")
+    check_model_exists(path)
     if not path.is_dir():
         raise ModelLoadError(f"model path {str(path)!r} is not a folder")
     config_file = path / "config.json"
@@ -173,6 +172,13 @@ def load_hf_config(model_dir: str | Path):
     _check_spec(config, config_file)
     checkpoint_quantization(raw.get("quantization_config"), config_file)
     return config
+
+
+def check_model_exists(path: str | Path) -> None:
+    """A missing model path, refused in one line: asked first (hub.resolve_config), before the CLI imports torch and
+    transformers (seconds)."""
+    if not Path(path).exists():
+        raise ModelLoadError(f"model {'file' if is_gguf(path) else 'folder'} {str(path)!r} does not exist")
 
 
 def _check_spec(config, source: Path) -> None:
@@ -246,8 +252,7 @@ def is_gguf(path: str | Path) -> bool:
 def read_gguf_metadata(path: str | Path) -> dict:
     """The file's metadata keys (string arrays such as the vocabulary come back as their lengths)."""
     path = Path(path)
-    if not path.exists():
-        raise ModelLoadError(f"model file {str(path)!r} does not exist")
+    check_model_exists(path)
     if not path.is_file():
         raise ModelLoadError(f"model path {str(path)!r} ends in .gguf but is not a file")
     with open(path, "rb") as f:

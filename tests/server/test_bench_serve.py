@@ -84,3 +84,12 @@ def test_bench_serve_errors_are_one_line(live, model_dir, api_key, capsys, monke
     assert main(["bench", "serve", "--base-url", live.base_url, "--model", MODEL, "--tokenizer", model_dir,
                  "--endpoint", "/v1/chat/completions", "--num-prompts", "1"]) == 2
     assert "streams the completions API" in capsys.readouterr().err
+
+
+def test_bench_serve_finds_the_tokenizer_from_the_server(live, model_dir, api_key, capsys):
+    """The server's name (`tiny`, as --served-model-name gives) is no path: the tokenizer comes from the path its
+    /v1/models card gives as root."""
+    assert live.model != model_dir
+    assert main(["bench", "serve", "--base-url", live.base_url, "--num-prompts", "2", "--input-len", "4",
+                 "--output-len", "2", "--client-processes", "1", "--num-warmups", "0"]) == 0, capsys.readouterr()
+    assert f"({MODEL})" in capsys.readouterr().out

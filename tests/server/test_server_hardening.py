@@ -61,7 +61,8 @@ def post(server, path: str, body) -> httpx.Response:
 
 
 def assert_orderly(log: str) -> None:
-    for bad in ("Traceback", "CancelledError", "timeout graceful shutdown exceeded", "Exception"):
+    """A stop as a user sees it: no tracebacks, and no `nanobind: leaked ...` lines (frozen heaps at exit)."""
+    for bad in ("Traceback", "CancelledError", "timeout graceful shutdown exceeded", "Exception", "nanobind: leaked"):
         assert bad not in log, log
 
 

@@ -73,7 +73,8 @@ def _add_serve_parser(kinds) -> None:
     serve.add_argument("--endpoint", default="/v1/completions", help="(default: %(default)s)")
     serve.add_argument("--model", default=None, help="the model name requests carry (default: the server's first)")
     serve.add_argument("--tokenizer", default=None, help="where the tokenizer is read from, for random token ids and "
-                       "dataset lengths (default: --model)")
+                       "dataset lengths (default: the path the server's /v1/models gives as root, when it is on this machine; "
+                       "else --model)")
     _add_workload(serve)
     serve.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
     serve.add_argument("--request-rate", type=float, default=math.inf,

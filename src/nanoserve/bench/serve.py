@@ -233,8 +233,8 @@ def format_summary(result: dict) -> str:
 def run_serve_command(args) -> dict:
     """`nanoserve bench serve`: the workload, a checked warm-up, the timed run, the report printed; the figures."""
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    model = served_model(base_url, args.model)
-    requests = serve_requests(args, model)
+    model, root = served_model(base_url, args.model)
+    requests = serve_requests(args, model, root)
     if args.num_warmups > 0:  # also checks the endpoint: a wrong URL or model fails here, with the server's answer
         warm = [BenchRequest(r.prompt, r.prompt_len, min(r.output_len, 4)) for r in requests[:args.num_warmups]]
         records, _, _, _ = run_load(base_url, model, warm, endpoint=args.endpoint, client_processes=1)
@@ -264,34 +264,47 @@ def serving_stack() -> dict:
     return stack
 
 
-def served_model(base_url: str, model: str | None) -> str:
-    """`model`, or the first model the server lists (GET /v1/models, which also checks that the server is up)."""
+def served_model(base_url: str, model: str | None) -> tuple[str, str | None]:
+    """`model`, or the first model the server lists (GET /v1/models, which also checks that the server is up), and
+    the path its card gives as `root` (None when it gives none)."""
     import httpx
 
     try:
         response = httpx.get(base_url + "/v1/models", timeout=30, headers=api_key_header())
     except httpx.HTTPError as e:
         raise ValueError(f"cannot reach {base_url} (is the server up? --base-url, --host, --port): {e}") from None
-    if model is not None:
-        return model
     try:
-        return response.json()["data"][0]["id"]
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise ValueError(f"{base_url}/v1/models answered {response.status_code} without a model: give --model") \
-            from None
+        cards = [card for card in response.json()["data"] if isinstance(card, dict) and "id" in card]
+    except (ValueError, KeyError, TypeError):
+        cards = []
+    card = next((c for c in cards if model is None or c["id"] == model), None)
+    if card is None and model is None:
+        raise ValueError(f"{base_url}/v1/models answered {response.status_code} without a model: give --model")
+    root = card.get("root") if card is not None else None
+    return (model or card["id"]), (root if isinstance(root, str) else None)
 
 
-def serve_requests(args, model: str) -> list[BenchRequest]:
+def serve_requests(args, model: str, root: str | None = None) -> list[BenchRequest]:
     """Random token ids below the model's vocabulary, or the dataset's conversations (lengths by its tokenizer)."""
     import random
 
     from nanoserve.bench.common import load_sharegpt, random_requests
 
-    source = args.tokenizer or args.model or model
+    source = _tokenizer_source(args, model, root)
     if args.dataset_path:
         return load_sharegpt(args.dataset_path, _tokenizer(source), args.num_prompts, args.output_len, seed=args.seed)
     return random_requests(random.Random(args.seed), args.num_prompts, args.input_len,
                            args.output_len or args.default_output_len, _vocab_size(source))
+
+
+def _tokenizer_source(args, model: str, root: str | None) -> str:
+    """--tokenizer; else the path the server says it serves (its card's root) when it is on this machine: a
+    --served-model-name is no path; else the model's name (a path or hub id when the server is started by one)."""
+    if args.tokenizer:
+        return args.tokenizer
+    if root is not None and os.path.exists(root):
+        return root
+    return args.model or model
 
 
 def _tokenizer(source: str):

@@ -18,7 +18,6 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from nanoserve.config import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
-from nanoserve.engine import grammar
 from nanoserve.engine.output import RequestOutput
 from nanoserve.engine.prompts import QueueFullError, as_prompt_list, check_max_tokens
 from nanoserve.errors import RequestError
@@ -122,7 +121,7 @@ class OpenAIServer:
         where = {"response_format": "response_format.json_schema.schema",
                  "tools": "tools[].function.parameters"}.get(param)
         try:
-            await asyncio.to_thread(grammar.check, params.structured_outputs, where)
+            await self.preprocessor.constraints.check(params.structured_outputs, where)
         except RequestError as e:
             raise e.renamed(param) from None
 
@@ -386,5 +385,6 @@ class OpenAIServer:
         return {"object": "list", "data": [self.model_card()]}
 
     def model_card(self) -> dict:
+        # root: the model's path, as vLLM's cards give it (a served name is not one): `bench serve` reads the tokenizer
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "nanoserve",
-                "max_model_len": self.client.config.max_model_len}
+                "root": self.client.config.model, "max_model_len": self.client.config.max_model_len}

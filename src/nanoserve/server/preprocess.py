@@ -3,7 +3,10 @@
 Text is tokenized, and the model's chat template rendered, on one worker thread that owns a tokenizer
 of its own (the event loop's detokenizer never shares one across threads). The tokenizers library
 encodes without holding the GIL, so the event loop keeps streaming meanwhile. Token-id prompts are
-only range-checked, which is cheap once their length is known to fit.
+only range-checked, which is cheap once their length is known to fit. /tokenize and /detokenize, which take
+texts of any length up to the body limit (12 MB took seconds), run on a thread and a tokenizer of their own
+(`run_route`), so they never queue a prompt behind them; output constraints are checked on a pool of their own,
+within a time budget (server/constraint_check.py).
 
 A text that cannot fit max_model_len is refused before it is tokenized: no token covers more than
 `chars_per_token` characters (the longest vocabulary entry, counted in characters; for byte-level BPE
@@ -14,11 +17,13 @@ three characters into one before the model sees them, so the bound is tripled wh
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 from concurrent.futures import ThreadPoolExecutor
 
 from nanoserve.engine.prompts import Prompt, check_prompt_length, tokenize
 from nanoserve.errors import RequestError
+from nanoserve.server.constraint_check import ConstraintChecker
 from nanoserve.server.protocol import APIError
 
 NORMALIZER_SLACK = 3  # characters a normalizer may merge into one (Hangul L+V+T jamo → one syllable)
@@ -42,14 +47,31 @@ class Preprocessor:
         self.chars_per_token = chars_per_token_bound(tokenizer) if tokenizer is not None else 1
         self.max_chars = max_model_len * self.chars_per_token  # longer texts cannot fit
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer")
+        self._route_executor = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenize-route")
+        self._route_tokenizer = None  # the routes' copy, made on their thread at first use
+        self.constraints = ConstraintChecker()
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for executor in (self._executor, self._route_executor):
+            executor.shutdown(wait=False, cancel_futures=True)
+        self.constraints.close()
         if self.sandbox is not None:
             self.sandbox.close()
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def run_route(self, fn, *args):
+        """fn(tokenizer, *args) on the tokenize routes' thread, with their tokenizer (a copy of the prompts' one)."""
+        return await asyncio.get_running_loop().run_in_executor(self._route_executor, self._with_route_tokenizer,
+                                                                fn, args)
+
+    def _with_route_tokenizer(self, fn, args):
+        """The copy renders the prompts' chat template, whatever that is now (one template for chat and /tokenize)."""
+        if self._route_tokenizer is None:
+            self._route_tokenizer = copy.deepcopy(self.tokenizer)
+        self._route_tokenizer.chat_template = getattr(self.tokenizer, "chat_template", None)
+        return fn(self._route_tokenizer, *args)
 
     # -- completions -------------------------------------------------------------------------------
     async def completion_prompts(self, prompts: list[Prompt]) -> list[tuple[str | None, list[int]]]:

@@ -2,11 +2,14 @@
 (a prompt, or chat messages and tools rendered by the model's template) and POST /detokenize.
 
 Like vLLM's, they live outside /v1; they take the API key, the body limits and the JSON rule as every route does
-(server/guard.py; only /version and /ping are open). Tokenizing runs on the preprocessor's tokenizer thread, off
-the event loop; a tokenize request is not refused for being longer than max_model_len (it answers `count`
+(server/guard.py; only /version and /ping are open). Tokenizing runs off the event loop on the routes' own thread
+and tokenizer (Preprocessor.run_route: a long text here never delays a prompt), which also writes the answer's JSON
+(a list of millions of ids is seconds of work for the event loop's encoder); a tokenize request is not refused for being longer than max_model_len (it answers `count`
 and `max_model_len`, so a client can check before it sends).
 """
 from __future__ import annotations
+
+import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -58,30 +61,35 @@ def add_tokenize_routes(app: FastAPI, server) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await parse_request(request, TokenizeRequest)
-        tokenizer = _tokenizer(server, body.model)
-        ids = await server.preprocessor._run(_encode, tokenizer, body)
-        return {"count": len(ids), "max_model_len": server.client.config.max_model_len, "tokens": ids,
-                "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+        _check_tokenizer(server, body.model)
+        answer = await server.preprocessor.run_route(_tokenize_answer, body, server.client.config.max_model_len)
+        return Response(answer, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await parse_request(request, DetokenizeRequest)
-        tokenizer = _tokenizer(server, body.model)
+        _check_tokenizer(server, body.model)
         check_token_ids(body.tokens, server.client.vocab_size, "tokens")  # a RequestError: 400 naming `tokens`
-        return {"prompt": await server.preprocessor._run(tokenizer.decode, body.tokens)}
+        return {"prompt": await server.preprocessor.run_route(lambda tokenizer: tokenizer.decode(body.tokens))}
 
 
-def _tokenizer(server, model: str | None):
+def _check_tokenizer(server, model: str | None) -> None:
     if model is not None:
         server.check_model(model)
-    tokenizer = server.preprocessor.tokenizer
-    if tokenizer is None:
+    if server.preprocessor.tokenizer is None:
         raise APIError(400, "This server runs without a tokenizer (skip_tokenizer_init).")
-    return tokenizer
+
+
+def _tokenize_answer(tokenizer, body: TokenizeRequest, max_model_len: int) -> bytes:
+    """On the routes' thread: the answer's JSON."""
+    ids = _encode(tokenizer, body)
+    return json.dumps({"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+                       "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None},
+                      ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _encode(tokenizer, body: TokenizeRequest) -> list[int]:
-    """On the tokenizer thread: the prompt's ids, or the rendered conversation's."""
+    """The prompt's ids, or the rendered conversation's."""
     if body.prompt is not None:
         return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     if not getattr(tokenizer, "chat_template", None):

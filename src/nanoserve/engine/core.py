@@ -331,17 +331,14 @@ class EngineCore:
     # -- observability ----------------------------------------------------------------------------
     @property
     def stats(self) -> EngineStats:
-        r = self.counters
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self._compiling),  # (a grammar compiling: waiting too)
             kv_blocks_total=self.block_manager.num_blocks, kv_blocks_used=self.block_manager.num_used_blocks,
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
-            decode_steps_graph=r.decode_steps_graph, decode_steps_eager=r.decode_steps_eager,
-            mixed_steps=self._mixed_steps, prefill_steps_graph=r.prefill_steps_graph,
-            prefill_steps_eager=r.prefill_steps_eager, padding_rows=r.padding_rows, padding_tokens=r.padding_tokens,
-            preemptions=self.scheduler.num_preemptions,
-            prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens)
+            mixed_steps=self._mixed_steps, preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
+            **vars(self.counters))  # the runner's steps by how they ran, its padding (RunnerCounters)
 
 
 def _architecture(hf_config) -> str:

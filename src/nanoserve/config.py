@@ -81,7 +81,7 @@ CONSTRAINT_CHECK_TIMEOUT_S = 5.0
 CONSTRAINT_CHECK_SLOW_KEPT = 256  # constraints that outlasted the budget, remembered (and refused at once)
 
 # A hub id is resolved (hub.py) after one connection to the hub's host opens within this long; otherwise from the
-# cache only: huggingface_hub would retry an unreachable hub five times with backoff (~25 s of warnings)
+# cache only: huggingface_hub would retry an unreachable hub five times with backoff (tens of seconds of warnings)
 HUB_PROBE_TIMEOUT_S = 2.0
 
 

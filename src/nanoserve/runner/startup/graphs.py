@@ -108,7 +108,7 @@ def capture_decode(table: GraphTable, buffers: StepBuffers, probes: Probes, conf
 
 def _capture_sampler(table: GraphTable, buffers: StepBuffers, decode: GraphRunner) -> None:
     """The plain sample of each decode bucket, unmasked and masked, into the decode graphs' pool: one replay
-    instead of a Triton launch (~0.1 ms of host time) after the decode graph's."""
+    instead of a Triton launch after the decode graph's (less host time: notes/PERF.md, round 4)."""
     fwd, pool = buffers.decode_forward, decode.pool
     inputs = lambda rows: (fwd.inputs.views(rows).temperature, fwd.inputs.views(rows).slots)  # noqa: E731
     for kind, masked in ((Kind.SAMPLE, False), (Kind.SAMPLE_MASKED, True)):

@@ -161,3 +161,25 @@ def test_auto_token_sizes_are_planned_and_checked(tiny_model_dirs):
     assert sizes[-1] == 512 and all(s % 16 == 0 for s in sizes) and llm.engine.core.runner.info.token_curve is not None
     outs = llm.generate([[5] * n for n in (10, 100, 300)], SamplingParams(max_tokens=4), use_tqdm=False)
     assert all(len(o.token_ids) == 4 for o in outs) and llm.engine.stats.prefill_steps_graph > 0
+
+
+def test_step_records_are_laid_out_from_their_fields():
+    """Every region of a record starts 16-byte aligned, in field order, and an eager step's records read back by name
+    what was packed (no code slices the buffer by position)."""
+    import dataclasses
+
+    from nanoserve.runner.inputs import ALIGN_WORDS, StepPacker, StepTail, TokenViews
+
+    i32 = lambda *v: np.array(v, np.int32)  # noqa: E731
+    batch = PrefillBatch(i32(2, 0), i32(9, 4), i32(1, 3), i32(-1, 11, 12, 13), i32(41, 16, 17, 18),
+                         BlockUpdates(i32(0), i32(1), i32(4)), i32(0, 1), None, 3)
+    static, tail = token_values(batch, 2)
+    views, tail_views = StepPacker(torch.device("cpu"), words=8).pack(static, tail)  # (grows to fit)
+    for record, values in ((views, static), (tail_views, tail)):
+        for f in dataclasses.fields(record):
+            view = getattr(record, f.name)
+            assert view.tolist() == pytest.approx(np.asarray(values[f.name]).tolist()), f.name
+            assert view.storage_offset() % ALIGN_WORDS == 0, f.name
+    starts = [getattr(views, f.name).storage_offset() for f in dataclasses.fields(TokenViews)]
+    assert starts == sorted(starts) and tail_views.sample_token_rows.storage_offset() > starts[-1]
+    assert {f.name for f in dataclasses.fields(StepTail)} >= {"update_slots", "update_cols", "update_ids"}

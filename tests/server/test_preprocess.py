@@ -12,7 +12,7 @@ import pytest
 from nanoserve.model_files import load_tokenizer
 from nanoserve.server.preprocess import Preprocessor, chars_per_token_bound
 from nanoserve.errors import RequestError
-from nanoserve.server.protocol import APIError
+from nanoserve.server.request_body import APIError
 
 SAMPLES = ["The quick brown fox jumps over the lazy dog. " * 20, "héllo wörld ünïcödé " * 30, "日本語のテキスト" * 40,
            "🤖🚀✓ " * 50, "<|im_start|><|im_end|><|begin_of_text|>" * 10, "capital capital capital " * 40,

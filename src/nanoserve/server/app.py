@@ -40,7 +40,7 @@ from nanoserve.server.handlers import ClientGone, OpenAIServer, json_response
 from nanoserve.server.logprobs import TokenTexts
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.preprocess import Preprocessor
-from nanoserve.server.protocol import APIError, error_body, validation_message
+from nanoserve.server.request_body import APIError, error_body, validation_message
 from nanoserve.server.responses import ResponsesAPI
 from nanoserve.server.responses_protocol import RESPONSES_STORE_BYTES, ResponseStore
 from nanoserve.server.shutdown import DrainingServer

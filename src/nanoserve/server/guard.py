@@ -22,7 +22,7 @@ import secrets
 from nanoserve.config import REQUEST_BODY_TIMEOUT_S
 from nanoserve.server.handlers import json_response
 from nanoserve.server.metrics import ServerMetrics
-from nanoserve.server.protocol import APIError, error_body
+from nanoserve.server.request_body import APIError, error_body
 
 MAX_BODY_BYTES = 32 * 2**20  # a 32k-token prompt as token ids is ~0.3 MiB of JSON
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})  # probes: no key, no body

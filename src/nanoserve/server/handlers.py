@@ -29,7 +29,8 @@ from nanoserve.server.echo import echo_choices
 from nanoserve.server.logprobs import TokenTexts
 from nanoserve.server.metrics import ServerMetrics, Tracker
 from nanoserve.server.preprocess import Preprocessor
-from nanoserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from nanoserve.server.request_body import APIError, error_body
 from nanoserve.server.request_body import ClientGone, parse_request
 from nanoserve.server.sse import SSEResponse
 from nanoserve.server.tool_calls import ToolCalling, auto_parser_name, renders_tools

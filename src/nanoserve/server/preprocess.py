@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from nanoserve.engine.prompts import Prompt, check_prompt_length, tokenize
 from nanoserve.errors import RequestError
 from nanoserve.server.constraint_check import ConstraintChecker
-from nanoserve.server.protocol import APIError
+from nanoserve.server.request_body import APIError
 
 NORMALIZER_SLACK = 3  # characters a normalizer may merge into one (Hangul L+V+T jamo → one syllable)
 

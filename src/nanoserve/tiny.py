@@ -1,4 +1,5 @@
-"""Tiny random Llama / Qwen2 / Qwen3 checkpoints in Hugging Face format, built offline in well under a second.
+"""Tiny random Llama / Qwen2 / Qwen3 checkpoints and their mixtures of experts (Qwen3-MoE, Mixtral, Qwen2-MoE) in
+Hugging Face format, built offline in well under a second.
 
 Tests and demos need a real model folder (config.json, model.safetensors, a working tokenizer with a chat
 template, generation_config.json) without downloading anything. The weights are random but large enough
@@ -13,6 +14,19 @@ import torch
 from safetensors.torch import save_file
 
 ARCHS = ("llama", "qwen2", "qwen3")
+MOE_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe")
+# The MoE shapes: several experts a token, a dense layer among the sparse ones (Qwen3-MoE's mlp_only_layers), no
+# renormalization of the top-k weights (Qwen2-MoE's default) and a gated shared expert.
+_MOE_CONFIGS = {
+    "qwen3_moe": dict(num_hidden_layers=3, head_dim=32, num_experts=16, num_experts_per_tok=4,
+                      moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True,
+                      tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"]),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, sliding_window=None,
+                    tie_word_embeddings=False, architectures=["MixtralForCausalLM"]),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=96, norm_topk_prob=False, tie_word_embeddings=False,
+                      architectures=["Qwen2MoeForCausalLM"]),
+}
 
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [EOS, BOS, IM_START, IM_END]
@@ -42,13 +56,14 @@ Every morning the baker makes bread, and every evening the children eat it with 
 
 
 def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, **config_overrides) -> Path:
-    """Write a tiny random model of `arch` ("llama", "qwen2", "qwen3") to out_dir and return the folder.
+    """Write a tiny random model of `arch` (ARCHS or MOE_ARCHS) to out_dir and return the folder.
 
     llama: Llama 3.1-style rope_scaling ("llama3"), untied lm_head. qwen2: qkv bias, tied embeddings.
-    qwen3: per-head q/k RMSNorm, head_dim != hidden_size / num_heads. config_overrides replace config fields.
+    qwen3: per-head q/k RMSNorm, head_dim != hidden_size / num_heads. The MoE archs store their experts per expert,
+    as published (Mixtral under block_sparse_moe with w1/w3/w2). config_overrides replace config fields.
     """
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if arch not in ARCHS + MOE_ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS + MOE_ARCHS}, got {arch!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer()
@@ -89,7 +104,7 @@ def _build_tokenizer():
 
 
 def _build_config(arch: str, vocab_size: int, tokenizer, overrides: dict):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -104,6 +119,10 @@ def _build_config(arch: str, vocab_size: int, tokenizer, overrides: dict):
         kwargs = dict(common, rope_scaling=rope, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
         kwargs.update(overrides)
         return LlamaConfig(**kwargs)
+    if arch in _MOE_CONFIGS:
+        kwargs = dict(common, **_MOE_CONFIGS[arch])
+        kwargs.update(overrides)
+        return {"qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig}[arch](**kwargs)
     if arch == "qwen2":
         kwargs = dict(common, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"])
         kwargs.update(overrides)
@@ -132,8 +151,9 @@ def _random_weights(config, arch: str, seed: int) -> dict[str, torch.Tensor]:
     hidden, inter = config.hidden_size, config.intermediate_size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    qkv_bias = arch == "qwen2" or bool(getattr(config, "attention_bias", False))
-    o_bias = arch != "qwen2" and bool(getattr(config, "attention_bias", False))
+    qwen2 = arch in ("qwen2", "qwen2_moe")
+    qkv_bias = qwen2 or bool(getattr(config, "attention_bias", False))
+    o_bias = not qwen2 and bool(getattr(config, "attention_bias", False))
     mlp_bias = bool(getattr(config, "mlp_bias", False))
     w = {"model.embed_tokens.weight": normal(config.vocab_size, hidden, scale=1.0)}
     for i in range(config.num_hidden_layers):
@@ -147,9 +167,12 @@ def _random_weights(config, arch: str, seed: int) -> dict[str, torch.Tensor]:
         w[p + "self_attn.o_proj.weight"] = normal(hidden, heads * head_dim)
         if o_bias:
             w[p + "self_attn.o_proj.bias"] = normal(hidden)
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"] = norm_weight(head_dim)
             w[p + "self_attn.k_norm.weight"] = norm_weight(head_dim)
+        if _sparse(config, arch, i):
+            w.update(_moe_weights(config, arch, p, normal))
+            continue
         w[p + "mlp.gate_proj.weight"] = normal(inter, hidden)
         w[p + "mlp.up_proj.weight"] = normal(inter, hidden)
         w[p + "mlp.down_proj.weight"] = normal(hidden, inter)
@@ -162,4 +185,36 @@ def _random_weights(config, arch: str, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in w.items()}
 
 
-__all__ = ["ARCHS", "make_tiny_model"]
+def _sparse(config, arch: str, layer: int) -> bool:
+    """Whether a layer of the tiny model is a mixture of experts (transformers' rule for the Qwen MoEs)."""
+    if arch == "mixtral":
+        return True
+    if arch not in MOE_ARCHS:
+        return False
+    return layer not in (config.mlp_only_layers or []) and (layer + 1) % config.decoder_sparse_step == 0
+
+
+def _moe_weights(config, arch: str, p: str, normal) -> dict[str, torch.Tensor]:
+    """One sparse layer's router and per-expert weights, named as the published checkpoints name them."""
+    hidden = config.hidden_size
+    if arch == "mixtral":
+        block, inter, names = p + "block_sparse_moe.", config.intermediate_size, ("w1", "w3", "w2")
+        experts = config.num_local_experts
+    else:
+        block, inter, names = p + "mlp.", config.moe_intermediate_size, ("gate_proj", "up_proj", "down_proj")
+        experts = config.num_experts
+    w = {block + "gate.weight": normal(experts, hidden)}
+    for e in range(experts):
+        w[f"{block}experts.{e}.{names[0]}.weight"] = normal(inter, hidden)
+        w[f"{block}experts.{e}.{names[1]}.weight"] = normal(inter, hidden)
+        w[f"{block}experts.{e}.{names[2]}.weight"] = normal(hidden, inter)
+    shared = getattr(config, "shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0
+    if shared:
+        w[block + "shared_expert.gate_proj.weight"] = normal(shared, hidden)
+        w[block + "shared_expert.up_proj.weight"] = normal(shared, hidden)
+        w[block + "shared_expert.down_proj.weight"] = normal(hidden, shared)
+        w[block + "shared_expert_gate.weight"] = normal(1, hidden)
+    return w
+
+
+__all__ = ["ARCHS", "MOE_ARCHS", "make_tiny_model"]

@@ -137,7 +137,13 @@ def check_sharding(spec, size: int) -> None:
         raise ValueError(f"tensor_parallel_size={size} is not a multiple of num_key_value_heads="
                          f"{spec.num_kv_heads}: with fewer KV heads than ranks, each head is replicated on a whole "
                          "number of ranks")
-    divides("intermediate_size", spec.intermediate_size)
+    moe = spec.moe
+    if moe is None or moe.dense_layers:
+        divides("intermediate_size", spec.intermediate_size)
+    if moe is not None:  # experts are split like dense MLPs: each rank holds a slice of every expert
+        divides("moe_intermediate_size", moe.intermediate_size)
+        if moe.shared_intermediate_size:
+            divides("shared_expert_intermediate_size", moe.shared_intermediate_size)
     divides("vocab_size", spec.vocab_size)
 
 

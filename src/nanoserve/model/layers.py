@@ -145,9 +145,15 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """The pre-norm MLP of a decoder layer: returns (its output, the residual stream)."""
         gate_up, residual = norm.then(self.gate_up_proj, x, residual)
+        return self.tp.all_reduce(self._down(gate_up)), residual
+
+    def partial(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product on already-normed rows, not yet reduced (an MoE layer's shared expert)."""
+        return self._down(self.gate_up_proj(h))
+
+    def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
-        out = gemv.silu_mul_linear(gate_up, down.weight, down.bias, weight_scale=down.weight_scale)
-        return self.tp.all_reduce(out), residual
+        return gemv.silu_mul_linear(gate_up, down.weight, down.bias, weight_scale=down.weight_scale)
 
 
 class Attention(nn.Module):
@@ -176,12 +182,21 @@ class Attention(nn.Module):
 
 @dataclass(frozen=True)
 class WeightShard:
-    """Where one Hugging Face tensor goes on this rank: hf[src] → param rows dst_rows (None: the whole param)."""
+    """Where one Hugging Face tensor goes on this rank: hf[src] → param rows dst_rows, or param[dst_index] (None for
+    both: the whole param)."""
 
     hf_shape: tuple[int, ...]  # the checkpoint tensor's full shape
     src: tuple[slice, ...] | None  # this rank's part of it; None: all of it
     dst_rows: tuple[int, int] | None = None  # rows of a merged parameter (qkv, gate_up)
     zeros: bool = False  # a row-parallel bias off rank 0: zeros, so the all-reduce adds rank 0's bias once
+    dst_index: tuple | None = None  # an index into a stacked parameter (experts: one expert, one of gate/up)
+    pieces: tuple[slice, ...] | None = None  # dim-1 slices of what src read, concatenated (stacked gate_up under tp)
+
+    def assemble(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What src read, as the parameter (or its dst part) takes it."""
+        if self.pieces is None:
+            return tensor
+        return torch.cat([tensor[:, piece] for piece in self.pieces], dim=1)
 
 
 class ColumnParallelLinear(Linear):
@@ -239,13 +254,11 @@ class VocabParallelEmbedding(nn.Module):
         return f"rows {self.vocab.start}..{self.vocab.stop} of {self.vocab.full}, {self.weight.shape[1]}"
 
 
-_SHARDED = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
-
-
-def weight_shard(model: nn.Module, name: str, index: int | None) -> WeightShard:
-    """The shard of parameter `name` (HF tensor `index` of a merged one) that this rank loads."""
+def weight_shard(model: nn.Module, name: str, index) -> WeightShard:
+    """The shard of parameter `name` (HF tensor `index` of a merged or stacked one) that this rank loads: the
+    sharded layers (and model/moe.py's experts) say; any other parameter is replicated."""
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
-    if isinstance(module, _SHARDED) and leaf in ("weight", "bias"):
+    if hasattr(module, "weight_shard"):
         return module.weight_shard(leaf, index)
     return WeightShard(tuple(getattr(module, leaf).shape), None)  # replicated: norms

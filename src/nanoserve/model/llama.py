@@ -1,7 +1,9 @@
-"""The Llama family (Llama 2/3, Mistral without sliding window, Qwen2, Qwen3) as one model.
+"""The Llama family (Llama 2/3, Mistral without sliding window, Qwen2, Qwen3) and its mixtures of experts (Mixtral,
+Qwen2-MoE, Qwen3-MoE) as one model.
 
-They share one shape: pre-norm decoder layers of GQA attention with neox RoPE and a SwiGLU MLP. The
-differences are flags read from the HF config (qkv bias, per-head q/k norm, tied embeddings, head_dim).
+They share one shape: pre-norm decoder layers of GQA attention with neox RoPE and a SwiGLU feed-forward, dense or
+mixture-of-experts (model/moe.py) per layer. The differences are data read from the HF config (qkv bias, per-head
+q/k norm, tied embeddings, head_dim, ModelSpec.moe).
 Parameter names follow HF except that q/k/v and gate/up are merged (qkv_proj, gate_up_proj) so a
 layer runs two matmuls where HF runs five; the loader concatenates HF's tensors.
 """
@@ -16,6 +18,7 @@ from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.model.communicator import TensorParallel, check_sharding, kv_head_split
 from nanoserve.model.layers import (MLP, Attention, ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
                                     VocabParallelEmbedding)
+from nanoserve.model.moe import SparseMoE
 from nanoserve.model_files import ModelSpec
 
 
@@ -59,14 +62,17 @@ class LlamaAttentionBlock(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, tp: TensorParallel) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, tp: TensorParallel, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.self_attn = LlamaAttentionBlock(spec, dtype, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        inter = tp.split(spec.intermediate_size, "intermediate_size")
-        self.mlp = MLP(ColumnParallelLinear(spec.hidden_size, [inter, inter], spec.mlp_bias, dtype),
-                       RowParallelLinear(inter, spec.hidden_size, spec.mlp_bias, dtype, tp.rank == 0), tp)
+        if spec.moe is not None and spec.moe.sparse_layers[index]:
+            self.mlp = SparseMoE(spec, dtype, tp)
+        else:
+            inter = tp.split(spec.intermediate_size, "intermediate_size")
+            self.mlp = MLP(ColumnParallelLinear(spec.hidden_size, [inter, inter], spec.mlp_bias, dtype),
+                           RowParallelLinear(inter, spec.hidden_size, spec.mlp_bias, dtype, tp.rank == 0), tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +86,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(tp.split(spec.vocab_size, "vocab_size"), spec.hidden_size, dtype, tp)
         self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, dtype, tp) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, dtype, tp, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -102,6 +102,9 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, hf_config, dtype
                       on_tensor=lambda: None) -> None:
     """Every tensor of the folder's files into the model; an FP8 checkpoint's weights stay fp8 with their scales."""
     fp8 = checkpoint_quantization(getattr(hf_config, "quantization_config", None), model_dir / "config.json")
+    if fp8 is not None and model.spec.moe is not None:
+        raise ModelLoadError(f"{model_dir}: fp8 checkpoints of mixture-of-experts models are not supported yet "
+                             f"({model.spec.architecture}); use the bf16 checkpoint")
     writer = ParamWriter(model, dtype, device, fp8)
     open_device = str(device) if device.type == "cuda" else "cpu"
     for file in _weight_files(model_dir):

@@ -47,6 +47,9 @@ def quantize_model(model, quantization: str | None, quantize_lm_head: bool = Fal
         return
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
+    if model.spec.moe is not None:
+        raise ValueError(f"quantization={quantization!r} does not cover mixture-of-experts weights yet; serve "
+                         f"{model.spec.architecture} in bf16 (no --quantization)")
     for layer in model.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                        layer.mlp.down_proj):

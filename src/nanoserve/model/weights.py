@@ -11,6 +11,7 @@ from torch import nn
 
 from nanoserve.kernels.fp8 import FP8_DTYPE
 from nanoserve.model.layers import WeightShard, weight_shard
+from nanoserve.model.moe import Experts, covered_names, expert_target
 from nanoserve.model.quantization import Fp8Scales
 from nanoserve.model_files import Fp8Checkpoint, ModelLoadError
 
@@ -21,17 +22,28 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 _ACTIVATION_SCALES = ("input_scale", "output_scale", "k_scale", "v_scale", "q_scale")
 
 
-def target(model, hf_name: str) -> tuple[str, int | None] | None:
-    """HF tensor name → (our parameter, index of the HF tensor inside a merged weight or None); None to skip it."""
+def target(model, hf_name: str) -> tuple[str, object] | None:
+    """HF tensor name → (our parameter, index of the HF tensor inside a merged or stacked weight or None); None to
+    skip it."""
     if hf_name.endswith(_IGNORED_SUFFIXES):
         return None
     if hf_name == "lm_head.weight" and model.spec.tie_word_embeddings:
         return None  # tied: the embedding is the output projection
+    hf_name = canonical_name(model, hf_name)
     parts = hf_name.split(".")
+    if model.spec.moe is not None and "experts" in parts:
+        return expert_target(parts) or (hf_name, None)
     if len(parts) >= 2 and parts[-2] in model.packed_modules:
         merged, index = model.packed_modules[parts[-2]]
         return ".".join(parts[:-2] + [merged, parts[-1]]), index
     return hf_name, None
+
+
+def canonical_name(model, hf_name: str) -> str:
+    """The name our tables know a checkpoint tensor by: Mixtral's `block_sparse_moe` is the `mlp` of the others."""
+    if model.spec.moe is None or "block_sparse_moe" not in hf_name:
+        return hf_name
+    return ".".join("mlp" if p == "block_sparse_moe" else p for p in hf_name.split("."))
 
 
 def hf_names(model, params: dict[str, nn.Parameter]) -> list[str]:
@@ -42,7 +54,11 @@ def hf_names(model, params: dict[str, nn.Parameter]) -> list[str]:
     names = []
     for name in params:
         parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in unpacked:
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, Experts):
+            names += module.hf_names(module_name, leaf)
+        elif len(parts) >= 2 and parts[-2] in unpacked:
             names += [".".join(parts[:-2] + [m, parts[-1]]) for m in unpacked[parts[-2]]]
         else:
             names.append(name)
@@ -69,6 +85,7 @@ class ParamWriter:
         self.fp8 = fp8
         self.scales = Fp8Scales(model, fp8, device) if fp8 is not None else None
         self.fp8_weights: dict[str, str] = {}  # HF weights stored in fp8 → their parameter
+        self._covers: dict[str, list[str]] = {}  # a stacked expert tensor → the per-expert names it fills
 
     def is_scale(self, hf_name: str) -> bool:
         """Whether an FP8 checkpoint's tensor is a weight's scales (then put_scale takes it, whole)."""
@@ -98,6 +115,9 @@ class ParamWriter:
         if tuple(shape) != shard.hf_shape:
             raise ModelLoadError(f"tensor {hf_name!r} in {file_name} has shape {tuple(shape)}, "
                                  f"but the model expects {shard.hf_shape}")
+        module = self.model.get_submodule(name.rpartition(".")[0])
+        experts = isinstance(module, Experts)
+        self._covers[hf_name] = covered_names(module, name, index) if experts else [canonical_name(self.model, hf_name)]
         return name, shard
 
     def zeros(self, name: str) -> torch.Tensor:
@@ -106,9 +126,9 @@ class ParamWriter:
     def put(self, hf_name: str, name: str, shard: WeightShard, tensor: torch.Tensor) -> None:
         """This rank's part of HF tensor `hf_name` (on the device) into parameter `name`, in dtype (or in fp8 as
         stored, for an FP8 checkpoint's weights)."""
-        tensor = self._cast(hf_name, name, tensor)
+        tensor = self._cast(hf_name, name, shard.assemble(tensor))
         rows = shard.dst_rows
-        if rows is None:
+        if rows is None and shard.dst_index is None:
             set_param(self.model, name, tensor)
         else:
             if name not in self._packed:
@@ -116,8 +136,9 @@ class ParamWriter:
             elif self._packed[name].dtype != tensor.dtype:
                 raise ModelLoadError(f"tensor {hf_name!r} is {tensor.dtype}, but the other parts of {name!r} are "
                                      f"{self._packed[name].dtype}")
-            self._packed[name][rows[0]:rows[1]].copy_(tensor)
-        self.loaded.add(hf_name)
+            index = (slice(rows[0], rows[1]),) if rows is not None else shard.dst_index
+            self._packed[name][index].copy_(tensor)
+        self.loaded.update(self._covers.pop(hf_name, (hf_name,)))
 
     def _cast(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dtype != FP8_DTYPE:

@@ -1,0 +1,69 @@
+"""Mixture-of-experts models through the whole engine (CPU, float32): greedy tokens equal transformers' for batches of
+prompts of different lengths, in chunks, after prefix-cache hits and through preemption; the asynchronous loop equals
+the synchronous one; two gloo ranks (experts split by their intermediate columns) give one rank's tokens."""
+from __future__ import annotations
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.tiny import MOE_ARCHS
+from tests.engine.churn import check_blocks
+from tests.engine.test_engine import GREEDY, hf_greedy, prompts_of_lengths
+
+OPTIONS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, max_num_seqs=8)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_batched_greedy_matches_transformers(arch, tiny_moe_dirs):
+    path = str(tiny_moe_dirs[arch])
+    prompts = prompts_of_lengths([1, 4, 9, 17, 30], 500, seed=4)
+    expected = hf_greedy(path, prompts, 10)
+    assert len({tuple(t) for t in expected}) > 1
+    with LLM(path, **OPTIONS) as llm:
+        got = llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)
+        assert [o.token_ids for o in got] == expected
+        assert llm.engine.core.block_manager.num_used_blocks == 0
+
+
+def test_chunks_prefix_hits_and_preemption_match_transformers(tiny_moe_dirs):
+    path = str(tiny_moe_dirs["qwen3_moe"])
+    shared = prompts_of_lengths([33], 500, seed=5)[0]
+    prompts = [shared + p for p in prompts_of_lengths([4, 9, 2, 13], 500, seed=6)]
+    expected = hf_greedy(path, prompts, 12)
+    with LLM(path, num_kv_blocks=22, max_num_batched_tokens=16, **dict(OPTIONS, max_model_len=64)) as llm:
+        engine = llm.engine
+        first = llm.generate(prompts[:1], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
+        for i, p in enumerate(prompts[1:]):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=12, **GREEDY), stream=False)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = out.token_ids
+            check_blocks(engine)
+        assert [first[0].token_ids] + [done[str(i)] for i in range(3)] == expected
+        assert engine.stats.prefix_cache_hit_tokens >= 32 and engine.stats.preemptions > 0
+        assert engine.stats.mixed_steps > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_async_loop_equals_sync(tiny_moe_dirs, async_scheduling):
+    path = str(tiny_moe_dirs["qwen2_moe"])
+    prompts = prompts_of_lengths([3, 8, 21], 500, seed=8)
+    params = [SamplingParams(max_tokens=9, **GREEDY), SamplingParams(max_tokens=9, temperature=0.8, seed=3,
+                                                                     ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=1.0, top_k=5, seed=4, ignore_eos=True)]
+    with LLM(path, async_scheduling=False, **OPTIONS) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(path, async_scheduling=async_scheduling, **OPTIONS) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+
+
+def test_two_ranks_give_the_one_rank_tokens(tiny_moe_dirs):
+    path = str(tiny_moe_dirs["qwen2_moe"])  # routed experts and the shared expert both split
+    prompts = prompts_of_lengths([2, 7, 19], 500, seed=12)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    options = dict(OPTIONS, max_num_batched_tokens=16)
+    with LLM(path, **options) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(path, tensor_parallel_size=2, **options) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want

@@ -41,17 +41,34 @@ def write_model_dir(config: dict | str, directory: str | Path) -> Path:
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Parameters of a Llama/Qwen-family decoder by role."""
+    """Parameters of a Llama/Qwen-family decoder (and its mixtures of experts) by role."""
 
-    per_layer: int
-    layers: int  # per_layer × num_hidden_layers
+    per_layer: int  # a dense layer's (an MoE model's layers are counted in `layers`)
+    layers: int  # all decoder layers
     final_norm: int
     embedding: int  # vocab × hidden
     lm_head: int  # vocab × hidden, 0 when tied to the embedding
+    expert: int = 0  # one expert's gate/up/down
+    num_experts: int = 0
+    top_k: int = 0
+    sparse_layers: int = 0
 
     @property
     def total(self) -> int:
         return self.layers + self.final_norm + self.embedding + self.lm_head
+
+    @property
+    def active(self) -> int:
+        """What one token multiplies by: every weight but the unselected experts (and the embedding, a lookup)."""
+        return self.total - self.embedding - self.sparse_layers * (self.num_experts - self.top_k) * self.expert
+
+    def decode_read(self, rows: int) -> int:
+        """Parameters a decode step of `rows` rows reads: all but the embedding (rows of it only), and of each MoE
+        layer's experts the expected number that `rows` tokens select, uniform routing: E · (1 − (1 − k/E)^rows)."""
+        if not self.num_experts:
+            return self.total - self.embedding
+        touched = self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** rows)
+        return round(self.total - self.embedding - self.sparse_layers * (self.num_experts - touched) * self.expert)
 
 
 def head_dim(cfg: dict) -> int:
@@ -66,17 +83,38 @@ def param_counts(cfg: dict) -> ParamCounts:
     model_type = cfg.get("model_type", "llama")
     q, kv = nh * d, nkv * d
     attn = h * q + 2 * h * kv + q * h
-    if model_type == "qwen2":  # Qwen2: q/k/v bias, no o_proj bias
+    if model_type in ("qwen2", "qwen2_moe"):  # Qwen2: q/k/v bias, no o_proj bias
         attn += q + 2 * kv
     elif cfg.get("attention_bias", False):  # Llama-style attention_bias: all four projections
         attn += q + 2 * kv + h
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_moe"):
         attn += 2 * d  # q_norm, k_norm over head_dim
     mlp = 3 * h * inter + (2 * inter + h if cfg.get("mlp_bias", False) else 0)
     per_layer = attn + mlp + 2 * h
     tied = bool(cfg.get("tie_word_embeddings", False))
-    return ParamCounts(per_layer=per_layer, layers=per_layer * cfg["num_hidden_layers"], final_norm=h,
-                       embedding=vocab * h, lm_head=0 if tied else vocab * h)
+    layers = cfg["num_hidden_layers"]
+    moe = _moe_counts(cfg, h, layers)
+    if moe is None:
+        return ParamCounts(per_layer=per_layer, layers=per_layer * layers, final_norm=h,
+                           embedding=vocab * h, lm_head=0 if tied else vocab * h)
+    expert, experts, top_k, sparse, shared = moe
+    sparse_layer = attn + 2 * h + experts * (expert + h) + (3 * h * shared + h if shared else 0)  # + the router
+    return ParamCounts(per_layer=per_layer, layers=per_layer * (layers - sparse) + sparse_layer * sparse, final_norm=h,
+                       embedding=vocab * h, lm_head=0 if tied else vocab * h, expert=expert, num_experts=experts,
+                       top_k=top_k, sparse_layers=sparse)
+
+
+def _moe_counts(cfg: dict, h: int, layers: int) -> tuple[int, int, int, int, int] | None:
+    """(one expert's parameters, experts, top-k, sparse layers, shared expert's intermediate) of an MoE config."""
+    model_type = cfg.get("model_type")
+    if model_type == "mixtral":
+        return 3 * h * cfg["intermediate_size"], cfg["num_local_experts"], cfg["num_experts_per_tok"], layers, 0
+    if model_type not in ("qwen3_moe", "qwen2_moe"):
+        return None
+    step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or ())
+    sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    shared = cfg.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    return 3 * h * cfg["moe_intermediate_size"], cfg["num_experts"], cfg["num_experts_per_tok"], sparse, shared
 
 
 def kv_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:

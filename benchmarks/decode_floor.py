@@ -67,10 +67,13 @@ SWITCH_SETS: dict[str, dict[str, bool | int]] = {
 # "old_rule_1row": the one-row rule before the sweep-made GEMV_TABLE (a fused-norm GEMV is always Triton, so the
 # norm is not fused there).
 TABLE_SETS = {"old_rule_1row": (1, 160)}
-KINDS = ("gemv", "attention", "attention merge", "norm", "rotary", "lm_head", "other")
+KINDS = ("gemv", "attention", "attention merge", "norm", "rotary", "experts", "routing", "lm_head", "other")
 _NAMED_KINDS = {"_gemv_kernel": "gemv", "_decode_kernel": "attention", "_prefill_kernel": "attention",
                 "_decode_reduce_kernel": "attention merge", "_rms_norm_kernel": "norm",
-                "_qk_norm_rope_kernel": "rotary", "_store_kv_kernel": "rotary", "_silu_and_mul_kernel": "other"}
+                "_qk_norm_rope_kernel": "rotary", "_store_kv_kernel": "rotary", "_silu_and_mul_kernel": "other",
+                # kernels/moe.py: the experts' products, and routing (top-k, sorting pairs into expert blocks)
+                "_gemv_gate_up_kernel": "experts", "_gemv_down_kernel": "experts", "_grouped_gemm_kernel": "experts",
+                "_route_kernel": "routing", "_count_kernel": "routing", "_align_kernel": "routing"}
 _CUBLAS_MARKERS = ("nvjet", "gemm", "gemv", "cutlass", "xmma", "splitkreduce", "cublas")
 B2B_ITERS = 50
 

@@ -6,9 +6,10 @@ max_tokens=randint(100, 1024)); max_model_len 4096; output tok/s = Σ max_tokens
 LLM.generate call (after a warm-up request).
 
 The run itself is `nanoserve bench throughput`'s (nanoserve/bench/offline.py: one LLM.generate, timed).
-Roofline: every decode step must read all weights once plus the K/V of every running sequence (its
-prompt + what it generated so far), at the copy bandwidth measured in this run; every prompt token costs
-2 × parameters FLOPs at the bf16 matmul rate measured in this run. KV bytes per token come from the
+Roofline: every decode step must read all weights once (of an MoE layer's experts, the expected number its rows
+select) plus the K/V of every running sequence (its prompt + what it generated so far), at the copy bandwidth
+measured in this run; every prompt token costs 2 × parameters (active parameters for an MoE) FLOPs at the bf16
+matmul rate measured in this run. KV bytes per token come from the
 engine's own KVCacheSpec, weight bytes from the loaded model's parameters.
 
     python benchmarks/throughput.py [--models qwen3-0.6b llama-3.1-8b] [--variants async sync] [--out DIR]
@@ -27,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (RESULTS_DIR, back_to_back_seconds, env_info, measure_copy_bandwidth,  # noqa: E402
-                               release_cuda_memory, write_json, write_model_dir)
+                               model_config, param_counts, release_cuda_memory, write_json, write_model_dir)
 
 VARIANTS = {  # engine options per variant
     "async": dict(async_scheduling=True),
@@ -59,14 +60,17 @@ def weight_bytes_read_per_step(model) -> int:
     return total - (emb.numel() * emb.element_size() if model.lm_head is not None else 0)
 
 
-def roofline_seconds(prompts, params, weight_bytes: int, kv_bytes_per_token: int, num_params: int,
+def roofline_seconds(prompts, params, weight_bytes, kv_bytes_per_token: int, num_params: int,
                      bandwidth: float, flops: float) -> dict:
+    """weight_bytes: a step's weight bytes, or a function of its rows (an MoE step reads the experts its rows
+    select); num_params: the parameters each prompt token multiplies by."""
     lengths = [len(p) for p in prompts]
     outputs = [p.max_tokens for p in params]
+    step_bytes = weight_bytes if callable(weight_bytes) else (lambda rows: weight_bytes)
     decode_bytes = 0
     for t in range(1, max(outputs)):  # decode step t: sequences with more than t tokens still to produce
         live = [(n, o) for n, o in zip(lengths, outputs) if o > t]
-        decode_bytes += weight_bytes + kv_bytes_per_token * sum(n + t for n, _ in live)
+        decode_bytes += step_bytes(len(live)) + kv_bytes_per_token * sum(n + t for n, _ in live)
     prefill_flops = 2 * num_params * sum(lengths)
     decode_s, prefill_s = decode_bytes / bandwidth, prefill_flops / flops
     return {"decode_seconds": decode_s, "prefill_seconds": prefill_s, "seconds": decode_s + prefill_s}
@@ -113,8 +117,12 @@ def measure_model(name: str, variants: list[str], bandwidth: float, flops: float
             finally:
                 release_cuda_memory()  # the engine is garbage once run_variant returns
             if "roofline" not in result:
-                result["roofline"] = roofline_seconds(prompts, params, rec["weight_bytes_per_step"],
-                                                      rec["kv_bytes_per_token"], rec["num_params"], bandwidth, flops)
+                weights, num_params = rec["weight_bytes_per_step"], rec["num_params"]
+                counts = param_counts(model_config(name))
+                if counts.num_experts:  # bf16 experts: the ones a step's rows select; the active parameters
+                    weights, num_params = (lambda rows: 2 * counts.decode_read(rows)), counts.active
+                result["roofline"] = roofline_seconds(prompts, params, weights, rec["kv_bytes_per_token"], num_params,
+                                                      bandwidth, flops)
                 result["roofline"]["tokens_per_s"] = result["output_tokens_expected"] / result["roofline"]["seconds"]
             rec["fraction_of_roofline"] = result["roofline"]["seconds"] / rec["seconds"]
             result["variants"][variant] = rec

@@ -100,7 +100,8 @@ def test_smollm2_shape_is_the_published_135m():
     assert p.lm_head == 0 and p.embedding == 49152 * 576  # tied
 
 
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.1-8b", "smollm2-135m", "qwen2-small", "llama-bias-small"])
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.1-8b", "smollm2-135m", "qwen2-small", "llama-bias-small",
+                                  "qwen3-30b-a3b", "mixtral-8x7b", "qwen2-moe-small"])
 def test_param_counts_match_transformers(name):
     """Our counting vs the reference implementation's parameters (built on the meta device: no memory)."""
     import transformers
@@ -113,14 +114,30 @@ def test_param_counts_match_transformers(name):
         cfg = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=1, head_dim=24, vocab_size=300,
                    tie_word_embeddings=False, attention_bias=True, mlp_bias=True, max_position_embeddings=128)
+    elif name == "qwen2-moe-small":
+        cfg = dict(model_type="qwen2_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, vocab_size=300, num_experts=6, num_experts_per_tok=2,
+                   moe_intermediate_size=24, shared_expert_intermediate_size=40, decoder_sparse_step=2,
+                   mlp_only_layers=[3], tie_word_embeddings=False, max_position_embeddings=128)
     else:
         cfg = common.model_config(name)
     config_cls = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config,
-                  "llama": transformers.LlamaConfig}[cfg["model_type"]]
+                  "llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+                  "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig}[cfg["model_type"]]
     hf_config = config_cls(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
     assert common.param_counts(cfg).total == sum(p.numel() for p in model.parameters())
+
+
+def test_moe_active_and_decode_counts():
+    p = common.param_counts(common.model_config("qwen3-30b-a3b"))
+    assert 30.4e9 < p.total < 30.6e9 and 3.3e9 < p.active + p.embedding < 3.4e9  # "30B-A3B"
+    assert 2 * p.active == pytest.approx(6.1e9, rel=0.01)  # the b=1 decode floor's bytes
+    assert p.decode_read(1) == p.active  # one token reads its top-k experts
+    assert p.decode_read(10_000) == p.total - p.embedding  # every expert
+    m = common.param_counts(common.model_config("mixtral-8x7b"))
+    assert 46.6e9 < m.total < 46.8e9 and 12.8e9 < m.active + m.embedding < 13.0e9  # "12.9B active"
 
 
 def test_written_config_loads_with_the_engine_loader(tmp_path):

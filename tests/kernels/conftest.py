@@ -4,9 +4,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoserve.kernels import _triton, attention, fused, gemv, rotary_kv
+from nanoserve.kernels import _triton, attention, fused, gemv, moe, moe_gemm, rotary_kv
 
-PDL_MODULES = (attention, fused, gemv, rotary_kv)
+PDL_MODULES = (attention, fused, gemv, moe, moe_gemm, rotary_kv)
 
 tl = _triton.tl  # the interpreter wants triton.language among a jit function's globals
 

@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from triton.runtime.jit import JITFunction
 
-from nanoserve.kernels import attention, fp8, fused, gemv, rotary_kv
+from nanoserve.kernels import attention, fp8, fused, gemv, moe, moe_gemm, rotary_kv
 from nanoserve.kernels.gemv import GemvConfig
 from nanoserve.kernels.switches import SWITCHES
 from nanoserve.model.attention_metadata import AttentionMetadata
@@ -65,7 +65,7 @@ def compile_instead(self, *args, grid, warmup, **kwargs):
 
 
 JITFunction.run = compile_instead
-for module in (attention, fp8, fused, gemv, rotary_kv):
+for module in (attention, fp8, fused, gemv, moe, moe_gemm, rotary_kv):
     module.pdl_args = lambda device: {"USE_PDL": True, "launch_pdl": True}
 gemv.pdl_enabled = lambda device: True  # and the GEMVs prefetch their slices into L2 before the wait
 SWITCHES.force_triton = True  # every entry point launches its kernel on these CPU tensors
@@ -112,6 +112,18 @@ cu = torch.arange(4, dtype=torch.int32)
 meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, context_lens=lens, block_tables=tables, cu_seqlens_q=cu,
                          max_seqlen_q=1, has_cached_prefix=True)
 attention.paged_prefill_attention(torch.randn(3, 16, 128, dtype=bf), kc, vc, meta, 0.1)
+# MoE at the Qwen3-30B-A3B layer shape (8 of its 128 experts): the router, the decode path, align_blocks and the
+# grouped GEMMs in both tilings, with the CUDA tiles (the host code reads no device value, so none has to be real)
+cuda = torch.device("cuda")
+moe.num_sms = lambda device: 132
+moe._gemv_tiles = lambda programs, n, k, device, tiles=moe._gemv_tiles: tiles(programs, n, k, cuda)
+moe.grouped_tiles = lambda ppe, n, k, dtype, device: moe_gemm.grouped_tiles(ppe, n, k, dtype, cuda)
+w13, w2 = torch.randn(8, 1536, 2048, dtype=bf), torch.randn(8, 2048, 768, dtype=bf)
+moe.route(torch.randn(3, 128, dtype=bf), 8, True)
+moe.gemv_experts(torch.randn(1, 2048, dtype=bf), w13, w2, torch.rand(1, 8), torch.randint(0, 8, (1, 8)))
+for tokens in (1, 64):  # 1 and 64 pairs per expert: row blocks of 16, then 64
+    moe.grouped_experts(torch.randn(tokens, 2048, dtype=bf), w13, w2, torch.rand(tokens, 8),
+                        torch.randint(0, 8, (tokens, 8)))
 print("all compiled")
 '''
 
@@ -127,3 +139,4 @@ def test_decode_kernels_compile_for_hopper_with_pdl():
     assert proc.stdout.count("compiled _gemv_kernel") == 5 + 5 + 1 + 3  # bf16, fp8 weights, then W8A8
     assert proc.stdout.count("fp8 tensor cores") >= 4  # and the table's W8A8 variants
     assert "prefetched" in proc.stdout  # the slices longer than one tile
+    assert proc.stdout.count("compiled _grouped_gemm_kernel") == 4  # MoE: gate/up and down, two tilings

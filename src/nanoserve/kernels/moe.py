@@ -1,0 +1,351 @@
+"""Mixture-of-experts kernels: the router's top-k and the experts' SwiGLU MLPs summed over each token's top-k
+(Triton on CUDA, plain PyTorch elsewhere; the `_ref` functions are the oracles the tests check the kernels against).
+
+Weights, the model's layout: w13 [E, 2I, H] (per expert the gate rows 0..I-1, then the up rows I..2I-1; y = x @ w.T
+like nn.Linear) and w2 [E, H, I]. Token t's output is sum_j weight[t, j] * w2[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t])
+with e = ids[t, j]. Routing weights are fp32 and expert ids int32 throughout; inter (the SwiGLU output) is stored in
+the activations' dtype, like the dense MLP's.
+
+route: softmax over all experts in fp32, top-k, optional renormalization: one kernel, one program per token.
+
+fused_experts takes one of two paths, chosen by moe_path from shapes only (a CUDA graph of a batch size holds one):
+  * "gemv" (decode, a few tokens): every (token, expert) pair reads only its expert's weights, nothing is sorted.
+    Two launches: the gate and up products with SiLU·mul → inter [T*k, I]; then per token and column tile the down
+    products of its k pairs, weighted and summed in order in one program (deterministic, no atomics) → out [T, H].
+  * "grouped" (prefill, many tokens): align_blocks sorts the pairs by expert into blocks of BLOCK_M rows (two
+    launches), then a grouped GEMM per projection (moe_gemm.py): gate/up with SiLU·mul fused → inter, down with the
+    routing weight fused → out_pairs [T*k, H], summed over k by torch in a fixed order. Five launches (four at k = 1).
+Everything is CUDA-graph capturable: no host syncs, every size comes from shapes (align_blocks pads to a bound),
+and a program past the real work exits at once.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels._triton import cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_start, pdl_wait, tl, use_triton
+from nanoserve.kernels.moe_gemm import grouped_gemm, grouped_tiles
+
+GEMV, GROUPED = "gemv", "grouped"
+GEMV_MAX_TOKENS = 2  # up to this many tokens the gemv path always runs
+# ...and while the pairs are at most a share of the experts (most experts then have no pair, so reading just the
+# selected ones beats sorting), clamped to a number of pairs past which the tensor cores win whatever E is
+GEMV_MAX_PAIRS_PER_EXPERT = 0.5
+GEMV_MAX_PAIRS = 256
+GEMV_PROGRAMS_PER_SM = 2  # the gemv kernels narrow their column tiles until the grid has this many programs per SM
+GEMV_BLOCK_K = 256  # columns of a gemv weight tile on CUDA (a thread reads 16 bytes of a bf16 row)
+ALIGN_CHUNK = 1024  # expert ids per step of align_blocks' scans
+
+
+def moe_path(num_tokens: int, top_k: int, num_experts: int) -> str:
+    """Which device path fused_experts runs: the one place that rule lives."""
+    pairs = num_tokens * top_k
+    if num_tokens <= GEMV_MAX_TOKENS or pairs <= min(int(num_experts * GEMV_MAX_PAIRS_PER_EXPERT), GEMV_MAX_PAIRS):
+        return GEMV
+    return GROUPED
+
+
+# -- routing -----------------------------------------------------------------------------------------------------
+def route_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 softmax, the k largest (a stable sort: ties go to the lower expert, as in the kernel), renormalized."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] → (weights fp32 [T, k], expert ids int32 [T, k]), largest first, ties to the lower id."""
+    num_tokens, num_experts = logits.shape
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in 1..{num_experts}, got {top_k}")
+    if not use_triton(logits):
+        return route_ref(logits, top_k, renormalize)
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
+                                     BLOCK_E=next_power_of_2(num_experts), BLOCK_K=next_power_of_2(top_k),
+                                     RENORMALIZE=renormalize, **pdl_args(logits.device))
+    return weights, ids
+
+
+@jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + row * stride_row + experts, mask=experts < num_experts,
+                     other=float("-inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    left = tl.where(experts < num_experts, p / tl.sum(p, axis=0), -1.0)  # the padding is never chosen
+    slots = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_id = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):  # k rounds of argmax, the lowest index among equals
+        best = tl.max(left, axis=0)
+        idx = tl.min(tl.where(left == best, experts, BLOCK_E), axis=0)
+        top_w = tl.where(slots == j, best, top_w)
+        top_id = tl.where(slots == j, idx, top_id)
+        left = tl.where(experts == idx, -1.0, left)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=0)
+    tl.store(weights_ptr + row * TOP_K + slots, top_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + slots, top_id, mask=slots < TOP_K)
+
+
+# -- the experts: dispatch and the oracle ------------------------------------------------------------------------
+def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+    """Loop over the experts present (like HF's Qwen3MoeExperts.forward), fp32 products and sums, inter rounded to
+    x.dtype like the kernels store it; the result cast to x.dtype."""
+    num_tokens, top_k = topk_ids.shape
+    inter_size = w13.shape[1] // 2
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    flat, weights = topk_ids.flatten().long(), topk_weights.flatten().float()
+    for e in flat.unique().tolist():
+        pairs = (flat == e).nonzero().squeeze(1)
+        tokens = pairs // top_k
+        gate_up = x[tokens].float() @ w13[e].float().T
+        inter = (F.silu(gate_up[:, :inter_size]) * gate_up[:, inter_size:]).to(x.dtype).float()
+        out.index_add_(0, tokens, (inter @ w2[e].float().T) * weights[pairs, None])
+    return out.to(x.dtype)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """The MoE block's experts: x [T, H] → [T, H] in x.dtype, on the path moe_path picks (module docstring)."""
+    if not use_triton(x):
+        return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
+    path = moe_path(x.shape[0], topk_ids.shape[1], w13.shape[0])
+    return (gemv_experts if path == GEMV else grouped_experts)(x, w13, w2, topk_weights, topk_ids)
+
+
+def _checked(x, w13, w2, topk_weights, topk_ids):
+    """(T, H, I, E, k, weights, ids) after the layout checks; weights fp32 and ids int32, both contiguous."""
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    if w13.shape[2] != hidden or two_i % 2 or w2.shape != (num_experts, hidden, two_i // 2) \
+            or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"MoE shapes: x {tuple(x.shape)}, w13 {tuple(w13.shape)} (want [E, 2I, H]), w2 "
+                         f"{tuple(w2.shape)} (want [E, H, I]), weights {tuple(topk_weights.shape)}, ids "
+                         f"{tuple(topk_ids.shape)} (want [T, k])")
+    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("x, w13 and w2 need a contiguous last dimension")
+    return (num_tokens, hidden, two_i // 2, num_experts, topk_ids.shape[1],
+            topk_weights.float().contiguous(), topk_ids.to(torch.int32).contiguous())
+
+
+# -- the gemv path -------------------------------------------------------------------------------------------------
+def _gemv_tiles(programs: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): column tiles as wide as 32 rows while the grid (programs × column tiles) still has
+    GEMV_PROGRAMS_PER_SM programs per SM, then narrower down to 4."""
+    want = GEMV_PROGRAMS_PER_SM * num_sms(device)
+    block_n = next((b for b in (32, 16, 8) if programs * cdiv(n, b) >= want), 4)
+    return block_n, min(GEMV_BLOCK_K if device.type == "cuda" else 32, next_power_of_2(k))
+
+
+def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_experts' decode path (module docstring), whatever moe_path says; the tests force it."""
+    if not use_triton(x):
+        return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
+    num_tokens, hidden, inter_size, _, top_k, weights, ids = _checked(x, w13, w2, topk_weights, topk_ids)
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    inter = torch.empty(num_tokens * top_k, inter_size, dtype=x.dtype, device=x.device)
+    block_n, block_k = _gemv_tiles(num_tokens * top_k, inter_size, hidden, x.device)
+    _gemv_gate_up_kernel[(num_tokens * top_k, cdiv(inter_size, block_n))](
+        x, w13, ids, inter, hidden, inter_size, x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0, **pdl_args(x.device))
+    block_n, block_k = _gemv_tiles(num_tokens, hidden, inter_size, x.device)
+    _gemv_down_kernel[(num_tokens, cdiv(hidden, block_n))](
+        inter, w2, ids, weights, out, hidden, inter_size, w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=inter_size % block_k == 0, **pdl_args(x.device))
+    return out
+
+
+@jit
+def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, H, I, stride_x, stride_we, stride_wn, TOP_K: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (pair, n): inter[pair, n-tile] = silu(gate rows · x) * (up rows · x) for the pair's expert."""
+    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)  # the expert ids are the router's
+    pair = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // TOP_K) * stride_x
+    gate_ptrs = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    up_step = I * stride_wn
+    row_mask = rows[:, None] < I
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K once, after the loop
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, H, BLOCK_K):
+        if EVEN_K:
+            xk = tl.load(x_row + k + cols).to(tl.float32)
+            w_mask = row_mask
+        else:
+            xk = tl.load(x_row + k + cols, mask=k + cols < H, other=0.0).to(tl.float32)
+            w_mask = row_mask & (k + cols[None, :] < H)
+        acc_gate += tl.load(gate_ptrs + k, mask=w_mask, other=0.0).to(tl.float32) * xk[None, :]
+        acc_up += tl.load(gate_ptrs + up_step + k, mask=w_mask, other=0.0).to(tl.float32) * xk[None, :]
+    gate = tl.sum(acc_gate, axis=1)
+    inter = gate / (1.0 + tl.exp(-gate)) * tl.sum(acc_up, axis=1)
+    tl.store(inter_ptr + pair * I + rows, inter.to(inter_ptr.dtype.element_ty), mask=rows < I)
+
+
+@jit
+def _gemv_down_kernel(inter_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, H, I, stride_we, stride_wn, stride_out,
+                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+    """Program (t, n): out[t, n-tile] = sum over j in order of weight[t, j] * w2[ids[t, j]] rows · inter[t*k + j]."""
+    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    row_mask = rows[:, None] < H
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(TOP_K):
+        pair = token * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        w_ptrs = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+        part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k in range(0, I, BLOCK_K):
+            if EVEN_K:
+                v = tl.load(inter_ptr + pair * I + k + cols).to(tl.float32)
+                w_mask = row_mask
+            else:
+                v = tl.load(inter_ptr + pair * I + k + cols, mask=k + cols < I, other=0.0).to(tl.float32)
+                w_mask = row_mask & (k + cols[None, :] < I)
+            part += tl.load(w_ptrs + k, mask=w_mask, other=0.0).to(tl.float32) * v[None, :]
+        acc += tl.load(weights_ptr + pair) * tl.sum(part, axis=1)
+    tl.store(out_ptr + token * stride_out + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < H)
+
+
+# -- the grouped path: align_blocks, then moe_gemm -----------------------------------------------------------------
+def align_sizes(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """(max_padded, max_blocks): the most slots align_blocks can fill, each expert present padding its pairs to a
+    multiple of block_m (at most min(pairs, E) experts are present), as a multiple of block_m."""
+    max_padded = cdiv(num_pairs + min(num_pairs, num_experts) * (block_m - 1), block_m) * block_m
+    return max_padded, max_padded // block_m
+
+
+def align_blocks_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """align_blocks in plain PyTorch (host syncs and all: the oracle, and the path off CUDA)."""
+    flat = topk_ids.flatten().long()
+    num_pairs = flat.numel()
+    max_padded, max_blocks = align_sizes(num_pairs, num_experts, block_m)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    order = torch.argsort(flat, stable=True)  # the pairs by expert, in pair order within one
+    expert_of = flat[order]
+    rank = torch.arange(num_pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_pairs[(torch.cumsum(padded, 0) - padded)[expert_of] + rank] = order.to(torch.int32)
+    experts = torch.repeat_interleave(torch.arange(num_experts, device=flat.device), padded // block_m)
+    block_expert = torch.full((max_blocks,), -1, dtype=torch.int32, device=flat.device)
+    block_expert[:experts.numel()] = experts.to(torch.int32)
+    return sorted_pairs, block_expert, padded.sum().reshape(1).to(torch.int32)
+
+
+def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Pairs (flat indices t*k + j of topk_ids) grouped by expert into blocks of block_m (a power of two), for the
+    grouped GEMM: (sorted_pairs int32 [max_padded], block_expert int32 [max_blocks], num_padded int32 [1]); see
+    align_sizes. Each expert's pairs are contiguous, in pair order, padded with the sentinel T*k to a multiple of
+    block_m; the blocks of an expert are contiguous and experts come in id order; slots past num_padded hold the
+    sentinel and blocks past it -1. On the device in two launches, fixed sizes, no host sync (CUDA graphs)."""
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    if not use_triton(topk_ids):
+        return align_blocks_ref(topk_ids, num_experts, block_m)
+    ids = topk_ids.to(torch.int32).contiguous()
+    num_pairs, device = ids.numel(), ids.device
+    max_padded, max_blocks = align_sizes(num_pairs, num_experts, block_m)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    _count_kernel[(num_experts,)](ids, counts, num_pairs, CHUNK=ALIGN_CHUNK, **pdl_args(device))
+    _align_kernel[(num_experts,)](ids, counts, sorted_pairs, block_expert, num_padded, num_pairs, num_experts,
+                                  max_padded, max_blocks, BLOCK_M=block_m, BLOCK_E=next_power_of_2(num_experts),
+                                  CHUNK=ALIGN_CHUNK, **pdl_args(device))
+    return sorted_pairs, block_expert, num_padded
+
+
+@jit
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program e: counts[e] = how many pairs chose expert e."""
+    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)
+    expert = tl.program_id(0)
+    offs = tl.arange(0, CHUNK)
+    hits = tl.zeros([CHUNK], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        ids = tl.load(ids_ptr + start + offs, mask=start + offs < num_pairs, other=-1)
+        hits += (ids == expert).to(tl.int32)
+    tl.store(counts_ptr + expert, tl.sum(hits, axis=0))
+
+
+@jit
+def _align_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
+                  max_padded, max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                  USE_PDL: tl.constexpr):
+    """Program e: its expert's slots start after the padded counts of the experts below it; it writes its pairs
+    there in pair order (a running total plus the chunk's cumulative sum), then its padding and its blocks, and a
+    share of the tail past the total (sentinel slots, -1 blocks); program 0 writes the total."""
+    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)
+    expert = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.sum(tl.where(experts < expert, padded, 0), axis=0)
+    total = tl.sum(padded, axis=0)
+    count = tl.sum(tl.where(experts == expert, counts, 0), axis=0)
+    end = start + tl.sum(tl.where(experts == expert, padded, 0), axis=0)
+    offs = tl.arange(0, CHUNK)
+    sentinel = tl.zeros([CHUNK], dtype=tl.int32) + num_pairs
+    pos = start
+    for chunk in range(0, num_pairs, CHUNK):
+        pairs = chunk + offs
+        hit = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1) == expert
+        tl.store(sorted_ptr + pos + tl.cumsum(hit.to(tl.int32), axis=0) - 1, pairs, mask=hit)
+        pos += tl.sum(hit.to(tl.int32), axis=0)
+    pad = start + count + tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + pad, tl.zeros([BLOCK_M], dtype=tl.int32) + num_pairs, mask=pad < end)
+    for block in range(start // BLOCK_M, end // BLOCK_M, CHUNK):
+        tl.store(block_expert_ptr + block + offs, tl.zeros([CHUNK], dtype=tl.int32) + expert,
+                 mask=block + offs < end // BLOCK_M)
+    for slot in range(total + expert * CHUNK, max_padded, num_experts * CHUNK):
+        tl.store(sorted_ptr + slot + offs, sentinel, mask=slot + offs < max_padded)
+    for block in range(total // BLOCK_M + expert * CHUNK, max_blocks, num_experts * CHUNK):
+        tl.store(block_expert_ptr + block + offs, sentinel * 0 - 1, mask=block + offs < max_blocks)
+    if expert == 0:
+        tl.store(num_padded_ptr, total)
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_experts' prefill path (module docstring), whatever moe_path says; the tests force it."""
+    if not use_triton(x):
+        return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
+    num_tokens, hidden, inter_size, num_experts, top_k, weights, ids = _checked(x, w13, w2, topk_weights, topk_ids)
+    if num_tokens == 0:
+        return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
+    num_pairs = num_tokens * top_k
+    tiles_up = grouped_tiles(num_pairs / num_experts, inter_size, hidden, x.dtype, x.device)
+    tiles_down = grouped_tiles(num_pairs / num_experts, hidden, inter_size, x.dtype, x.device)
+    aligned = align_blocks(ids, num_experts, tiles_up.block_m)
+    inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
+    grouped_gemm(x, w13, inter, *aligned, weights, top_k, gated=True, tiles=tiles_up)
+    out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    grouped_gemm(inter, w2, out_pairs, *aligned, weights, top_k, gated=False, tiles=tiles_down)
+    return out_pairs if top_k == 1 else out_pairs.view(num_tokens, top_k, hidden).sum(1)

@@ -155,3 +155,24 @@ def test_tiny_moe_models_are_deterministic(tmp_path):
     a = make_tiny_model(tmp_path / "a", "qwen2_moe")
     b = make_tiny_model(tmp_path / "b", "qwen2_moe")
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("rows", [1, 2, 9])  # the gemv path, then the grouped one (kernels/moe.py's moe_path)
+@torch.inference_mode()
+def test_moe_blocks_in_triton_equal_transformers(arch, rows, tiny_moe_dirs, hf_moe):
+    """Each sparse layer's block through the Triton kernels (the interpreter on CPU) equals transformers' block."""
+    from nanoserve.kernels.switches import switched
+
+    model = ours(tiny_moe_dirs[arch])
+    g = torch.Generator().manual_seed(rows)
+    for i, layer in enumerate(model.model.layers):
+        if not isinstance(layer.mlp, SparseMoE):
+            continue
+        x, residual = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g)
+        hf_layer = hf_moe[arch].model.layers[i]
+        want = hf_layer.mlp(hf_layer.post_attention_layernorm(x + residual)[None])[0]
+        with switched(force_triton=True):
+            got, new_residual = layer.mlp(x, residual, layer.post_attention_layernorm)
+        torch.testing.assert_close(new_residual, x + residual)
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)

@@ -85,10 +85,26 @@ def ttft(llm, counts, tokens: int, flops: float) -> dict:
         llm.generate([prompt], params, use_tqdm=False)
         walls.append(1e3 * (time.perf_counter() - start))
     table = kind_table(profile_step(lambda: llm.generate([prompt], params, use_tqdm=False)))
+    host = _host_profile(lambda: llm.generate([prompt], params, use_tqdm=False))
     floor_ms = 1e3 * 2 * counts.active * tokens / flops
     median = statistics.median(walls[1:])
     print(f"  TTFT {tokens} tokens: {median:.2f} ms (FLOP floor {floor_ms:.2f} ms, {median / floor_ms:.2f}x)", flush=True)
-    return {"tokens": tokens, "wall_ms": walls[1:], "median_ms": median, "flop_floor_ms": floor_ms, "profile": table}
+    return {"tokens": tokens, "wall_ms": walls[1:], "median_ms": median, "flop_floor_ms": floor_ms, "profile": table,
+            "host_profile": host}
+
+
+def _host_profile(run) -> list:
+    """The host functions one call spends its time in (cProfile, by own time): where a wall time far above the GPU
+    span goes."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    rows = [(f"{func[0].rsplit('/', 1)[-1]}:{func[1]}:{func[2]}", calls, round(1e3 * tottime, 3), round(1e3 * cum, 3))
+            for func, (_, calls, tottime, cum, _) in stats.stats.items()]
+    return sorted(rows, key=lambda r: -r[2])[:20]
 
 
 def expert_gemm_rate(cfg: dict, tokens: int, flops: float) -> dict:

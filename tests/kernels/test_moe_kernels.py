@@ -230,3 +230,23 @@ def test_gpu_cuda_graph_replay_equals_eager(num_tokens, pdl):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, step())
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize", [(1, 8, 2, True), (2, 60, 4, False),
+                                                                         (3, 16, 3, True), (1, 128, 8, True)])
+@pytest.mark.usefixtures("force_triton")
+def test_routing_inside_the_gemv_kernels_equals_route_then_gemv(num_tokens, num_experts, top_k, renormalize):
+    g = torch.Generator().manual_seed(num_experts)
+    hidden, inter = 72, 40
+    x = torch.randn(num_tokens, hidden, generator=g).to(DEVICE)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.1).to(DEVICE)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g) * 0.1).to(DEVICE)
+    logits = torch.randn(num_tokens, num_experts, generator=g).to(DEVICE)
+    logits[0, 1] = logits[0, 0]  # a tie: the lower expert wins in both
+    want = moe.gemv_experts(x, w13, w2, *moe.route(logits, top_k, renormalize))
+    torch.testing.assert_close(moe.routed_gemv_experts(x, logits, w13, w2, top_k, renormalize), want,
+                               rtol=0, atol=0)
+    torch.testing.assert_close(want, moe.fused_experts_ref(x, w13, w2, *moe.route_ref(logits, top_k, renormalize)),
+                               rtol=1e-4, atol=1e-4)
+    if moe.moe_path(num_tokens, top_k, num_experts) == moe.GEMV:
+        assert torch.equal(moe.routed_experts(x, logits, w13, w2, top_k, renormalize), want)

@@ -32,8 +32,10 @@ GEMV_MAX_TOKENS = 2  # up to this many tokens the gemv path always runs
 # selected ones beats sorting), clamped to a number of pairs past which the tensor cores win whatever E is
 GEMV_MAX_PAIRS_PER_EXPERT = 0.5
 GEMV_MAX_PAIRS = 256
-GEMV_PROGRAMS_PER_SM = 2  # the gemv kernels narrow their column tiles until the grid has this many programs per SM
-GEMV_BLOCK_K = 256  # columns of a gemv weight tile on CUDA (a thread reads 16 bytes of a bf16 row)
+GEMV_PROGRAMS_PER_SM = 2  # the gemv kernels narrow their row tiles until the grid has this many programs per SM
+GEMV_BLOCK_K = 256  # the widest K tile of a gemv weight row on CUDA
+GEMV_TILE_ELEMENTS = 4096  # weight elements a gemv program loads per K step, over its k experts' rows
+GEMV_NUM_WARPS = 4
 ALIGN_CHUNK = 1024  # expert ids per step of align_blocks' scans
 
 
@@ -79,22 +81,8 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row, TOP
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
-    experts = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + row * stride_row + experts, mask=experts < num_experts,
-                     other=float("-inf")).to(tl.float32)
-    p = tl.exp(logits - tl.max(logits, axis=0))
-    left = tl.where(experts < num_experts, p / tl.sum(p, axis=0), -1.0)  # the padding is never chosen
+    top_w, top_id = _top_k(logits_ptr + row * stride_row, num_experts, TOP_K, BLOCK_E, BLOCK_K, RENORMALIZE)
     slots = tl.arange(0, BLOCK_K)
-    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
-    top_id = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):  # k rounds of argmax, the lowest index among equals
-        best = tl.max(left, axis=0)
-        idx = tl.min(tl.where(left == best, experts, BLOCK_E), axis=0)
-        top_w = tl.where(slots == j, best, top_w)
-        top_id = tl.where(slots == j, idx, top_id)
-        left = tl.where(experts == idx, -1.0, left)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, axis=0)
     tl.store(weights_ptr + row * TOP_K + slots, top_w, mask=slots < TOP_K)
     tl.store(ids_ptr + row * TOP_K + slots, top_id, mask=slots < TOP_K)
 
@@ -126,6 +114,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return (gemv_experts if path == GEMV else grouped_experts)(x, w13, w2, topk_weights, topk_ids)
 
 
+def routed_experts(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+                   renormalize: bool) -> torch.Tensor:
+    """The MoE block from its router logits [T, E]: routing and the experts, on the path moe_path picks (the gemv path
+    routes inside its two kernels; the grouped one launches route first)."""
+    if use_triton(x) and moe_path(x.shape[0], top_k, w13.shape[0]) == GEMV:
+        return routed_gemv_experts(x, logits, w13, w2, top_k, renormalize)
+    return fused_experts(x, w13, w2, *route(logits, top_k, renormalize))
+
+
 def _checked(x, w13, w2, topk_weights, topk_ids):
     """(T, H, I, E, k, weights, ids) after the layout checks; weights fp32 and ids int32, both contiguous."""
     num_tokens, hidden = x.shape
@@ -142,12 +139,17 @@ def _checked(x, w13, w2, topk_weights, topk_ids):
 
 
 # -- the gemv path -------------------------------------------------------------------------------------------------
-def _gemv_tiles(programs: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): column tiles as wide as 32 rows while the grid (programs × column tiles) still has
-    GEMV_PROGRAMS_PER_SM programs per SM, then narrower down to 4."""
+def _gemv_tiles(programs: int, n: int, top_k: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of a gemv kernel whose programs each read BLOCK_N rows of all k experts of a
+    token: rows as many as keep GEMV_PROGRAMS_PER_SM programs per SM (a narrow tile per expert, but k of them in
+    flight at once), K tiles of GEMV_TILE_ELEMENTS over the k experts' rows so a program's loads of one step stay
+    the same size whatever k is."""
+    if device.type != "cuda":
+        return 4, 32, 4
     want = GEMV_PROGRAMS_PER_SM * num_sms(device)
-    block_n = next((b for b in (32, 16, 8) if programs * cdiv(n, b) >= want), 4)
-    return block_n, min(GEMV_BLOCK_K if device.type == "cuda" else 32, next_power_of_2(k))
+    block_n = next((b for b in (16, 8, 4) if programs * cdiv(n, b) >= want), 2)
+    block_k = max(32, min(GEMV_BLOCK_K, GEMV_TILE_ELEMENTS // (next_power_of_2(top_k) * block_n)))
+    return block_n, block_k, GEMV_NUM_WARPS
 
 
 def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -155,79 +157,148 @@ def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weig
     """fused_experts' decode path (module docstring), whatever moe_path says; the tests force it."""
     if not use_triton(x):
         return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
-    num_tokens, hidden, inter_size, _, top_k, weights, ids = _checked(x, w13, w2, topk_weights, topk_ids)
+    num_tokens, hidden, inter_size, num_experts, top_k, weights, ids = _checked(x, w13, w2, topk_weights, topk_ids)
+    return _gemv(x, w13, w2, (ids, weights), None, num_experts, top_k, False)
+
+
+def routed_gemv_experts(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+                        renormalize: bool) -> torch.Tensor:
+    """route + the gemv path in two launches: each program of both kernels computes its token's top-k from the router
+    logits itself (k rounds of argmax over E values: cheaper than a launch of its own, which decode pays in latency)."""
+    num_experts = w13.shape[0]
+    if not use_triton(x):
+        return fused_experts_ref(x, w13, w2, *route_ref(logits, top_k, renormalize))
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    return _gemv(x, w13, w2, None, (logits, renormalize), num_experts, top_k, True)
+
+
+def _gemv(x, w13, w2, routed, logits, num_experts: int, top_k: int, route: bool) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    inter_size = w2.shape[2]
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
+    ids, weights = routed if routed is not None else (x, x)  # placeholders, never read when routing in the kernel
+    logit_rows, renormalize = logits if logits is not None else (x, False)
     inter = torch.empty(num_tokens * top_k, inter_size, dtype=x.dtype, device=x.device)
-    block_n, block_k = _gemv_tiles(num_tokens * top_k, inter_size, hidden, x.device)
-    _gemv_gate_up_kernel[(num_tokens * top_k, cdiv(inter_size, block_n))](
-        x, w13, ids, inter, hidden, inter_size, x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0, **pdl_args(x.device))
-    block_n, block_k = _gemv_tiles(num_tokens, hidden, inter_size, x.device)
+    shared = dict(TOP_K=top_k, KP=next_power_of_2(top_k), EP=next_power_of_2(num_experts), ROUTE=route,
+                  RENORMALIZE=renormalize, **pdl_args(x.device))
+    block_n, block_k, warps = _gemv_tiles(num_tokens, inter_size, top_k, x.device)
+    _gemv_gate_up_kernel[(num_tokens, cdiv(inter_size, block_n))](
+        x, logit_rows, ids, w13, inter, hidden, inter_size, num_experts, x.stride(0), logit_rows.stride(0),
+        w13.stride(0), w13.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
+        num_warps=warps, **shared)
+    block_n, block_k, warps = _gemv_tiles(num_tokens, hidden, top_k, x.device)
     _gemv_down_kernel[(num_tokens, cdiv(hidden, block_n))](
-        inter, w2, ids, weights, out, hidden, inter_size, w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=inter_size % block_k == 0, **pdl_args(x.device))
+        inter, logit_rows, ids, weights, w2, out, hidden, inter_size, num_experts, logit_rows.stride(0),
+        w2.stride(0), w2.stride(1), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=inter_size % block_k == 0, num_warps=warps, **shared)
     return out
 
 
 @jit
-def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, H, I, stride_x, stride_we, stride_wn, TOP_K: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (pair, n): inter[pair, n-tile] = silu(gate rows · x) * (up rows · x) for the pair's expert."""
-    pdl_start(USE_PDL)
-    pdl_wait(USE_PDL)  # the expert ids are the router's
-    pair = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_K)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // TOP_K) * stride_x
-    gate_ptrs = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-    up_step = I * stride_wn
-    row_mask = rows[:, None] < I
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K once, after the loop
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(0, H, BLOCK_K):
-        if EVEN_K:
-            xk = tl.load(x_row + k + cols).to(tl.float32)
-            w_mask = row_mask
-        else:
-            xk = tl.load(x_row + k + cols, mask=k + cols < H, other=0.0).to(tl.float32)
-            w_mask = row_mask & (k + cols[None, :] < H)
-        acc_gate += tl.load(gate_ptrs + k, mask=w_mask, other=0.0).to(tl.float32) * xk[None, :]
-        acc_up += tl.load(gate_ptrs + up_step + k, mask=w_mask, other=0.0).to(tl.float32) * xk[None, :]
-    gate = tl.sum(acc_gate, axis=1)
-    inter = gate / (1.0 + tl.exp(-gate)) * tl.sum(acc_up, axis=1)
-    tl.store(inter_ptr + pair * I + rows, inter.to(inter_ptr.dtype.element_ty), mask=rows < I)
+def _top_k(logits_ptr, num_experts, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+           RENORMALIZE: tl.constexpr):
+    """One token's (weights fp32 [BLOCK_K], ids int32 [BLOCK_K]) from its router logits: fp32 softmax, k rounds of
+    argmax (the lowest index among equals), optionally renormalized; slots past TOP_K hold weight 0, id 0."""
+    experts = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + experts, mask=experts < num_experts, other=float("-inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    left = tl.where(experts < num_experts, p / tl.sum(p, axis=0), -1.0)  # the padding is never chosen
+    slots = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_id = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(left, axis=0)
+        idx = tl.min(tl.where(left == best, experts, BLOCK_E), axis=0)
+        top_w = tl.where(slots == j, best, top_w)
+        top_id = tl.where(slots == j, idx, top_id)
+        left = tl.where(experts == idx, -1.0, left)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=0)
+    return top_w, top_id
 
 
 @jit
-def _gemv_down_kernel(inter_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, H, I, stride_we, stride_wn, stride_out,
-                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                      USE_PDL: tl.constexpr):
-    """Program (t, n): out[t, n-tile] = sum over j in order of weight[t, j] * w2[ids[t, j]] rows · inter[t*k + j]."""
+def _token_routing(logits_ptr, ids_ptr, weights_ptr, token, num_experts, stride_l, TOP_K: tl.constexpr,
+                   KP: tl.constexpr, EP: tl.constexpr, ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """(weights [KP], ids [KP] int64) of a token: computed from its logits (ROUTE) or read from route's output."""
+    slots = tl.arange(0, KP)
+    if ROUTE:
+        weights, ids = _top_k(logits_ptr + token * stride_l, num_experts, TOP_K, EP, KP, RENORMALIZE)
+    else:
+        ids = tl.load(ids_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0)
+        weights = tl.load(weights_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0.0)
+    return weights, ids.to(tl.int64)
+
+
+@jit
+def _gemv_gate_up_kernel(x_ptr, logits_ptr, ids_ptr, w_ptr, inter_ptr, H, I, num_experts, stride_x, stride_l,
+                         stride_we, stride_wn, TOP_K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+                         ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (t, n): inter[t*k + j, n-tile] = silu(gate rows · x) * (up rows · x) of expert ids[t, j], every j at
+    once (k experts' loads in flight together)."""
+    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)  # the router's logits (or ids) and x are the previous kernels'
+    token = tl.program_id(0).to(tl.int64)
+    _, ids = _token_routing(logits_ptr, ids_ptr, ids_ptr, token, num_experts, stride_l, TOP_K, KP, EP, ROUTE,
+                            RENORMALIZE)
+    slots = tl.arange(0, KP)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    gate_ptrs = (w_ptr + ids[:, None, None] * stride_we + rows.to(tl.int64)[None, :, None] * stride_wn
+                 + cols[None, None, :])
+    up_step = I * stride_wn
+    mask = (slots[:, None, None] < TOP_K) & (rows[None, :, None] < I)
+    x_row = x_ptr + token * stride_x
+    acc_gate = tl.zeros([KP, BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K once, after the loop
+    acc_up = tl.zeros([KP, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, H, BLOCK_K):
+        if EVEN_K:
+            xk = tl.load(x_row + k + cols).to(tl.float32)
+            w_mask = mask
+        else:
+            xk = tl.load(x_row + k + cols, mask=k + cols < H, other=0.0).to(tl.float32)
+            w_mask = mask & (k + cols[None, None, :] < H)
+        acc_gate += tl.load(gate_ptrs + k, mask=w_mask, other=0.0).to(tl.float32) * xk[None, None, :]
+        acc_up += tl.load(gate_ptrs + up_step + k, mask=w_mask, other=0.0).to(tl.float32) * xk[None, None, :]
+    gate = tl.sum(acc_gate, axis=2)
+    inter = gate / (1.0 + tl.exp(-gate)) * tl.sum(acc_up, axis=2)
+    out_ptrs = inter_ptr + (token * TOP_K + slots)[:, None] * I + rows[None, :]
+    tl.store(out_ptrs, inter.to(inter_ptr.dtype.element_ty), mask=(slots[:, None] < TOP_K) & (rows[None, :] < I))
+
+
+@jit
+def _gemv_down_kernel(inter_ptr, logits_ptr, ids_ptr, weights_ptr, w_ptr, out_ptr, H, I, num_experts, stride_l,
+                      stride_we, stride_wn, stride_out, TOP_K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+                      ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (t, n): out[t, n-tile] = Σ_j weight[t, j] · w2[ids[t, j]] rows · inter[t*k + j], the k experts' loads
+    in flight together and summed in a fixed order (deterministic, no atomics)."""
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
+    weights, ids = _token_routing(logits_ptr, ids_ptr, weights_ptr, token, num_experts, stride_l, TOP_K, KP, EP, ROUTE,
+                                  RENORMALIZE)
+    slots = tl.arange(0, KP)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
-    row_mask = rows[:, None] < H
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        w_ptrs = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-        part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k in range(0, I, BLOCK_K):
-            if EVEN_K:
-                v = tl.load(inter_ptr + pair * I + k + cols).to(tl.float32)
-                w_mask = row_mask
-            else:
-                v = tl.load(inter_ptr + pair * I + k + cols, mask=k + cols < I, other=0.0).to(tl.float32)
-                w_mask = row_mask & (k + cols[None, :] < I)
-            part += tl.load(w_ptrs + k, mask=w_mask, other=0.0).to(tl.float32) * v[None, :]
-        acc += tl.load(weights_ptr + pair) * tl.sum(part, axis=1)
-    tl.store(out_ptr + token * stride_out + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < H)
+    w_ptrs = (w_ptr + ids[:, None, None] * stride_we + rows.to(tl.int64)[None, :, None] * stride_wn
+              + cols[None, None, :])
+    mask = (slots[:, None, None] < TOP_K) & (rows[None, :, None] < H)
+    v_ptrs = inter_ptr + (token * TOP_K + slots)[:, None] * I + cols[None, :]
+    acc = tl.zeros([KP, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, I, BLOCK_K):
+        if EVEN_K:
+            v = tl.load(v_ptrs + k, mask=slots[:, None] < TOP_K, other=0.0).to(tl.float32)
+            w_mask = mask
+        else:
+            v = tl.load(v_ptrs + k, mask=(slots[:, None] < TOP_K) & (k + cols[None, :] < I), other=0.0).to(tl.float32)
+            w_mask = mask & (k + cols[None, None, :] < I)
+        acc += tl.load(w_ptrs + k, mask=w_mask, other=0.0).to(tl.float32) * v[:, None, :]
+    out = tl.sum(tl.sum(acc, axis=2) * weights[:, None], axis=0)
+    tl.store(out_ptr + token * stride_out + rows, out.to(out_ptr.dtype.element_ty), mask=rows < H)
 
 
 # -- the grouped path: align_blocks, then moe_gemm -----------------------------------------------------------------

@@ -40,9 +40,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter.size, dtype=dtype),
                                       requires_grad=False)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], routing weights [T, k] (fp32) and expert ids [T, k] → Σ_j weights[:, j] · expert_ids[:, j](x)."""
-        return moe.fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+    def forward(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+        """x [T, H] and router logits [T, E] → Σ over each row's top_k experts of weight · expert(x)."""
+        return moe.routed_experts(x, logits, self.gate_up_proj, self.down_proj, top_k, renormalize)
 
     def weight_shard(self, leaf: str, index: tuple[int | None, int | None]) -> WeightShard:
         expert, part = index
@@ -87,8 +87,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """The pre-norm MoE of a decoder layer: returns (its output, the residual stream)."""
         h, residual = norm(x, residual)
-        weights, ids = moe.route(self.gate(h), self.top_k, self.renormalize)
-        out = self.experts(h, weights, ids)
+        out = self.experts(h, self.gate(h), self.top_k, self.renormalize)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert.partial(h)
         return self.tp.all_reduce(out), residual

@@ -139,7 +139,7 @@ def test_each_path_matches_the_reference(path, shape, dtype):
 
 def test_moe_path_rule():
     assert moe.moe_path(1, 8, 128) == moe.moe_path(2, 8, 8) == moe.GEMV  # decode: a token or two
-    assert moe.moe_path(8, 8, 128) == moe.GEMV and moe.moe_path(9, 8, 128) == moe.GROUPED  # pairs <= E / 2
+    assert moe.moe_path(4, 8, 128) == moe.GEMV and moe.moe_path(5, 8, 128) == moe.GROUPED  # pairs <= E / 4
     assert moe.moe_path(3, 2, 8) == moe.GROUPED and moe.moe_path(3, 1, 8) == moe.GEMV
     assert moe.moe_path(32, 8, 1024) == moe.GEMV and moe.moe_path(33, 8, 1024) == moe.GROUPED  # clamped
     assert moe.moe_path(4096, 8, 128) == moe.GROUPED

@@ -19,7 +19,12 @@ import torch
 
 from nanoserve.kernels._triton import cdiv, jit, next_power_of_2, pdl_args, pdl_start, pdl_wait, tl
 
-SMALL_BLOCK_M_MAX_PAIRS = 16  # pairs per expert up to which row blocks are 16 (less padding), else 64
+# The tilings by pairs per expert, measured on the H200 (benchmarks/moe_tiles.py, Qwen3-30B-A3B's layer shape; results
+# in benchmarks/results/moe_tiles_*.json): up to 16 pairs an expert, 16-row blocks (less padding, the product reads
+# each selected expert's weights once, at the bandwidth floor); from LARGE_BLOCK_M_MIN_PAIRS, 128-row blocks with
+# 8 warps (an 8192-token prefill step: 14% faster than 64-row blocks).
+SMALL_BLOCK_M_MAX_PAIRS = 16
+LARGE_BLOCK_M_MIN_PAIRS = 256
 
 
 @dataclass(frozen=True)
@@ -41,8 +46,10 @@ def grouped_tiles(pairs_per_expert: float, n: int, k: int, dtype: torch.dtype, d
         return GroupedTiles(8 if pairs_per_expert <= 8 else 16, 32, 32, num_warps=4, num_stages=1, group_m=2)
     if pairs_per_expert <= SMALL_BLOCK_M_MAX_PAIRS:
         block_m, block_n, block_k, num_warps, num_stages = 16, 64, 128, 4, 4
+    elif pairs_per_expert < LARGE_BLOCK_M_MIN_PAIRS:
+        block_m, block_n, block_k, num_warps, num_stages = 64, 64, 64, 4, 3
     else:
-        block_m, block_n, block_k, num_warps, num_stages = 64, 128, 64, 8, 3
+        block_m, block_n, block_k, num_warps, num_stages = 128, 128, 64, 8, 3
     if dtype.itemsize >= 4:
         block_k //= 2
     return GroupedTiles(block_m, min(block_n, max(16, next_power_of_2(n))), min(block_k, max(16, next_power_of_2(k))),

@@ -289,14 +289,8 @@ def eos_token_ids(model_dir: str | Path, hf_config, tokenizer=None) -> list[int]
 
 def as_id_list(value) -> list[int]:
     """A config's token id or ids as a list of distinct ints (None, bools and other types dropped)."""
-    if value is None:
-        return []
     values = value if isinstance(value, (list, tuple)) else [value]
-    out: list[int] = []
-    for v in values:
-        if isinstance(v, int) and not isinstance(v, bool) and v not in out:
-            out.append(v)
-    return out
+    return list(dict.fromkeys(v for v in values if isinstance(v, int) and not isinstance(v, bool)))  # in order
 
 
 # -- GGUF metadata -----------------------------------------------------------------------------------------
@@ -334,6 +328,9 @@ def _load_gguf_config(path: Path):
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; "
                              f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+    if arch == "llama" and metadata.get("llama.expert_count"):  # transformers reads a dense LlamaConfig from it
+        raise ModelLoadError(f"{path}: Mixtral GGUF files (llama architecture with {metadata['llama.expert_count']} "
+                             "experts) are not supported; load the Mixtral safetensors folder instead")
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:  # gguf/numpy raise ValueError, struct.error, IndexError... for damaged files
@@ -342,8 +339,20 @@ def _load_gguf_config(path: Path):
     key_length = metadata.get(f"{arch}.attention.key_length")
     if isinstance(key_length, int) and key_length > 0:
         config.head_dim = key_length
+    if arch in ("qwen2moe", "qwen3moe"):
+        _set_gguf_expert_sizes(config, metadata, arch)
     _check_spec(config, path)
     return config
+
+
+def _set_gguf_expert_sizes(config, metadata: dict, arch: str) -> None:
+    """The expert sizes the file states but transformers' GGUF mapping skips (it would keep the config class's
+    defaults, Qwen1.5-MoE's and Qwen3-30B-A3B's); a missing key falls back as llama.cpp's loader does."""
+    ff = metadata.get(f"{arch}.feed_forward_length", 0)
+    used = max(config.num_experts_per_tok, 1)  # a top-k of 0 is MoeSpec's to refuse, in one line
+    config.moe_intermediate_size = metadata.get(f"{arch}.expert_feed_forward_length") or ff // used
+    if arch == "qwen2moe":
+        config.shared_expert_intermediate_size = metadata.get(f"{arch}.expert_shared_feed_forward_length") or ff
 
 
 def _load_gguf_tokenizer(path: Path):

@@ -1,7 +1,8 @@
 """Write a tiny HF model folder as a GGUF file the way llama.cpp's converter does, with gguf.GGUFWriter.
 
 llama.cpp renames tensors (gguf's name table), permutes the q/k rows of llama-family models for its
-interleaved RoPE, keeps 1-D tensors (norms, biases) in F32 and stores matrices in the chosen type. The
+interleaved RoPE, stacks a mixture of experts' per-expert matrices into one [E, rows, cols] tensor per projection,
+keeps 1-D tensors (norms, biases) and the routers in F32 and stores the other matrices in the chosen type. The
 loader must undo all of that; writing the files here, from weights the test also has as safetensors,
 gives it something exact to be checked against.
 """
@@ -17,6 +18,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 F32 = gguf.GGMLQuantizationType.F32
+# HF model_type → GGUF architecture where the names differ (llama.cpp writes Mixtral as "llama").
+GGUF_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+# Matrices llama.cpp's converter always keeps in F32 (its tensor_force_quant list): the routers.
+_F32_MATRICES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+_F32_HF_MATRICES = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
 
 
 def quantizable_types() -> list[gguf.GGMLQuantizationType]:
@@ -40,14 +46,14 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType = F3
     the folder's weights.
     """
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    writer = gguf.GGUFWriter(str(out), arch or config["model_type"])
+    writer = gguf.GGUFWriter(str(out), arch or GGUF_ARCH.get(config["model_type"], config["model_type"]))
     _write_config(writer, config)
     _write_tokenizer(writer, model_dir)
-    weights = tensors if tensors is not None else _gguf_tensors(model_dir, config)
+    weights = tensors if tensors is not None else gguf_tensors(model_dir)
     for name, array in weights.items():
         if isinstance(array, tuple):  # bytes of a given type: the writer derives the shape from the byte shape
             writer.add_tensor(name, array[0], raw_dtype=array[1])
-        elif array.ndim == 2 and qtype != F32:
+        elif array.ndim >= 2 and qtype != F32 and not name.endswith(_F32_MATRICES):
             quantized = gguf.quantize(array, qtype)
             writer.add_tensor(name, quantized, raw_dtype=None if quantized.dtype == np.float16 else qtype)
         else:
@@ -62,14 +68,15 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType = F3
 def quantized_copy(model_dir: Path, out_dir: Path, qtype: gguf.GGMLQuantizationType) -> Path:
     """A copy of the folder whose matrices went through quantize → dequantize: what a GGUF of `qtype` holds.
 
-    Quantization works on blocks inside a row, so it commutes with llama.cpp's q/k row permutation.
+    Quantization works on blocks inside a row, so it commutes with llama.cpp's q/k row permutation and with
+    stacking the experts; the routers stay F32 as write_gguf keeps them.
     """
     import shutil
 
     shutil.copytree(model_dir, out_dir)
     tensors = load_file(str(out_dir / "model.safetensors"))
     for name, t in tensors.items():
-        if t.ndim == 2:
+        if t.ndim >= 2 and not name.endswith(_F32_HF_MATRICES):
             tensors[name] = torch.from_numpy(gguf.dequantize(gguf.quantize(t.numpy(), qtype), qtype).copy())
     save_file(tensors, str(out_dir / "model.safetensors"))
     return out_dir
@@ -90,6 +97,20 @@ def _write_config(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config["vocab_size"])
+    _write_moe_config(writer, config)
+
+
+def _write_moe_config(writer: gguf.GGUFWriter, config: dict) -> None:
+    """The expert keys llama.cpp's converter writes (TextModel: counts; Qwen2MoeModel: the expert sizes)."""
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if not experts:
+        return
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if config.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
 def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path) -> None:
@@ -113,19 +134,35 @@ def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path) -> None:
     writer.add_chat_template(tok.chat_template)
 
 
-def _gguf_tensors(model_dir: Path, config: dict) -> dict[str, np.ndarray]:
-    """GGUF name → array, q/k rows permuted for llama as llama.cpp's convert_hf_to_gguf does."""
-    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == config["model_type"])
+def gguf_tensors(model_dir: Path) -> dict[str, np.ndarray]:
+    """GGUF name → float array, as llama.cpp's convert_hf_to_gguf writes them: q/k rows permuted for llama-family
+    files, each layer's experts stacked per projection (torch.stack over the expert number, its Qwen2MoeModel)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = GGUF_ARCH.get(config["model_type"], config["model_type"])
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(arch_id, config["num_hidden_layers"])
-    out = {}
+    out, experts = {}, {}
     for hf_name, tensor in load_file(str(Path(model_dir) / "model.safetensors")).items():
         array = tensor.float().numpy()
-        if config["model_type"] == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             kv = hf_name.endswith("k_proj.weight")
             array = _llama_cpp_permute(array, config["num_key_value_heads" if kv else "num_attention_heads"])
+        parts = hf_name.split(".")
+        if "experts" in parts:  # prefix.experts.N.proj.weight → prefix.experts.proj.weight, expert N
+            i = parts.index("experts")
+            stacked = ".".join(parts[:i + 1] + parts[i + 2:])
+            experts.setdefault(stacked, {})[int(parts[i + 1])] = array
+            continue
+        out[hf_name] = array
+    out.update({name: np.stack([by_expert[e] for e in sorted(by_expert)]) for name, by_expert in experts.items()})
+    gguf_names = {}
+    for hf_name, array in out.items():
         module, _, leaf = hf_name.rpartition(".")
-        out[f"{name_map.get_name(module)}.{leaf}"] = array
-    return out
+        gguf_module = name_map.get_name(module)
+        if gguf_module is None:  # the converter's "Can not map tensor": the architecture has no such tensor
+            raise ValueError(f"llama.cpp has no {arch} tensor for {hf_name!r}")
+        gguf_names[f"{gguf_module}.{leaf}"] = array
+    return gguf_names
 
 
 def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:

@@ -5,6 +5,12 @@ Nothing here dequantizes by hand: the `gguf` package reads the tensor table and 
 map to HF names through gguf's own name table, and llama-family q/k rows are un-permuted by transformers'
 tensor processor, so the weights are exactly the ones transformers would load. Tensors are dequantized one at
 a time and go straight to the device in the serving dtype: the only full copy of the model is the model.
+
+Mixtures of experts (qwen2moe, qwen3moe): llama.cpp stacks each layer's experts per projection
+(`blk.N.ffn_gate_exps` [E, I, H], `ffn_up_exps`, `ffn_down_exps` [E, H, I]), which gguf's name table knows as
+`model.layers.N.mlp.experts.gate_proj`...; ParamWriter places each into its half of our stacked gate_up_proj (or
+down_proj), this rank's columns under tp. transformers' processor would merge gate and up into its own state dict
+when handed one (its tensor_key_mapping / parsed_parameters); without them it returns expert tensors as stored.
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ logger = logging.getLogger("nanoserve")
 
 # GGUF tensors a model of ours can do without: llama.cpp's Llama-3.1 RoPE factors, which transformers ignores too.
 _IGNORED_TENSORS = ("rope_freqs.weight",)
+# Qwen2-MoE's shared-expert gate, HF [1, H]: older llama.cpp converters squeezed it to [H], newer ones keep [1, H].
+_SHARED_EXPERT_GATE = "ffn_gate_inp_shexp.weight"
 
 
 def load_weights(model, path: str | Path, hf_config, dtype: torch.dtype, device: torch.device,
@@ -36,8 +44,8 @@ def load_weights(model, path: str | Path, hf_config, dtype: torch.dtype, device:
     _check_tensor_types(reader, path)
     arch = str(reader.fields["general.architecture"].contents())
     writer = ParamWriter(model, dtype, device)
-    names = _gguf_to_hf_names(arch, model.num_layers, writer.expected)
     processor = _tensor_processor(arch, hf_config)
+    names = _gguf_to_hf_names(arch, model.num_layers, writer.expected, processor)
     for tensor in reader.tensors:
         hf_name = names.get(tensor.name)
         if hf_name is None:
@@ -48,6 +56,8 @@ def load_weights(model, path: str | Path, hf_config, dtype: torch.dtype, device:
                                  f"{model.spec.architecture} model has no such weight")
         data = np.asarray(tensor.data)  # a plain view: numpy's memmap subclass slows every slice dequantize takes
         weights = processor.process(weights=dequantize(data, tensor.tensor_type), name=tensor.name).weights
+        if tensor.name.endswith(_SHARED_EXPERT_GATE):  # [H] or [1, H] in the file; the processor adds a leading 1
+            weights = weights.reshape(1, -1)
         found = writer.shard(hf_name, path.name, weights.shape)
         if found is None:
             continue
@@ -81,14 +91,18 @@ def _check_tensor_types(reader, path: Path) -> None:
         checked.add(qtype)
 
 
-def _gguf_to_hf_names(arch: str, num_layers: int, hf_names: list[str]) -> dict[str, str]:
-    """GGUF tensor name → HF name, from gguf's table of the HF names each GGUF tensor was written from."""
+def _gguf_to_hf_names(arch: str, num_layers: int, hf_names: list[str], processor) -> dict[str, str]:
+    """GGUF tensor name → HF name, from gguf's table of the HF names each GGUF tensor was written from.
+
+    The processor's preprocess_name folds per-expert names (`experts.N.gate_proj.weight`) into the stacked
+    per-projection name the file holds (`experts.gate_proj.weight`), as transformers' own GGUF loader does.
+    """
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     arch_id = next(key for key, value in MODEL_ARCH_NAMES.items() if value == arch)
     name_map = get_tensor_name_map(arch_id, num_layers)
     out = {}
-    for hf_name in hf_names:
+    for hf_name in dict.fromkeys(processor.preprocess_name(name) for name in hf_names):
         module, _, leaf = hf_name.rpartition(".")
         gguf_module = name_map.get_name(module)
         if gguf_module is None:
@@ -98,7 +112,8 @@ def _gguf_to_hf_names(arch: str, num_layers: int, hf_names: list[str]) -> dict[s
 
 
 def _tensor_processor(arch: str, hf_config):
-    """transformers' per-architecture GGUF fix-ups (for llama: undo llama.cpp's q/k row permutation)."""
+    """transformers' per-architecture GGUF fix-ups (llama: undo llama.cpp's q/k row permutation; qwen2moe and
+    qwen3moe: expert names, the shared-expert gate's shape)."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=hf_config.to_dict())

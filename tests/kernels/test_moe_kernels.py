@@ -140,7 +140,7 @@ def test_each_path_matches_the_reference(path, shape, dtype):
 def test_moe_path_rule():
     assert moe.moe_path(1, 8, 128) == moe.moe_path(2, 8, 8) == moe.GEMV  # decode: a token or two
     assert moe.moe_path(4, 8, 128) == moe.GEMV and moe.moe_path(5, 8, 128) == moe.GROUPED  # pairs <= E / 4
-    assert moe.moe_path(3, 2, 8) == moe.GROUPED and moe.moe_path(3, 1, 8) == moe.GEMV
+    assert moe.moe_path(3, 2, 8) == moe.GROUPED and moe.moe_path(3, 1, 16) == moe.GEMV
     assert moe.moe_path(32, 8, 1024) == moe.GEMV and moe.moe_path(33, 8, 1024) == moe.GROUPED  # clamped
     assert moe.moe_path(4096, 8, 128) == moe.GROUPED
 
@@ -148,10 +148,10 @@ def test_moe_path_rule():
 def test_grouped_tiles():
     """Both products of a call share block_m (one align_blocks); it grows with the pairs per expert."""
     cuda = torch.device("cuda")  # only its type is read
-    for pairs_per_expert in (0.5, 16, 17, 4096):
+    for pairs_per_expert, block_m in ((0.5, 16), (16, 16), (17, 64), (255, 64), (256, 128), (4096, 128)):
         up = moe_gemm.grouped_tiles(pairs_per_expert, 768, 2048, torch.bfloat16, cuda)
         down = moe_gemm.grouped_tiles(pairs_per_expert, 2048, 768, torch.bfloat16, cuda)
-        assert up.block_m == down.block_m == (16 if pairs_per_expert <= 16 else 64)
+        assert up.block_m == down.block_m == block_m
     assert moe_gemm.grouped_tiles(64, 2048, 768, torch.float32, cuda).block_k == 32  # same bytes a stage as bf16
     tiny = moe_gemm.grouped_tiles(64, 40, 24, torch.bfloat16, cuda)
     assert (tiny.block_n, tiny.block_k) == (64, 32)  # no wider than the padded matrix

@@ -250,3 +250,17 @@ def test_routing_inside_the_gemv_kernels_equals_route_then_gemv(num_tokens, num_
                                rtol=1e-4, atol=1e-4)
     if moe.moe_path(num_tokens, top_k, num_experts) == moe.GEMV:
         assert torch.equal(moe.routed_experts(x, logits, w13, w2, top_k, renormalize), want)
+
+
+@needs_triton
+@pytest.mark.usefixtures("force_triton")
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy's, in the interpreter, on the NaN row
+def test_nan_logits_route_to_experts_that_exist():
+    """A row of NaN logits still names experts below E (the gemv kernels index the weights with them)."""
+    logits = torch.randn(3, 60).to(DEVICE)
+    logits[1] = float("nan")
+    _, ids = moe.route(logits, 4, True)
+    assert int(ids.min()) >= 0 and int(ids.max()) < 60
+    x, w13, w2 = torch.randn(3, 64).to(DEVICE), torch.randn(60, 64, 64).to(DEVICE), torch.randn(60, 64, 32).to(DEVICE)
+    out = moe.routed_gemv_experts(x, logits, w13, w2, 4, True)
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all()

@@ -212,7 +212,9 @@ def _top_k(logits_ptr, num_experts, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, 
     top_id = tl.zeros([BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(left, axis=0)
-        idx = tl.min(tl.where(left == best, experts, BLOCK_E), axis=0)
+        # NaN logits (a graph's warm-up on unset buffers, a diverged model) match nothing: an id past the experts
+        # would send the gemv kernels' loads out of the weights, so it is clamped to the last expert
+        idx = tl.minimum(tl.min(tl.where(left == best, experts, BLOCK_E), axis=0), num_experts - 1)
         top_w = tl.where(slots == j, best, top_w)
         top_id = tl.where(slots == j, idx, top_id)
         left = tl.where(experts == idx, -1.0, left)

@@ -176,3 +176,19 @@ def test_moe_blocks_in_triton_equal_transformers(arch, rows, tiny_moe_dirs, hf_m
             got, new_residual = layer.mlp(x, residual, layer.post_attention_layernorm)
         torch.testing.assert_close(new_residual, x + residual)
         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+
+
+def test_progress_counts_what_a_stacked_tensor_fills(tiny_moe_dirs, tmp_path):
+    """The loading bar's total is the per-expert names; a stacked tensor advances it by every expert it fills."""
+    from nanoserve.model import loader
+    from nanoserve.model.llama import LlamaForCausalLM
+    from nanoserve.model.weights import hf_names
+
+    copy = _stacked_copy(tiny_moe_dirs["qwen3_moe"], tmp_path / "stacked", per_projection=False)
+    config = load_hf_config(copy)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, torch.float32)
+    total = len(hf_names(model, dict(model.named_parameters())))
+    counted: list[int] = []
+    loader._load_safetensors(model, copy, config, torch.float32, torch.device("cpu"), counted.append)
+    assert sum(counted) == total and len(counted) < total

@@ -32,7 +32,7 @@ _SHARED_EXPERT_GATE = "ffn_gate_inp_shexp.weight"
 
 
 def load_weights(model, path: str | Path, hf_config, dtype: torch.dtype, device: torch.device,
-                 on_tensor=lambda: None) -> None:
+                 on_tensor=lambda names: None) -> None:
     """Dequantize every tensor of the file into `model`'s parameters (on `device`, in `dtype`)."""
     from gguf import GGUFReader, dequantize
 
@@ -68,8 +68,7 @@ def load_weights(model, path: str | Path, hf_config, dtype: torch.dtype, device:
             part = weights if shard.src is None else weights[shard.src]
             # np.require copies only read-only views of the file (plain F32 tensors): no parameter aliases the mmap.
             part = torch.from_numpy(np.require(part, requirements=["C", "W"])).to(device=device, dtype=dtype)
-        writer.put(hf_name, name, shard, part)
-        on_tensor()
+        on_tensor(writer.put(hf_name, name, shard, part))
     writer.finish(path)
 
 

@@ -99,7 +99,7 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device,
-                      on_tensor=lambda: None) -> None:
+                      on_tensor=lambda names: None) -> None:
     """Every tensor of the folder's files into the model; an FP8 checkpoint's weights stay fp8 with their scales."""
     fp8 = checkpoint_quantization(getattr(hf_config, "quantization_config", None), model_dir / "config.json")
     if fp8 is not None and model.spec.moe is not None:
@@ -119,8 +119,7 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, hf_config, dtype
                         continue
                     name, shard = found
                     tensor = writer.zeros(name) if shard.zeros else _read(f, hf_name, shard)
-                    writer.put(hf_name, name, shard, tensor)
-                    on_tensor()
+                    on_tensor(writer.put(hf_name, name, shard, tensor))
         except (_SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read weights file {file}: {first_line(e)}") from None
     writer.finish(f"the weights of {model_dir}")

@@ -123,9 +123,10 @@ class ParamWriter:
     def zeros(self, name: str) -> torch.Tensor:
         return torch.zeros(self.params[name].shape, dtype=self.dtype, device=self.device)
 
-    def put(self, hf_name: str, name: str, shard: WeightShard, tensor: torch.Tensor) -> None:
+    def put(self, hf_name: str, name: str, shard: WeightShard, tensor: torch.Tensor) -> int:
         """This rank's part of HF tensor `hf_name` (on the device) into parameter `name`, in dtype (or in fp8 as
-        stored, for an FP8 checkpoint's weights)."""
+        stored, for an FP8 checkpoint's weights). Returns how many of the expected names it filled (a stacked expert
+        tensor fills one per expert: the progress bar counts those)."""
         tensor = self._cast(hf_name, name, shard.assemble(tensor))
         rows = shard.dst_rows
         if rows is None and shard.dst_index is None:
@@ -138,7 +139,9 @@ class ParamWriter:
                                      f"{self._packed[name].dtype}")
             index = (slice(rows[0], rows[1]),) if rows is not None else shard.dst_index
             self._packed[name][index].copy_(tensor)
-        self.loaded.update(self._covers.pop(hf_name, (hf_name,)))
+        covered = self._covers.pop(hf_name, (hf_name,))
+        self.loaded.update(covered)
+        return len(covered)
 
     def _cast(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dtype != FP8_DTYPE:

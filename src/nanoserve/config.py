@@ -7,6 +7,7 @@ limits, each graph setting a GraphSizes) that the engine runs on; nothing mutate
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -65,10 +66,30 @@ TOOL_CALL_PARSER_CHOICES = ("auto", "none", *TOOL_CALL_PARSERS)
 # (measured: notes/PERF.md, issue 34 figures, config.GRAMMAR_FILL_THREAD_MIN_ROWS)
 STRUCTURED_JSON_MAX_WHITESPACE = 16
 GRAMMAR_CACHE_SIZE = 256
+
+
+def _env_limit(name: str, default, kind=float):
+    """A limit the environment variable `name` may lower or raise (read once, at import: a server and its engine core
+    read the same; tests start servers with small limits this way); the default when unset."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a {kind.__name__} value") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r}: must be positive")
+    return value
+
+
 # compiled grammars' memory: the cache holds at most this many bytes of them (least recently used dropped first),
-# and a constraint whose compiled grammar alone is larger is refused (a 50k-value enum is ~180 MB over a 49k vocabulary)
+# and a constraint whose compiled grammar alone is larger is refused (a 50k-value enum is ~180 MB over a 49k
+# vocabulary); a constraint whose grammar is not compiled this many seconds after it reached the engine core
+# (queueing for a thread included) is refused, the compile running on (xgrammar cannot be stopped)
 GRAMMAR_CACHE_BYTES = 512 * 2**20
-GRAMMAR_MAX_BYTES = 64 * 2**20
+GRAMMAR_MAX_BYTES = _env_limit("NANOSERVE_GRAMMAR_MAX_BYTES", 64 * 2**20, int)
+GRAMMAR_COMPILE_SECONDS = _env_limit("NANOSERVE_GRAMMAR_COMPILE_SECONDS", 10.0)
 GRAMMAR_COMPILE_THREADS = 2
 GRAMMAR_FILL_THREAD_MIN_ROWS = 8
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -264,6 +266,47 @@ def test_the_grammar_cache_is_bounded_in_bytes_and_a_huge_grammar_is_refused(tin
         assert grammars.cached_bytes <= grammars.cache_bytes
     assert len(grammars._cache) == 2 and enums[-1].key in grammars._cache and enums[0].key not in grammars._cache
     grammars.max_bytes = 1024
-    with pytest.raises(ValueError, match=r"its compiled grammar takes \d+ MiB, more than this server allows"):
+    with pytest.raises(ValueError, match=r"its compiled grammar takes [\d.]+ [KM]iB, more than this server allows"):
         grammars.compile(Constraint(json={"enum": [f"other-{i}" for i in range(300)]})).result()
+    grammars.close()
+
+
+def test_a_compile_past_its_deadline_is_refused_once_and_its_late_result_cached(tiny_model_dirs):
+    """Issue 39, 2: a compile that outlasts compile_seconds fails its waiting future (expire(), as the core polls);
+    the same constraint is refused on that future meanwhile without a second compile; one that never got a thread is
+    cancelled, not remembered; the late result lands in the cache (under the byte limit as any other)."""
+    from nanoserve.engine.grammar import Grammars
+    from nanoserve.model_files import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dirs["qwen3"])
+    grammars = Grammars(lambda: tok, len(tok), [tok.eos_token_id], 2, pin_memory=False)
+    grammars.compile_seconds = 0.2
+    real, release, calls = grammars._compile, threading.Event(), []
+
+    def slow(so):
+        calls.append(so.key)
+        assert release.wait(30)
+        return real(so)
+
+    grammars._compile = slow
+    slow_so, other, queued = (Constraint(regex=r) for r in ("[a-c]{3}", "[d-f]{3}", "[g-i]{3}"))
+    first, _, third = grammars.compile(slow_so), grammars.compile(other), grammars.compile(queued)
+    grammars.expire()  # not yet
+    assert not first.done() and grammars.compile(slow_so) is first
+    time.sleep(0.25)
+    grammars.expire()
+    with pytest.raises(ValueError, match=r"it did not compile within 0.2 s, the most this server allows for one"):
+        first.result(0)
+    with pytest.raises(ValueError, match="no grammar compile thread came free within 0.2 s"):
+        third.result(0)
+    again = grammars.compile(slow_so)  # refused at once, on the same compile
+    assert again is first and calls.count(slow_so.key) == 1 and queued.key not in calls
+    release.set()
+    deadline = time.monotonic() + 10
+    while slow_so.key in grammars._compiling or other.key in grammars._compiling:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    late = grammars.compile(slow_so)
+    assert late.result(0) is not None and grammars.cached_bytes > 0 and calls.count(slow_so.key) == 1
+    assert grammars.compile(queued).result(10) is not None  # cancelled before it ran: compiled afresh now
     grammars.close()

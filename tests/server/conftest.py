@@ -195,13 +195,15 @@ def free_port() -> int:
 
 
 def start_serve_process(model_dir: str, log_path, *flags: str, timeout: float = 120,
-                        new_session: bool = False) -> ServeProcess:
+                        new_session: bool = False, env: dict[str, str] | None = None) -> ServeProcess:
     """Start `nanoserve serve --model model_dir *flags` on a free port and wait for /health. new_session: in a
-    process group of its own (signal it as a terminal's Ctrl-C does, os.killpg)."""
+    process group of its own (signal it as a terminal's Ctrl-C does, os.killpg); env: variables added to ours (limits
+    read from the environment, such as NANOSERVE_GRAMMAR_MAX_BYTES)."""
     port = free_port()
     cmd = [sys.executable, "-m", "nanoserve", "serve", "--model", model_dir, "--port", str(port), *flags]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                 start_new_session=new_session)
     server = ServeProcess(proc, f"http://127.0.0.1:{port}", str(log_path))
     deadline = time.monotonic() + timeout
@@ -220,12 +222,14 @@ def start_serve_process(model_dir: str, log_path, *flags: str, timeout: float = 
 
 @pytest.fixture(scope="module")
 def serve_process(tmp_path_factory):
-    """serve_process(model_dir, *flags) → a running ServeProcess (killed at the end of the module if still up)."""
+    """serve_process(model_dir, *flags, env=...) → a running ServeProcess (killed at the end of the module if still
+    up)."""
     started: list[ServeProcess] = []
 
-    def start(model_dir: str, *flags: str, new_session: bool = False) -> ServeProcess:
+    def start(model_dir: str, *flags: str, new_session: bool = False,
+              env: dict[str, str] | None = None) -> ServeProcess:
         server = start_serve_process(model_dir, tmp_path_factory.mktemp("serve") / "serve.log", *flags,
-                                     new_session=new_session)
+                                     new_session=new_session, env=env)
         started.append(server)
         return server
 

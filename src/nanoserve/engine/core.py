@@ -138,8 +138,9 @@ class EngineCore:
         return self._grammars
 
     def _admit_compiled(self) -> list[SeqOutput]:
-        """Schedule the sequences whose grammar is ready, each with a matcher of its own; a failed compilation
-        finishes its sequence with an error."""
+        """Schedule the sequences whose grammar is ready, each with a matcher of its own; a failed compilation, or one
+        past its deadline (Grammars.expire), finishes its sequence with an error."""
+        self._grammars.expire()
         outputs = []
         for rid, future in list(self._compiling.items()):
             if not future.done():

@@ -1,14 +1,29 @@
 """Structured outputs in the engine core: xgrammar grammars compiled off the loop, one matcher per sequence, and
 each step's token bitmask.
 
-A constrained request's grammar is compiled on a thread pool by one xgrammar GrammarCompiler for the engine's
-tokenizer (its vocabulary as wide as the model's logits, the core's EOS ids as stop tokens). Compiled grammars are
-cached by the constraint's normalised key, so the n > 1 children of a request and repeated schemas compile once; the
-cache is bounded by the compiled grammars' bytes (GRAMMAR_CACHE_BYTES), and a grammar that alone takes more than
-GRAMMAR_MAX_BYTES fails its request with an error saying so. The
-sequence waits outside the scheduler until its grammar is ready; the others keep running meanwhile. Each sequence
-then has its own GrammarMatcher; every token the host learns is accepted by it, and a matcher that terminates (the
-grammar is complete and a stop token was accepted) finishes its sequence with "stop".
+A constrained request's grammar is compiled on a thread pool (GRAMMAR_COMPILE_THREADS) by one xgrammar
+GrammarCompiler for the engine's tokenizer (its vocabulary as wide as the model's logits, the core's EOS ids as stop
+tokens). Compiled grammars are cached by the constraint's normalised key, so the n > 1 children of a request and
+repeated schemas compile once, and a request of a constraint being compiled waits on that compile. The sequence waits
+outside the scheduler until its grammar is ready; the others keep running meanwhile. Each sequence then has its own
+GrammarMatcher; every token the host learns is accepted by it, and a matcher that terminates (the grammar is complete
+and a stop token was accepted) finishes its sequence with "stop".
+
+Limits, and what a client sees (config.py; NANOSERVE_GRAMMAR_MAX_BYTES and NANOSERVE_GRAMMAR_COMPILE_SECONDS set
+the last two):
+- the cache holds at most GRAMMAR_CACHE_BYTES (512 MiB) of compiled grammars, least recently used dropped first;
+- a constraint whose compiled grammar alone takes more than GRAMMAR_MAX_BYTES (64 MiB; a 50k-value enum takes ~180 MB)
+  fails its request with an error naming both sizes;
+- a constraint not compiled GRAMMAR_COMPILE_SECONDS (10 s) after it reached the core (waiting for a thread included)
+  fails its request(s) with an error naming the limit. expire() checks the deadlines; the core calls it where it
+  polls its waiting sequences (each step; every 10 ms when only grammars are compiling), so their requests end on
+  time and every other request keeps being scheduled. A thread cannot be stopped: the compile keeps its pool thread
+  until xgrammar returns. Meanwhile the same constraint sent again is refused at once, on that compile's future
+  (no second compile starts: copies of one slow constraint cannot fill the pool); once it ends, its result is
+  cached as any other (refused if over GRAMMAR_MAX_BYTES), so that a repeat does not tie up a thread again. A
+  compile that had not started by then (both threads busy) is cancelled, its requests told to retry later.
+Through the server each of these is a 400 with code "engine_rejected" ("cannot compile the grammar: ..."), or, for
+a streamed request, an error event before [DONE]. Refusals are cached like grammars (a repeat is refused at once).
 
 How the mask of step N+1 is ready in time: a row's mask depends on its token of step N, which the host learns one
 step late (the loop runs ahead: step N+1 is launched before step N is read). A step with grammar rows launches its
@@ -29,9 +44,11 @@ schema, regex or grammar with a ValueError naming the problem before anything re
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,8 +56,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from nanoserve.config import (GRAMMAR_CACHE_BYTES, GRAMMAR_CACHE_SIZE, GRAMMAR_COMPILE_THREADS,
-                              GRAMMAR_FILL_THREAD_MIN_ROWS, GRAMMAR_MAX_BYTES, STRUCTURED_JSON_MAX_WHITESPACE)
+from nanoserve.config import (GRAMMAR_CACHE_BYTES, GRAMMAR_CACHE_SIZE, GRAMMAR_COMPILE_SECONDS,
+                              GRAMMAR_COMPILE_THREADS, GRAMMAR_FILL_THREAD_MIN_ROWS, GRAMMAR_MAX_BYTES,
+                              STRUCTURED_JSON_MAX_WHITESPACE)
 from nanoserve.errors import RequestError
 from nanoserve.sampling import StructuredOutputsParams
 
@@ -50,6 +68,8 @@ _JSON_OPTIONS = {False: {"any_whitespace": False},
 _ANY_OBJECT = '{"type": "object"}'  # json_object: OpenAI's JSON mode asks for an object
 # xgrammar's errors start with a timestamp, a source location and sometimes the failed check: not the user's concern
 _NOISE = re.compile(r"^\[[\d:]+\] [^:]+:\d+: (Check failed: .*? is false: )?")
+_SIMPLER = "constrain the output with a simpler schema (fewer enum values or alternatives, shorter bounded repeats)"
+logger = logging.getLogger("nanoserve")
 
 
 def xgrammar():
@@ -108,41 +128,88 @@ class Grammars:
         self._pool = ThreadPoolExecutor(GRAMMAR_COMPILE_THREADS, thread_name_prefix="nanoserve-grammar")
         self._mask_jobs: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._mask_thread, name="nanoserve-mask", daemon=True).start()
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
-        self._cache_lock = threading.Lock()
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()  # compiles ended: grammars or refusals, by key
+        self._compiling: dict[tuple, _Compile] = {}  # compiles asked for, not ended (past their deadline too)
+        self._cache_lock = threading.Lock()  # (both maps)
         self._sizes: dict[tuple, int] = {}  # compiled grammars' bytes, by key
         self.cached_bytes, self.cache_bytes, self.max_bytes = 0, GRAMMAR_CACHE_BYTES, GRAMMAR_MAX_BYTES
+        self.compile_seconds = GRAMMAR_COMPILE_SECONDS
         bitmask = self._xgr.allocate_token_bitmask(max_rows, vocab_size)  # [rows, ceil(vocab / 32)] int32
         self._batch = self._xgr.BatchGrammarMatcher()
         self._bitmask = bitmask.pin_memory() if pin_memory else bitmask
 
     def compile(self, so: StructuredOutputsParams) -> Future:
-        """The compiled grammar of this constraint, as a future (done at once when cached)."""
+        """The compiled grammar of this constraint, as a future: done at once when cached (a refusal too), else that
+        of its compile under way, which the same constraint sent again shares (one past its deadline is refused at
+        once: no second compile of a slow constraint starts while the first runs)."""
         key = so.key
         with self._cache_lock:
             future = self._cache.get(key)
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-            future = self._cache[key] = self._pool.submit(self._compile, so)
-            self._evict()
-        return future
+            job = self._compiling.get(key)
+            if job is None:
+                job = self._compiling[key] = _Compile(time.monotonic() + self.compile_seconds)
+                job.pool_future = self._pool.submit(self._run, so, job)
+            return job.future
 
-    def _compile(self, so: StructuredOutputsParams):
-        """On the pool: the compiled grammar, refused (a ValueError the core answers as the request's error) when it
-        alone takes more than max_bytes; its size counts against the cache's bytes."""
+    def expire(self) -> None:
+        """Refuse the compiles past their deadline (compile_seconds after they were asked for, queueing included), so
+        the sequences waiting on them end: the engine core calls this where it polls its waiting sequences. One that
+        never started (every thread busy) is cancelled; one running keeps its thread until xgrammar returns (it
+        cannot be stopped), and its constraint stays refused meanwhile."""
+        now = time.monotonic()
+        with self._cache_lock:
+            for key, job in list(self._compiling.items()):
+                if job.future.done() or now < job.deadline:
+                    continue
+                if job.pool_future.cancel():  # (not the constraint's fault: it is not remembered)
+                    del self._compiling[key]
+                    job.future.set_exception(ValueError(
+                        f"no grammar compile thread came free within {self.compile_seconds:g} s (other constraints "
+                        "were compiling): retry later"))
+                    continue
+                logger.warning("a grammar (%s) still compiling at its %g s deadline is refused; its thread runs on "
+                               "until xgrammar returns", key[0], self.compile_seconds)
+                job.future.set_exception(ValueError(
+                    f"it did not compile within {self.compile_seconds:g} s, the most this server allows for one: "
+                    f"{_SIMPLER}"))
+
+    def _run(self, so: StructuredOutputsParams, job: "_Compile") -> None:
+        """On the pool: compile, then hand the outcome (the grammar or its error) to the waiting sequences and the
+        cache. A compile that ended past its deadline (its sequences were refused) is cached all the same: the work
+        is done, the byte limits hold for it as for any, and a repeat of its constraint is then answered from the
+        cache instead of holding a thread for as long again."""
+        job.started = time.monotonic()
+        outcome: Future = Future()
+        size = 0
+        try:
+            compiled, size = self._compile(so)
+            outcome.set_result(compiled)
+        except Exception as e:
+            outcome.set_exception(e)
+        with self._cache_lock:
+            self._compiling.pop(so.key, None)
+            if job.future.done():  # refused by expire()
+                logger.info("a grammar (%s) refused at its deadline finished compiling after %.1f s", so.key[0],
+                            time.monotonic() - job.started)
+            else:
+                _copy_outcome(outcome, job.future)
+            self._cache[so.key] = outcome
+            self._sizes[so.key] = size
+            self.cached_bytes += size
+            self._evict()
+
+    def _compile(self, so: StructuredOutputsParams) -> tuple[object, int]:
+        """The compiled grammar and its bytes, refused (a ValueError the core answers as the request's error) when it
+        alone takes more than max_bytes."""
         compiled = self._the_compiler().compile_grammar(grammar_of(so))
         size = compiled.memory_size_bytes
         if size > self.max_bytes:
-            raise ValueError(f"its compiled grammar takes {size / 2**20:.0f} MiB, more than this server allows for one "
-                             f"({self.max_bytes / 2**20:.0f} MiB): constrain the output with a smaller schema (fewer "
-                             "enum values or alternatives, shorter bounded repeats)")
-        with self._cache_lock:
-            if so.key in self._cache:
-                self._sizes[so.key] = size
-                self.cached_bytes += size
-                self._evict()
-        return compiled
+            raise ValueError(f"its compiled grammar takes {_size(size)}, more than this server allows for one "
+                             f"({_size(self.max_bytes)}): {_SIMPLER}")
+        return compiled, size
 
     def _evict(self) -> None:
         """Drop the least recently used grammars beyond GRAMMAR_CACHE_SIZE entries or cache_bytes (under the lock)."""
@@ -219,6 +286,28 @@ class Grammars:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._mask_jobs.put(None)
+
+
+class _Compile:
+    """A compile asked for: the future its waiting sequences hold (ended by the compile, or refused by
+    Grammars.expire at the deadline), the pool's own future (cancelled if it never started), when it started."""
+
+    def __init__(self, deadline: float):
+        self.deadline, self.future = deadline, Future()
+        self.pool_future: Future | None = None
+        self.started: float | None = None
+
+
+def _copy_outcome(source: Future, target: Future) -> None:
+    error = source.exception()
+    if error is None:
+        target.set_result(source.result())
+    else:
+        target.set_exception(error)
+
+
+def _size(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
 
 
 class MaskFill:

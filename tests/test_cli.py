@@ -163,3 +163,24 @@ def test_serve_a_missing_model_answers_before_torch_is_imported():
     rc, seconds, torch_in, transformers_in = out.stdout.split()
     assert rc == "2" and "does not exist" in out.stderr and out.stderr.count("\n") == 1, out.stderr
     assert float(seconds) <= 0.5 and torch_in == transformers_in == "False", out.stdout
+
+
+def test_models_lists_what_runs_and_what_is_refused(capsys):
+    from nanoserve.model_files import REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in SUPPORTED_ARCHITECTURES) and "qwen3moe" in out
+    assert all(f"{name}: {why}" in out for name, why in REFUSED_ARCHITECTURES.items())
+
+
+def test_the_cli_imports_without_torch():
+    """`nanoserve models` and the parser (tiny.ARCHS included) answer without importing torch."""
+    code = "import sys; from nanoserve.cli import main; main(['models']); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().endswith("False"), out.stdout + out.stderr
+
+
+def test_make_tiny_model_takes_the_moe_archs(tmp_path):
+    assert main(["make-tiny-model", str(tmp_path / "m"), "--arch", "mixtral"]) == 0
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]

@@ -16,6 +16,7 @@ import sys
 from nanoserve import __version__
 from nanoserve.config import (FIELD_HELP, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, REQUEST_BODY_TIMEOUT_S, SERVE_DEFAULTS,
                               SHUTDOWN_TIMEOUT_S, TOOL_CALL_PARSER_CHOICES, EngineConfig)
+from nanoserve.tiny import ARCHS, MOE_ARCHS
 
 _ENGINE_FIELDS = [f for f in dataclasses.fields(EngineConfig) if f.name != "model"]
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
@@ -67,7 +68,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"nanoserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_generate, _add_bench, _add_make_tiny_model):
+    for add in (_add_serve, _add_generate, _add_bench, _add_make_tiny_model, _add_models):
         add(sub)
     return parser
 
@@ -139,8 +140,13 @@ def _add_make_tiny_model(sub) -> None:
     """`nanoserve make-tiny-model`."""
     tiny = sub.add_parser("make-tiny-model", help="write a small random model folder (no download needed)")
     tiny.add_argument("dir", help="folder to write (created if missing)")
-    tiny.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="qwen3", help="(default: %(default)s)")
+    tiny.add_argument("--arch", choices=ARCHS + MOE_ARCHS, default="qwen3", help="(default: %(default)s)")
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
+
+
+def _add_models(sub) -> None:
+    """`nanoserve models`."""
+    sub.add_parser("models", help="the model architectures nanoserve runs (and the ones it refuses, and why)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,8 +245,20 @@ def _cmd_make_tiny_model(args) -> int:
     return 0
 
 
+def _cmd_models(args) -> int:
+    from nanoserve.model_files import REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, SUPPORTED_GGUF_ARCHITECTURES
+
+    print("Hugging Face folders (config.json architectures): " + ", ".join(SUPPORTED_ARCHITECTURES))
+    print("GGUF files (general.architecture): " + ", ".join(SUPPORTED_GGUF_ARCHITECTURES))
+    print("Refused, with what they need that nanoserve does not have:")
+    for name, why in REFUSED_ARCHITECTURES.items():
+        print(f"  {name}: {why}")
+    return 0
+
+
 def _engine_options(args) -> dict:
     return {f.name: getattr(args, f.name) for f in _ENGINE_FIELDS if getattr(args, f.name, None) is not None}
 
 
-_COMMANDS = {"serve": _cmd_serve, "generate": _cmd_generate, "bench": _cmd_bench, "make-tiny-model": _cmd_make_tiny_model}
+_COMMANDS = {"serve": _cmd_serve, "generate": _cmd_generate, "bench": _cmd_bench, "make-tiny-model": _cmd_make_tiny_model,
+             "models": _cmd_models}

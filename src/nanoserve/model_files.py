@@ -25,14 +25,14 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "q
                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Architectures users bring that look close to ours but need what nanoserve does not have: named in the refusal.
-_REFUSED_WHY = {"DeepseekV2ForCausalLM": "multi-head latent attention (MLA)",
-                "DeepseekV3ForCausalLM": "multi-head latent attention (MLA)",
-                "GptOssForCausalLM": "attention sinks and MXFP4 experts",
-                "Qwen3NextForCausalLM": "linear-attention (gated DeltaNet) layers",
-                "Llama4ForConditionalGeneration": "chunked attention and interleaved MoE layers",
-                "DbrxForCausalLM": "DBRX's fused expert layout and clipped qkv",
-                "OlmoeForCausalLM": "OLMoE's q/k norm over the whole projection",
-                "GraniteMoeForCausalLM": "Granite's scaled residuals and logits"}
+REFUSED_ARCHITECTURES = {"DeepseekV2ForCausalLM": "multi-head latent attention (MLA)",
+                        "DeepseekV3ForCausalLM": "multi-head latent attention (MLA)",
+                        "GptOssForCausalLM": "attention sinks and MXFP4 experts",
+                        "Qwen3NextForCausalLM": "linear-attention (gated DeltaNet) layers",
+                        "Llama4ForConditionalGeneration": "chunked attention and interleaved MoE layers",
+                        "DbrxForCausalLM": "DBRX's fused expert layout and clipped qkv",
+                        "OlmoeForCausalLM": "OLMoE's q/k norm over the whole projection",
+                        "GraniteMoeForCausalLM": "Granite's scaled residuals and logits"}
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 # RoPE variants that are a fixed function of the position (their cos/sin is cached once and keys stored in the
 # paged cache stay valid), with the settings each needs; "dynamic" and "longrope" rescale with the sequence length.
@@ -81,10 +81,6 @@ class MoeSpec:
         if not 1 <= top_k <= experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the number of experts ({experts})")
         return cls(experts, top_k, inter, renormalize, shared, sparse)
-
-    @property
-    def dense_layers(self) -> bool:
-        return not all(self.sparse_layers)
 
 
 @dataclass(frozen=True)
@@ -157,7 +153,7 @@ def architecture_of(hf_config) -> str:
 
 def unsupported_architecture(names: list) -> str:
     """The refusal of a config's architectures: what is missing for one we know of, and what we run."""
-    why = next((f" ({_REFUSED_WHY[n]} is not implemented)" for n in names if n in _REFUSED_WHY), "")
+    why = next((f" ({REFUSED_ARCHITECTURES[n]} is not implemented)" for n in names if n in REFUSED_ARCHITECTURES), "")
     return f"unsupported architecture {names}{why}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
 
 
@@ -394,6 +390,8 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-__all__ = ["Fp8Checkpoint", "ModelLoadError", "ModelSpec", "MoeSpec", "unsupported_architecture", "checkpoint_quantization", "SUPPORTED_ARCHITECTURES", "SUPPORTED_GGUF_ARCHITECTURES",
-           "SUPPORTED_ROPE_TYPES", "architecture_of", "as_id_list", "eos_token_ids", "first_line", "is_gguf",
-           "load_hf_config", "load_tokenizer", "model_max_len", "read_gguf_metadata", "rope_parameters"]
+__all__ = ["Fp8Checkpoint", "ModelLoadError", "ModelSpec", "MoeSpec", "REFUSED_ARCHITECTURES",
+           "unsupported_architecture", "checkpoint_quantization", "SUPPORTED_ARCHITECTURES",
+           "SUPPORTED_GGUF_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "architecture_of", "as_id_list", "eos_token_ids",
+           "first_line", "is_gguf", "load_hf_config", "load_tokenizer", "model_max_len", "read_gguf_metadata",
+           "rope_parameters"]

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where weights are made: the CLI reads ARCHS without it
+    import torch
 
 ARCHS = ("llama", "qwen2", "qwen3")
 MOE_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe")
@@ -70,6 +72,8 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, **c
     written = [Path(p) for p in tokenizer.save_pretrained(str(out))]
     config = _build_config(arch, len(tokenizer), tokenizer, config_overrides)
     config.save_pretrained(str(out))
+    from safetensors.torch import save_file
+
     save_file(_random_weights(config, arch, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     eos_ids = [tokenizer.convert_tokens_to_ids(EOS), tokenizer.convert_tokens_to_ids(IM_END)]
     generation_config = {"bos_token_id": config.bos_token_id, "eos_token_id": eos_ids, "do_sample": False}
@@ -139,6 +143,8 @@ _INIT_STD = 0.5
 
 def _random_weights(config, arch: str, seed: int) -> dict[str, torch.Tensor]:
     """HF-named float32 tensors; norm weights near 1 (not exactly, so a missing norm weight would show)."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     std = config.initializer_range
 

@@ -138,7 +138,7 @@ def check_sharding(spec, size: int) -> None:
                          f"{spec.num_kv_heads}: with fewer KV heads than ranks, each head is replicated on a whole "
                          "number of ranks")
     moe = spec.moe
-    if moe is None or moe.dense_layers:
+    if moe is None or not all(moe.sparse_layers):  # some layers keep the dense MLP
         divides("intermediate_size", spec.intermediate_size)
     if moe is not None:  # experts are split like dense MLPs: each rank holds a slice of every expert
         divides("moe_intermediate_size", moe.intermediate_size)

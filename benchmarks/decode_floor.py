@@ -52,6 +52,9 @@ import torch  # noqa: E402
 
 from benchmarks.common import (back_to_back_seconds, env_info, kv_bytes_per_token, measure_copy_bandwidth,  # noqa
                                model_config, param_counts, release_cuda_memory, write_json, write_model_dir)
+from nanoserve.bench.profile import KINDS, kernel_kind, kind_table, profile_step  # noqa: E402,F401 (used here too)
+
+B2B_ITERS = 50
 from nanoserve.kernels.switches import SWITCHES, switched  # noqa: E402
 
 SWITCH_SETS: dict[str, dict[str, bool | int]] = {
@@ -67,67 +70,6 @@ SWITCH_SETS: dict[str, dict[str, bool | int]] = {
 # "old_rule_1row": the one-row rule before the sweep-made GEMV_TABLE (a fused-norm GEMV is always Triton, so the
 # norm is not fused there).
 TABLE_SETS = {"old_rule_1row": (1, 160)}
-KINDS = ("gemv", "attention", "attention merge", "norm", "rotary", "experts", "routing", "lm_head", "other")
-_NAMED_KINDS = {"_gemv_kernel": "gemv", "_decode_kernel": "attention", "_prefill_kernel": "attention",
-                "_decode_reduce_kernel": "attention merge", "_rms_norm_kernel": "norm",
-                "_qk_norm_rope_kernel": "rotary", "_store_kv_kernel": "rotary", "_silu_and_mul_kernel": "other",
-                # kernels/moe.py: the experts' products, and routing (top-k, sorting pairs into expert blocks)
-                "_gemv_gate_up_kernel": "experts", "_gemv_down_kernel": "experts", "_grouped_gemm_kernel": "experts",
-                "_route_kernel": "routing", "_count_kernel": "routing", "_align_kernel": "routing"}
-_CUBLAS_MARKERS = ("nvjet", "gemm", "gemv", "cutlass", "xmma", "splitkreduce", "cublas")
-B2B_ITERS = 50
-
-
-def kernel_kind(name: str) -> str:
-    """The kind of a kernel by its name; matrix products of cuBLAS count as gemv (lm_head is found by position)."""
-    if name in _NAMED_KINDS:
-        return _NAMED_KINDS[name]
-    lowered = name.lower()
-    if "flash" in lowered:  # flash varlen attention (eager prompt steps)
-        return "attention"
-    return "gemv" if any(m in lowered for m in _CUBLAS_MARKERS) else "other"
-
-
-def kind_table(kernels: list[tuple[str, float, float]]) -> dict:
-    """kernels: (name, start_us, end_us) of one step. Per kind: count, sum_us, busy_us; the last product of the
-    step is the lm_head. Also the step's kernel count, span and busy time, and the top kernels by name."""
-    kernels = sorted(kernels, key=lambda k: k[1])
-    kinds = [kernel_kind(n) for n, _, _ in kernels]
-    products = [i for i, kind in enumerate(kinds) if kind == "gemv"]
-    if products:
-        kinds[products[-1]] = "lm_head"
-    table = {kind: {"count": 0, "sum_us": 0.0, "busy_us": 0.0} for kind in KINDS}
-    by_name: dict[str, list] = defaultdict(lambda: [0, 0.0])
-    covered = float("-inf")
-    for (name, start, end), kind in zip(kernels, kinds):
-        row = table[kind]
-        row["count"] += 1
-        row["sum_us"] += end - start
-        row["busy_us"] += max(0.0, end - max(start, covered))
-        covered = max(covered, end)
-        by_name[name][0] += 1
-        by_name[name][1] += end - start
-    busy = sum(r["busy_us"] for r in table.values())
-    span = kernels[-1][2] - kernels[0][1] if kernels else 0.0
-    top = sorted(((n[:90], c, t) for n, (c, t) in by_name.items()), key=lambda r: -r[2])[:15]
-    return {"kernels": len(kernels), "span_us": span, "busy_us": busy, "kinds": table, "top": top}
-
-
-def profile_step(run) -> list[tuple[str, float, float]]:
-    """(name, start_us, end_us) of every kernel of one call of run(), memory copies and sets left out."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    out = []
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA and not evt.name.startswith(("Memcpy", "Memset")):
-            out.append((evt.name, float(evt.time_range.start), float(evt.time_range.end)))
-    return out
-
-
 def layer_timeline(kernels: list[tuple[str, float, float]], layer: int, per_layer: int) -> list:
     """One layer's kernels (name, start, end µs from the layer's first start): where the gaps and overlaps are."""
     kernels = sorted(kernels, key=lambda k: k[1])[1 + layer * per_layer:1 + (layer + 1) * per_layer]

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (RESULTS_DIR, back_to_back_seconds, env_info, kv_bytes_per_token,  # noqa: E402
                                measure_copy_bandwidth, model_config, param_counts, write_json, write_model_dir)
-from benchmarks.decode_floor import kind_table, profile_step  # noqa: E402
+from nanoserve.bench.profile import kind_table, profile_step  # noqa: E402
 from benchmarks.throughput import measure_matmul_flops, measure_model  # noqa: E402
 
 SHAPES = {"qwen3": "qwen3-30b-a3b", "mixtral": "mixtral-8x7b"}

@@ -36,7 +36,7 @@ VARIANTS = {"default": ({}, {}), "eager": ({}, {"max_num_batched_tokens": 8192})
 def measure(model: str, tokens: int, options: dict) -> dict:
     import torch
 
-    from benchmarks.decode_floor import kind_table, profile_step
+    from nanoserve.bench.profile import kind_table, profile_step
     from nanoserve import LLM, SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:

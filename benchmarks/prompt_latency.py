@@ -60,7 +60,7 @@ def measure(model_dir: str, lengths: list[int], options: dict, profile: bool = F
 def _profile(llm, n: int, seed: int) -> dict:
     """GPU time by kernel kind over one more fresh prompt of n tokens (decode_floor.py's table; a graph replay's
     kernels are seen one by one)."""
-    from benchmarks.decode_floor import kind_table, profile_step
+    from nanoserve.bench.profile import kind_table, profile_step
     from nanoserve import SamplingParams
 
     prompt = torch.randint(0, 10000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -160,3 +160,30 @@ def test_percentiles_and_the_record(tmp_path):
     assert env["torch"] == torch.__version__ and env["date"] and env["command"] and env["nanoserve"]
     assert env["cpu"] and (env["gpu"] is not None) == torch.cuda.is_available()
     assert {"triton", "transformers", "git_commit", "python"} <= set(env)
+
+
+def test_profile_needs_a_gpu_and_says_so(tiny_model_dirs, capsys):
+    code = main(["bench", "latency", "--model", str(tiny_model_dirs["qwen2"]), "--device", "cpu", "--profile"])
+    assert code == 2 and "--profile reads the GPU's kernels: it needs a CUDA device" in capsys.readouterr().err
+
+
+def test_kernel_kinds_and_their_report():
+    from nanoserve.bench.profile import format_kinds, kernel_kind, kind_table
+
+    assert [kernel_kind(n) for n in ("_gemv_gate_up_kernel", "_grouped_gemm_kernel", "_route_kernel",
+                                     "_align_kernel", "_decode_kernel")] == ["experts", "experts", "routing",
+                                                                             "routing", "attention"]
+    table = kind_table([("_route_kernel", 0.0, 2.0), ("_gemv_gate_up_kernel", 2.0, 10.0),
+                        ("_decode_kernel", 10.0, 12.0), ("nvjet_head", 12.0, 20.0)])
+    lines = format_kinds(table)
+    assert lines[0] == "4 kernels, 20 us busy over a 20 us span"
+    assert any(line.split()[:4] == ["experts", "1", "kernels", "8"] and line.endswith("40.0%") for line in lines)
+    assert not any(line.split()[0] == "norm" for line in lines[1:])  # kinds that did not run are left out
+
+
+@pytest.mark.gpu
+def test_latency_profile_on_the_gpu(tiny_model_dirs, tmp_path, capsys):
+    record, printed = bench(capsys, "latency", "--model", str(tiny_model_dirs["qwen3"]), "--batch-size", "2",
+                            "--input-len", "8", "--output-len", "4", "--num-iters", "2", "--num-iters-warmup", "1",
+                            "--profile", "--output-json", str(tmp_path / "p.json"))
+    assert record["profile"]["kernels"] > 0 and "attention" in printed

@@ -25,6 +25,8 @@ def add_bench_parser(sub, add_engine_flags) -> None:
     latency.add_argument("--batch-size", type=int, default=8, help="(default: %(default)s)")
     latency.add_argument("--num-iters", type=int, default=30, help="timed runs (default: %(default)s)")
     latency.add_argument("--num-iters-warmup", type=int, default=10, help="untimed runs first (default: %(default)s)")
+    latency.add_argument("--profile", action="store_true", help="then one more batch under torch.profiler (CUDA): "
+                         "the time of each kind of kernel (experts, routing, attention, products, norms, ...)")
     _add_output(latency)
     add_engine_flags(latency)
     throughput = kinds.add_parser("throughput", help="offline requests/s and tokens/s over --num-prompts requests",
@@ -119,12 +121,20 @@ def run_bench(args: argparse.Namespace, engine_options: dict) -> int:
     from nanoserve import LLM
     from nanoserve.bench import offline
 
+    if getattr(args, "profile", False):
+        import torch
+
+        device = str(engine_options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if not device.startswith("cuda"):
+            raise ValueError("--profile reads the GPU's kernels: it needs a CUDA device")
     llm = LLM(args.model, **{"show_progress": False, **engine_options})
     seed = engine_options.get("seed") or 0
     output_len = args.output_len or args.default_output_len
     if args.bench_command == "latency":
         result = offline.run_latency(llm, args.batch_size, args.input_len, output_len, args.num_iters,
                                      args.num_iters_warmup, seed)
+        if args.profile:
+            result["profile"] = offline.profile_batch(llm, args.batch_size, args.input_len, output_len, seed)
     else:
         requests = offline.throughput_requests(llm, args.num_prompts, args.input_len,
                                                args.output_len or (None if args.dataset_path else output_len),

@@ -51,6 +51,19 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
     return result
 
 
+def profile_batch(llm, batch_size: int, input_len: int, output_len: int, seed: int = 0, log=print) -> dict:
+    """One more batch like run_latency's under torch.profiler (CUDA): its kernels' time by kind (bench/profile.py),
+    e.g. an MoE model's experts and routing against attention and the rest."""
+    from nanoserve.bench.profile import format_kinds, kind_table, profile_step
+
+    rng, vocab, params = random.Random(seed + 1), vocab_size(llm), sampling(output_len)
+    prompts = [r.prompt for r in random_requests(rng, batch_size, input_len, output_len, vocab)]
+    table = kind_table(profile_step(lambda: llm.generate(prompts, params, use_tqdm=False)))
+    for line in format_kinds(table):
+        log(line)
+    return table
+
+
 def throughput_requests(llm, num_prompts: int, input_len: int, output_len: int | None,
                         dataset_path: str | None = None, seed: int = 0) -> list[BenchRequest]:
     """The workload: random token ids (input_len in, output_len out), or a ShareGPT file's conversations."""
@@ -80,4 +93,4 @@ def run_throughput(llm, requests: list[BenchRequest], params=None, warmup: bool 
     return result
 
 
-__all__ = ["run_latency", "run_throughput", "throughput_requests", "sampling", "vocab_size"]
+__all__ = ["profile_batch", "run_latency", "run_throughput", "throughput_requests", "sampling", "vocab_size"]

@@ -42,7 +42,6 @@ import sys
 import tempfile
 import time
 import traceback
-from collections import defaultdict
 from pathlib import Path
 from unittest import mock
 
@@ -52,7 +51,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import (back_to_back_seconds, env_info, kv_bytes_per_token, measure_copy_bandwidth,  # noqa
                                model_config, param_counts, release_cuda_memory, write_json, write_model_dir)
-from nanoserve.bench.profile import KINDS, kernel_kind, kind_table, profile_step  # noqa: E402,F401 (used here too)
+from nanoserve.bench.profile import kernel_kind, kind_table, profile_step  # noqa: E402,F401 (tests read them here)
 
 B2B_ITERS = 50
 from nanoserve.kernels.switches import SWITCHES, switched  # noqa: E402

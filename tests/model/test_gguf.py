@@ -55,11 +55,10 @@ def test_gguf_loads_the_weights_and_config_of_the_safetensors_model(arch, tiny_p
     assert model_max_len(load_hf_config(file)) == 2048
 
 
-def test_gguf_engine_matches_the_folder_engine_token_for_token(tiny_pairs):
-    """End to end through LLM: same greedy tokens and the same top logprobs from the file as from the folder."""
-    folder, file = tiny_pairs["qwen3"]
-    options = dict(device="cpu", max_model_len=128, show_progress=False)
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+def assert_same_generations(folder, file, max_tokens: int, **options) -> None:
+    """Through LLM on the CPU: the same greedy tokens and the same top logprobs from the file as from the folder."""
+    options = dict(device="cpu", max_model_len=128, show_progress=False, **options)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=3)
     prompts = [[5, 17, 230, 9], [100, 3, 44, 45, 46, 200, 7]]
     want = LLM(str(folder), **options).generate(prompts, params, use_tqdm=False)
     got = LLM(str(file), **options).generate(prompts, params, use_tqdm=False)
@@ -68,6 +67,10 @@ def test_gguf_engine_matches_the_folder_engine_token_for_token(tiny_pairs):
         for g_step, w_step in zip(g.logprobs, w.logprobs):
             assert g_step.keys() == w_step.keys()
             assert np.allclose(list(g_step.values()), list(w_step.values()), atol=1e-4)
+
+
+def test_gguf_engine_matches_the_folder_engine_token_for_token(tiny_pairs):
+    assert_same_generations(*tiny_pairs["qwen3"], max_tokens=12)
 
 
 def test_tokenizer_chat_template_and_stop_ids_come_from_the_file(tiny_pairs):

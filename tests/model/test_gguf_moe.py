@@ -15,11 +15,11 @@ import pytest
 import torch
 from gguf_files import gguf_tensors, quantized_copy, write_gguf
 
-from nanoserve import LLM, SamplingParams
 from nanoserve.model.communicator import TensorParallel
 from nanoserve.model.loader import load_model
 from nanoserve.model_files import ModelLoadError, load_hf_config
 from nanoserve.tiny import make_tiny_model
+from tests.model.test_gguf import assert_same_generations
 from tests.model.test_llama import TOL, PagedKV, hf_logits, prefill_batch, random_seqs
 
 CPU = torch.device("cpu")
@@ -115,16 +115,7 @@ def test_shared_expert_gate_loads_from_either_layout(moe_files, tmp_path):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gguf_engine_matches_the_folder_engine_token_for_token(arch, moe_files):
     folder, file, _ = moe_files[arch]
-    options = dict(device="cpu", dtype="float32", max_model_len=128, show_progress=False)
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
-    prompts = [[5, 17, 230, 9], [100, 3, 44, 45, 46, 200, 7]]
-    want = LLM(str(folder), **options).generate(prompts, params, use_tqdm=False)
-    got = LLM(str(file), **options).generate(prompts, params, use_tqdm=False)
-    for g, w in zip(got, want):
-        assert g.token_ids == w.token_ids
-        for g_step, w_step in zip(g.logprobs, w.logprobs):
-            assert g_step.keys() == w_step.keys()
-            assert np.allclose(list(g_step.values()), list(w_step.values()), atol=1e-4)
+    assert_same_generations(folder, file, 10, dtype="float32")
 
 
 def test_expert_sizes_fall_back_as_llama_cpp_does(tmp_path):

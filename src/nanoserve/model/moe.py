@@ -62,8 +62,7 @@ class Experts(nn.Module):
 
     def hf_names(self, prefix: str, leaf: str) -> list[str]:
         """The per-expert names (`prefix.N.gate_proj.weight`...) that a complete checkpoint covers for one parameter."""
-        parts = (0, 1) if leaf == "gate_up_proj" else (None,)
-        return [f"{prefix}.{e}.{_CANONICAL[leaf, p]}.weight" for e in range(self.num_experts) for p in parts]
+        return covered_names(self, f"{prefix}.{leaf}", (None, None))
 
 
 class SparseMoE(nn.Module):
@@ -110,10 +109,13 @@ def expert_target(parts: list[str]) -> tuple[str, tuple[int | None, int | None]]
 
 
 def covered_names(experts: Experts, name: str, index: tuple[int | None, int | None]) -> list[str]:
-    """The per-expert names (Experts.hf_names) that one checkpoint tensor of parameter `name` fills."""
+    """The per-expert names that one checkpoint tensor of parameter `name` fills (index (None, None): all of them)."""
     prefix, _, leaf = name.rpartition(".")
     expert, part = index
-    parts = (part,) if leaf == "gate_up_proj" and part is not None else ((0, 1) if leaf == "gate_up_proj" else (None,))
+    if leaf == "down_proj":
+        parts = (None,)
+    else:
+        parts = (0, 1) if part is None else (part,)
     numbers = range(experts.num_experts) if expert is None else (expert,)
     return [f"{prefix}.{e}.{_CANONICAL[leaf, p]}.weight" for e in numbers for p in parts]
 

@@ -21,32 +21,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR, env_info, write_json  # noqa: E402
+from benchmarks.decode_floor import graph_ms  # noqa: E402
 
 H, I, E, K = 2048, 768, 128, 8
 REPEAT = 20  # block calls per graph, so launch gaps between replays do not count
 
 
 def graph_us(fn) -> float:
-    """µs per call of fn, replayed REPEAT times inside one CUDA graph (median of 5 replays)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPEAT):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / REPEAT)
-    return sorted(times)[2]
+    """µs per call of fn, replayed REPEAT times inside one CUDA graph (decode_floor.graph_ms, the shared timing)."""
+    return 1e3 * graph_ms(fn, calls=REPEAT)
 
 
 def inputs(tokens: int):

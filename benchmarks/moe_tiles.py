@@ -1,7 +1,8 @@
 """The MoE kernels' tile choices, measured: each candidate tiling of kernels/moe.py's two paths timed on one real
-Qwen3-30B-A3B layer (H 2048, I 768, 128 experts, top-8, bf16) inside a CUDA graph, as the engine replays them.
+layer inside a CUDA graph, as the engine replays them: Qwen3-30B-A3B (H 2048, I 768, 128 experts, top-8, bf16) or
+Mixtral-8x7B (H 4096, I 14336, 8 experts, top-2; its gemv path at T = 1 only: the b = 1 target).
 
-    python benchmarks/moe_tiles.py [--out DIR]
+    python benchmarks/moe_tiles.py [--shape qwen3|mixtral] [--only gemv|grouped] [--out DIR]
 
 gemv path (decode, T = 1 and 8 tokens): BLOCK_N × BLOCK_K × warps of the gate/up kernel (down at its default), then
 of the down kernel (gate/up at its default); the routed block (routing inside both kernels) is what is timed.
@@ -23,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS_DIR, env_info, write_json  # noqa: E402
 from benchmarks.decode_floor import graph_ms  # noqa: E402
 
-H, I, E, K = 2048, 768, 128, 8
+SHAPES = {"qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2)}  # H, I, E, k
+H, I, E, K = SHAPES["qwen3"]
 REPEAT = 20  # block calls per graph, so launch gaps between replays do not count
 
 
@@ -44,8 +46,9 @@ def inputs(tokens: int):
 def sweep_gemv(moe) -> dict:
     default = moe._gemv_tiles
     out = {}
-    candidates = list(itertools.product((2, 4, 8, 16), (128, 256, 512), (4, 8)))
-    for tokens in (1, 8):
+    candidates = [(n, k, w) for n, k, w in itertools.product((2, 4, 8, 16, 32), (128, 256, 512, 1024), (4, 8))
+                  if 2 * K * n * k <= 256 * 32 * w]  # fp32 accumulators a thread holds (gate and up): no spills
+    for tokens in ((1, 8) if E > 8 else (1,)):
         x, logits, w13, w2 = inputs(tokens)
         want = moe.routed_gemv_experts(x, logits, w13, w2, K, True)
         base = graph_us(lambda: moe.routed_gemv_experts(x, logits, w13, w2, K, True))
@@ -112,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--only", choices=("gemv", "grouped"))
+    p.add_argument("--shape", choices=tuple(SHAPES), default="qwen3")
     args = p.parse_args(argv)
+    global H, I, E, K
+    H, I, E, K = SHAPES[args.shape]
     if not torch.cuda.is_available():
         print("moe_tiles.py needs a CUDA GPU")
         return 0
@@ -123,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         report["gemv"] = sweep_gemv(moe)
     if args.only != "gemv":
         report["grouped"] = sweep_grouped(moe, moe_gemm)
-    print(f"wrote {write_json(args.out / 'moe_tiles.json', report)}")
+    name = "moe_tiles.json" if args.shape == "qwen3" else f"moe_tiles_{args.shape}.json"
+    print(f"wrote {write_json(args.out / name, report)}")
     return 0
 
 

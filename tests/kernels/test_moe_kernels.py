@@ -264,3 +264,15 @@ def test_nan_logits_route_to_experts_that_exist():
     x, w13, w2 = torch.randn(3, 64).to(DEVICE), torch.randn(60, 64, 64).to(DEVICE), torch.randn(60, 64, 32).to(DEVICE)
     out = moe.routed_gemv_experts(x, logits, w13, w2, 4, True)
     assert torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens, top_k, hidden", [(1, 8, 64), (5, 2, 100), (3, 4, 2048 + 32)])
+@pytest.mark.usefixtures("force_triton")
+def test_sum_pairs_adds_each_tokens_rows_in_fp32(num_tokens, top_k, hidden, dtype):
+    """The grouped path's top-k sum: each token's k rows added in fp32 and rounded once (column tiles past H masked)."""
+    pairs = torch.randn(num_tokens * top_k, hidden).to(DEVICE, dtype)
+    want = pairs.float().view(num_tokens, top_k, hidden).sum(1).to(dtype)
+    exact = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=0)  # one bf16 rounding
+    torch.testing.assert_close(moe.sum_pairs(pairs, top_k), want, **exact)

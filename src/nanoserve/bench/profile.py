@@ -15,7 +15,7 @@ _NAMED_KINDS = {"_gemv_kernel": "gemv", "_decode_kernel": "attention", "_prefill
                 "_qk_norm_rope_kernel": "rotary", "_store_kv_kernel": "rotary", "_silu_and_mul_kernel": "other",
                 # kernels/moe.py: the experts' products, and routing (top-k, sorting pairs into expert blocks)
                 "_gemv_gate_up_kernel": "experts", "_gemv_down_kernel": "experts", "_grouped_gemm_kernel": "experts",
-                "_route_kernel": "routing", "_count_kernel": "routing", "_align_kernel": "routing"}
+                "_route_kernel": "routing", "_align_kernel": "routing", "_sum_pairs_kernel": "experts"}
 _CUBLAS_MARKERS = ("nvjet", "gemm", "gemv", "cutlass", "xmma", "splitkreduce", "cublas")
 
 

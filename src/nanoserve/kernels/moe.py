@@ -8,13 +8,16 @@ the activations' dtype, like the dense MLP's.
 
 route: softmax over all experts in fp32, top-k, optional renormalization: one kernel, one program per token.
 
-fused_experts takes one of two paths, chosen by moe_path from shapes only (a CUDA graph of a batch size holds one):
-  * "gemv" (decode, a few tokens): every (token, expert) pair reads only its expert's weights, nothing is sorted.
-    Two launches: the gate and up products with SiLU·mul → inter [T*k, I]; then per token and column tile the down
-    products of its k pairs, weighted and summed in order in one program (deterministic, no atomics) → out [T, H].
-  * "grouped" (prefill, many tokens): align_blocks sorts the pairs by expert into blocks of BLOCK_M rows (two
-    launches), then a grouped GEMM per projection (moe_gemm.py): gate/up with SiLU·mul fused → inter, down with the
-    routing weight fused → out_pairs [T*k, H], summed over k by torch in a fixed order. Five launches (four at k = 1).
+routed_experts (the model's call: router logits in) and fused_experts (routing given) take one of two paths, chosen
+by moe_path from shapes only (a CUDA graph of a batch size holds one):
+  * "gemv" (decode, a few tokens): only the selected experts' weights are read, nothing is sorted. Two launches, each
+    program reading a row tile of all k experts of its token at once (k loads in flight) and, from router logits,
+    computing the token's top-k itself (no route launch): the gate and up products with SiLU·mul → inter [T*k, I];
+    then the down products of its k experts, weighted and summed in order (deterministic, no atomics) → out [T, H].
+  * "grouped" (prefill, many tokens): route, then align_blocks sorts the pairs by expert into blocks of BLOCK_M rows
+    (one launch), then a grouped GEMM per projection (moe_gemm.py): gate/up with SiLU·mul fused → inter, down with the
+    routing weight fused → out_pairs [T*k, H], then each token's k rows summed in a fixed order (sum_pairs: fp32,
+    one launch; torch's reduce took 2× as long). Five launches (four at k = 1).
 Everything is CUDA-graph capturable: no host syncs, every size comes from shapes (align_blocks pads to a bound),
 and a program past the real work exits at once.
 """
@@ -336,7 +339,7 @@ def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     grouped GEMM: (sorted_pairs int32 [max_padded], block_expert int32 [max_blocks], num_padded int32 [1]); see
     align_sizes. Each expert's pairs are contiguous, in pair order, padded with the sentinel T*k to a multiple of
     block_m; the blocks of an expert are contiguous and experts come in id order; slots past num_padded hold the
-    sentinel and blocks past it -1. On the device in two launches, fixed sizes, no host sync (CUDA graphs)."""
+    sentinel and blocks past it -1. On the device in one launch, fixed sizes, no host sync (CUDA graphs)."""
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     if not use_triton(topk_ids):
@@ -344,43 +347,33 @@ def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     ids = topk_ids.to(torch.int32).contiguous()
     num_pairs, device = ids.numel(), ids.device
     max_padded, max_blocks = align_sizes(num_pairs, num_experts, block_m)
-    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
     sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    _count_kernel[(num_experts,)](ids, counts, num_pairs, CHUNK=ALIGN_CHUNK, **pdl_args(device))
-    _align_kernel[(num_experts,)](ids, counts, sorted_pairs, block_expert, num_padded, num_pairs, num_experts,
+    _align_kernel[(num_experts,)](ids, sorted_pairs, block_expert, num_padded, num_pairs, num_experts,
                                   max_padded, max_blocks, BLOCK_M=block_m, BLOCK_E=next_power_of_2(num_experts),
                                   CHUNK=ALIGN_CHUNK, **pdl_args(device))
     return sorted_pairs, block_expert, num_padded
 
 
 @jit
-def _count_kernel(ids_ptr, counts_ptr, num_pairs, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program e: counts[e] = how many pairs chose expert e."""
-    pdl_start(USE_PDL)
-    pdl_wait(USE_PDL)
-    expert = tl.program_id(0)
-    offs = tl.arange(0, CHUNK)
-    hits = tl.zeros([CHUNK], dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        ids = tl.load(ids_ptr + start + offs, mask=start + offs < num_pairs, other=-1)
-        hits += (ids == expert).to(tl.int32)
-    tl.store(counts_ptr + expert, tl.sum(hits, axis=0))
-
-
-@jit
-def _align_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
-                  max_padded, max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts, max_padded,
+                  max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
                   USE_PDL: tl.constexpr):
-    """Program e: its expert's slots start after the padded counts of the experts below it; it writes its pairs
-    there in pair order (a running total plus the chunk's cumulative sum), then its padding and its blocks, and a
-    share of the tail past the total (sentinel slots, -1 blocks); program 0 writes the total."""
+    """Program e: counts every expert's pairs (a histogram of all ids: each program scans them, as a separate count
+    kernel's programs would, and a launch fewer waits on the router), so its expert's slots start after the padded
+    counts of the experts below it; it writes its pairs there in pair order (a running total plus the chunk's
+    cumulative sum), then its padding and its blocks, and a share of the tail past the total (sentinel slots, -1
+    blocks); program 0 writes the total."""
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)
     expert = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    offs = tl.arange(0, CHUNK)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for chunk in range(0, num_pairs, CHUNK):  # the tail past num_pairs reads as expert 0, taken off below
+        counts += tl.histogram(tl.load(ids_ptr + chunk + offs, mask=chunk + offs < num_pairs, other=0), BLOCK_E)
+    counts -= tl.where(experts == 0, tl.cdiv(num_pairs, CHUNK) * CHUNK - num_pairs, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     start = tl.sum(tl.where(experts < expert, padded, 0), axis=0)
     total = tl.sum(padded, axis=0)
@@ -423,4 +416,32 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     grouped_gemm(x, w13, inter, *aligned, weights, top_k, gated=True, tiles=tiles_up)
     out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     grouped_gemm(inter, w2, out_pairs, *aligned, weights, top_k, gated=False, tiles=tiles_down)
-    return out_pairs if top_k == 1 else out_pairs.view(num_tokens, top_k, hidden).sum(1)
+    return out_pairs if top_k == 1 else sum_pairs(out_pairs, top_k)
+
+
+SUM_PAIRS_BLOCK = 1024  # columns a sum_pairs program adds
+
+
+def sum_pairs(out_pairs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """out_pairs [T*k, H] (token t's k rows together) → [T, H]: each token's rows added in order in fp32, rounded
+    once (deterministic: no atomics, so replay equals eager bit for bit)."""
+    num_pairs, hidden = out_pairs.shape
+    if not use_triton(out_pairs):
+        return out_pairs.view(num_pairs // top_k, top_k, hidden).float().sum(1).to(out_pairs.dtype)
+    out = torch.empty(num_pairs // top_k, hidden, dtype=out_pairs.dtype, device=out_pairs.device)
+    block = min(SUM_PAIRS_BLOCK, next_power_of_2(hidden))
+    _sum_pairs_kernel[(num_pairs // top_k, cdiv(hidden, block))](out_pairs, out, hidden, TOP_K=top_k, BLOCK=block,
+                                                                 num_warps=4, **pdl_args(out.device))
+    return out
+
+
+@jit
+def _sum_pairs_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(src_ptr + (token * TOP_K + j) * H + cols, mask=cols < H, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)

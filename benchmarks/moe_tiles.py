@@ -47,7 +47,7 @@ def sweep_gemv(moe) -> dict:
     default = moe._gemv_tiles
     out = {}
     candidates = [(n, k, w) for n, k, w in itertools.product((2, 4, 8, 16, 32), (128, 256, 512, 1024), (4, 8))
-                  if 2 * K * n * k <= 256 * 32 * w]  # fp32 accumulators a thread holds (gate and up): no spills
+                  if 2 * K * n * k <= 256 * 32 * w]  # fp32 accumulators a thread holds (gate and up): 256 spill
     for tokens in ((1, 8) if E > 8 else (1,)):
         x, logits, w13, w2 = inputs(tokens)
         want = moe.routed_gemv_experts(x, logits, w13, w2, K, True)
@@ -55,8 +55,8 @@ def sweep_gemv(moe) -> dict:
         rec = {"default_us": base, "gate_up": [], "down": []}
         for which, n in (("gate_up", I), ("down", H)):
             for block_n, block_k, warps in candidates:
-                def tiles(programs, cols, top_k, device, n=n, cfg=(block_n, block_k, warps)):
-                    return cfg if cols == n else default(programs, cols, top_k, device)
+                def tiles(programs, cols, top_k, device, gated, n=n, cfg=(block_n, block_k, warps)):
+                    return cfg if cols == n else default(programs, cols, top_k, device, gated)
                 moe._gemv_tiles = tiles
                 try:
                     got = moe.routed_gemv_experts(x, logits, w13, w2, K, True)

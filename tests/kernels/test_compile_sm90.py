@@ -116,7 +116,7 @@ attention.paged_prefill_attention(torch.randn(3, 16, 128, dtype=bf), kc, vc, met
 # grouped GEMMs in both tilings, with the CUDA tiles (the host code reads no device value, so none has to be real)
 cuda = torch.device("cuda")
 moe.num_sms = lambda device: 132
-moe._gemv_tiles = lambda programs, n, k, device, tiles=moe._gemv_tiles: tiles(programs, n, k, cuda)
+moe._gemv_tiles = lambda programs, n, k, device, gated, tiles=moe._gemv_tiles: tiles(programs, n, k, cuda, gated)
 moe.grouped_tiles = lambda ppe, n, k, dtype, device: moe_gemm.grouped_tiles(ppe, n, k, dtype, cuda)
 w13, w2 = torch.randn(8, 1536, 2048, dtype=bf), torch.randn(8, 2048, 768, dtype=bf)
 moe.route(torch.randn(3, 128, dtype=bf), 8, True)

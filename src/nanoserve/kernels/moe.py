@@ -37,9 +37,12 @@ GEMV_MAX_TOKENS = 2  # up to this many tokens the gemv path always runs
 # weights in 200 µs a layer while the grouped one reads each of 126 experts once, for 64 tokens, in 282 µs.
 GEMV_MAX_PAIRS_PER_EXPERT = 0.25
 GEMV_MAX_PAIRS = 256
-GEMV_PROGRAMS_PER_SM = 2  # the gemv kernels narrow their row tiles until the grid has this many programs per SM
-GEMV_BLOCK_K = 256  # the widest K tile of a gemv weight row on CUDA
-GEMV_TILE_ELEMENTS = 4096  # weight elements a gemv program loads per K step, over its k experts' rows
+# gemv tiles (benchmarks/moe_tiles.py at both real shapes): rows narrowed until the grid has a program per SM, then K
+# tiles as wide as a thread's fp32 accumulators allow without spilling (128 a thread: 256 spill, 10-40x slower).
+# Mixtral's 14336-wide experts went 215 -> ~173 us a layer over the old 4096-element tiles; Qwen3's stayed at ~31.
+GEMV_PROGRAMS_PER_SM = 1
+GEMV_ACC_PER_THREAD = 128
+GEMV_BLOCK_K = 1024  # the widest K tile of a gemv weight row on CUDA
 GEMV_NUM_WARPS = 4
 ALIGN_CHUNK = 1024  # expert ids per step of align_blocks' scans
 
@@ -144,17 +147,17 @@ def _checked(x, w13, w2, topk_weights, topk_ids):
 
 
 # -- the gemv path -------------------------------------------------------------------------------------------------
-def _gemv_tiles(programs: int, n: int, top_k: int, device: torch.device) -> tuple[int, int, int]:
+def _gemv_tiles(programs: int, n: int, top_k: int, device: torch.device, gated: bool) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of a gemv kernel whose programs each read BLOCK_N rows of all k experts of a
-    token: rows as many as keep GEMV_PROGRAMS_PER_SM programs per SM (a narrow tile per expert, but k of them in
-    flight at once), K tiles of GEMV_TILE_ELEMENTS over the k experts' rows so a program's loads of one step stay
-    the same size whatever k is."""
+    token (gated: and as many up rows, a second accumulator): rows as many as keep GEMV_PROGRAMS_PER_SM programs per
+    SM (a narrow tile per expert, but k of them in flight at once), then K tiles that fill GEMV_ACC_PER_THREAD."""
     if device.type != "cuda":
         return 4, 32, 4
     want = GEMV_PROGRAMS_PER_SM * num_sms(device)
     block_n = next((b for b in (16, 8, 4) if programs * cdiv(n, b) >= want), 2)
-    block_k = max(32, min(GEMV_BLOCK_K, GEMV_TILE_ELEMENTS // (next_power_of_2(top_k) * block_n)))
-    return block_n, block_k, GEMV_NUM_WARPS
+    accumulators = (2 if gated else 1) * next_power_of_2(top_k) * block_n
+    block_k = GEMV_ACC_PER_THREAD * 32 * GEMV_NUM_WARPS // accumulators
+    return block_n, max(32, min(GEMV_BLOCK_K, block_k)), GEMV_NUM_WARPS
 
 
 def gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -188,12 +191,12 @@ def _gemv(x, w13, w2, routed, logits, num_experts: int, top_k: int, route: bool)
     inter = torch.empty(num_tokens * top_k, inter_size, dtype=x.dtype, device=x.device)
     shared = dict(TOP_K=top_k, KP=next_power_of_2(top_k), EP=next_power_of_2(num_experts), ROUTE=route,
                   RENORMALIZE=renormalize, **pdl_args(x.device))
-    block_n, block_k, warps = _gemv_tiles(num_tokens, inter_size, top_k, x.device)
+    block_n, block_k, warps = _gemv_tiles(num_tokens, inter_size, top_k, x.device, gated=True)
     _gemv_gate_up_kernel[(num_tokens, cdiv(inter_size, block_n))](
         x, logit_rows, ids, w13, inter, hidden, inter_size, num_experts, x.stride(0), logit_rows.stride(0),
         w13.stride(0), w13.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
         num_warps=warps, **shared)
-    block_n, block_k, warps = _gemv_tiles(num_tokens, hidden, top_k, x.device)
+    block_n, block_k, warps = _gemv_tiles(num_tokens, hidden, top_k, x.device, gated=False)
     _gemv_down_kernel[(num_tokens, cdiv(hidden, block_n))](
         inter, logit_rows, ids, weights, w2, out, hidden, inter_size, num_experts, logit_rows.stride(0),
         w2.stride(0), w2.stride(1), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,

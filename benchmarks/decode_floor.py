@@ -607,7 +607,8 @@ def products_sweep(args, bandwidth: float) -> dict:
 
 
 # -- decode attention alone ------------------------------------------------------------------------------
-ATTENTION_SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128)}  # heads, kv heads, head_dim
+ATTENTION_SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128),  # heads, kv heads, head_dim
+                    "qwen3-30b-a3b": (32, 4, 128)}
 L2_DEFEAT_BYTES = 256 * 2**20  # KV per replay, over all layers: several times the H200's 50 MB L2
 
 

@@ -189,7 +189,9 @@ def test_decode_strided_query():
 def test_decode_num_splits_from_static_shapes_only():
     sms = 132
     assert tk.decode_num_splits(1, 8, 512, sms) == 512 // tk.DECODE_MIN_PARTITION  # capped by the minimum partition
-    assert tk.decode_num_splits(1, 8, 32768, sms) == triton.cdiv(tk.DECODE_WAVES * sms, 8)
+    assert tk.decode_num_splits(1, 8, 32768, sms) == min(triton.cdiv(tk.DECODE_WAVES_SPARSE * sms, 8),
+                                                          tk.DECODE_MAX_SPLITS)  # a sparse grid: many splits
+    assert tk.decode_num_splits(sms, 1, 32768, sms) == tk.DECODE_WAVES  # a full grid: a few waves
     assert tk.decode_num_splits(256, 8, 32768, sms) == 1  # the batch alone fills the GPU
     assert tk.decode_num_splits(1, 1, 10 ** 7, sms) == tk.DECODE_MAX_SPLITS
     assert tk.decode_num_splits(4, 8, 16, sms) == 1

@@ -52,7 +52,12 @@ _LOG2E = 1.4426950408889634
 # Decode splits: each covers at least MIN_PARTITION tokens (less is not worth its partials), and the
 # grid aims for WAVES programs per SM so that small batches still fill the GPU.
 DECODE_MIN_PARTITION = 64  # tokens; with per-sequence partitions short contexts still spread over the splits
-DECODE_WAVES = 4
+# Splits aim for DECODE_WAVES programs per SM once the (sequence, kv head) grid alone fills the SMs (more splits then
+# only add partials and merge traffic: b=64 Qwen3-30B-A3B 24.2 µs a layer at 2 splits vs 30.4 at 3; b=256 best
+# unsplit), for DECODE_WAVES_SPARSE while it does not (b=8 Llama-3.1-8B 11.2 µs at 33 splits vs 13.9 at 9):
+# benchmarks/results/attention_waves_*_h200.json.
+DECODE_WAVES = 2
+DECODE_WAVES_SPARSE = 16
 DECODE_MAX_SPLITS = 128
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3  # software-pipeline depth of the key-tile loop (Triton's default on sm_90)
@@ -253,7 +258,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
     """Splits per sequence, from static shapes only (graph-safe): enough programs to fill the GPU,
     none shorter than DECODE_MIN_PARTITION tokens."""
     programs = max(1, num_seqs * num_kv_heads)
-    wanted = cdiv(DECODE_WAVES * num_sms, programs)
+    wanted = cdiv((DECODE_WAVES if programs >= num_sms else DECODE_WAVES_SPARSE) * num_sms, programs)
     return max(1, min(wanted, cdiv(max_context, DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
 
 

@@ -84,8 +84,11 @@ def ttft(llm, counts, tokens: int, flops: float) -> dict:
         start = time.perf_counter()
         llm.generate([prompt], params, use_tqdm=False)
         walls.append(1e3 * (time.perf_counter() - start))
-    table = kind_table(profile_step(lambda: llm.generate([prompt], params, use_tqdm=False)))
-    host = _host_profile(lambda: llm.generate([prompt], params, use_tqdm=False))
+    def fresh():  # a new prompt each call: a repeated one would hit the prefix cache and profile a 16-token step
+        return torch.randint(10, 30000, (tokens,), generator=g).tolist()
+
+    table = kind_table(profile_step(lambda p=fresh(): llm.generate([p], params, use_tqdm=False)))
+    host = _host_profile(lambda p=fresh(): llm.generate([p], params, use_tqdm=False))
     floor_ms = 1e3 * 2 * counts.active * tokens / flops
     median = statistics.median(walls[1:])
     print(f"  TTFT {tokens} tokens: {median:.2f} ms (FLOP floor {floor_ms:.2f} ms, {median / floor_ms:.2f}x)", flush=True)
@@ -150,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", choices=sorted(SHAPES))
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 64, 256])
+    p.add_argument("--decode-only", action="store_true", help="start-up and decode steps only (kernel experiments)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("moe.py needs a CUDA GPU")
@@ -165,14 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         llm, report["startup"] = start_engine(model_dir, 256)
         print(f"  start-up {report['startup']['engine_start_s']:.1f} s, capture {report['startup']['capture_s']:.2f} s",
               flush=True)
-        report["decode"] = decode_steps(llm, counts, cfg, [1, 8, 64, 256], bandwidth)
-        if args.model == "qwen3":
+        report["decode"] = decode_steps(llm, counts, cfg, args.batch_sizes, bandwidth)
+        if args.model == "qwen3" and not args.decode_only:
             report["ttft"] = ttft(llm, counts, 1024, flops)
             report["prefill_8x2048"] = prefill_batch(llm, 8, 2048)
             report["expert_gemm_8192"] = expert_gemm_rate(cfg, 8192, flops)
         llm.close()
         del llm
-    if args.model == "qwen3" and not args.skip_throughput:
+    if args.model == "qwen3" and not (args.skip_throughput or args.decode_only):
         torch.cuda.empty_cache()
         report["throughput"] = measure_model(name, ["async"], bandwidth, flops)
     print(f"wrote {write_json(args.out / f'moe_{args.model}.json', report)}")

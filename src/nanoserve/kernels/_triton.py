@@ -114,14 +114,6 @@ def pdl_wait(USE_PDL: tl.constexpr):
         gdc_wait()
 
 
-@jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at ptrs (kept with evict_last priority): no registers, no wait. CUDA only (inline
-    PTX: the interpreter cannot run it), so callers switch it off elsewhere."""
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2::evict_last [$1];", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
 @functools.cache
 def _device_supports_pdl(device_index: int) -> bool:
     return HAS_GDC and torch.cuda.get_device_capability(device_index)[0] >= 9

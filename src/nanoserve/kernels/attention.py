@@ -53,10 +53,11 @@ _LOG2E = 1.4426950408889634
 # grid aims for WAVES programs per SM so that small batches still fill the GPU.
 DECODE_MIN_PARTITION = 64  # tokens; with per-sequence partitions short contexts still spread over the splits
 # Splits aim for DECODE_WAVES programs per SM once the (sequence, kv head) grid alone fills the SMs (more splits then
-# only add partials and merge traffic: b=64 Qwen3-30B-A3B 24.2 µs a layer at 2 splits vs 30.4 at 3; b=256 best
-# unsplit), for DECODE_WAVES_SPARSE while it does not (b=8 Llama-3.1-8B 11.2 µs at 33 splits vs 13.9 at 9):
-# benchmarks/results/attention_waves_*_h200.json.
-DECODE_WAVES = 2
+# only add partials and merge traffic: b=64 Qwen3-30B-A3B 24.2 µs a layer at 2 splits vs 30.4 at 3; b=64 Llama-3.1-8B
+# and every b=256 best unsplit; the engine's 81-row graph of Qwen3-30B-A3B 26.1 µs at 2 splits, 26.6 at 1), for
+# DECODE_WAVES_SPARSE while it does not (b=8 Llama-3.1-8B 11.2 µs at 33 splits vs 13.9 at 9):
+# benchmarks/results/attention_waves_*_h200.json, experiments/moe_qwen3_prefetch_down_*.json.
+DECODE_WAVES = 3
 DECODE_WAVES_SPARSE = 16
 DECODE_MAX_SPLITS = 128
 DECODE_NUM_WARPS = 4

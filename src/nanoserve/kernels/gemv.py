@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from nanoserve.kernels import fp8, fused
 from nanoserve.kernels.fp8 import SCALE_GROUP_K
 from nanoserve.kernels._triton import (HAS_TRITON, cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_enabled,
-                                       pdl_start, pdl_wait, prefetch_l2, prev_power_of_2, tl, use_triton)
+                                       pdl_start, pdl_wait, prev_power_of_2, tl, use_triton)
 from nanoserve.kernels.rotary_kv import QKVRope
 from nanoserve.kernels.switches import SWITCHES
 
@@ -577,6 +577,13 @@ def _prefetch_lines(p: LaunchPlan, weight_bytes: int, element_size: int, device:
 
 
 @jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at ptrs: no registers, no wait (the loads after gdc_wait then hit L2)."""
+    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2::evict_last [$1];", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@jit
 def _prefetch_weights(w_ptr, pid_n, N, K, k_start, k_stop, BLOCK_N: tl.constexpr, LINES: tl.constexpr,
                       LINE: tl.constexpr):
     """Prefetch rows [pid_n * BLOCK_N, +BLOCK_N) x columns [k_start, k_stop) of W, one line (LINE elements) each."""
@@ -584,7 +591,7 @@ def _prefetch_weights(w_ptr, pid_n, N, K, k_start, k_stop, BLOCK_N: tl.constexpr
     per_row = tl.cdiv(k_stop - k_start, LINE)
     row = tl.minimum(idx // per_row, BLOCK_N - 1)
     col = tl.minimum(k_start + (idx % per_row) * LINE, K - 1)
-    prefetch_l2(w_ptr + ((pid_n * BLOCK_N + row) % N).to(tl.int64) * K + col)
+    _prefetch_l2(w_ptr + ((pid_n * BLOCK_N + row) % N).to(tl.int64) * K + col)
 
 
 @jit

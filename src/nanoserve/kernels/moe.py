@@ -26,8 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels._triton import (cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_start, pdl_wait, prefetch_l2, tl,
-                                       use_triton)
+from nanoserve.kernels._triton import cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_start, pdl_wait, tl, use_triton
 from nanoserve.kernels.moe_gemm import grouped_gemm, grouped_tiles
 
 GEMV, GROUPED = "gemv", "grouped"
@@ -45,10 +44,6 @@ GEMV_PROGRAMS_PER_SM = 1
 GEMV_ACC_PER_THREAD = 128
 GEMV_BLOCK_K = 1024  # the widest K tile of a gemv weight row on CUDA
 GEMV_NUM_WARPS = 4
-# While the gate/up kernel streams its weights (at one token ~60% of the bandwidth: a 50 MB product is latency as much
-# as bytes), its programs ask L2 for the down weights of the same experts, so the down kernel reads them from L2: when
-# all the step's down weights fit in this much of the H200's 50 MB L2 (Qwen3-30B-A3B at one token: 24 MiB).
-GEMV_PREFETCH_DOWN_MAX_BYTES = 32 * 2**20
 ALIGN_CHUNK = 1024  # expert ids per step of align_blocks' scans
 
 
@@ -197,40 +192,16 @@ def _gemv(x, w13, w2, routed, logits, num_experts: int, top_k: int, route: bool)
     shared = dict(TOP_K=top_k, KP=next_power_of_2(top_k), EP=next_power_of_2(num_experts), ROUTE=route,
                   RENORMALIZE=renormalize, **pdl_args(x.device))
     block_n, block_k, warps = _gemv_tiles(num_tokens, inter_size, top_k, x.device, gated=True)
-    programs = cdiv(inter_size, block_n)
-    _gemv_gate_up_kernel[(num_tokens, programs)](
-        x, logit_rows, ids, w13, inter, w2, hidden, inter_size, num_experts, x.stride(0), logit_rows.stride(0),
-        w13.stride(0), w13.stride(1), w2.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
-        PREFETCH=_prefetch_down_lines(w2, num_tokens * top_k, programs), LINE=128 // w2.element_size(), num_warps=warps,
-        **shared)
+    _gemv_gate_up_kernel[(num_tokens, cdiv(inter_size, block_n))](
+        x, logit_rows, ids, w13, inter, hidden, inter_size, num_experts, x.stride(0), logit_rows.stride(0),
+        w13.stride(0), w13.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
+        num_warps=warps, **shared)
     block_n, block_k, warps = _gemv_tiles(num_tokens, hidden, top_k, x.device, gated=False)
     _gemv_down_kernel[(num_tokens, cdiv(hidden, block_n))](
         inter, logit_rows, ids, weights, w2, out, hidden, inter_size, num_experts, logit_rows.stride(0),
         w2.stride(0), w2.stride(1), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=inter_size % block_k == 0, num_warps=warps, **shared)
     return out
-
-
-def _prefetch_down_lines(w2: torch.Tensor, pairs: int, programs: int) -> int:
-    """128-byte lines of each of its token's experts' down weights that a gate/up program prefetches (a power of two;
-    0: none): on CUDA, when the pairs' down weights fit in GEMV_PREFETCH_DOWN_MAX_BYTES and w2 is contiguous."""
-    expert_bytes = w2[0].numel() * w2.element_size()
-    if w2.device.type != "cuda" or not w2.is_contiguous() or pairs * expert_bytes > GEMV_PREFETCH_DOWN_MAX_BYTES:
-        return 0
-    return next_power_of_2(cdiv(cdiv(expert_bytes, 128), programs))
-
-
-@jit
-def _prefetch_experts(w_ptr, ids, stride_we, expert_elements, LINES: tl.constexpr, KP: tl.constexpr,
-                      TOP_K: tl.constexpr, LINE: tl.constexpr):
-    """Program n of a token prefetches lines [n * LINES, (n + 1) * LINES) of each of its k experts' (contiguous)
-    weights into L2."""
-    slots = tl.arange(0, KP)
-    offs = (tl.program_id(1) * LINES + tl.arange(0, LINES)).to(tl.int64) * LINE
-    offs = tl.minimum(offs, expert_elements - 1)
-    for j in tl.static_range(TOP_K):
-        expert = tl.sum(tl.where(slots == j, ids, 0), axis=0)
-        prefetch_l2(w_ptr + expert * stride_we + offs)
 
 
 @jit
@@ -272,21 +243,17 @@ def _token_routing(logits_ptr, ids_ptr, weights_ptr, token, num_experts, stride_
 
 
 @jit
-def _gemv_gate_up_kernel(x_ptr, logits_ptr, ids_ptr, w_ptr, inter_ptr, w2_ptr, H, I, num_experts, stride_x, stride_l,
-                         stride_we, stride_wn, stride_w2e, TOP_K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+def _gemv_gate_up_kernel(x_ptr, logits_ptr, ids_ptr, w_ptr, inter_ptr, H, I, num_experts, stride_x, stride_l,
+                         stride_we, stride_wn, TOP_K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
                          ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (t, n): inter[t*k + j, n-tile] = silu(gate rows · x) * (up rows · x) of expert ids[t, j], every j at
-    once (k experts' loads in flight together); with PREFETCH, first its share of those experts' down weights into L2
-    (its own loads, read once, are marked evict-first, so the stream does not push those out)."""
+    once (k experts' loads in flight together)."""
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)  # the router's logits (or ids) and x are the previous kernels'
     token = tl.program_id(0).to(tl.int64)
     _, ids = _token_routing(logits_ptr, ids_ptr, ids_ptr, token, num_experts, stride_l, TOP_K, KP, EP, ROUTE,
                             RENORMALIZE)
-    if PREFETCH > 0:
-        _prefetch_experts(w2_ptr, ids, stride_w2e, H * I, PREFETCH, KP, TOP_K, LINE)
     slots = tl.arange(0, KP)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
@@ -304,10 +271,8 @@ def _gemv_gate_up_kernel(x_ptr, logits_ptr, ids_ptr, w_ptr, inter_ptr, w2_ptr, H
         else:
             xk = tl.load(x_row + k + cols, mask=k + cols < H, other=0.0).to(tl.float32)
             w_mask = mask & (k + cols[None, None, :] < H)
-        acc_gate += tl.load(gate_ptrs + k, mask=w_mask, other=0.0, eviction_policy="evict_first").to(
-            tl.float32) * xk[None, None, :]
-        acc_up += tl.load(gate_ptrs + up_step + k, mask=w_mask, other=0.0,
-                          eviction_policy="evict_first").to(tl.float32) * xk[None, None, :]
+        acc_gate += tl.load(gate_ptrs + k, mask=w_mask, other=0.0).to(tl.float32) * xk[None, None, :]
+        acc_up += tl.load(gate_ptrs + up_step + k, mask=w_mask, other=0.0).to(tl.float32) * xk[None, None, :]
     gate = tl.sum(acc_gate, axis=2)
     inter = gate / (1.0 + tl.exp(-gate)) * tl.sum(acc_up, axis=2)
     out_ptrs = inter_ptr + (token * TOP_K + slots)[:, None] * I + rows[None, :]

@@ -185,6 +185,6 @@ def test_gpu_prefill_window_real_shapes(num_heads, num_kv_heads, head_dim, windo
     # Without a prefix and softcap this is flash varlen with its window; the paged kernel everywhere else.
     out = tk.prefill_attention(q, k, v, batch.k_cache, batch.v_cache, meta, scale, window=window, softcap=softcap)
     assert_close(out, ref, torch.bfloat16)
-    paged, _ = windowed_prefill(prefix, new, window, softcap, num_heads, num_kv_heads, head_dim, 16, torch.bfloat16,
-                                seed=9)
-    assert_close(paged, ref, torch.bfloat16)
+    paged, paged_ref = windowed_prefill(prefix, new, window, softcap, num_heads, num_kv_heads, head_dim, 16,
+                                        torch.bfloat16, seed=9)
+    assert_close(paged, paged_ref, torch.bfloat16)

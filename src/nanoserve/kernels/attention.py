@@ -152,8 +152,8 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin
     the rows of q (log2-domain online softmax); row r attends only to keys in [first_key[r], last_key[r]] (its
     sliding window); keys outside [begin, end) are not even loaded, nor their block-table entries. A row may see
     no key of a tile (its window starts later): its running max then stays -inf and the tile adds nothing.
-    MASKED=False: the caller knows every row sees every key of the tile (below the causal
-    diagonal, inside every row's window), so neither the loads nor the scores are masked."""
+    MASKED=False: the caller knows every row sees every key of the tile (below the causal diagonal, inside every
+    row's window), so neither the loads nor the scores are masked."""
     keys = start + tl.arange(0, BLOCK_N)
     offsets = keys % BLOCK_SIZE
     if MASKED:
@@ -169,11 +169,10 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin
     if MASKED:
         seen = key_ok[None, :] & (keys[None, :] >= first_key[:, None]) & (keys[None, :] <= last_key[:, None])
         scores = tl.where(seen, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = m_new
+    if MASKED:
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: exp2(-inf - 0) = 0, not NaN
-    else:
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = m_new
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -195,13 +194,15 @@ def _scores(dots, qk_scale, cap_scale, SOFTCAP: tl.constexpr):
 
 @jit
 def _decode_partition(context_len, window, num_splits, BLOCK_N: tl.constexpr):
-    """(first key, tokens per split) of this sequence's decode: its keys [max(0, context_len - window), context_len)
-    spread over all splits, in whole tiles, from the window's first key on (blocks that slid out of the window are
-    never read). Sized on the device from context_len, so a short context in an engine built for long ones still
-    uses every split."""
+    """(first key, first tile, tokens per split) of this sequence's decode: the keys [max(0, context_len - window),
+    context_len) spread over all splits in whole tiles, from the tile that holds the window's first key (tile-aligned
+    partitions keep the key-tile loads vectorised; the keys before the window in that tile are masked, not loaded),
+    so blocks that slid out of the window are never read. Sized on the device from context_len, so a short context
+    in an engine built for long ones still uses every split."""
     window_start = tl.maximum(context_len - window, 0)
-    span = context_len - window_start
-    return window_start, tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N), 1) * BLOCK_N
+    first_tile = window_start // BLOCK_N * BLOCK_N
+    span = context_len - first_tile
+    return window_start, first_tile, tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N), 1) * BLOCK_N
 
 
 @jit
@@ -219,8 +220,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    window_start, partition_size = _decode_partition(context_len, window, num_splits, BLOCK_N)
-    part_start = window_start + split * partition_size
+    window_start, first_tile, partition_size = _decode_partition(context_len, window, num_splits, BLOCK_N)
+    part_start = first_tile + split * partition_size
     # Partitions past the context exit at once. "<=" lets an empty context (padding rows) write
     # zeros from split 0; the reduce ignores the empty partial that this also writes for split > 0.
     if part_start <= context_len:
@@ -237,10 +238,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        first_key = tl.zeros([BLOCK_G], tl.int32) + part_start  # every row sees the whole partition
-        last_key = tl.zeros([BLOCK_G], tl.int32) + (part_end - 1)
+        first_key = tl.zeros([BLOCK_G], tl.int32) + window_start
+        last_key = tl.zeros([BLOCK_G], tl.int32) + (part_end - 1)  # all rows share the keys [window_start, part_end)
         for start in range(part_start, part_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, part_start,
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, window_start,
                                          part_end, first_key, last_key, kv_head, dims, dim_ok, qk_scale, cap_scale,
                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                          BLOCK_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST, SOFTCAP)
@@ -267,8 +268,8 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, 
     seq = tl.program_id(0)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
-    window_start, partition_size = _decode_partition(context_len, window, num_splits, BLOCK_N)
-    num_valid = tl.cdiv(context_len - window_start, partition_size)  # splits that saw tokens; later ones are ignored
+    _window_start, first_tile, partition_size = _decode_partition(context_len, window, num_splits, BLOCK_N)
+    num_valid = tl.cdiv(context_len - first_tile, partition_size)  # splits that saw tokens; later ones are ignored
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
     split_ok = splits < num_valid

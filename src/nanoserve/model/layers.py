@@ -133,14 +133,16 @@ class Linear(nn.Linear):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP with gate and up projections merged into one matmul; SiLU-and-mul feeds the down projection.
+    """Gated MLP (SwiGLU, or GeGLU with activation "gelu_tanh") with gate and up projections merged into one matmul;
+    act-and-mul feeds the down projection.
 
     The projections are the sharded layers below: gate_up column-parallel ([gate slice; up slice] of this
     rank), down row-parallel, whose partial products one all-reduce sums (a no-op on one rank)."""
 
-    def __init__(self, gate_up_proj: Linear, down_proj: Linear, tp: TensorParallel) -> None:
+    def __init__(self, gate_up_proj: Linear, down_proj: Linear, tp: TensorParallel, activation: str = "silu") -> None:
         super().__init__()
-        self.gate_up_proj, self.down_proj, self.tp = gate_up_proj, down_proj, tp
+        fused.activation_id(activation)  # ValueError for an activation the kernels lack
+        self.gate_up_proj, self.down_proj, self.tp, self.activation = gate_up_proj, down_proj, tp, activation
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """The pre-norm MLP of a decoder layer: returns (its output, the residual stream)."""
@@ -153,7 +155,11 @@ class MLP(nn.Module):
 
     def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
-        return gemv.silu_mul_linear(gate_up, down.weight, down.bias, weight_scale=down.weight_scale)
+        return gemv.silu_mul_linear(gate_up, down.weight, down.bias, weight_scale=down.weight_scale,
+                                    activation=self.activation)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation}"
 
 
 class Attention(nn.Module):

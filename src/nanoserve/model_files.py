@@ -170,8 +170,9 @@ def _check_no_sliding_window(hf_config, arch: str) -> None:
 
 
 def rope_parameters(hf_config) -> dict:
-    """The config's RoPE settings as one flat dict with rope_type and rope_theta (transformers 4.x or 5.x layout),
-    checked: a supported rope_type with every setting it needs (model/layers.py's rope_inv_freq reads them)."""
+    """The config's RoPE settings as one flat dict with rope_type, rope_theta and partial_rotary_factor (1.0 unless
+    the config rotates only part of each head) (transformers 4.x or 5.x layout), checked: a supported rope_type with
+    every setting it needs (model/layers.py's rope_inv_freq reads them)."""
     params = getattr(hf_config, "rope_parameters", None)
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
@@ -185,8 +186,10 @@ def rope_parameters(hf_config) -> dict:
         why = " (it rescales with the sequence length, so cached keys would go stale)" if rope_type in (
             "dynamic", "longrope") else ""
         raise ValueError(f"unsupported rope_type {rope_type!r}{why}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
+    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    params["partial_rotary_factor"] = 1.0 if factor is None else float(factor)  # rotary_dim = int(head_dim · this)
+    if not 0.0 < params["partial_rotary_factor"] <= 1.0:
+        raise ValueError(f"partial_rotary_factor={factor} must be in (0, 1]")
     for name in _ROPE_SETTINGS[rope_type]:
         if name not in params:
             raise ValueError(f"rope_type {rope_type!r} needs the setting {name!r}")

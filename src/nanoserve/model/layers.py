@@ -41,7 +41,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim // 2] (float32) and the cos/sin scale for one RoPE variant.
+    """Inverse frequencies [head_dim // 2] (float32) and the cos/sin scale for one RoPE variant; head_dim is the
+    rotated width (rotary_dim under partial rotary, as HF computes it).
 
     params: nanoserve.model_files.rope_parameters' checked settings: a variant that is a fixed function of the
     position (its cos/sin is cached once and keys stored in the paged cache stay valid), with every setting it needs.
@@ -104,19 +105,30 @@ def _yarn_inv_freq(head_dim: int, base: float, params: dict, max_position: int) 
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate-half, as in HF Llama/Qwen) from a cos/sin table precomputed for every position.
 
-    The table is built on the CPU even when the model is constructed on the meta device, and follows the
-    model with .to(device). Row p holds [cos, cos, -sin, sin]: kernels.rotary_kv.qk_norm_rope applies it.
+    With rotary_dim < head_dim (partial rotary: Phi-3 / Phi-4-mini, rotary_dim = int(head_dim ·
+    partial_rotary_factor)) only the first rotary_dim dims of each head rotate, with the frequencies of a
+    rotary_dim-wide head, and the rest pass through, as HF's Phi-3 does; the kernels read rotary_dim from the table's
+    width (kernels.rotary_kv.rotary_dim). The table is built on the CPU even when the model is constructed on the meta
+    device, and follows the model with .to(device). Row p holds [cos, cos, -sin, sin] (rotary_dim / 2 each):
+    kernels.rotary_kv.qk_norm_rope applies it.
     """
 
-    def __init__(self, head_dim: int, max_position: int, params: dict, dtype: torch.dtype) -> None:
+    def __init__(self, head_dim: int, max_position: int, params: dict, dtype: torch.dtype,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
-        self.head_dim = head_dim
-        inv_freq, scaling = rope_inv_freq(head_dim, params, max_position)
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim={rotary_dim} must be even and in 1..head_dim={head_dim}")
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim
+        inv_freq, scaling = rope_inv_freq(rotary_dim, params, max_position)
         positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
         cache = torch.cat([cos, cos, -sin, sin], dim=-1).to(dtype)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}"
 
 
 class Linear(nn.Linear):

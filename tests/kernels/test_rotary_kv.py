@@ -136,16 +136,3 @@ def test_table_wider_than_the_head_is_refused():
         rotary_kv.qk_norm_rope_ref(torch.zeros(1, 2, 16), torch.zeros(1, 1, 16), torch.zeros(4, 40),
                                    torch.zeros(1, dtype=torch.long))
 
-
-def test_rope_parameters_return_the_partial_rotary_factor():
-    from transformers import LlamaConfig, Phi3Config
-
-    from nanoserve.model.layers import RotaryEmbedding
-    from nanoserve.model_files import rope_parameters
-
-    assert rope_parameters(Phi3Config(partial_rotary_factor=0.75))["partial_rotary_factor"] == 0.75
-    assert rope_parameters(LlamaConfig())["partial_rotary_factor"] == 1.0
-    rope = RotaryEmbedding(32, 8, {"rope_type": "default", "rope_theta": 10000.0}, torch.float32, rotary_dim=24)
-    assert rope.cos_sin_cache.shape == (8, 48) and rotary_kv.rotary_dim(rope.cos_sin_cache, 32) == 24
-    with pytest.raises(ValueError, match="rotary_dim=7"):
-        RotaryEmbedding(32, 8, {"rope_type": "default", "rope_theta": 10000.0}, torch.float32, rotary_dim=7)

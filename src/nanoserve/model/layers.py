@@ -57,6 +57,8 @@ def rope_inv_freq(head_dim: int, params: dict, max_position: int) -> tuple[torch
         return _llama3_inv_freq(inv_freq, params), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, base, params, max_position)
+    if rope_type == "longrope":
+        return _longrope_inv_freq(base ** exponents, params, max_position)
     return inv_freq, 1.0
 
 
@@ -70,6 +72,28 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, blended, scaled)
+
+
+def _longrope_inv_freq(pos_freqs: torch.Tensor, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3-128k, Phi-4-mini): each frequency slowed by its own factor, cos/sin scaled by an attention factor.
+
+    HF picks short_factor while a sequence is at most original_max_position_embeddings long and long_factor beyond,
+    recomputing every key when it switches; keys in the paged cache cannot follow, so one set is fixed for the engine
+    from its longest position (vLLM's rule): short factors when max_position <= original_max_position_embeddings,
+    long otherwise. Greedy tokens therefore equal HF's whenever max_position (the engine's max length) is at most
+    original_max_position_embeddings; with a longer max_position, sequences that stay short differ from HF's (which
+    would use short factors for them). The attention factor is the config's, else HF's sqrt(1 + ln(factor) /
+    ln(original_max_position_embeddings)) from the config's factor (rope_parameters: max_position_embeddings /
+    original_max_position_embeddings by default), whichever set is used."""
+    old_len = params["original_max_position_embeddings"]
+    name = "long_factor" if max_position > old_len else "short_factor"
+    ext = torch.tensor(params[name], dtype=torch.float32, device="cpu")
+    if ext.shape != pos_freqs.shape:
+        raise ValueError(f"longrope {name} has {ext.numel()} values, the rotated head needs {pos_freqs.numel()}")
+    factor, attention_factor = params["factor"], params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    return 1.0 / (ext * pos_freqs), float(attention_factor)
 
 
 def _yarn_inv_freq(head_dim: int, base: float, params: dict, max_position: int) -> tuple[torch.Tensor, float]:

@@ -44,7 +44,7 @@ def rope_inv_freq(head_dim: int, params: dict, max_position: int) -> tuple[torch
     """Inverse frequencies [head_dim // 2] (float32) and the cos/sin scale for one RoPE variant; head_dim is the
     rotated width (rotary_dim under partial rotary, as HF computes it).
 
-    params: nanoserve.model_files.rope_parameters' checked settings: a variant that is a fixed function of the
+    params: nanoserve.rope_config.rope_parameters' checked settings: a variant that is a fixed function of the
     position (its cos/sin is cached once and keys stored in the paged cache stay valid), with every setting it needs.
     """
     rope_type = params["rope_type"]

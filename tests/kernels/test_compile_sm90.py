@@ -85,11 +85,13 @@ kc, vc = torch.zeros(10, 16, 8, 128, dtype=bf), torch.zeros(10, 16, 8, 128, dtyp
 cos_sin = torch.randn(4096, 256, dtype=bf)
 fused.rms_norm(x3, norm_w, 1e-6, x3.clone())
 fused.silu_and_mul(torch.randn(3, 6144, dtype=bf))
+fused.silu_and_mul(torch.randn(3, 6144, dtype=bf), activation="gelu_tanh")  # GeGLU (Gemma)
 qkv = torch.randn(3, 4096, dtype=bf)
 q, k, v = qkv[:, :2048].view(3, 16, 128), qkv[:, 2048:3072].view(3, 8, 128), qkv[:, 3072:].view(3, 8, 128)
 slots = torch.zeros(3, dtype=torch.int64)
 rotary_kv.qk_norm_rope(q, k, cos_sin, slots, torch.ones(128, dtype=bf), torch.ones(128, dtype=bf), 1e-6,
                        kv_store=(v, kc, vc, slots))
+rotary_kv.qk_norm_rope(q, k, torch.randn(4096, 192, dtype=bf), slots, kv_store=(v, kc, vc, slots))  # partial rotary (Phi-4-mini)
 attention.store_kv(k, v, kc, vc, slots)
 tables, lens = torch.zeros(3, 32, dtype=torch.int32), torch.full((3,), 500, dtype=torch.int32)
 attention.decode_attention(torch.randn(3, 16, 128, dtype=bf), kc, vc, tables, lens, 0.1)

@@ -103,6 +103,8 @@ def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, e
     v, k_cache, v_cache, slots = kv_store if kv_store is not None else (k, k_out, k_out, positions)
     if kv_store is not None and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
+    if not cos_sin_cache.is_contiguous():
+        raise ValueError("the cos/sin table must be contiguous [max_position, 2 * rotary_dim]")
     block_t = ROPE_BLOCK_T if tokens >= ROPE_MIN_TOKENS_PER_BLOCK else 1
     _qk_norm_rope_kernel[(cdiv(tokens, block_t), num_heads + num_kv_heads)](
         q, k, v, q_out, k_out, k_cache, v_cache, slots, cos_sin_cache, positions,

@@ -3,8 +3,8 @@ tokenizer, EOS ids, and a GGUF file's metadata.
 
 The ground floor of the package (it imports only other ground modules: errors, checkpoint_formats, rope_config):
 the server, the engine and the loader read a model folder or a .gguf file through here, and every refusal is one
-ModelLoadError line naming the file at fault, raised before any weight is read. No torch: the API process and the CLI read
-configs and tokenizers without it. Weights are model/loader.py's (safetensors) and model/gguf.py's.
+ModelLoadError line naming the file at fault, raised before any weight is read. No torch: the API process and the
+CLI read configs and tokenizers without it. Weights are model/loader.py's (safetensors) and model/gguf.py's.
 
 A GGUF file is read by transformers (config and tokenizer from the metadata, the code behind
 `from_pretrained(..., gguf_file=...)`); nothing here parses the format by hand beyond its magic bytes.

@@ -34,7 +34,7 @@ def rope_parameters(hf_config) -> dict:
     params["partial_rotary_factor"] = 1.0 if factor is None else float(factor)  # rotary_dim = int(head_dim · this)
     if not 0.0 < params["partial_rotary_factor"] <= 1.0:
         raise ValueError(f"partial_rotary_factor={factor} must be in (0, 1]")
-    if getattr(hf_config, "original_max_position_embeddings", None) is not None:  # transformers 4.x: Phi-3 keeps it here
+    if getattr(hf_config, "original_max_position_embeddings", None) is not None:  # Phi-3 under transformers 4.x
         params.setdefault("original_max_position_embeddings", hf_config.original_max_position_embeddings)
     if rope_type == "longrope" and params.get("factor") is None and "original_max_position_embeddings" in params:
         # HF's default, from the config rather than the engine's max length (which picks the factor set)

@@ -91,7 +91,8 @@ q, k, v = qkv[:, :2048].view(3, 16, 128), qkv[:, 2048:3072].view(3, 8, 128), qkv
 slots = torch.zeros(3, dtype=torch.int64)
 rotary_kv.qk_norm_rope(q, k, cos_sin, slots, torch.ones(128, dtype=bf), torch.ones(128, dtype=bf), 1e-6,
                        kv_store=(v, kc, vc, slots))
-rotary_kv.qk_norm_rope(q, k, torch.randn(4096, 192, dtype=bf), slots, kv_store=(v, kc, vc, slots))  # partial rotary (Phi-4-mini)
+# partial rotary (Phi-4-mini: 96 of 128 dims)
+rotary_kv.qk_norm_rope(q, k, torch.randn(4096, 192, dtype=bf), slots, kv_store=(v, kc, vc, slots))
 attention.store_kv(k, v, kc, vc, slots)
 tables, lens = torch.zeros(3, 32, dtype=torch.int32), torch.full((3,), 500, dtype=torch.int32)
 attention.decode_attention(torch.randn(3, 16, 128, dtype=bf), kc, vc, tables, lens, 0.1)

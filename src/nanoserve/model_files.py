@@ -1,10 +1,10 @@
 """What a model's files say, read without building the model: HF config, its shape (ModelSpec), max length,
 tokenizer, EOS ids, and a GGUF file's metadata.
 
-The ground floor of the package (it imports only other ground modules: errors, checkpoint_formats): the server, the engine and the
-loader read a model folder or a .gguf file through here, and every refusal is one ModelLoadError line
-naming the file at fault, raised before any weight is read. No torch: the API process and the CLI read
-configs and tokenizers without it. Weights are model/loader.py's (safetensors) and model/gguf.py's.
+The ground floor of the package (it imports only other ground modules: errors, checkpoint_formats, rope_config):
+the server, the engine and the loader read a model folder or a .gguf file through here, and every refusal is one
+ModelLoadError line naming the file at fault, raised before any weight is read. No torch: the API process and the
+CLI read configs and tokenizers without it. Weights are model/loader.py's (safetensors) and model/gguf.py's.
 
 A GGUF file is read by transformers (config and tokenizer from the metadata, the code behind
 `from_pretrained(..., gguf_file=...)`); nothing here parses the format by hand beyond its magic bytes.
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from nanoserve.checkpoint_formats import Fp8Checkpoint, checkpoint_quantization  # noqa: F401 (re-exported)
 from nanoserve.errors import ModelLoadError
+from nanoserve.rope_config import SUPPORTED_ROPE_TYPES, rope_parameters  # noqa: F401 (re-exported)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -34,12 +35,6 @@ REFUSED_ARCHITECTURES = {"DeepseekV2ForCausalLM": "multi-head latent attention (
                         "OlmoeForCausalLM": "OLMoE's q/k norm over the whole projection",
                         "GraniteMoeForCausalLM": "Granite's scaled residuals and logits"}
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
-# RoPE variants that are a fixed function of the position (their cos/sin is cached once and keys stored in the
-# paged cache stay valid), with the settings each needs; "dynamic" and "longrope" rescale with the sequence length.
-_ROPE_SETTINGS = {"default": (), "linear": ("factor",),
-                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                  "yarn": ("original_max_position_embeddings",)}
-SUPPORTED_ROPE_TYPES = tuple(_ROPE_SETTINGS)
 _GGUF_MAGIC = b"GGUF"
 # Metadata keys of the tokens that end a generation besides EOS (end of turn, end of message).
 _GGUF_EXTRA_STOP_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -167,30 +162,6 @@ def _check_no_sliding_window(hf_config, arch: str) -> None:
         return
     if arch in ("MistralForCausalLM", "MixtralForCausalLM") or getattr(hf_config, "use_sliding_window", False):
         raise ValueError(f"sliding_window={window} is not supported (only full attention)")
-
-
-def rope_parameters(hf_config) -> dict:
-    """The config's RoPE settings as one flat dict with rope_type and rope_theta (transformers 4.x or 5.x layout),
-    checked: a supported rope_type with every setting it needs (model/layers.py's rope_inv_freq reads them)."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if not params:
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    params = dict(params)
-    if "rope_type" not in params and "rope_theta" not in params:
-        raise ValueError(f"per-layer RoPE parameters {sorted(params)} are not supported")
-    rope_type = params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
-    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    if rope_type not in _ROPE_SETTINGS:
-        why = " (it rescales with the sequence length, so cached keys would go stale)" if rope_type in (
-            "dynamic", "longrope") else ""
-        raise ValueError(f"unsupported rope_type {rope_type!r}{why}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
-    for name in _ROPE_SETTINGS[rope_type]:
-        if name not in params:
-            raise ValueError(f"rope_type {rope_type!r} needs the setting {name!r}")
-    return params
 
 
 # -- config and max length ---------------------------------------------------------------------------------

@@ -184,7 +184,7 @@ def test_linear_falls_back_off_gpu_and_without_triton(monkeypatch):
         gemv.linear(x, w, b)
 
 
-# -- fused prologues: residual add + RMSNorm, SiLU-and-mul --------------------------------------------
+# -- fused prologues: residual add + RMSNorm; act-and-mul ------------------------------------------------
 def norm_case(m, k, n, dtype, with_residual, seed=11):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
@@ -216,6 +216,23 @@ def test_norm_prologue_equals_rms_norm_then_linear(m, config, dtype, with_residu
     check_norm_linear(m, dtype, with_residual, config)
 
 
+@needs_triton
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,config", [(1, FMA_SPLIT), (3, FMA_WHOLE_K), (20, DOT_SPLIT)])
+@pytest.mark.usefixtures("force_triton")
+def test_act_mul_linear_equals_act_mul_then_linear(m, config, dtype, activation):
+    """The MLP's down projection: act(gate) · up (SwiGLU or GeGLU) feeds the one-row and multi-row kernels."""
+    x, _, _, w, b = norm_case(m, 2 * 96, 40, dtype, False)
+    out = gemv.silu_mul_linear(x, w[:, :96].contiguous(), b, config=config, activation=activation)
+    torch.testing.assert_close(out, F.linear(fused.silu_and_mul_ref(x, activation), w[:, :96], b), **tol(dtype))
+
+
+def test_act_mul_linear_refuses_an_unknown_activation():
+    with pytest.raises(ValueError, match="relu"):
+        gemv.silu_mul_linear(torch.zeros(1, 64), torch.zeros(8, 32), activation="relu")
+
+
 def test_prologues_unfused_off_gpu_or_switched_off():
     x = torch.randn(3, 64)
     w = torch.randn(8, 64)
@@ -227,7 +244,7 @@ def test_prologues_unfused_off_gpu_or_switched_off():
 
 
 # -- norm + qkv + rope (the attention input) --------------------------------------------------------------
-def rope_case(m, dtype, qk_norm, bias, heads=4, kv_heads=2, d=32, hidden=64, seed=3):
+def rope_case(m, dtype, qk_norm, bias, heads=4, kv_heads=2, d=32, hidden=64, seed=3, rotary_dim=None):
     g = torch.Generator().manual_seed(seed)
     dev = lambda t: t.to(DEVICE, dtype)  # noqa: E731
     x, residual = dev(torch.randn(m, hidden, generator=g)), dev(torch.randn(m, hidden, generator=g))
@@ -235,7 +252,7 @@ def rope_case(m, dtype, qk_norm, bias, heads=4, kv_heads=2, d=32, hidden=64, see
     width = (heads + 2 * kv_heads) * d
     w = dev(torch.randn(width, hidden, generator=g) / hidden ** 0.5)
     b = dev(torch.randn(width, generator=g)) if bias else None
-    angles = torch.rand(64, d // 2, generator=g) * 6
+    angles = torch.rand(64, (rotary_dim or d) // 2, generator=g) * 6
     cos_sin = dev(torch.cat([angles.cos(), angles.cos(), -angles.sin(), angles.sin()], dim=-1))
     positions = torch.randint(0, 64, (m,), generator=g).to(DEVICE)
     slots = torch.randperm(8 * 4, generator=g)[:m].to(DEVICE, torch.int32)
@@ -275,6 +292,13 @@ def check_norm_qkv_rope(m, dtype, qk_norm, bias, **shape):
 @pytest.mark.parametrize("m", [1, 3, 20])
 def test_norm_qkv_rope_equals_qkv_then_qk_norm_rope(m, qk_norm, bias, dtype):
     check_norm_qkv_rope(m, dtype, qk_norm, bias)
+
+
+@pytest.mark.parametrize("m", [1, 20])
+@pytest.mark.usefixtures("force_triton")
+def test_norm_qkv_rope_partial_rotary(m):
+    """Phi-3's partial rotary: a table 3/4 of a head wide rotates those dims and keeps the rest."""
+    check_norm_qkv_rope(m, torch.float32, False, True, rotary_dim=24)
 
 
 # -- the USE_PDL path ------------------------------------------------------------------------------------

@@ -20,10 +20,44 @@ from nanoserve.checkpoint_formats import Fp8Checkpoint, checkpoint_quantization 
 from nanoserve.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
+                           "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Phi3ForCausalLM",
+                           "Olmo2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM"}
+                "qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "gemma3": "Gemma3ForConditionalGeneration", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+# Multimodal checkpoints whose text model we run: its config is the config's text_config.
+_TEXT_PARTS = ("Gemma3ForConditionalGeneration",)
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+
+
+@dataclass(frozen=True)
+class Family:
+    """How an architecture's decoder layer differs from Llama's: data the one model definition (model/llama.py) reads.
+
+    norms: which RMSNorms a layer has around attention and the MLP: "pre" (Llama: input_layernorm before attention,
+    post_attention_layernorm before the MLP), "sandwich" (Gemma: also a norm on each sub-layer's output) or "post"
+    (OLMo-2: only on the outputs). norm_offset 1: the checkpoint stores w of a (1 + w) norm (Gemma). qk_norm: "head"
+    (RMSNorm per head, Qwen3 / Gemma 3), "projection" (over all heads at once, OLMo-2) or None."""
+
+    norms: str = "pre"
+    norm_offset: float = 0.0
+    qk_norm: str | None = None
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    window_everywhere: bool = False  # without layer_types, config.sliding_window applies to every layer
+
+
+_FAMILIES = {"Qwen3ForCausalLM": Family(qk_norm="head"), "Qwen3MoeForCausalLM": Family(qk_norm="head"),
+             "MistralForCausalLM": Family(window_everywhere=True), "MixtralForCausalLM": Family(window_everywhere=True),
+             "Phi3ForCausalLM": Family(window_everywhere=True),
+             "Gemma2ForCausalLM": Family("sandwich", 1.0, embed_scale=True),
+             "Gemma3ForCausalLM": Family("sandwich", 1.0, "head", embed_scale=True),
+             "Gemma3ForConditionalGeneration": Family("sandwich", 1.0, "head", embed_scale=True),
+             "Olmo2ForCausalLM": Family("post", qk_norm="projection")}
+# The MLP activations we run (HF's hidden_act / hidden_activation name → model/layers.py MLP's).
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # Architectures users bring that look close to ours but need what nanoserve does not have: named in the refusal.
 REFUSED_ARCHITECTURES = {"DeepseekV2ForCausalLM": "multi-head latent attention (MLA)",
                         "DeepseekV3ForCausalLM": "multi-head latent attention (MLA)",
@@ -31,7 +65,7 @@ REFUSED_ARCHITECTURES = {"DeepseekV2ForCausalLM": "multi-head latent attention (
                         "Qwen3NextForCausalLM": "linear-attention (gated DeltaNet) layers",
                         "Llama4ForConditionalGeneration": "chunked attention and interleaved MoE layers",
                         "DbrxForCausalLM": "DBRX's fused expert layout and clipped qkv",
-                        "OlmoeForCausalLM": "OLMoE's q/k norm over the whole projection",
+                        "OlmoeForCausalLM": "OLMoE's experts with q/k norm over the whole projection",
                         "GraniteMoeForCausalLM": "Granite's scaled residuals and logits"}
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 # RoPE variants that are a fixed function of the position (their cos/sin is cached once and keys stored in the
@@ -85,7 +119,7 @@ class MoeSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The shape of a model, read and validated from its HF config."""
+    """The shape of a model, read and validated from its HF config (a multimodal checkpoint's text_config)."""
 
     architecture: str
     vocab_size: int
@@ -100,44 +134,133 @@ class ModelSpec:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool
     tie_word_embeddings: bool
-    rope: dict
+    rope: dict  # full-attention layers' (every layer's unless local_rope)
     moe: MoeSpec | None = None
+    family: Family = Family()
+    activation: str = "silu"
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # Gemma 2's attention-logit soft-cap
+    final_softcap: float | None = None  # Gemma's final-logit soft-cap
+    layer_types: tuple[str, ...] = ()  # per layer, one of LAYER_TYPES (empty: all full attention)
+    sliding_window: int | None = None  # of the sliding_attention layers; None where it spans the whole context
+    local_rope: dict | None = None  # sliding_attention layers' RoPE where it differs from rope (Gemma 3's local base)
+
+    @property
+    def qk_norm(self) -> str | None:
+        return self.family.qk_norm
+
+    def _sliding(self, index: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[index] == "sliding_attention"
+
+    def window(self, index: int) -> int | None:
+        """Layer `index`'s sliding window; None for full attention."""
+        return self.sliding_window if self._sliding(index) else None
+
+    def layer_rope(self, index: int) -> dict:
+        """Layer `index`'s RoPE settings."""
+        return self.local_rope if self._sliding(index) and self.local_rope is not None else self.rope
 
     @classmethod
     def from_hf_config(cls, hf_config) -> "ModelSpec":
         """Raises ValueError naming the first unsupported feature."""
         arch = architecture_of(hf_config)
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
-        _check_no_sliding_window(hf_config, arch)
-        heads = hf_config.num_attention_heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        cfg = text_config(hf_config, arch)
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act={act!r} is not supported (only {', '.join(map(repr, _ACTIVATIONS))})")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention=True is not supported (only causal attention)")
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        family = _FAMILIES.get(arch, Family())
+        ropes = layer_rope_parameters(cfg)
+        scalar = getattr(cfg, "query_pre_attn_scalar", None) if arch in _GEMMA else None
         return cls(
             architecture=arch,
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_layers=hf_config.num_hidden_layers,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-            rms_norm_eps=hf_config.rms_norm_eps,
-            max_position_embeddings=hf_config.max_position_embeddings,
-            qkv_bias=bool(getattr(hf_config, "qkv_bias", True)) if qwen2 else attention_bias,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_position_embeddings=cfg.max_position_embeddings,
+            qkv_bias=bool(getattr(cfg, "qkv_bias", True)) if qwen2 else attention_bias,
             o_bias=False if qwen2 else attention_bias,
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            rope=rope_parameters(hf_config),
-            moe=MoeSpec.from_hf_config(hf_config, arch),
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            rope=ropes["full_attention"],
+            moe=MoeSpec.from_hf_config(cfg, arch),
+            family=family,
+            activation=_ACTIVATIONS[act],
+            attn_scale=float(scalar) ** -0.5 if scalar else None,
+            attn_softcap=getattr(cfg, "attn_logit_softcapping", None) if arch in _GEMMA else None,
+            final_softcap=getattr(cfg, "final_logit_softcapping", None) if arch in _GEMMA else None,
+            layer_types=layer_types(cfg, family),
+            sliding_window=sliding_window(cfg),
+            local_rope=ropes["sliding_attention"] if ropes["sliding_attention"] != ropes["full_attention"] else None,
         )
+
+
+def text_config(hf_config, arch: str | None = None):
+    """The config of the text model: a multimodal checkpoint's text_config, else the config itself."""
+    if (arch or architecture_of(hf_config)) in _TEXT_PARTS:
+        return hf_config.text_config
+    return hf_config
+
+
+def layer_types(cfg, family: Family = Family()) -> tuple[str, ...]:
+    """Each layer's attention type as transformers applies it: the config's `layer_types`, else sliding_attention on
+    every layer for the families that window them all (Mistral, Mixtral, Phi-3; no window set: full after all)."""
+    layers = cfg.num_hidden_layers
+    types = tuple(getattr(cfg, "layer_types", None) or ())
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported (only {', '.join(LAYER_TYPES)})")
+    if not types:
+        return ("sliding_attention" if family.window_everywhere else "full_attention",) * layers
+    if len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={layers}")
+    return types
+
+
+def sliding_window(cfg) -> int | None:
+    """The sliding_attention layers' window; None where it spans the whole context (then it changes nothing)."""
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and window < 1:
+        raise ValueError(f"sliding_window={window} must be positive")
+    return None if window is None or window >= cfg.max_position_embeddings else int(window)
+
+
+def layer_rope_parameters(cfg) -> dict[str, dict]:
+    """rope_parameters for each of LAYER_TYPES: transformers 5 stores them per layer type where they differ (Gemma 3:
+    {"full_attention": {...}, "sliding_attention": {...}}); otherwise both are the config's one set."""
+    params = getattr(cfg, "rope_parameters", None)
+    if not (isinstance(params, dict) and set(params) & set(LAYER_TYPES)):
+        one = rope_parameters(cfg)
+        return {t: one for t in LAYER_TYPES}
+    out = {}
+    for layer_type in LAYER_TYPES:
+        if not params.get(layer_type):
+            raise ValueError(f"rope_parameters has no settings for {layer_type!r} layers")
+        out[layer_type] = rope_parameters(_WithRope(cfg, params[layer_type]))
+    return out
+
+
+class _WithRope:
+    """A config seen with one layer type's rope_parameters (what rope_parameters reads), all else the config's."""
+
+    def __init__(self, cfg, params: dict) -> None:
+        self._cfg, self.rope_parameters = cfg, params
+
+    def __getattr__(self, name: str):
+        return getattr(self._cfg, name)
 
 
 def architecture_of(hf_config) -> str:
@@ -155,18 +278,6 @@ def unsupported_architecture(names: list) -> str:
     """The refusal of a config's architectures: what is missing for one we know of, and what we run."""
     why = next((f" ({REFUSED_ARCHITECTURES[n]} is not implemented)" for n in names if n in REFUSED_ARCHITECTURES), "")
     return f"unsupported architecture {names}{why}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-
-
-def _check_no_sliding_window(hf_config, arch: str) -> None:
-    """Sliding-window attention is not implemented; refuse configs where it would change the result."""
-    layer_types = getattr(hf_config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"layer_types {sorted(set(layer_types))}: only full attention is supported (no sliding window)")
-    window = getattr(hf_config, "sliding_window", None)
-    if window is None or window >= hf_config.max_position_embeddings:
-        return
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM") or getattr(hf_config, "use_sliding_window", False):
-        raise ValueError(f"sliding_window={window} is not supported (only full attention)")
 
 
 def rope_parameters(hf_config) -> dict:
@@ -241,7 +352,7 @@ def _check_spec(config, source: Path) -> None:
 
 
 def model_max_len(hf_config) -> int:
-    return int(hf_config.max_position_embeddings)
+    return int(text_config(hf_config).max_position_embeddings)
 
 
 # -- tokenizer and EOS -------------------------------------------------------------------------------------
@@ -390,8 +501,8 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-__all__ = ["Fp8Checkpoint", "ModelLoadError", "ModelSpec", "MoeSpec", "REFUSED_ARCHITECTURES",
+__all__ = ["Family", "Fp8Checkpoint", "LAYER_TYPES", "ModelLoadError", "ModelSpec", "MoeSpec", "REFUSED_ARCHITECTURES",
            "unsupported_architecture", "checkpoint_quantization", "SUPPORTED_ARCHITECTURES",
            "SUPPORTED_GGUF_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "architecture_of", "as_id_list", "eos_token_ids",
-           "first_line", "is_gguf", "load_hf_config", "load_tokenizer", "model_max_len", "read_gguf_metadata",
-           "rope_parameters"]
+           "first_line", "is_gguf", "load_hf_config", "load_tokenizer", "model_max_len", "layer_rope_parameters",
+           "layer_types", "read_gguf_metadata", "rope_parameters", "sliding_window", "text_config"]

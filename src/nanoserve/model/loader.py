@@ -18,10 +18,10 @@ from tqdm import tqdm
 from nanoserve.kernels.attention import select_backend
 from nanoserve.model import gguf
 from nanoserve.model.communicator import TensorParallel
-from nanoserve.model.layers import RMSNorm, WeightShard
+from nanoserve.model.layers import RMSNorm
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.model.quantization import quantize_model
-from nanoserve.model.weights import ParamWriter, hf_names
+from nanoserve.model.weights import ParamWriter, hf_names, pieces
 from nanoserve.model_files import ModelLoadError, checkpoint_quantization, first_line, is_gguf
 
 _SafetensorError = getattr(safetensors, "SafetensorError", RuntimeError)
@@ -114,22 +114,23 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, hf_config, dtype
                     if writer.is_scale(hf_name):
                         writer.put_scale(hf_name, file.name, f.get_tensor(hf_name))
                         continue
-                    found = writer.shard(hf_name, file.name, f.get_slice(hf_name).get_shape())
-                    if found is None:
-                        continue
-                    name, shard = found
-                    tensor = writer.zeros(name) if shard.zeros else _read(f, hf_name, shard)
-                    on_tensor(writer.put(hf_name, name, shard, tensor))
+                    for piece in pieces(model, hf_name, f.get_slice(hf_name).get_shape()):
+                        found = writer.shard(piece.hf_name, file.name, piece.shape)
+                        if found is None:
+                            continue
+                        name, shard = found
+                        tensor = writer.zeros(name) if shard.zeros else _read(f, hf_name, piece.index(shard))
+                        on_tensor(writer.put(piece.hf_name, name, shard, tensor))
         except (_SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read weights file {file}: {first_line(e)}") from None
     writer.finish(f"the weights of {model_dir}")
 
 
-def _read(f, hf_name: str, shard: WeightShard) -> torch.Tensor:
+def _read(f, hf_name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
     """This rank's part of one tensor, as stored: a slice read from the file (get_slice reads only those bytes)."""
-    if shard.src is None:
+    if index is None:
         return f.get_tensor(hf_name)
-    return f.get_slice(hf_name)[shard.src].contiguous()
+    return f.get_slice(hf_name)[index].contiguous()
 
 
 def _init_dummy(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) -> None:

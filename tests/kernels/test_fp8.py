@@ -269,7 +269,8 @@ def _exact(dtype):
 @pytest.mark.parametrize("m,config", [(1, DOT8Q_SPLIT), (5, DOT8Q_WHOLE_K), (33, DOT8Q_SPLIT), (64, DOT8Q_WHOLE_K)])
 @pytest.mark.usefixtures("force_triton")
 def test_w8a8_on_prequantized_rows(m, config, block, dtype):
-    """dot8q: linear quantizes x in a kernel of its own, norm_linear in the norm, silu_mul_linear in the SiLU-mul;
+    """dot8q: linear quantizes x in a kernel of its own, norm_linear in the norm, silu_mul_linear in the act-mul
+    (SiLU and tanh-GELU);
     each product equals the W8A8 reference on the rows its producer's reference gives."""
     n, k = (150, 320) if block else (37, 200)
     x, w, b = make(m, n, k, dtype, True, seed=m)
@@ -277,8 +278,9 @@ def test_w8a8_on_prequantized_rows(m, config, block, dtype):
     q, s, w_ref = quantized(w.float(), block)
     check_w8a8(gemv.linear(x, q, b, weight_scale=s, config=config), x, w_ref, b, config, dtype)
     gate_up = torch.cat([x, x.flip(1)], dim=1)
-    out = gemv.silu_mul_linear(gate_up, q, b, weight_scale=s, config=config)
-    check_w8a8(out, fused.silu_and_mul_ref(gate_up), w_ref, b, config, dtype, exact_input=False)
+    for activation in fused.ACTIVATIONS:
+        out = gemv.silu_mul_linear(gate_up, q, b, weight_scale=s, config=config, activation=activation)
+        check_w8a8(out, fused.silu_and_mul_ref(gate_up, activation), w_ref, b, config, dtype, exact_input=False)
     if _exact(dtype):
         residual, norm_w = x.flip(0), torch.linspace(0.5, 2, k, device=x.device).to(dtype)
         out, new_residual = gemv.norm_linear(x, residual, norm_w, 1e-6, q, b, weight_scale=s,
@@ -293,7 +295,7 @@ def test_w8a8_on_prequantized_rows(m, config, block, dtype):
 @pytest.mark.parametrize("k", [96, 200, 1536, 3000])
 @pytest.mark.usefixtures("force_triton")
 def test_quantizing_kernels_equal_their_references(k, dtype):
-    """rms_norm / silu_and_mul with quantize=True and quantize_activations: fp8.groups_ref of the same kernel's
+    """rms_norm / silu_and_mul (both activations) with quantize=True and quantize_activations: fp8.groups_ref of the same kernel's
     unquantized output (itself tested against its reference), codes and scales bit for bit in the interpreter."""
     g = torch.Generator().manual_seed(k)
     x = (torch.randn(3, k, generator=g) * torch.logspace(-3, 1, k)).to(DEVICE, dtype)
@@ -304,6 +306,8 @@ def test_quantizing_kernels_equal_their_references(k, dtype):
                (fused.rms_norm(x, norm_w, 1e-6, x.flip(0), quantize=True)[0],
                 fused.rms_norm(x, norm_w, 1e-6, x.flip(0))[0]),
                (fused.silu_and_mul(gate_up, quantize=True), fused.silu_and_mul(gate_up)),
+               (fused.silu_and_mul(gate_up, quantize=True, activation="gelu_tanh"),
+                fused.silu_and_mul(gate_up, activation="gelu_tanh")),
                (fp8.quantize_activations(x), x)]
     for rows, plain in results:
         want = fp8.groups_ref(plain.cpu())

@@ -184,7 +184,7 @@ def test_linear_falls_back_off_gpu_and_without_triton(monkeypatch):
         gemv.linear(x, w, b)
 
 
-# -- fused prologues: residual add + RMSNorm, SiLU-and-mul --------------------------------------------
+# -- fused prologues: residual add + RMSNorm; act-and-mul ------------------------------------------------
 def norm_case(m, k, n, dtype, with_residual, seed=11):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
@@ -214,6 +214,23 @@ def check_norm_linear(m, dtype, with_residual, config):
 @pytest.mark.usefixtures("force_triton")
 def test_norm_prologue_equals_rms_norm_then_linear(m, config, dtype, with_residual):
     check_norm_linear(m, dtype, with_residual, config)
+
+
+@needs_triton
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,config", [(1, FMA_SPLIT), (3, FMA_WHOLE_K), (20, DOT_SPLIT)])
+@pytest.mark.usefixtures("force_triton")
+def test_act_mul_linear_equals_act_mul_then_linear(m, config, dtype, activation):
+    """The MLP's down projection: act(gate) · up (SwiGLU or GeGLU) feeds the one-row and multi-row kernels."""
+    x, _, _, w, b = norm_case(m, 2 * 96, 40, dtype, False)
+    out = gemv.silu_mul_linear(x, w[:, :96].contiguous(), b, config=config, activation=activation)
+    torch.testing.assert_close(out, F.linear(fused.silu_and_mul_ref(x, activation), w[:, :96], b), **tol(dtype))
+
+
+def test_act_mul_linear_refuses_an_unknown_activation():
+    with pytest.raises(ValueError, match="relu"):
+        gemv.silu_mul_linear(torch.zeros(1, 64), torch.zeros(8, 32), activation="relu")
 
 
 def test_prologues_unfused_off_gpu_or_switched_off():

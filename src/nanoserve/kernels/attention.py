@@ -31,11 +31,13 @@ def select_backend(device: torch.device) -> str:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionInputs, scale: float, backend: str,
-                    kv_stored: bool = False) -> torch.Tensor:
+                    kv_stored: bool = False, *, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for the T new tokens → attention output [T, H, D].
 
     kv_stored: the caller already wrote k/v into the cache (fused into its rotary kernel); k and v may then be
-    None."""
+    None. window / softcap: the layer's sliding window and logit soft-cap (reference.py says what they mean; None:
+    off), fixed per layer, so a captured graph records them."""
     if backend == "triton":
         store, prefill, decode = store_kv, prefill_attention, decode_attention
     else:
@@ -43,8 +45,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if not kv_stored:
         store(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_prefill:
-        return prefill(q, k, v, k_cache, v_cache, meta, scale)
-    return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return prefill(q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+    return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window=window, softcap=softcap)
+
+
+def check_window_softcap(window: int | None, softcap: float | None) -> None:
+    """A sliding window is a positive key count and a soft-cap a positive bound (or None: off)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding window must be a positive int or None, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"attention logit softcap must be positive or None, got {softcap!r}")
 
 
 _LOG2E = 1.4426950408889634
@@ -277,7 +287,8 @@ class DecodePartials:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+                     context_lens: torch.Tensor, scale: float, *, window: int | None = None,
+                     softcap: float | None = None, num_splits: int | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context → [num_seqs, num_heads, head_dim].
 
     q [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] int32; context_lens
@@ -285,6 +296,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (tests, benchmarks).
     No host sync: safe inside CUDA-graph capture.
     """
+    if window is not None or softcap is not None:
+        raise ValueError("decode_attention: the Triton kernel has no sliding window / softcap yet")
     num_seqs, num_heads, head_dim = q.shape
     _num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or num_heads % num_kv_heads != 0 or v_cache.shape != k_cache.shape:
@@ -465,13 +478,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, meta: AttentionInputs, scale: float) -> torch.Tensor:
+                      v_cache: torch.Tensor, meta: AttentionInputs, scale: float, *, window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """Causal varlen prefill → [num_new_tokens, num_heads, head_dim].
 
     Without a cached prefix every sequence's keys are exactly its new k/v (q_len == k_len), which is
     what torch's flash varlen forward computes (CUDA, fp16/bf16). Everything else (prefix-cache hits,
     fp32, older torch, k/v only in the cache) takes the paged Triton kernel over the cache.
     """
+    if window is not None or softcap is not None:
+        raise ValueError("prefill_attention: the Triton kernels have no sliding window / softcap yet")
     if _can_use_varlen(q, k, v, meta):
         cu, longest = meta.cu_seqlens_q, meta.max_seqlen_q
         return _FLASH_VARLEN(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale)[0]

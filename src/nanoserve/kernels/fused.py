@@ -1,4 +1,5 @@
-"""Fused elementwise kernels: residual add + RMSNorm, SiLU-and-mul (Triton on CUDA, plain PyTorch elsewhere).
+"""Fused elementwise kernels: residual add + RMSNorm, act-and-mul of a gated MLP (SiLU or tanh-GELU; Triton on CUDA,
+plain PyTorch elsewhere).
 
 A decode step is a few hundred small kernels, so every launch counts even inside a CUDA graph
 (each costs a couple of microseconds of GPU time). These fuse what eager PyTorch runs as several
@@ -45,16 +46,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return (out, new_residual) if residual is not None else out
 
 
-# -- SiLU and mul --------------------------------------------------------------------------------
-def silu_and_mul_ref(x):
+# -- act(gate) * up ----------------------------------------------------------------------------------
+# The gated MLP's activations: "silu" (SwiGLU: Llama, Qwen, Mistral, Phi-3) and "gelu_tanh" (GeGLU: Gemma's
+# gelu_pytorch_tanh, torch's F.gelu(approximate="tanh")).
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # name → the kernels' ACTIVATION constexpr
+
+
+def activation_id(activation: str) -> int:
+    """The kernels' code for an activation name; ValueError for one no kernel implements."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unsupported MLP activation {activation!r}; supported: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[activation]
+
+
+def silu_and_mul_ref(x, activation: str = "silu"):
+    """act(gate) * up in x's dtype, as HF's gated MLPs compute it (the activation in fp32 inside torch)."""
+    activation_id(activation)
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return act * up
 
 
-def silu_and_mul(x: torch.Tensor, quantize: bool = False):
-    """[T, 2I] holding [gate, up] → silu(gate) * up, [T, I]; with quantize as fp8.Fp8Rows (for a W8A8 product)."""
+def silu_and_mul(x: torch.Tensor, quantize: bool = False, activation: str = "silu"):
+    """[T, 2I] holding [gate, up] → act(gate) * up, [T, I] (act: an ACTIVATIONS name); with quantize as fp8.Fp8Rows
+    (for a W8A8 product)."""
+    act = activation_id(activation)
     if not use_triton(x):
-        return fp8.groups_ref(silu_and_mul_ref(x)) if quantize else silu_and_mul_ref(x)
+        out = silu_and_mul_ref(x, activation)
+        return fp8.groups_ref(out) if quantize else out
     rows, width = x.shape
     half = width // 2
     out = fp8.empty_rows(rows, half, x.dtype, x.device) if quantize else torch.empty(rows, half, dtype=x.dtype,
@@ -62,7 +81,8 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False):
     codes, scales = (out.codes, out.scales) if quantize else (out, x)
     block = max(fp8.BLOCK, min(next_power_of_2(half), 1024))
     _silu_and_mul_kernel[(rows, cdiv(half, block))](x, codes, scales, x.stride(0), half, BLOCK=block,
-                                                    QUANTIZE=quantize, EXACT_CAST=not x.is_cuda, **pdl_args(x.device))
+                                                    QUANTIZE=quantize, ACTIVATION=act, EXACT_CAST=not x.is_cuda,
+                                                    **pdl_args(x.device))
     return out
 
 
@@ -93,7 +113,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, res_out_ptr, str
 
 @jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, stride_x, half, BLOCK: tl.constexpr, QUANTIZE: tl.constexpr,
-                         EXACT_CAST: tl.constexpr, USE_PDL: tl.constexpr):
+                         ACTIVATION: tl.constexpr, EXACT_CAST: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
@@ -101,8 +121,12 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, stride_x, half, BLOCK: tl.co
     mask = cols < half
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + half + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = gate / (1.0 + tl.exp(-gate))
-    out = (silu * up).to(x_ptr.dtype.element_ty)
+    if ACTIVATION == 1:  # tanh-GELU: 0.5·g·(1 + tanh(z)) = g · sigmoid(2z), z = sqrt(2/π)·(g + 0.044715·g³);
+        # 1.5957691216057308 = 2·sqrt(2/π)
+        act = gate / (1.0 + tl.exp(-1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)))
+    else:  # SiLU
+        act = gate / (1.0 + tl.exp(-gate))
+    out = (act * up).to(x_ptr.dtype.element_ty)
     if QUANTIZE:
         fp8.store_groups(out.to(tl.float32), out_ptr, scale_ptr, row, tl.program_id(1) * BLOCK, half, BLOCK,
                          fp8.SCALE_GROUP_K, EXACT_CAST)

@@ -431,15 +431,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                    weight_scale: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
-    """(silu(gate) * up) @ weight.T + bias for gate_up [M, 2I] (the MLP's down projection): a dot8q variant gets its
-    input quantized by the SiLU-mul kernel itself."""
+                    weight_scale: torch.Tensor | None = None, config: GemvConfig | None = None,
+                    activation: str = "silu") -> torch.Tensor:
+    """(act(gate) * up) @ weight.T + bias for gate_up [M, 2I] (the MLP's down projection; act: a fused.ACTIVATIONS
+    name): a dot8q variant gets its input quantized by the act-mul kernel itself."""
+    fused.activation_id(activation)  # an unknown activation fails before any launch
     x = gate_up[:, :gate_up.shape[1] // 2]  # the shape, dtype and device of the product's input
     cfg = _variant(x, weight, bias, weight_scale, config)
     if cfg is not None and cfg.act_fp8:
-        return _launch(fused.silu_and_mul(gate_up, quantize=True), weight, bias, x.shape[1], cfg,
-                       weight_scale=weight_scale)
-    return linear(fused.silu_and_mul(gate_up), weight, bias, weight_scale=weight_scale, config=config)
+        return _launch(fused.silu_and_mul(gate_up, quantize=True, activation=activation), weight, bias, x.shape[1],
+                       cfg, weight_scale=weight_scale)
+    return linear(fused.silu_and_mul(gate_up, activation=activation), weight, bias, weight_scale=weight_scale,
+                  config=config)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -2,6 +2,11 @@
 
 Caches are laid out [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
 block_id * block_size + offset.
+
+Two per-layer options, with transformers' semantics (masking_utils.sliding_window_overlay, Gemma 2's
+attn_logit_softcapping): window W lets the query at position p see keys k with p - W < k <= p (at most W keys,
+itself included; None: all of them); softcap c replaces the scaled logits s by c * tanh(s / c) before the mask and
+the softmax (None: no capping).
 """
 from __future__ import annotations
 
@@ -27,9 +32,33 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
     return cache[block_table[:blocks_for(context_len, block_size)].long()].flatten(0, 1)[:context_len]
 
 
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[len(q_pos), len(k_pos)] bool: which keys each query sees (causal, and within its window)."""
+    mask = q_pos[:, None] >= k_pos[None, :]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The scaled logits squashed into (-softcap, softcap); unchanged without a softcap."""
+    return scores if softcap is None else softcap * torch.tanh(scores / softcap)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """softmax(mask(soft_cap(scale * q k^T))) v over [H, n, D] tensors; SDPA when there is nothing to cap."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = soft_cap(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale, softcap)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, meta: AttentionInputs, scale: float) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole cached context.
+                      v_cache: torch.Tensor, meta: AttentionInputs, scale: float, *, window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached context (the last `window` keys of it).
 
     q: [num_new_tokens, num_heads, head_dim]; k/v (this step's, already stored) are unused here: keys and
     values are read back from the cache, so cached prefix blocks are covered. Returns [num_new_tokens, num_heads, head_dim].
@@ -49,15 +78,17 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         ki = ki.repeat_interleave(num_heads // num_kv_heads, dim=0).to(q.dtype)
         vi = vi.repeat_interleave(num_heads // num_kv_heads, dim=0).to(q.dtype)
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-        mask = q_pos[:, None] >= torch.arange(ctx_len, device=q.device)[None, :]
-        out[start:start + q_len] = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale).transpose(0, 1)
+        mask = visible_keys(q_pos, torch.arange(ctx_len, device=q.device), window)
+        out[start:start + q_len] = _attend(qi, ki, vi, mask, scale, softcap).transpose(0, 1)
         start += q_len
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence over its paged context; fixed shapes, so it is graph-capturable.
+                     context_lens: torch.Tensor, scale: float, *, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
+    """One query token per sequence over its paged context (its last `window` keys); fixed shapes, so it is
+    graph-capturable.
 
     q: [num_seqs, num_heads, head_dim]; returns the same shape. Reads every block in block_tables
     (masked beyond context_lens): simple and correct, not fast.
@@ -69,9 +100,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k = k_cache[tables].flatten(1, 2).to(torch.float32)  # [S, L, Hkv, D]
     v = v_cache[tables].flatten(1, 2).to(torch.float32)
     qg = q.to(torch.float32).view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("skgd,slkd->skgl", qg, k) * scale
+    scores = soft_cap(torch.einsum("skgd,slkd->skgl", qg, k) * scale, softcap)
     positions = torch.arange(k.shape[1], device=q.device)
-    valid = positions[None, :] < context_lens[:, None].long()  # [S, L]
+    valid = visible_keys(context_lens.long() - 1, positions, window)  # [S, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     v = torch.where(valid[:, :, None, None], v, 0.0)  # unwritten slots may hold anything, NaN included

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.kernels import fused, gemv
-from nanoserve.kernels.attention import paged_attention
+from nanoserve.kernels.attention import check_window_softcap, paged_attention
 from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.model.communicator import Split, TensorParallel
 
@@ -133,14 +133,16 @@ class Linear(nn.Linear):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP with gate and up projections merged into one matmul; SiLU-and-mul feeds the down projection.
+    """Gated MLP (SwiGLU, or GeGLU with activation "gelu_tanh") with gate and up projections merged into one matmul;
+    act-and-mul feeds the down projection.
 
     The projections are the sharded layers below: gate_up column-parallel ([gate slice; up slice] of this
     rank), down row-parallel, whose partial products one all-reduce sums (a no-op on one rank)."""
 
-    def __init__(self, gate_up_proj: Linear, down_proj: Linear, tp: TensorParallel) -> None:
+    def __init__(self, gate_up_proj: Linear, down_proj: Linear, tp: TensorParallel, activation: str = "silu") -> None:
         super().__init__()
-        self.gate_up_proj, self.down_proj, self.tp = gate_up_proj, down_proj, tp
+        fused.activation_id(activation)  # ValueError for an activation the kernels lack
+        self.gate_up_proj, self.down_proj, self.tp, self.activation = gate_up_proj, down_proj, tp, activation
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """The pre-norm MLP of a decoder layer: returns (its output, the residual stream)."""
@@ -153,17 +155,28 @@ class MLP(nn.Module):
 
     def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
-        return gemv.silu_mul_linear(gate_up, down.weight, down.bias, weight_scale=down.weight_scale)
+        return gemv.silu_mul_linear(gate_up, down.weight, down.bias, weight_scale=down.weight_scale,
+                                    activation=self.activation)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation}"
 
 
 class Attention(nn.Module):
-    """Paged attention over this layer's KV cache, which the model runner allocates and assigns."""
+    """Paged attention over this layer's KV cache, which the model runner allocates and assigns.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    sliding_window: each query sees only the last sliding_window keys (itself included); logit_softcap: the scaled
+    logits s become logit_softcap * tanh(s / logit_softcap) (Gemma 2). Both per layer (Gemma alternates local and
+    global layers); None: off."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        check_window_softcap(sliding_window, logit_softcap)
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
         self.backend = "torch"  # "torch" | "triton", see nanoserve.kernels.attention.select_backend
@@ -174,10 +187,15 @@ class Attention(nn.Module):
         may then be None: they are in the cache)."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention layer has no KV cache: the model runner must set k_cache/v_cache first")
-        return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.backend, kv_stored)
+        return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.backend, kv_stored,
+                               window=self.sliding_window, softcap=self.logit_softcap)
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, backend={self.backend}"
+        options = "".join(f", {name}={value}" for name, value in (("sliding_window", self.sliding_window),
+                                                                   ("logit_softcap", self.logit_softcap))
+                          if value is not None)
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{options}, "
+                f"backend={self.backend}")
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,7 @@ class ModelSpec:
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         family = _FAMILIES.get(arch, Family())
-        ropes = layer_rope_parameters(cfg)
+        ropes, types = layer_rope_parameters(cfg), layer_types(cfg, family)
         scalar = getattr(cfg, "query_pre_attn_scalar", None) if arch in _GEMMA else None
         return cls(
             architecture=arch,
@@ -202,8 +202,8 @@ class ModelSpec:
             attn_scale=float(scalar) ** -0.5 if scalar else None,
             attn_softcap=getattr(cfg, "attn_logit_softcapping", None) if arch in _GEMMA else None,
             final_softcap=getattr(cfg, "final_logit_softcapping", None) if arch in _GEMMA else None,
-            layer_types=layer_types(cfg, family),
-            sliding_window=sliding_window(cfg),
+            layer_types=types,
+            sliding_window=sliding_window(cfg) if "sliding_attention" in types else None,
             local_rope=ropes["sliding_attention"] if ropes["sliding_attention"] != ropes["full_attention"] else None,
         )
 

@@ -134,7 +134,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(tp.split(spec.vocab_size, "vocab_size"), spec.hidden_size, dtype, tp)
         # Gemma scales the embeddings by sqrt(hidden_size) rounded to the model dtype, as HF does
-        self.embed_scale = float(torch.tensor(spec.hidden_size ** 0.5, dtype=dtype)) if spec.family.embed_scale else None
+        self.embed_scale = float(torch.tensor(spec.hidden_size ** 0.5, dtype=dtype, device="cpu")) if spec.family.embed_scale else None
         self.rotary_emb = self._rotary(spec, spec.rope, dtype)
         self.rotary_emb_local = self._rotary(spec, spec.local_rope, dtype) if spec.local_rope is not None else None
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, dtype, tp, i) for i in range(spec.num_layers))

@@ -72,7 +72,9 @@ SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe
 # paged cache stay valid), with the settings each needs; "dynamic" and "longrope" rescale with the sequence length.
 _ROPE_SETTINGS = {"default": (), "linear": ("factor",),
                   "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                  "yarn": ("original_max_position_embeddings",)}
+                  "yarn": ("original_max_position_embeddings",),
+                  # one factor set fixed for the engine by its max length: model/layers.py's _longrope_inv_freq
+                  "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor")}
 SUPPORTED_ROPE_TYPES = tuple(_ROPE_SETTINGS)
 _GGUF_MAGIC = b"GGUF"
 # Metadata keys of the tokens that end a generation besides EOS (end of turn, end of message).
@@ -281,8 +283,9 @@ def unsupported_architecture(names: list) -> str:
 
 
 def rope_parameters(hf_config) -> dict:
-    """The config's RoPE settings as one flat dict with rope_type and rope_theta (transformers 4.x or 5.x layout),
-    checked: a supported rope_type with every setting it needs (model/layers.py's rope_inv_freq reads them)."""
+    """The config's RoPE settings as one flat dict with rope_type, rope_theta and partial_rotary_factor (1.0 unless
+    the config rotates only part of each head) (transformers 4.x or 5.x layout), checked: a supported rope_type with
+    every setting it needs (model/layers.py's rope_inv_freq reads them)."""
     params = getattr(hf_config, "rope_parameters", None)
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
@@ -293,11 +296,17 @@ def rope_parameters(hf_config) -> dict:
     rope_type = params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     if rope_type not in _ROPE_SETTINGS:
-        why = " (it rescales with the sequence length, so cached keys would go stale)" if rope_type in (
-            "dynamic", "longrope") else ""
+        why = " (it rescales with the sequence length, so cached keys would go stale)" if rope_type == "dynamic" else ""
         raise ValueError(f"unsupported rope_type {rope_type!r}{why}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
+    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    params["partial_rotary_factor"] = 1.0 if factor is None else float(factor)  # rotary_dim = int(head_dim · this)
+    if not 0.0 < params["partial_rotary_factor"] <= 1.0:
+        raise ValueError(f"partial_rotary_factor={factor} must be in (0, 1]")
+    if getattr(hf_config, "original_max_position_embeddings", None) is not None:  # transformers 4.x: Phi-3 keeps it here
+        params.setdefault("original_max_position_embeddings", hf_config.original_max_position_embeddings)
+    if rope_type == "longrope" and params.get("factor") is None and "original_max_position_embeddings" in params:
+        # HF's default, from the config rather than the engine's max length (which picks the factor set)
+        params["factor"] = hf_config.max_position_embeddings / params["original_max_position_embeddings"]
     for name in _ROPE_SETTINGS[rope_type]:
         if name not in params:
             raise ValueError(f"rope_type {rope_type!r} needs the setting {name!r}")

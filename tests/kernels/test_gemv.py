@@ -244,7 +244,7 @@ def test_prologues_unfused_off_gpu_or_switched_off():
 
 
 # -- norm + qkv + rope (the attention input) --------------------------------------------------------------
-def rope_case(m, dtype, qk_norm, bias, heads=4, kv_heads=2, d=32, hidden=64, seed=3):
+def rope_case(m, dtype, qk_norm, bias, heads=4, kv_heads=2, d=32, hidden=64, seed=3, rotary_dim=None):
     g = torch.Generator().manual_seed(seed)
     dev = lambda t: t.to(DEVICE, dtype)  # noqa: E731
     x, residual = dev(torch.randn(m, hidden, generator=g)), dev(torch.randn(m, hidden, generator=g))
@@ -252,7 +252,7 @@ def rope_case(m, dtype, qk_norm, bias, heads=4, kv_heads=2, d=32, hidden=64, see
     width = (heads + 2 * kv_heads) * d
     w = dev(torch.randn(width, hidden, generator=g) / hidden ** 0.5)
     b = dev(torch.randn(width, generator=g)) if bias else None
-    angles = torch.rand(64, d // 2, generator=g) * 6
+    angles = torch.rand(64, (rotary_dim or d) // 2, generator=g) * 6
     cos_sin = dev(torch.cat([angles.cos(), angles.cos(), -angles.sin(), angles.sin()], dim=-1))
     positions = torch.randint(0, 64, (m,), generator=g).to(DEVICE)
     slots = torch.randperm(8 * 4, generator=g)[:m].to(DEVICE, torch.int32)
@@ -292,6 +292,13 @@ def check_norm_qkv_rope(m, dtype, qk_norm, bias, **shape):
 @pytest.mark.parametrize("m", [1, 3, 20])
 def test_norm_qkv_rope_equals_qkv_then_qk_norm_rope(m, qk_norm, bias, dtype):
     check_norm_qkv_rope(m, dtype, qk_norm, bias)
+
+
+@pytest.mark.parametrize("m", [1, 20])
+@pytest.mark.usefixtures("force_triton")
+def test_norm_qkv_rope_partial_rotary(m):
+    """Phi-3's partial rotary: a table 3/4 of a head wide rotates those dims and keeps the rest."""
+    check_norm_qkv_rope(m, torch.float32, False, True, rotary_dim=24)
 
 
 # -- the USE_PDL path ------------------------------------------------------------------------------------

@@ -312,7 +312,7 @@ def test_rope_table_applies_scale_and_positions():
     torch.testing.assert_close(rows[:, 24:], angles.sin() * scale)
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "made_up"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "made_up"])
 def test_unsupported_rope_type_is_a_clear_error(tmp_path, tiny_model_dirs, rope_type):
     raw = json.loads((tiny_model_dirs["llama"] / "config.json").read_text())
     raw.pop("rope_parameters", None)

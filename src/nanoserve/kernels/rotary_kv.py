@@ -22,7 +22,7 @@ class QKVRope:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    cos_sin_cache: torch.Tensor  # [max_position, 2 * head_dim]: rows [cos, cos, -sin, sin]
+    cos_sin_cache: torch.Tensor  # [max_position, 2 * rotary_dim]: rows [cos, cos, -sin, sin] (see rotary_dim)
     positions: torch.Tensor  # [T]
     k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor
@@ -49,21 +49,34 @@ class QKVRope:
                             self.eps, kv_store=(v, self.k_cache, self.v_cache, self.slot_mapping))
 
 
+def rotary_dim(cos_sin_cache: torch.Tensor, head_dim: int) -> int:
+    """The dims each head rotates, read from the table's width: rows are [cos, cos, -sin, sin] of rotary_dim / 2
+    each, so a partial-rotary model (Phi-3 / Phi-4-mini's partial_rotary_factor) needs no argument of its own. The
+    first rotary_dim dims of a head are rotated (neox rotate-half among them), the rest pass through unchanged."""
+    dims = cos_sin_cache.shape[-1] // 2
+    if cos_sin_cache.shape[-1] % 4 or not 0 < dims <= head_dim:
+        raise ValueError(f"a cos/sin table of width {cos_sin_cache.shape[-1]} does not fit head_dim {head_dim}: "
+                         f"expected 2 * rotary_dim with rotary_dim even and at most head_dim")
+    return dims
+
+
 def qk_norm_rope_ref(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, eps=1e-6, kv_store=None):
     """q [T, H, D], k [T, Hkv, D] → rotated (and first per-head normalised, Qwen3) q, k.
 
-    cos_sin_cache rows are [cos, cos, -sin, sin] (each D/2), neox rotate-half as in HF Llama/Qwen.
+    cos_sin_cache rows are [cos, cos, -sin, sin] (each rotary_dim / 2), neox rotate-half as in HF Llama/Qwen over the
+    first rotary_dim dims of each head (HF Phi-3's partial rotary), the rest unrotated.
     kv_store = (v, k_cache, v_cache, slot_mapping): also write the rotated k and v into the paged cache.
     """
-    d = q.shape[-1]
+    rd = rotary_dim(cos_sin_cache, q.shape[-1])
     cs = F.embedding(positions, cos_sin_cache).unsqueeze(1)
-    cos, sin = cs[..., :d], cs[..., d:]
+    cos, sin = cs[..., :rd], cs[..., rd:]
     out = []
     for x, w in ((q, q_norm_w), (k, k_norm_w)):
         if w is not None:
             x = rms_norm_ref(x, w, eps)
-        x1, x2 = x.chunk(2, dim=-1)
-        out.append(torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin))
+        x_rot, x_pass = x[..., :rd], x[..., rd:]
+        x1, x2 = x_rot.chunk(2, dim=-1)
+        out.append(torch.cat((torch.addcmul(x_rot * cos, torch.cat((x2, x1), dim=-1), sin), x_pass), dim=-1))
     if kv_store is not None:
         v, k_cache, v_cache, slot_mapping = kv_store
         reference.store_kv(out[1], v, k_cache, v_cache, slot_mapping)
@@ -83,6 +96,7 @@ def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, e
         return qk_norm_rope_ref(q, k, cos_sin_cache, positions, q_norm_w, k_norm_w, eps, kv_store)
     tokens, num_heads, d = q.shape
     num_kv_heads = k.shape[1]
+    rd = rotary_dim(cos_sin_cache, d)
     q_out = torch.empty(tokens, num_heads, d, dtype=q.dtype, device=q.device)
     k_out = torch.empty(tokens, num_kv_heads, d, dtype=k.dtype, device=k.device)
     has_norm = q_norm_w is not None
@@ -94,7 +108,7 @@ def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, e
         q, k, v, q_out, k_out, k_cache, v_cache, slots, cos_sin_cache, positions,
         q_norm_w if has_norm else cos_sin_cache, k_norm_w if has_norm else cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), tokens, num_heads,
-        num_kv_heads, eps, HEAD_DIM=d, BLOCK_T=block_t, HAS_NORM=has_norm, STORE_KV=kv_store is not None,
+        num_kv_heads, eps, HEAD_DIM=d, ROTARY_DIM=rd, BLOCK_T=block_t, HAS_NORM=has_norm, STORE_KV=kv_store is not None,
         num_warps=4, **pdl_args(q.device))
     return q_out, k_out
 
@@ -103,7 +117,8 @@ def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, e
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                          cos_sin_ptr, pos_ptr, qw_ptr, kw_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_tokens, num_heads,
-                         num_kv_heads, eps, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_NORM: tl.constexpr,
+                         num_kv_heads, eps, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+                         HAS_NORM: tl.constexpr,
                          STORE_KV: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)  # everything below reads the previous kernels' outputs
@@ -112,9 +127,12 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr,
     head = tl.program_id(1)
     is_q = head < num_heads
     kv_head = head - num_heads
-    half: tl.constexpr = HEAD_DIM // 2
+    half: tl.constexpr = ROTARY_DIM // 2
     dims = tl.arange(0, HEAD_DIM)[None, :]
-    partner = (dims + half) % HEAD_DIM
+    if ROTARY_DIM == HEAD_DIM:
+        partner = (dims + half) % HEAD_DIM
+    else:  # partial rotary: the dims past ROTARY_DIM are their own partner, with cos 1 and sin 0 (kept as they are)
+        partner = tl.where(dims < ROTARY_DIM, (dims + half) % ROTARY_DIM, dims)
     if is_q:
         src = q_ptr + tokens * stride_qt + head * stride_qh
         dst = q_out_ptr + (tokens * num_heads + head) * HEAD_DIM
@@ -132,8 +150,13 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr,
         x_partner = tl.load(w_ptr + partner).to(tl.float32) * (x_partner * inv_rms).to(dtype).to(tl.float32)
         x, x_partner = x.to(tl.float32), x_partner.to(dtype).to(tl.float32)
     pos = tl.load(pos_ptr + tokens, mask=token_ok, other=0).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * 2 * HEAD_DIM + dims).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * 2 * HEAD_DIM + HEAD_DIM + dims).to(tl.float32)
+    if ROTARY_DIM == HEAD_DIM:
+        cos = tl.load(cos_sin_ptr + pos * 2 * ROTARY_DIM + dims).to(tl.float32)
+        sin = tl.load(cos_sin_ptr + pos * 2 * ROTARY_DIM + ROTARY_DIM + dims).to(tl.float32)
+    else:
+        rotated = dims < ROTARY_DIM
+        cos = tl.load(cos_sin_ptr + pos * 2 * ROTARY_DIM + dims, mask=rotated, other=1.0).to(tl.float32)
+        sin = tl.load(cos_sin_ptr + pos * 2 * ROTARY_DIM + ROTARY_DIM + dims, mask=rotated, other=0.0).to(tl.float32)
     out = (x * cos + x_partner * sin).to(dtype)
     tl.store(dst + dims, out, mask=token_ok)
     if STORE_KV:

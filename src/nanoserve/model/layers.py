@@ -41,7 +41,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim // 2] (float32) and the cos/sin scale for one RoPE variant.
+    """Inverse frequencies [head_dim // 2] (float32) and the cos/sin scale for one RoPE variant; head_dim is the
+    rotated width (rotary_dim under partial rotary, as HF computes it).
 
     params: nanoserve.model_files.rope_parameters' checked settings: a variant that is a fixed function of the
     position (its cos/sin is cached once and keys stored in the paged cache stay valid), with every setting it needs.
@@ -56,6 +57,8 @@ def rope_inv_freq(head_dim: int, params: dict, max_position: int) -> tuple[torch
         return _llama3_inv_freq(inv_freq, params), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, base, params, max_position)
+    if rope_type == "longrope":
+        return _longrope_inv_freq(base ** exponents, params, max_position)
     return inv_freq, 1.0
 
 
@@ -69,6 +72,28 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, blended, scaled)
+
+
+def _longrope_inv_freq(pos_freqs: torch.Tensor, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3-128k, Phi-4-mini): each frequency slowed by its own factor, cos/sin scaled by an attention factor.
+
+    HF picks short_factor while a sequence is at most original_max_position_embeddings long and long_factor beyond,
+    recomputing every key when it switches; keys in the paged cache cannot follow, so one set is fixed for the engine
+    from its longest position (vLLM's rule): short factors when max_position <= original_max_position_embeddings,
+    long otherwise. Greedy tokens therefore equal HF's whenever max_position (the engine's max length) is at most
+    original_max_position_embeddings; with a longer max_position, sequences that stay short differ from HF's (which
+    would use short factors for them). The attention factor is the config's, else HF's sqrt(1 + ln(factor) /
+    ln(original_max_position_embeddings)) from the config's factor (rope_parameters: max_position_embeddings /
+    original_max_position_embeddings by default), whichever set is used."""
+    old_len = params["original_max_position_embeddings"]
+    name = "long_factor" if max_position > old_len else "short_factor"
+    ext = torch.tensor(params[name], dtype=torch.float32, device="cpu")
+    if ext.shape != pos_freqs.shape:
+        raise ValueError(f"longrope {name} has {ext.numel()} values, the rotated head needs {pos_freqs.numel()}")
+    factor, attention_factor = params["factor"], params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    return 1.0 / (ext * pos_freqs), float(attention_factor)
 
 
 def _yarn_inv_freq(head_dim: int, base: float, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
@@ -104,19 +129,30 @@ def _yarn_inv_freq(head_dim: int, base: float, params: dict, max_position: int) 
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate-half, as in HF Llama/Qwen) from a cos/sin table precomputed for every position.
 
-    The table is built on the CPU even when the model is constructed on the meta device, and follows the
-    model with .to(device). Row p holds [cos, cos, -sin, sin]: kernels.rotary_kv.qk_norm_rope applies it.
+    With rotary_dim < head_dim (partial rotary: Phi-3 / Phi-4-mini, rotary_dim = int(head_dim ·
+    partial_rotary_factor)) only the first rotary_dim dims of each head rotate, with the frequencies of a
+    rotary_dim-wide head, and the rest pass through, as HF's Phi-3 does; the kernels read rotary_dim from the table's
+    width (kernels.rotary_kv.rotary_dim). The table is built on the CPU even when the model is constructed on the meta
+    device, and follows the model with .to(device). Row p holds [cos, cos, -sin, sin] (rotary_dim / 2 each):
+    kernels.rotary_kv.qk_norm_rope applies it.
     """
 
-    def __init__(self, head_dim: int, max_position: int, params: dict, dtype: torch.dtype) -> None:
+    def __init__(self, head_dim: int, max_position: int, params: dict, dtype: torch.dtype,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
-        self.head_dim = head_dim
-        inv_freq, scaling = rope_inv_freq(head_dim, params, max_position)
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim={rotary_dim} must be even and in 1..head_dim={head_dim}")
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim
+        inv_freq, scaling = rope_inv_freq(rotary_dim, params, max_position)
         positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
         cache = torch.cat([cos, cos, -sin, sin], dim=-1).to(dtype)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}"
 
 
 class Linear(nn.Linear):

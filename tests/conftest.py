@@ -17,7 +17,13 @@ from nanoserve.kernels.switches import switched
 from nanoserve.tiny import ARCHS, FAMILY_ARCHS, MOE_ARCHS, make_tiny_model
 
 # The dense families' tiny models: FAMILY_ARCHS as tiny.py builds them, and the variants their tests also need.
-FAMILY_VARIANTS = {"mistral_nowindow": ("mistral", dict(sliding_window=None))}
+# phi3_longrope: sequences stay within original_max_position_embeddings (HF's short factors, which an engine whose
+# max_model_len is within it fixes too), with an attention factor from max_position_embeddings / original.
+FAMILY_VARIANTS = {"mistral_nowindow": ("mistral", dict(sliding_window=None)),
+                   "phi3_longrope": ("phi3", dict(max_position_embeddings=8192, original_max_position_embeddings=2048,
+                                                  rope_parameters={"rope_type": "longrope", "partial_rotary_factor": 0.5,
+                                                                   "short_factor": [1.0, 1.3, 2.0, 3.1],
+                                                                   "long_factor": [2.0, 4.0, 8.0, 16.0]}))}
 FAMILIES = FAMILY_ARCHS + tuple(FAMILY_VARIANTS)
 
 

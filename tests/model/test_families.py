@@ -12,7 +12,14 @@ from nanoserve.model.communicator import TensorParallel, check_sharding
 from nanoserve.model_files import ModelSpec, load_hf_config
 from nanoserve.tiny import TINY_WINDOW
 from tests.conftest import FAMILIES
-from tests.model.test_llama import TOL, PagedKV, decode_batch, hf_logits, ours, prefill_batch, random_seqs
+from nanoserve.model.loader import load_model
+from tests.model.test_llama import TOL, PagedKV, decode_batch, hf_logits, prefill_batch, random_seqs
+
+MAX_LEN = 128  # the engine's max_model_len: within phi3_longrope's original_max_position_embeddings
+
+
+def ours(model_dir, tp=None):
+    return load_model(model_dir, load_hf_config(model_dir), torch.float32, "cpu", tp=tp, max_model_len=MAX_LEN)
 
 
 @pytest.fixture(scope="module")

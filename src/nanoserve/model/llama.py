@@ -130,21 +130,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, tp: TensorParallel) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, tp: TensorParallel, max_len: int) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(tp.split(spec.vocab_size, "vocab_size"), spec.hidden_size, dtype, tp)
         # Gemma scales the embeddings by sqrt(hidden_size) rounded to the model dtype, as HF does
         self.embed_scale = float(torch.tensor(spec.hidden_size ** 0.5, dtype=dtype, device="cpu")) if spec.family.embed_scale else None
-        self.rotary_emb = self._rotary(spec, spec.rope, dtype)
-        self.rotary_emb_local = self._rotary(spec, spec.local_rope, dtype) if spec.local_rope is not None else None
+        self.rotary_emb = self._rotary(spec, spec.rope, dtype, max_len)
+        self.rotary_emb_local = None if spec.local_rope is None else self._rotary(spec, spec.local_rope, dtype, max_len)
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, dtype, tp, i) for i in range(spec.num_layers))
         self.local_layers = [spec.local_rope is not None and spec.layer_rope(i) is spec.local_rope
                              for i in range(spec.num_layers)]
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
     @staticmethod
-    def _rotary(spec: ModelSpec, params: dict, dtype: torch.dtype) -> RotaryEmbedding:
-        return RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, params, dtype)
+    def _rotary(spec: ModelSpec, params: dict, dtype: torch.dtype, max_len: int) -> RotaryEmbedding:
+        """The cos/sin table of max_len positions (the engine's longest sequence fixes LongRoPE's factor set)."""
+        rotary_dim = int(spec.head_dim * params["partial_rotary_factor"])
+        return RotaryEmbedding(spec.head_dim, max_len, params, dtype, rotary_dim=rotary_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -164,16 +166,22 @@ class LlamaForCausalLM(nn.Module):
     Splitting the two lets the runner project only each sequence's last prefill token. Build it on the
     meta device and let nanoserve.model.loader fill the weights; constructing it elsewhere runs a plain init.
     With tp (model/communicator.py) it holds this rank's shards and compute_logits gathers the full vocabulary.
+    max_model_len: the engine's longest sequence (default: the config's max_position_embeddings), the positions the
+    RoPE tables hold.
     """
 
-    def __init__(self, hf_config, dtype: torch.dtype = torch.float32, tp: TensorParallel | None = None) -> None:
+    def __init__(self, hf_config, dtype: torch.dtype = torch.float32, tp: TensorParallel | None = None,
+                 max_model_len: int | None = None) -> None:
         super().__init__()
         self.spec = ModelSpec.from_hf_config(hf_config)
         self.hf_config = hf_config
         self.dtype = dtype
         self.tp = tp or TensorParallel()
         check_sharding(self.spec, self.tp.size)
-        self.model = LlamaModel(self.spec, dtype, self.tp)
+        if max_model_len is not None and not 0 < max_model_len <= self.spec.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} must be in 1..max_position_embeddings="
+                             f"{self.spec.max_position_embeddings}")
+        self.model = LlamaModel(self.spec, dtype, self.tp, max_model_len or self.spec.max_position_embeddings)
         if self.spec.tie_word_embeddings:
             self.lm_head = None
         else:

@@ -30,13 +30,14 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 def load_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: torch.device | str,
                load_format: str = "auto", tp: TensorParallel | None = None, quantization: str | None = None,
-               quantize_lm_head: bool = False, progress: bool = False) -> LlamaForCausalLM:
+               quantize_lm_head: bool = False, progress: bool = False,
+               max_model_len: int | None = None) -> LlamaForCausalLM:
     """The model with weights on `device` in `dtype`, attention backends chosen for the device, in eval mode.
 
     load_format "auto" reads the folder's safetensors; "dummy" fills random weights (std 0.02, norms 1)
     on the device, for benchmarks with real shapes and no files. With tp, only this rank's shards (and only
     their slices of the files) are read. quantization "fp8" then stores the linear layers' weights in fp8
-    (model/quantization.py).
+    (model/quantization.py). max_model_len: the engine's (LlamaForCausalLM's RoPE tables).
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -45,7 +46,7 @@ def load_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: tor
         raise ModelLoadError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(hf_config, dtype, tp)
+            model = LlamaForCausalLM(hf_config, dtype, tp, max_model_len)
     except (ValueError, KeyError) as e:
         raise ModelLoadError(first_line(e)) from None
     if load_format == "dummy":

@@ -20,8 +20,8 @@ must be placed there, or this test fails naming it):
     kernels  Triton kernels and their PyTorch references; they take tensors or duck-typed objects
              (kernels.metadata.AttentionInputs) and import nothing from above
     ground   what every floor may read: config (constants, EngineConfig), sampling (SamplingParams),
-             model_files (HF config / tokenizer / EOS / GGUF metadata), checkpoint_formats, errors, hub, tiny,
-             the package root
+             model_files (HF config / tokenizer / EOS / GGUF metadata), rope_config (its RoPE settings),
+             checkpoint_formats, errors, hub, tiny, the package root
 
 The package root's lazy attributes (`from nanoserve import LLM`, PEP 562 through importlib) are the public
 entry, not an import: the contract does not count them.
@@ -47,8 +47,8 @@ LAYERS = [  # top first
     ("runner.step", ("nanoserve.runner",)),
     ("model", ("nanoserve.model",)),
     ("kernels", ("nanoserve.kernels",)),
-    ("ground", ("nanoserve", "nanoserve.config", "nanoserve.sampling", "nanoserve.model_files", "nanoserve.hub",
-                "nanoserve.tiny", "nanoserve.errors", "nanoserve.checkpoint_formats")),
+    ("ground", ("nanoserve", "nanoserve.config", "nanoserve.sampling", "nanoserve.model_files", "nanoserve.rope_config",
+                "nanoserve.hub", "nanoserve.tiny", "nanoserve.errors", "nanoserve.checkpoint_formats")),
 ]
 WIRE_MODULE = "nanoserve.engine.messages"
 
@@ -134,7 +134,8 @@ def test_the_contract_sees_real_edges():
     """The parser must see what the code does: a function-level import, a relative import, a submodule import."""
     assert "nanoserve.engine.core" in GRAPH["nanoserve.engine.core_process"]
     assert "nanoserve.model.attention_metadata" in GRAPH["nanoserve.runner.forward"]
-    assert GRAPH["nanoserve.model_files"] <= {"nanoserve.config", "nanoserve.errors", "nanoserve.checkpoint_formats"}
+    assert GRAPH["nanoserve.model_files"] <= {"nanoserve.config", "nanoserve.errors", "nanoserve.checkpoint_formats",
+                                             "nanoserve.rope_config"}
 
 
 def _defines_struct(path: Path) -> bool:

@@ -295,8 +295,9 @@ def test_w8a8_on_prequantized_rows(m, config, block, dtype):
 @pytest.mark.parametrize("k", [96, 200, 1536, 3000])
 @pytest.mark.usefixtures("force_triton")
 def test_quantizing_kernels_equal_their_references(k, dtype):
-    """rms_norm / silu_and_mul (both activations) with quantize=True and quantize_activations: fp8.groups_ref of the same kernel's
-    unquantized output (itself tested against its reference), codes and scales bit for bit in the interpreter."""
+    """rms_norm / silu_and_mul (both activations) with quantize=True and quantize_activations: fp8.groups_ref of the
+    same kernel's unquantized output (itself tested against its reference), codes and scales bit for bit in the
+    interpreter."""
     g = torch.Generator().manual_seed(k)
     x = (torch.randn(3, k, generator=g) * torch.logspace(-3, 1, k)).to(DEVICE, dtype)
     norm_w = torch.randn(k, generator=g).to(DEVICE, dtype)

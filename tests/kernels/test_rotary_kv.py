@@ -111,7 +111,7 @@ def test_partial_rotary_matches_transformers_phi3(path):
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
 
     from nanoserve.model.layers import RotaryEmbedding
-    from nanoserve.model_files import rope_parameters
+    from nanoserve.rope_config import rope_parameters
 
     heads, kv_heads, d, tokens = 4, 2, 128, 6
     config = Phi3Config(hidden_size=heads * d, num_attention_heads=heads, num_key_value_heads=kv_heads,

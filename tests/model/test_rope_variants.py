@@ -11,7 +11,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from nanoserve.kernels import rotary_kv
 from nanoserve.model.layers import RotaryEmbedding, rope_inv_freq
-from nanoserve.model_files import rope_parameters
+from nanoserve.rope_config import rope_parameters
 
 ORIGINAL = 256  # original_max_position_embeddings of the test configs (Phi-3-128k: 4096)
 

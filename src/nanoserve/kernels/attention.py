@@ -11,6 +11,11 @@ partition of the context. The number of splits comes only from static shapes (ba
 block-table width, SM count), never from context_lens values, so decode has no host sync and
 can be captured in a CUDA graph; partitions past a sequence's context exit at once, and a
 second kernel merges the partial (max, sum, acc) of the splits that ran.
+
+Sliding window and logit soft-cap (reference.py says what they mean) are per-call values of one compiled kernel:
+the window a runtime int (NO_WINDOW: none), the softcap a SOFTCAP constexpr branch with runtime scales, so every
+layer of a model shares the kernels and a captured graph records each layer's values. Decode partitions cover only
+the window's keys; a prefill tile starts at its first token's window; blocks that slid out are never read.
 """
 from __future__ import annotations
 
@@ -58,6 +63,7 @@ def check_window_softcap(window: int | None, softcap: float | None) -> None:
 
 
 _LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # the kernels' window argument for "no sliding window": more keys than any context holds
 
 # Decode splits: each covers at least MIN_PARTITION tokens (less is not worth its partials), and the
 # grid aims for WAVES programs per SM so that small batches still fill the GPU.
@@ -138,19 +144,20 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @jit
-def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, end, last_key, kv_head, dims, dim_ok,
-                 qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin, end, first_key, last_key, kv_head,
+                 dims, dim_ok, qk_scale, cap_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 DOT_UPCAST: tl.constexpr, MASKED: tl.constexpr = True):
-    """Fold keys [start, start + BLOCK_N) ∩ [0, end) of one paged context into the running (max, sum, acc) of
-    the rows of q (log2-domain online softmax); row r attends only to keys <= last_key[r]. Every tile holds a
-    key each row may see (the decode partition's first, or key 0 for prefill), so the running max stays finite.
-    MASKED=False: the caller knows every row sees every key of the tile (a tile below the causal diagonal), so
-    neither the loads nor the scores are masked."""
+                 DOT_UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr = True):
+    """Fold keys [start, start + BLOCK_N) ∩ [begin, end) of one paged context into the running (max, sum, acc) of
+    the rows of q (log2-domain online softmax); row r attends only to keys in [first_key[r], last_key[r]] (its
+    sliding window); keys outside [begin, end) are not even loaded, nor their block-table entries. A row may see
+    no key of a tile (its window starts later): its running max then stays -inf and the tile adds nothing.
+    MASKED=False: the caller knows every row sees every key of the tile (below the causal
+    diagonal, inside every row's window), so neither the loads nor the scores are masked."""
     keys = start + tl.arange(0, BLOCK_N)
     offsets = keys % BLOCK_SIZE
     if MASKED:
-        key_ok = keys < end
+        key_ok = (keys >= begin) & (keys < end)
         block_ids = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         kv_mask = key_ok[:, None] & dim_ok[None, :]
     else:
@@ -158,12 +165,17 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, end, 
         kv_mask = dim_ok[None, :]
     k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_kt
                 + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
-    scores = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+    scores = _scores(_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST), qk_scale, cap_scale, SOFTCAP)
     if MASKED:
-        scores = tl.where(key_ok[None, :] & (keys[None, :] <= last_key[:, None]), scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+        seen = key_ok[None, :] & (keys[None, :] >= first_key[:, None]) & (keys[None, :] <= last_key[:, None])
+        scores = tl.where(seen, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: exp2(-inf - 0) = 0, not NaN
+    else:
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = m_new
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
                 + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
@@ -172,20 +184,34 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, end, 
 
 
 @jit
-def _partition_size(context_len, num_splits, BLOCK_N: tl.constexpr):
-    """Tokens per split for this sequence: its own context spread over all splits, in whole tiles. Sized on the
-    device from context_len, so a short context in an engine built for long ones still uses every split."""
-    return tl.maximum(tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N), 1) * BLOCK_N
+def _scores(dots, qk_scale, cap_scale, SOFTCAP: tl.constexpr):
+    """q·k dot products → log2-domain logits (_score_args gives the scales). With SOFTCAP they are
+    softcap * tanh(x) * log2(e) for x = scale * dot / softcap, as tanh(x) = 1 - 2 / (exp(2x) + 1), which saturates
+    to ±1 without overflow: qk_scale turns dots into 2x in the log2 domain, cap_scale is softcap * log2(e)."""
+    if SOFTCAP:
+        return cap_scale * (1.0 - 2.0 / (tl.exp2(dots * qk_scale) + 1.0))
+    return dots * qk_scale
+
+
+@jit
+def _decode_partition(context_len, window, num_splits, BLOCK_N: tl.constexpr):
+    """(first key, tokens per split) of this sequence's decode: its keys [max(0, context_len - window), context_len)
+    spread over all splits, in whole tiles, from the window's first key on (blocks that slid out of the window are
+    never read). Sized on the device from context_len, so a short context in an engine built for long ones still
+    uses every split."""
+    window_start = tl.maximum(context_len - window, 0)
+    span = context_len - window_start
+    return window_start, tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N), 1) * BLOCK_N
 
 
 @jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-                   part_acc_ptr, part_ml_ptr, qk_scale, num_splits,
+                   part_acc_ptr, part_ml_ptr, qk_scale, cap_scale, window, num_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
                    DOT_UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)  # q, the cache and the decode inputs all come from earlier kernels
@@ -193,8 +219,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    partition_size = _partition_size(context_len, num_splits, BLOCK_N)
-    part_start = split * partition_size
+    window_start, partition_size = _decode_partition(context_len, window, num_splits, BLOCK_N)
+    part_start = window_start + split * partition_size
     # Partitions past the context exit at once. "<=" lets an empty context (padding rows) write
     # zeros from split 0; the reduce ignores the empty partial that this also writes for split > 0.
     if part_start <= context_len:
@@ -211,12 +237,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        last_key = tl.zeros([BLOCK_G], tl.int32) + (part_end - 1)  # every row sees the whole partition
+        first_key = tl.zeros([BLOCK_G], tl.int32) + part_start  # every row sees the whole partition
+        last_key = tl.zeros([BLOCK_G], tl.int32) + (part_end - 1)
         for start in range(part_start, part_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, part_end, last_key,
-                                         kv_head, dims, dim_ok, qk_scale, stride_kb, stride_kt, stride_kh,
-                                         stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
-                                         DOT_UPCAST)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, part_start,
+                                         part_end, first_key, last_key, kv_head, dims, dim_ok, qk_scale, cap_scale,
+                                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                         BLOCK_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST, SOFTCAP)
         if not SPLIT:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
@@ -231,7 +258,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
 
 
 @jit
-def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, num_splits,
+def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, window, num_splits,
                           stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                           USE_PDL: tl.constexpr):
@@ -240,8 +267,8 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, 
     seq = tl.program_id(0)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
-    partition_size = _partition_size(context_len, num_splits, BLOCK_N)
-    num_valid = tl.cdiv(context_len, partition_size)  # splits that saw tokens; any later partial is ignored
+    window_start, partition_size = _decode_partition(context_len, window, num_splits, BLOCK_N)
+    num_valid = tl.cdiv(context_len - window_start, partition_size)  # splits that saw tokens; later ones are ignored
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
     split_ok = splits < num_valid
@@ -277,7 +304,8 @@ class DecodePartials:
 
     acc: torch.Tensor  # [num_seqs * num_heads * num_splits * head_dim] fp32
     ml: torch.Tensor  # [num_seqs * num_heads * num_splits * 2] fp32
-    context_lens: torch.Tensor  # [num_seqs]: which splits saw tokens (_partition_size)
+    context_lens: torch.Tensor  # [num_seqs]: with window, which splits saw tokens (_decode_partition)
+    window: int  # the decode kernel's window argument (NO_WINDOW: none)
     num_seqs: int
     num_heads: int
     head_dim: int
@@ -292,12 +320,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One query token per sequence over its paged context → [num_seqs, num_heads, head_dim].
 
     q [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] int32; context_lens
-    [num_seqs] int32 (0 gives a zero output row). num_splits overrides the shape heuristic
-    (tests, benchmarks).
+    [num_seqs] int32 (0 gives a zero output row). window / softcap: paged_attention's; the splits cover only the
+    window's keys. num_splits overrides the shape heuristic (tests, benchmarks).
     No host sync: safe inside CUDA-graph capture.
     """
-    if window is not None or softcap is not None:
-        raise ValueError("decode_attention: the Triton kernel has no sliding window / softcap yet")
     num_seqs, num_heads, head_dim = q.shape
     _num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or num_heads % num_kv_heads != 0 or v_cache.shape != k_cache.shape:
@@ -311,27 +337,29 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     _require_unit_last_stride(decode_attention=(q, k_cache, v_cache, block_tables))
     group = num_heads // num_kv_heads
-    max_context = block_tables.shape[1] * block_size
+    window = NO_WINDOW if window is None else window
+    max_keys = min(block_tables.shape[1] * block_size, window)  # static: the window is the layer's
     block_d = max(16, next_power_of_2(head_dim))
     block_n = _kv_tile_tokens(block_d, k_cache.element_size())
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context, num_sms(q.device))
-    num_splits = max(1, min(num_splits, cdiv(max_context, block_n)))  # a split is at least one tile
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_keys, num_sms(q.device))
+    num_splits = max(1, min(num_splits, cdiv(max_keys, block_n)))  # a split is at least one tile
     if num_splits > 1:
         parts = torch.empty(num_seqs * num_heads * num_splits * (head_dim + 2), dtype=torch.float32, device=q.device)
         partials = DecodePartials(parts[:num_seqs * num_heads * num_splits * head_dim],
-                                  parts[num_seqs * num_heads * num_splits * head_dim:], context_lens, num_seqs,
-                                  num_heads, head_dim, num_splits, block_n, q.dtype)
+                                  parts[num_seqs * num_heads * num_splits * head_dim:], context_lens,
+                                  window, num_seqs, num_heads, head_dim, num_splits, block_n, q.dtype)
         part_acc, part_ml = partials.acc, partials.ml
     else:
         part_acc = part_ml = out  # unused by the single-split kernel
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, scale * _LOG2E, num_splits,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, *_score_args(scale, softcap),
+        window, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
-        BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=softcap is not None,
         **_dot_args(q.device, k_cache.dtype), num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
         **pdl_args(q.device))
     if num_splits == 1:
@@ -344,7 +372,7 @@ def merge_partials(p: DecodePartials, out: torch.Tensor | None = None) -> torch.
     if out is None:
         out = torch.empty((p.num_seqs, p.num_heads, p.head_dim), dtype=p.dtype, device=p.acc.device)
     _decode_reduce_kernel[(p.num_seqs, p.num_heads)](
-        p.acc, p.ml, p.context_lens, out, p.num_splits, out.stride(0), out.stride(1),
+        p.acc, p.ml, p.context_lens, out, p.window, p.num_splits, out.stride(0), out.stride(1),
         HEAD_DIM=p.head_dim, BLOCK_S=next_power_of_2(p.num_splits), BLOCK_D=next_power_of_2(p.head_dim),
         BLOCK_N=p.block_n, num_warps=4, **pdl_args(p.acc.device))
     return out
@@ -355,13 +383,13 @@ def merge_partials(p: DecodePartials, out: torch.Tensor | None = None) -> torch.
 
 @jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_rows_ptr, context_lens_ptr,
-                    cu_seqlens_q_ptr, work_seq_ptr, work_start_ptr, out_ptr, qk_scale,
+                    cu_seqlens_q_ptr, work_seq_ptr, work_start_ptr, out_ptr, qk_scale, cap_scale, window,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     Q_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                    USE_PDL: tl.constexpr):
+                    SOFTCAP: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)
     kv_head = tl.program_id(0)  # the heads of one tile launch together, and the work list is longest first
@@ -383,26 +411,38 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
         q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         q = q.to(k_cache_ptr.dtype.element_ty)
-        # Bottom-right causal alignment: new token i sits at position context_len - q_len + i.
-        # Padding rows see the whole context, which keeps their softmax finite; they are never stored.
-        q_pos = tl.where(row_ok, context_len - q_len + tokens, context_len - 1)
+        # Bottom-right causal alignment: new token i sits at position context_len - q_len + i; it sees keys
+        # (q_pos - window, q_pos]. Padding rows take the tile's first position, which keeps their softmax finite;
+        # they are never stored.
+        q_first = context_len - q_len + first
+        q_pos = tl.where(row_ok, context_len - q_len + tokens, q_first)
         kv_end = tl.minimum(context_len, context_len - q_len + tl.minimum(first + Q_PER_TILE, q_len))
-        # Keys below the tile's first query position are seen by every row: whole tiles of them go unmasked.
-        full_end = (context_len - q_len + first + 1) // BLOCK_N * BLOCK_N
+        # Tiles before the first row's window start are never read; keys from the last row's window start to the
+        # first row's position are seen by every row: whole tiles of them go unmasked.
+        kv_begin = tl.maximum(q_first - window + 1, 0)
+        kv_start = kv_begin // BLOCK_N * BLOCK_N
+        full_end = (q_first + 1) // BLOCK_N * BLOCK_N
+        full_start = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, full_end)
+        first_key = q_pos - window + 1
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         table = block_tables_ptr + tl.load(table_rows_ptr + seq).to(tl.int64) * stride_bt
-        for start in range(0, full_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_end, q_pos,
-                                         kv_head, dims, dim_ok, qk_scale, stride_kb, stride_kt, stride_kh,
-                                         stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
-                                         DOT_UPCAST, MASKED=False)
+        for start in range(kv_start, full_start, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
+                                         first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N,
+                                         DOT_PRECISION, DOT_UPCAST, SOFTCAP)
+        for start in range(full_start, full_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
+                                         first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N,
+                                         DOT_PRECISION, DOT_UPCAST, SOFTCAP, MASKED=False)
         for start in range(full_end, kv_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_end, q_pos,
-                                         kv_head, dims, dim_ok, qk_scale, stride_kb, stride_kt, stride_kh,
-                                         stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
-                                         DOT_UPCAST)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
+                                         first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N,
+                                         DOT_PRECISION, DOT_UPCAST, SOFTCAP)
         out = acc / l_i[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -436,8 +476,11 @@ def prefill_work_capacity(num_tokens: int, max_seqs: int, q_per_tile: int) -> in
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionInputs, scale: float, tiles: PrefillTiles | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its paged context (cached prefix included).
+                            meta: AttentionInputs, scale: float, tiles: PrefillTiles | None = None, *,
+                            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context (cached prefix included), each token
+    over the last `window` keys (paged_attention's window / softcap; a tile reads no key tile that lies wholly
+    before its first token's window).
 
     q [num_new_tokens, num_heads, head_dim]; the new tokens' k/v must already be in the cache.
     One launch over (work tile, kv head): meta.work_seq / work_start list the tiles (a fixed-size list whose
@@ -468,11 +511,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         rows = torch.arange(meta.num_seqs, dtype=torch.int32, device=q.device)
     _prefill_kernel[(num_kv_heads, work_seq.shape[0])](
         q, k_cache, v_cache, meta.block_tables, rows, meta.context_lens, meta.cu_seqlens_q, work_seq, work_start,
-        out, scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        out, *_score_args(scale, softcap), NO_WINDOW if window is None else window,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=tiles.group, HEAD_DIM=head_dim, Q_PER_TILE=tiles.q_per_tile,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, **_dot_args(q.device, k_cache.dtype),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, SOFTCAP=softcap is not None,
+        **_dot_args(q.device, k_cache.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(q.device))
     return out
 
@@ -483,15 +528,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor |
     """Causal varlen prefill → [num_new_tokens, num_heads, head_dim].
 
     Without a cached prefix every sequence's keys are exactly its new k/v (q_len == k_len), which is
-    what torch's flash varlen forward computes (CUDA, fp16/bf16). Everything else (prefix-cache hits,
-    fp32, older torch, k/v only in the cache) takes the paged Triton kernel over the cache.
+    what torch's flash varlen forward computes (CUDA, fp16/bf16; a sliding window W is its window_size_left W - 1,
+    as transformers passes it to flash-attn). Everything else (prefix-cache hits, a softcap, which it lacks, fp32,
+    older torch, k/v only in the cache) takes the paged Triton kernel over the cache.
     """
-    if window is not None or softcap is not None:
-        raise ValueError("prefill_attention: the Triton kernels have no sliding window / softcap yet")
-    if _can_use_varlen(q, k, v, meta):
+    if _can_use_varlen(q, k, v, meta, window, softcap):
         cu, longest = meta.cu_seqlens_q, meta.max_seqlen_q
-        return _FLASH_VARLEN(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale)[0]
-    return paged_prefill_attention(q, k_cache, v_cache, meta, scale)
+        sliding = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+        return _FLASH_VARLEN(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale, **sliding)[0]
+    return paged_prefill_attention(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -501,24 +546,35 @@ def _flash_varlen():
     """torch's flash varlen forward, called as the aten op that torch.nn.attention.varlen.varlen_attn wraps (causal;
     flash takes GQA's fewer k/v heads as they are): the wrapper's custom-op and dynamo layers cost more host time than
     the launch (eager prompt steps over the largest token-count graph are host-bound). None when this torch lacks
-    it."""
+    it; and whether it takes a sliding window (window_size_left)."""
     op = getattr(torch.ops.aten, "_flash_attention_forward", None)
     try:
         names = {a.name for a in op.default._schema.arguments} if op is not None else set()
     except RuntimeError:
-        return None
-    return op.default if {"cum_seq_q", "max_q", "is_causal", "scale"} <= names else None
+        return None, False
+    if not {"cum_seq_q", "max_q", "is_causal", "scale"} <= names:
+        return None, False
+    return op.default, {"window_size_left", "window_size_right"} <= names
 
 
-_FLASH_VARLEN = _flash_varlen()
+_FLASH_VARLEN, _FLASH_WINDOWS = _flash_varlen()
 
 
-def _can_use_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionInputs) -> bool:
+def _can_use_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionInputs, window: int | None,
+                    softcap: float | None) -> bool:
     head_dim = q.shape[-1]
-    return (_FLASH_VARLEN is not None and not meta.has_cached_prefix and q.is_cuda and k is not None and v is not None
+    return (_FLASH_VARLEN is not None and softcap is None and (window is None or _FLASH_WINDOWS)
+            and not meta.has_cached_prefix and q.is_cuda and k is not None and v is not None
             and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
             and head_dim % 8 == 0 and head_dim <= 256
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
+
+
+def _score_args(scale: float, softcap: float | None) -> tuple[float, float]:
+    """The kernels' (qk_scale, cap_scale) arguments: see _scores."""
+    if softcap is None:
+        return scale * _LOG2E, 0.0
+    return 2.0 * scale * _LOG2E / softcap, softcap * _LOG2E
 
 
 def _kv_tile_tokens(block_d: int, element_size: int) -> int:

@@ -477,9 +477,9 @@ def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
                   weight_scale: torch.Tensor | None = None):
     """The attention input of a decoder layer: (q, k, v, new residual) after rms_norm(x + residual) → qkv
     projection (norm_linear) → q/k RMSNorm (Qwen3) + RoPE (over the table's rotary_dim: partial rotary where it is
-    narrower than a head) with k and v stored in the paged cache (one kernel, rotary_kv.qk_norm_rope). A qkv-epilogue variant (one head per output tile) was removed: it left the qkv
-    GEMV N / head_dim programs and no split-K, and the H200 measured it slower (notes/PERF.md, issue 34 figures,
-    gemv.norm_qkv_rope)."""
+    narrower than a head) with k and v stored in the paged cache (one kernel, rotary_kv.qk_norm_rope). A
+    qkv-epilogue variant (one head per output tile) was removed: it left the qkv GEMV N / head_dim programs and no
+    split-K, and the H200 measured it slower (notes/PERF.md, issue 34 figures, gemv.norm_qkv_rope)."""
     qkv, residual = norm_linear(x, residual, norm_weight, eps, weight, bias, weight_scale=weight_scale)
     q, k, v = rope.split(qkv)
     q, k = rope.apply(q, k, v)

@@ -103,13 +103,15 @@ def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, e
     v, k_cache, v_cache, slots = kv_store if kv_store is not None else (k, k_out, k_out, positions)
     if kv_store is not None and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
+    if not cos_sin_cache.is_contiguous():
+        raise ValueError("the cos/sin table must be contiguous [max_position, 2 * rotary_dim]")
     block_t = ROPE_BLOCK_T if tokens >= ROPE_MIN_TOKENS_PER_BLOCK else 1
     _qk_norm_rope_kernel[(cdiv(tokens, block_t), num_heads + num_kv_heads)](
         q, k, v, q_out, k_out, k_cache, v_cache, slots, cos_sin_cache, positions,
         q_norm_w if has_norm else cos_sin_cache, k_norm_w if has_norm else cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), tokens, num_heads,
-        num_kv_heads, eps, HEAD_DIM=d, ROTARY_DIM=rd, BLOCK_T=block_t, HAS_NORM=has_norm, STORE_KV=kv_store is not None,
-        num_warps=4, **pdl_args(q.device))
+        num_kv_heads, eps, HEAD_DIM=d, ROTARY_DIM=rd, BLOCK_T=block_t, HAS_NORM=has_norm,
+        STORE_KV=kv_store is not None, num_warps=4, **pdl_args(q.device))
     return q_out, k_out
 
 
@@ -118,8 +120,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr,
                          cos_sin_ptr, pos_ptr, qw_ptr, kw_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_tokens, num_heads,
                          num_kv_heads, eps, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
-                         HAS_NORM: tl.constexpr,
-                         STORE_KV: tl.constexpr, USE_PDL: tl.constexpr):
+                         HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)  # everything below reads the previous kernels' outputs
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]  # [BLOCK_T, 1]

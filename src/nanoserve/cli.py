@@ -16,7 +16,7 @@ import sys
 from nanoserve import __version__
 from nanoserve.config import (FIELD_HELP, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, REQUEST_BODY_TIMEOUT_S, SERVE_DEFAULTS,
                               SHUTDOWN_TIMEOUT_S, TOOL_CALL_PARSER_CHOICES, EngineConfig)
-from nanoserve.tiny import ARCHS, MOE_ARCHS
+from nanoserve.tiny import ALL_ARCHS
 
 _ENGINE_FIELDS = [f for f in dataclasses.fields(EngineConfig) if f.name != "model"]
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
@@ -140,7 +140,7 @@ def _add_make_tiny_model(sub) -> None:
     """`nanoserve make-tiny-model`."""
     tiny = sub.add_parser("make-tiny-model", help="write a small random model folder (no download needed)")
     tiny.add_argument("dir", help="folder to write (created if missing)")
-    tiny.add_argument("--arch", choices=ARCHS + MOE_ARCHS, default="qwen3", help="(default: %(default)s)")
+    tiny.add_argument("--arch", choices=ALL_ARCHS, default="qwen3", help="(default: %(default)s)")
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
 
 

@@ -1,7 +1,8 @@
 """What a model's files say, read without building the model: HF config, its shape (ModelSpec), max length,
 tokenizer, EOS ids, and a GGUF file's metadata.
 
-The ground floor of the package (it imports only other ground modules: errors, checkpoint_formats, rope_config):
+The ground floor of the package (it imports only other ground modules: errors, checkpoint_formats, rope_config,
+model_spec; ModelSpec and the architecture tables are model_spec's, re-exported here):
 the server, the engine and the loader read a model folder or a .gguf file through here, and every refusal is one
 ModelLoadError line naming the file at fault, raised before any weight is read. No torch: the API process and the
 CLI read configs and tokenizers without it. Weights are model/loader.py's (safetensors) and model/gguf.py's.
@@ -13,27 +14,15 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 from nanoserve.checkpoint_formats import Fp8Checkpoint, checkpoint_quantization  # noqa: F401 (re-exported)
 from nanoserve.errors import ModelLoadError
+from nanoserve.model_spec import (LAYER_TYPES, REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES,  # noqa: F401
+                                  Family, ModelSpec, MoeSpec, architecture_of, layer_rope_parameters, layer_types,
+                                  sliding_window, text_config, unsupported_architecture)
 from nanoserve.rope_config import SUPPORTED_ROPE_TYPES, rope_parameters  # noqa: F401 (re-exported)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM"}
-# Architectures users bring that look close to ours but need what nanoserve does not have: named in the refusal.
-REFUSED_ARCHITECTURES = {"DeepseekV2ForCausalLM": "multi-head latent attention (MLA)",
-                        "DeepseekV3ForCausalLM": "multi-head latent attention (MLA)",
-                        "GptOssForCausalLM": "attention sinks and MXFP4 experts",
-                        "Qwen3NextForCausalLM": "linear-attention (gated DeltaNet) layers",
-                        "Llama4ForConditionalGeneration": "chunked attention and interleaved MoE layers",
-                        "DbrxForCausalLM": "DBRX's fused expert layout and clipped qkv",
-                        "OlmoeForCausalLM": "OLMoE's q/k norm over the whole projection",
-                        "GraniteMoeForCausalLM": "Granite's scaled residuals and logits"}
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 _GGUF_MAGIC = b"GGUF"
 # Metadata keys of the tokens that end a generation besides EOS (end of turn, end of message).
@@ -42,126 +31,6 @@ _GGUF_SPECIAL_TOKEN_KEYS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_tok
                             "unk_token": "tokenizer.ggml.unknown_token_id",
                             "pad_token": "tokenizer.ggml.padding_token_id"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-@dataclass(frozen=True)
-class MoeSpec:
-    """The mixture-of-experts part of a model: which layers route each token to top_k of num_experts SwiGLU experts."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int  # each expert's
-    renormalize: bool  # the top-k softmax weights divided by their sum (Mixtral always; Qwen's norm_topk_prob)
-    shared_intermediate_size: int  # Qwen2-MoE's gated shared expert; 0 for none
-    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of intermediate_size
-
-    @classmethod
-    def from_hf_config(cls, hf_config, arch: str) -> "MoeSpec | None":
-        layers = hf_config.num_hidden_layers
-        if arch == "MixtralForCausalLM":
-            return cls._checked(hf_config.num_local_experts, hf_config.num_experts_per_tok,
-                                hf_config.intermediate_size, True, 0, (True,) * layers)
-        if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-            return None
-        experts, step = hf_config.num_experts, getattr(hf_config, "decoder_sparse_step", 1) or 1
-        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
-        sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers))
-        shared = getattr(hf_config, "shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
-        return cls._checked(experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
-                            bool(getattr(hf_config, "norm_topk_prob", False)), int(shared or 0), sparse)
-
-    @classmethod
-    def _checked(cls, experts: int, top_k: int, inter: int, renormalize: bool, shared: int,
-                 sparse: tuple[bool, ...]) -> "MoeSpec":
-        if not 1 <= top_k <= experts:
-            raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the number of experts ({experts})")
-        return cls(experts, top_k, inter, renormalize, shared, sparse)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape of a model, read and validated from its HF config."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    rope: dict
-    moe: MoeSpec | None = None
-
-    @classmethod
-    def from_hf_config(cls, hf_config) -> "ModelSpec":
-        """Raises ValueError naming the first unsupported feature."""
-        arch = architecture_of(hf_config)
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
-        _check_no_sliding_window(hf_config, arch)
-        heads = hf_config.num_attention_heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-        if heads % kv_heads:
-            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-        return cls(
-            architecture=arch,
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_layers=hf_config.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-            rms_norm_eps=hf_config.rms_norm_eps,
-            max_position_embeddings=hf_config.max_position_embeddings,
-            qkv_bias=bool(getattr(hf_config, "qkv_bias", True)) if qwen2 else attention_bias,
-            o_bias=False if qwen2 else attention_bias,
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            rope=rope_parameters(hf_config),
-            moe=MoeSpec.from_hf_config(hf_config, arch),
-        )
-
-
-def architecture_of(hf_config) -> str:
-    """The supported architecture name of a config, or ValueError naming the supported ones."""
-    names = list(getattr(hf_config, "architectures", None) or [])
-    if not names and getattr(hf_config, "model_type", None) in _MODEL_TYPES:
-        names = [_MODEL_TYPES[hf_config.model_type]]
-    for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
-            return name
-    raise ValueError(unsupported_architecture(names or [getattr(hf_config, "model_type", None)]))
-
-
-def unsupported_architecture(names: list) -> str:
-    """The refusal of a config's architectures: what is missing for one we know of, and what we run."""
-    why = next((f" ({REFUSED_ARCHITECTURES[n]} is not implemented)" for n in names if n in REFUSED_ARCHITECTURES), "")
-    return f"unsupported architecture {names}{why}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-
-
-def _check_no_sliding_window(hf_config, arch: str) -> None:
-    """Sliding-window attention is not implemented; refuse configs where it would change the result."""
-    layer_types = getattr(hf_config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"layer_types {sorted(set(layer_types))}: only full attention is supported (no sliding window)")
-    window = getattr(hf_config, "sliding_window", None)
-    if window is None or window >= hf_config.max_position_embeddings:
-        return
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM") or getattr(hf_config, "use_sliding_window", False):
-        raise ValueError(f"sliding_window={window} is not supported (only full attention)")
 
 
 # -- config and max length ---------------------------------------------------------------------------------
@@ -212,7 +81,7 @@ def _check_spec(config, source: Path) -> None:
 
 
 def model_max_len(hf_config) -> int:
-    return int(hf_config.max_position_embeddings)
+    return int(text_config(hf_config).max_position_embeddings)
 
 
 # -- tokenizer and EOS -------------------------------------------------------------------------------------
@@ -361,8 +230,8 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-__all__ = ["Fp8Checkpoint", "ModelLoadError", "ModelSpec", "MoeSpec", "REFUSED_ARCHITECTURES",
+__all__ = ["Family", "Fp8Checkpoint", "LAYER_TYPES", "ModelLoadError", "ModelSpec", "MoeSpec", "REFUSED_ARCHITECTURES",
            "unsupported_architecture", "checkpoint_quantization", "SUPPORTED_ARCHITECTURES",
            "SUPPORTED_GGUF_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "architecture_of", "as_id_list", "eos_token_ids",
-           "first_line", "is_gguf", "load_hf_config", "load_tokenizer", "model_max_len", "read_gguf_metadata",
-           "rope_parameters"]
+           "first_line", "is_gguf", "load_hf_config", "load_tokenizer", "model_max_len", "layer_rope_parameters",
+           "layer_types", "read_gguf_metadata", "rope_parameters", "sliding_window", "text_config"]

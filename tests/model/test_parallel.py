@@ -162,7 +162,8 @@ def test_row_parallel_bias_lives_on_rank_zero(rank, biased_models):
 
 
 def spec(heads=4, kv=2, inter=128, vocab=512):
-    return SimpleNamespace(num_heads=heads, num_kv_heads=kv, intermediate_size=inter, vocab_size=vocab, moe=None)
+    return SimpleNamespace(num_heads=heads, num_kv_heads=kv, intermediate_size=inter, vocab_size=vocab, moe=None,
+                           qk_norm=None)
 
 
 @pytest.mark.parametrize("spec_, size, message", [

@@ -130,6 +130,9 @@ def check_sharding(spec, size: int) -> None:
         if value % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide {name}={value}")
 
+    if size > 1 and spec.qk_norm == "projection":  # its norm reads every head: the ranks would all-reduce per layer
+        raise ValueError(f"tensor_parallel_size={size}: {spec.architecture} (q/k RMSNorm over the whole projection) "
+                         "runs on one rank only")
     divides("num_attention_heads", spec.num_heads)
     if spec.num_kv_heads >= size:
         divides("num_key_value_heads", spec.num_kv_heads)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanoserve.model.weights import ParamWriter
+from nanoserve.model.weights import ParamWriter, pieces
 from nanoserve.model_files import ModelLoadError, first_line
 
 logger = logging.getLogger("nanoserve")
@@ -58,18 +58,22 @@ def load_weights(model, path: str | Path, hf_config, dtype: torch.dtype, device:
         weights = processor.process(weights=dequantize(data, tensor.tensor_type), name=tensor.name).weights
         if tensor.name.endswith(_SHARED_EXPERT_GATE):  # [H] or [1, H] in the file; the processor adds a leading 1
             weights = weights.reshape(1, -1)
-        found = writer.shard(hf_name, path.name, weights.shape)
-        if found is None:
-            continue
-        name, shard = found
-        if shard.zeros:
-            part = writer.zeros(name)
-        else:
-            part = weights if shard.src is None else weights[shard.src]
-            # np.require copies only read-only views of the file (plain F32 tensors): no parameter aliases the mmap.
-            part = torch.from_numpy(np.require(part, requirements=["C", "W"])).to(device=device, dtype=dtype)
-        on_tensor(writer.put(hf_name, name, shard, part))
+        for piece in pieces(model, hf_name, weights.shape):
+            found = writer.shard(piece.hf_name, path.name, piece.shape)
+            if found is None:
+                continue
+            name, shard = found
+            on_tensor(writer.put(piece.hf_name, name, shard, _part(writer, name, shard, weights, piece.index(shard))))
     writer.finish(path)
+
+
+def _part(writer: ParamWriter, name: str, shard, weights: np.ndarray, index) -> torch.Tensor:
+    """This rank's part of a dequantized tensor, on the writer's device in its dtype."""
+    if shard.zeros:
+        return writer.zeros(name)
+    part = weights if index is None else weights[index]
+    # np.require copies only read-only views of the file (plain F32 tensors): no parameter aliases the mmap.
+    return torch.from_numpy(np.require(part, requirements=["C", "W"])).to(device=writer.device, dtype=writer.dtype)
 
 
 def _check_tensor_types(reader, path: Path) -> None:

@@ -18,10 +18,10 @@ from tqdm import tqdm
 from nanoserve.kernels.attention import select_backend
 from nanoserve.model import gguf
 from nanoserve.model.communicator import TensorParallel
-from nanoserve.model.layers import RMSNorm, WeightShard
+from nanoserve.model.layers import RMSNorm
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.model.quantization import quantize_model
-from nanoserve.model.weights import ParamWriter, hf_names
+from nanoserve.model.weights import ParamWriter, hf_names, pieces
 from nanoserve.model_files import ModelLoadError, checkpoint_quantization, first_line, is_gguf
 
 _SafetensorError = getattr(safetensors, "SafetensorError", RuntimeError)
@@ -30,13 +30,14 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 def load_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: torch.device | str,
                load_format: str = "auto", tp: TensorParallel | None = None, quantization: str | None = None,
-               quantize_lm_head: bool = False, progress: bool = False) -> LlamaForCausalLM:
+               quantize_lm_head: bool = False, progress: bool = False,
+               max_model_len: int | None = None) -> LlamaForCausalLM:
     """The model with weights on `device` in `dtype`, attention backends chosen for the device, in eval mode.
 
     load_format "auto" reads the folder's safetensors; "dummy" fills random weights (std 0.02, norms 1)
     on the device, for benchmarks with real shapes and no files. With tp, only this rank's shards (and only
     their slices of the files) are read. quantization "fp8" then stores the linear layers' weights in fp8
-    (model/quantization.py).
+    (model/quantization.py). max_model_len: the engine's (LlamaForCausalLM's RoPE tables).
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -45,7 +46,7 @@ def load_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: tor
         raise ModelLoadError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(hf_config, dtype, tp)
+            model = LlamaForCausalLM(hf_config, dtype, tp, max_model_len)
     except (ValueError, KeyError) as e:
         raise ModelLoadError(first_line(e)) from None
     if load_format == "dummy":
@@ -114,22 +115,23 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, hf_config, dtype
                     if writer.is_scale(hf_name):
                         writer.put_scale(hf_name, file.name, f.get_tensor(hf_name))
                         continue
-                    found = writer.shard(hf_name, file.name, f.get_slice(hf_name).get_shape())
-                    if found is None:
-                        continue
-                    name, shard = found
-                    tensor = writer.zeros(name) if shard.zeros else _read(f, hf_name, shard)
-                    on_tensor(writer.put(hf_name, name, shard, tensor))
+                    for piece in pieces(model, hf_name, f.get_slice(hf_name).get_shape()):
+                        found = writer.shard(piece.hf_name, file.name, piece.shape)
+                        if found is None:
+                            continue
+                        name, shard = found
+                        tensor = writer.zeros(name) if shard.zeros else _read(f, hf_name, piece.index(shard))
+                        on_tensor(writer.put(piece.hf_name, name, shard, tensor))
         except (_SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read weights file {file}: {first_line(e)}") from None
     writer.finish(f"the weights of {model_dir}")
 
 
-def _read(f, hf_name: str, shard: WeightShard) -> torch.Tensor:
+def _read(f, hf_name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
     """This rank's part of one tensor, as stored: a slice read from the file (get_slice reads only those bytes)."""
-    if shard.src is None:
+    if index is None:
         return f.get_tensor(hf_name)
-    return f.get_slice(hf_name)[shard.src].contiguous()
+    return f.get_slice(hf_name)[index].contiguous()
 
 
 def _init_dummy(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) -> None:

@@ -1,22 +1,100 @@
 """What both weight readers share (safetensors in model/loader.py, GGUF in model/gguf.py): Hugging Face tensor
 names ↔ our parameters, and writing this rank's part of each tensor into them.
 
-Our parameters follow HF's names except the merged ones (qkv_proj, gate_up_proj: `packed_modules` of the
-model); a merged parameter is filled shard by shard in a buffer and set once every part is in.
+Our parameters follow HF's names except the merged ones (qkv_proj, gate_up_proj: PACKED_MODULES); a merged parameter
+is filled shard by shard in a buffer and set once every part is in. How each family's checkpoint names differ from
+ours is one table, CHECKPOINT_NAMES.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from nanoserve.kernels.fp8 import FP8_DTYPE
-from nanoserve.model.layers import WeightShard, weight_shard
+from nanoserve.model.layers import RMSNorm, WeightShard, weight_shard
 from nanoserve.model.moe import Experts, covered_names, expert_target
 from nanoserve.model.quantization import Fp8Scales
 from nanoserve.model_files import Fp8Checkpoint, ModelLoadError
 
 # Tensors some checkpoints carry that hold nothing the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# HF module name → (our merged module, index of the HF tensor in it); layers.weight_shard places it.
+PACKED_MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+@dataclass(frozen=True)
+class CheckpointNames:
+    """How one family's checkpoint names its tensors, where that differs from ours.
+
+    renames: (checkpoint name part, ours), replaced once each (a multimodal checkpoint's text model prefix, Mixtral's
+    block_sparse_moe). skipped: name prefixes of tensors we do not run (a vision tower). fused: a checkpoint module
+    holding several HF modules' rows stacked in order (Phi-3's qkv_proj, gate_up_proj): each part is placed, and
+    sharded under tensor parallelism, on its own, as if the checkpoint held them apart."""
+
+    renames: tuple[tuple[str, str], ...] = ()
+    skipped: tuple[str, ...] = ()
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+_GEMMA3_MULTIMODAL = CheckpointNames(
+    renames=(("model.language_model.", "model."), ("language_model.model.", "model."),  # transformers 5, 4
+             ("language_model.lm_head.", "lm_head.")),
+    skipped=("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector."))
+CHECKPOINT_NAMES = {
+    "MixtralForCausalLM": CheckpointNames(renames=((".block_sparse_moe.", ".mlp."),)),
+    "Phi3ForCausalLM": CheckpointNames(fused=(("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                              ("gate_up_proj", ("gate_proj", "up_proj")))),
+    "Gemma3ForConditionalGeneration": _GEMMA3_MULTIMODAL,
+}
+_PLAIN = CheckpointNames()
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A checkpoint tensor, or one part of a fused one: its HF name, shape, and rows of the stored tensor (None: all)."""
+
+    hf_name: str
+    shape: tuple[int, ...]
+    rows: slice | None = None
+
+    def index(self, shard: WeightShard) -> tuple[slice, ...] | None:
+        """What to read of the stored tensor for `shard` of this piece (None: all of it)."""
+        if self.rows is None:
+            return shard.src
+        src = shard.src or (slice(None),)
+        first = src[0]
+        start = self.rows.start + (first.start or 0)
+        stop = self.rows.start + (first.stop if first.stop is not None else self.shape[0])
+        return (slice(start, stop),) + tuple(src[1:])
+
+
+def names_of(model) -> CheckpointNames:
+    return CHECKPOINT_NAMES.get(model.spec.architecture, _PLAIN)
+
+
+def pieces(model, hf_name: str, shape: tuple[int, ...]) -> list[Piece]:
+    """A checkpoint tensor as the tensors our tables know: itself, or a fused tensor's parts (rows in order)."""
+    module, _, leaf = hf_name.rpartition(".")
+    parent, _, last = module.rpartition(".")
+    parts = dict(names_of(model).fused).get(last)
+    if parts is None:
+        return [Piece(hf_name, tuple(shape))]
+    spec = model.spec
+    sizes = {"q_proj": spec.num_heads * spec.head_dim, "k_proj": spec.num_kv_heads * spec.head_dim,
+             "v_proj": spec.num_kv_heads * spec.head_dim, "gate_proj": spec.intermediate_size,
+             "up_proj": spec.intermediate_size}
+    if shape[0] != sum(sizes[p] for p in parts):
+        raise ModelLoadError(f"tensor {hf_name!r} has {shape[0]} rows, but {' + '.join(parts)} have "
+                             f"{sum(sizes[p] for p in parts)}")
+    out, start = [], 0
+    for part in parts:
+        rows = slice(start, start + sizes[part])
+        out.append(Piece(f"{parent}.{part}.{leaf}", (sizes[part],) + tuple(shape[1:]), rows))
+        start = rows.stop
+    return out
 # FP8 checkpoints' scales for static activation (and KV-cache) quantization: activations stay in the serving
 # dtype or are quantized per token where they are used, the KV cache in the serving dtype.
 _ACTIVATION_SCALES = ("input_scale", "output_scale", "k_scale", "v_scale", "q_scale")
@@ -25,31 +103,32 @@ _ACTIVATION_SCALES = ("input_scale", "output_scale", "k_scale", "v_scale", "q_sc
 def target(model, hf_name: str) -> tuple[str, object] | None:
     """HF tensor name → (our parameter, index of the HF tensor inside a merged or stacked weight or None); None to
     skip it."""
-    if hf_name.endswith(_IGNORED_SUFFIXES):
+    if hf_name.endswith(_IGNORED_SUFFIXES) or hf_name.startswith(names_of(model).skipped):
         return None
+    hf_name = canonical_name(model, hf_name)
     if hf_name == "lm_head.weight" and model.spec.tie_word_embeddings:
         return None  # tied: the embedding is the output projection
-    hf_name = canonical_name(model, hf_name)
     parts = hf_name.split(".")
     if model.spec.moe is not None and "experts" in parts:
         return expert_target(parts) or (hf_name, None)
-    if len(parts) >= 2 and parts[-2] in model.packed_modules:
-        merged, index = model.packed_modules[parts[-2]]
+    if len(parts) >= 2 and parts[-2] in PACKED_MODULES:
+        merged, index = PACKED_MODULES[parts[-2]]
         return ".".join(parts[:-2] + [merged, parts[-1]]), index
     return hf_name, None
 
 
 def canonical_name(model, hf_name: str) -> str:
-    """The name our tables know a checkpoint tensor by: Mixtral's `block_sparse_moe` is the `mlp` of the others."""
-    if model.spec.moe is None or "block_sparse_moe" not in hf_name:
-        return hf_name
-    return ".".join("mlp" if p == "block_sparse_moe" else p for p in hf_name.split("."))
+    """The name our tables know a checkpoint tensor by (CHECKPOINT_NAMES' renames: Mixtral's `block_sparse_moe` is
+    the `mlp` of the others, a multimodal checkpoint's text model is the `model`)."""
+    for old, new in names_of(model).renames:
+        hf_name = hf_name.replace(old, new, 1)
+    return hf_name
 
 
 def hf_names(model, params: dict[str, nn.Parameter]) -> list[str]:
     """The HF tensor names a complete checkpoint must contain for these parameters."""
     unpacked: dict[str, list[str]] = {}
-    for hf_module, (merged, shard) in model.packed_modules.items():
+    for hf_module, (merged, shard) in PACKED_MODULES.items():
         unpacked.setdefault(merged, []).insert(shard, hf_module)
     names = []
     for name in params:
@@ -145,6 +224,9 @@ class ParamWriter:
 
     def _cast(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dtype != FP8_DTYPE:
+            offset = self.model.spec.family.norm_offset
+            if offset and isinstance(self.model.get_submodule(name.rpartition(".")[0]), RMSNorm):
+                tensor = tensor.float() + offset  # Gemma's (1 + w), summed in fp32 as HF does
             return tensor.to(self.dtype)
         if self.fp8 is None or not name.endswith(".weight"):
             raise ModelLoadError(f"tensor {hf_name!r} is stored in {tensor.dtype} without a quantization_config "
@@ -164,4 +246,5 @@ class ParamWriter:
             self.scales.finish(self.fp8_weights, source)
 
 
-__all__ = ["ParamWriter", "hf_names", "set_param", "target"]
+__all__ = ["CHECKPOINT_NAMES", "CheckpointNames", "PACKED_MODULES", "ParamWriter", "Piece", "hf_names", "pieces",
+           "set_param", "target"]

@@ -44,7 +44,7 @@ def start(config: EngineConfig, hf_config, tp: TensorParallel, rng: torch.Genera
     host_rng = torch.Generator().manual_seed(config.seed)  # self-check context lengths, probe prompt ids
     model = load_model(config.model, hf_config, config.torch_dtype, config.torch_device, config.load_format, tp,
                        quantization=config.quantization, quantize_lm_head=config.quantize_lm_head,
-                       progress=config.show_progress and tp.rank == 0)
+                       progress=config.show_progress and tp.rank == 0, max_model_len=config.max_model_len)
     kv = KVCacheSpec.of(model, config.block_size, config.torch_dtype)
     num_blocks = tp.min_int(plan_memory(model, config, kv).num_kv_blocks)  # every rank's cache holds it
     if num_blocks * config.block_size < config.max_model_len:

@@ -1,0 +1,59 @@
+"""The dense families through the whole engine (CPU, float32, block_size 4 under a window of 10): greedy tokens equal
+transformers' for batches of prompts shorter and longer than the window; chunked prefill across the window edge,
+prefix-cache hits and preemption; two gloo ranks give one rank's tokens for a windowed, soft-capped family."""
+from __future__ import annotations
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from tests.conftest import FAMILIES
+from tests.engine.churn import check_blocks
+from tests.engine.test_engine import GREEDY, hf_greedy, prompts_of_lengths
+
+OPTIONS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, max_num_seqs=8)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_batched_greedy_matches_transformers(name, tiny_family_dirs):
+    path = str(tiny_family_dirs[name])
+    prompts = prompts_of_lengths([1, 4, 9, 17, 30], 500, seed=4)
+    expected = hf_greedy(path, prompts, 10)
+    assert len({tuple(t) for t in expected}) > 1
+    with LLM(path, **OPTIONS) as llm:
+        got = llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)
+        assert [o.token_ids for o in got] == expected
+        assert llm.engine.core.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral"])
+def test_chunks_prefix_hits_and_preemption_match_transformers(name, tiny_family_dirs):
+    """Chunks of 16 tokens over windows of 10 (a chunk's queries see keys of the chunk before), a cached prefix of 33
+    tokens (past the window), and a KV cache small enough to preempt."""
+    path = str(tiny_family_dirs[name])
+    shared = prompts_of_lengths([33], 500, seed=5)[0]
+    prompts = [shared + p for p in prompts_of_lengths([4, 9, 2, 13], 500, seed=6)]
+    expected = hf_greedy(path, prompts, 12)
+    with LLM(path, num_kv_blocks=22, max_num_batched_tokens=16, **dict(OPTIONS, max_model_len=64)) as llm:
+        engine = llm.engine
+        first = llm.generate(prompts[:1], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
+        for i, p in enumerate(prompts[1:]):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=12, **GREEDY), stream=False)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = out.token_ids
+            check_blocks(engine)
+        assert [first[0].token_ids] + [done[str(i)] for i in range(3)] == expected
+        assert engine.stats.prefix_cache_hit_tokens >= 32 and engine.stats.preemptions > 0
+        assert engine.stats.mixed_steps > 0
+
+
+def test_two_ranks_give_the_one_rank_tokens(tiny_family_dirs):
+    path = str(tiny_family_dirs["gemma2"])  # windowed layers, attention and final soft-caps, tied embeddings
+    prompts = prompts_of_lengths([2, 7, 19], 500, seed=12)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    options = dict(OPTIONS, max_num_batched_tokens=16)
+    with LLM(path, **options) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(path, tensor_parallel_size=2, **options) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want

@@ -1,0 +1,45 @@
+"""The dense families at real shapes on the GPU (random weights, bf16): a Gemma-3-4B-shaped model (sandwich norms,
+GeGLU, head_dim 256, windows of 1024 on five layers in six, local / global RoPE tables, the multimodal config's text
+part) and a Mistral-7B-shaped one (a window of 4096 on every layer). Start-up self-checks every captured size against
+eager; then each decode batch size replays what an enforce_eager engine computes, on prompts past the window."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.runner.dispatch import Kind
+
+SHAPES_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "shapes"
+pytestmark = pytest.mark.gpu
+
+# shape → (max_model_len, prompt length past its window)
+SHAPES = {"gemma-3-4b": (2048, 1100), "mistral-7b": (8192, 4200)}
+
+
+def _llm(name: str, **kw) -> LLM:
+    max_len = SHAPES[name][0]
+    opts = dict(device="cuda", dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True, max_model_len=max_len,
+                max_num_seqs=16, block_size=16, max_num_batched_tokens=max_len, cudagraph_capture_sizes="pow2",
+                show_progress=False)
+    opts.update(kw)
+    return LLM(str(SHAPES_DIR / name), **opts)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_every_captured_size_replays_what_eager_computes(name):
+    graphs = _llm(name)  # start-up's self-check already replayed every size against eager (it raises on a mismatch)
+    decode = graphs.engine.core.runner.graphs.runners[Kind.DECODE]
+    assert decode.capture_sizes == [1, 2, 4, 8, 16]
+    prompt_len = SHAPES[name][1]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    results = {}
+    for b in decode.capture_sizes + [3, 11]:
+        prompts = [[(7 * i + j) % 30000 + 3 for j in range(prompt_len + i)] for i in range(b)]
+        results[b] = (prompts, [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)])
+    assert graphs.engine.stats.decode_steps_graph > 0 and graphs.engine.stats.decode_steps_eager == 0
+    graphs.close()
+    with _llm(name, enforce_eager=True) as eager:
+        for b, (prompts, got) in results.items():
+            assert got == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)], b

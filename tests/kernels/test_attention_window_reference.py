@@ -40,7 +40,8 @@ class Contexts:
             used += counts[i]
             self.k.append(torch.randn(c, num_kv_heads, head_dim, generator=gen))
             self.v.append(torch.randn(c, num_kv_heads, head_dim, generator=gen))
-            slots = self.block_tables[i, torch.arange(c) // block_size].long() * block_size + torch.arange(c) % block_size
+            pos = torch.arange(c)
+            slots = self.block_tables[i, pos // block_size].long() * block_size + pos % block_size
             torch_ref.store_kv(self.k[i], self.v[i], self.k_cache, self.v_cache, slots)
         self.context_lens = torch.tensor(context_lens, dtype=torch.int32)
 

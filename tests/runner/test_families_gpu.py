@@ -1,17 +1,25 @@
 """The dense families at real shapes on the GPU (random weights, bf16): a Gemma-3-4B-shaped model (sandwich norms,
 GeGLU, head_dim 256, windows of 1024 on five layers in six, local / global RoPE tables, the multimodal config's text
 part) and a Mistral-7B-shaped one (a window of 4096 on every layer). Start-up self-checks every captured size against
-eager; then each decode batch size replays what an enforce_eager engine computes, on prompts past the window."""
+eager; then each decode batch size gives an enforce_eager engine's tokens (up to bf16 near-ties), on prompts past the
+window."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.runner.dispatch import Kind
 
-SHAPES_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "shapes"
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+import run  # noqa: E402  (the demo's rule for graph vs eager tokens in bf16: they may part only at a near-tie)
+
+SHAPES_DIR = REPO / "benchmarks" / "shapes"
 pytestmark = pytest.mark.gpu
 
 # shape → (max_model_len, prompt length past its window)
@@ -42,6 +50,13 @@ def test_every_captured_size_replays_what_eager_computes(name):
         results[b] = (prompts, [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)])
     assert graphs.engine.stats.decode_steps_graph > 0 and graphs.engine.stats.decode_steps_eager == 0
     graphs.close()
+    # bf16 with random weights: the graph runs its bucket's rows and prompts past 2048 tokens take other prefill
+    # kernels than token-count graphs, so logits differ by rounding and a greedy pick may flip where two logits
+    # nearly tie (Mistral-7B at b=4 once did, at its 6th token). A divergence anywhere else is a failure.
+    eager_params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
     with _llm(name, enforce_eager=True) as eager:
         for b, (prompts, got) in results.items():
-            assert got == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)], b
+            want = eager.generate(prompts, eager_params, use_tqdm=False)
+            _, divergences = run.compare_tokens([SimpleNamespace(token_ids=t) for t in got], want,
+                                                run.NEAR_TIE["bfloat16"])
+            assert all(d.near_tie for d in divergences), (b, divergences)

@@ -215,8 +215,7 @@ def _gemv(x, w13, w2, routed, logits, num_experts: int, top_k: int, route: bool,
     _gemv_gate_up_kernel[(num_tokens, cdiv(inter_size, block_n))](
         x, logit_rows, ids, w13, inter, norm_weight, eps, hidden, inter_size, num_experts, x.stride(0),
         logit_rows.stride(0), w13.stride(0), w13.stride(1), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=hidden % block_k == 0, NORM=norm is not None, BLOCK_H=next_power_of_2(hidden) if norm else 1,
-        num_warps=warps, **shared)
+        EVEN_K=hidden % block_k == 0, NORM=norm is not None, num_warps=warps, **shared)
     block_n, block_k, warps = _gemv_tiles(num_tokens, hidden, top_k, x.device, gated=False)
     _gemv_down_kernel[(num_tokens, cdiv(hidden, block_n))](
         inter, logit_rows, ids, weights, w2, out, hidden, inter_size, num_experts, logit_rows.stride(0),
@@ -265,17 +264,20 @@ def _token_routing(logits_ptr, ids_ptr, weights_ptr, token, num_experts, stride_
 
 @jit
 def _row_inv_rms(x_row, H, eps, BLOCK: tl.constexpr):
-    """1 / rms of one row of H values, loaded at once (BLOCK ≥ H: one L2 round trip before the product starts)."""
+    """1 / rms of one row of H values."""
     cols = tl.arange(0, BLOCK)
-    v = tl.load(x_row + cols, mask=cols < H, other=0.0).to(tl.float32)
-    return tl.rsqrt(tl.sum(v * v, axis=0) / H + eps)
+    sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(0, H, BLOCK):
+        v = tl.load(x_row + k + cols, mask=k + cols < H, other=0.0).to(tl.float32)
+        sum_sq += v * v
+    return tl.rsqrt(tl.sum(sum_sq, axis=0) / H + eps)
 
 
 @jit
 def _gemv_gate_up_kernel(x_ptr, logits_ptr, ids_ptr, w_ptr, inter_ptr, norm_w_ptr, eps, H, I, num_experts, stride_x,
                          stride_l, stride_we, stride_wn, TOP_K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
                          ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+                         EVEN_K: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (t, n): inter[t*k + j, n-tile] = silu(gate rows · x) * (up rows · x) of expert ids[t, j], every j at
     once (k experts' loads in flight together). NORM: x is the residual stream, RMSNorm'd here as it is loaded
     (rounded like fused.rms_norm's output), so no norm kernel runs between the router and the experts."""
@@ -293,7 +295,7 @@ def _gemv_gate_up_kernel(x_ptr, logits_ptr, ids_ptr, w_ptr, inter_ptr, norm_w_pt
     mask = (slots[:, None, None] < TOP_K) & (rows[None, :, None] < I)
     x_row = x_ptr + token * stride_x
     if NORM:
-        inv_rms = _row_inv_rms(x_row, H, eps, BLOCK_H)
+        inv_rms = _row_inv_rms(x_row, H, eps, BLOCK_K)
     acc_gate = tl.zeros([KP, BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K once, after the loop
     acc_up = tl.zeros([KP, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(0, H, BLOCK_K):

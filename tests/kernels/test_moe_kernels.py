@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels import fused, moe, moe_gemm
+from nanoserve.kernels import moe, moe_gemm
 from nanoserve.kernels._triton import HAS_TRITON
 from nanoserve.kernels.switches import switched
 
@@ -276,22 +276,3 @@ def test_sum_pairs_adds_each_tokens_rows_in_fp32(num_tokens, top_k, hidden, dtyp
     want = pairs.float().view(num_tokens, top_k, hidden).sum(1).to(dtype)
     exact = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=0)  # one bf16 rounding
     torch.testing.assert_close(moe.sum_pairs(pairs, top_k), want, **exact)
-
-
-@needs_triton
-@pytest.mark.parametrize("num_tokens", [1, 2, 5])  # gemv path (norm in both prologues), then the grouped one
-@pytest.mark.usefixtures("force_triton")
-def test_norm_routed_experts_equals_norm_router_then_experts(num_tokens):
-    """The MoE layer from its input: the fused norm (router GEMV and gate/up prologues) == rms_norm, router, experts."""
-    hidden, inter, num_experts, top_k = 64, 32, 16, 2
-    x, w13, w2, _, _ = make_experts(num_tokens, hidden, inter, num_experts, top_k, torch.float32, seed=num_tokens)
-    g = torch.Generator().manual_seed(7)
-    residual, norm_w = torch.randn(num_tokens, hidden, generator=g), 1 + 0.1 * torch.randn(hidden, generator=g)
-    router = torch.randn(num_experts, hidden, generator=g) / hidden ** 0.5
-    residual, norm_w, router = residual.to(DEVICE), norm_w.to(DEVICE), router.to(DEVICE)
-    h, want_residual = fused.rms_norm_ref(x, norm_w, 1e-6, residual)
-    want = moe.fused_experts_ref(h, w13, w2, *moe.route_ref(h @ router.T, top_k, True))
-    out, new_residual = moe.norm_routed_experts(x, residual, norm_w, 1e-6, router, w13, w2, top_k, True)
-    assert moe.moe_path(num_tokens, top_k, num_experts) == (moe.GEMV if num_tokens <= 2 else moe.GROUPED)
-    torch.testing.assert_close(new_residual, want_residual)
-    torch.testing.assert_close(out, want, **tol(torch.float32))

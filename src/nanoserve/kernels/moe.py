@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels import fused, gemv
 from nanoserve.kernels._triton import cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_start, pdl_wait, tl, use_triton
 from nanoserve.kernels.moe_gemm import grouped_gemm, grouped_tiles
 
@@ -132,23 +131,6 @@ def routed_experts(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2:
     return fused_experts(x, w13, w2, *route(logits, top_k, renormalize))
 
 
-def norm_routed_experts(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                        router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-                        renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """An MoE layer from its input: (experts' output, new residual) for h = rms_norm(x + residual), logits = h @
-    router.T. On the gemv path the norm runs in the router GEMV's prologue and again in the gate/up kernel's, so no
-    norm kernel runs at all (a launch fewer a layer, which decode pays in latency); elsewhere one norm kernel writes h."""
-    if use_triton(x) and moe_path(x.shape[0], top_k, w13.shape[0]) == GEMV:
-        logits, residual = gemv.norm_linear(x, residual, norm_weight, eps, router_weight)
-        return _gemv(residual, w13, w2, None, (logits, renormalize), w13.shape[0], top_k, True,
-                     norm=(norm_weight, eps)), residual
-    if residual is None:
-        h, residual = fused.rms_norm(x, norm_weight, eps), x
-    else:
-        h, residual = fused.rms_norm(x, norm_weight, eps, residual)
-    return routed_experts(h, gemv.linear(h, router_weight), w13, w2, top_k, renormalize), residual
-
-
 def _checked(x, w13, w2, topk_weights, topk_ids):
     """(T, H, I, E, k, weights, ids) after the layout checks; weights fp32 and ids int32, both contiguous."""
     num_tokens, hidden = x.shape
@@ -198,8 +180,7 @@ def routed_gemv_experts(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor
     return _gemv(x, w13, w2, None, (logits, renormalize), num_experts, top_k, True)
 
 
-def _gemv(x, w13, w2, routed, logits, num_experts: int, top_k: int, route: bool, norm=None) -> torch.Tensor:
-    """The two gemv launches; norm (weight, eps): x is the residual stream and the gate/up kernel normalizes it."""
+def _gemv(x, w13, w2, routed, logits, num_experts: int, top_k: int, route: bool) -> torch.Tensor:
     num_tokens, hidden = x.shape
     inter_size = w2.shape[2]
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
@@ -211,11 +192,10 @@ def _gemv(x, w13, w2, routed, logits, num_experts: int, top_k: int, route: bool,
     shared = dict(TOP_K=top_k, KP=next_power_of_2(top_k), EP=next_power_of_2(num_experts), ROUTE=route,
                   RENORMALIZE=renormalize, **pdl_args(x.device))
     block_n, block_k, warps = _gemv_tiles(num_tokens, inter_size, top_k, x.device, gated=True)
-    norm_weight, eps = norm if norm is not None else (x, 0.0)  # x: a placeholder, never read without NORM
     _gemv_gate_up_kernel[(num_tokens, cdiv(inter_size, block_n))](
-        x, logit_rows, ids, w13, inter, norm_weight, eps, hidden, inter_size, num_experts, x.stride(0),
-        logit_rows.stride(0), w13.stride(0), w13.stride(1), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=hidden % block_k == 0, NORM=norm is not None, num_warps=warps, **shared)
+        x, logit_rows, ids, w13, inter, hidden, inter_size, num_experts, x.stride(0), logit_rows.stride(0),
+        w13.stride(0), w13.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
+        num_warps=warps, **shared)
     block_n, block_k, warps = _gemv_tiles(num_tokens, hidden, top_k, x.device, gated=False)
     _gemv_down_kernel[(num_tokens, cdiv(hidden, block_n))](
         inter, logit_rows, ids, weights, w2, out, hidden, inter_size, num_experts, logit_rows.stride(0),
@@ -263,24 +243,12 @@ def _token_routing(logits_ptr, ids_ptr, weights_ptr, token, num_experts, stride_
 
 
 @jit
-def _row_inv_rms(x_row, H, eps, BLOCK: tl.constexpr):
-    """1 / rms of one row of H values."""
-    cols = tl.arange(0, BLOCK)
-    sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
-    for k in range(0, H, BLOCK):
-        v = tl.load(x_row + k + cols, mask=k + cols < H, other=0.0).to(tl.float32)
-        sum_sq += v * v
-    return tl.rsqrt(tl.sum(sum_sq, axis=0) / H + eps)
-
-
-@jit
-def _gemv_gate_up_kernel(x_ptr, logits_ptr, ids_ptr, w_ptr, inter_ptr, norm_w_ptr, eps, H, I, num_experts, stride_x,
-                         stride_l, stride_we, stride_wn, TOP_K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+def _gemv_gate_up_kernel(x_ptr, logits_ptr, ids_ptr, w_ptr, inter_ptr, H, I, num_experts, stride_x, stride_l,
+                         stride_we, stride_wn, TOP_K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
                          ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):
+                         EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (t, n): inter[t*k + j, n-tile] = silu(gate rows · x) * (up rows · x) of expert ids[t, j], every j at
-    once (k experts' loads in flight together). NORM: x is the residual stream, RMSNorm'd here as it is loaded
-    (rounded like fused.rms_norm's output), so no norm kernel runs between the router and the experts."""
+    once (k experts' loads in flight together)."""
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)  # the router's logits (or ids) and x are the previous kernels'
     token = tl.program_id(0).to(tl.int64)
@@ -294,8 +262,6 @@ def _gemv_gate_up_kernel(x_ptr, logits_ptr, ids_ptr, w_ptr, inter_ptr, norm_w_pt
     up_step = I * stride_wn
     mask = (slots[:, None, None] < TOP_K) & (rows[None, :, None] < I)
     x_row = x_ptr + token * stride_x
-    if NORM:
-        inv_rms = _row_inv_rms(x_row, H, eps, BLOCK_K)
     acc_gate = tl.zeros([KP, BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K once, after the loop
     acc_up = tl.zeros([KP, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(0, H, BLOCK_K):
@@ -305,10 +271,6 @@ def _gemv_gate_up_kernel(x_ptr, logits_ptr, ids_ptr, w_ptr, inter_ptr, norm_w_pt
         else:
             xk = tl.load(x_row + k + cols, mask=k + cols < H, other=0.0).to(tl.float32)
             w_mask = mask & (k + cols[None, None, :] < H)
-        if NORM:
-            dtype = x_ptr.dtype.element_ty
-            nw = tl.load(norm_w_ptr + k + cols, mask=k + cols < H, other=0.0).to(tl.float32)
-            xk = (nw * (xk * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         acc_gate += tl.load(gate_ptrs + k, mask=w_mask, other=0.0).to(tl.float32) * xk[None, None, :]
         acc_up += tl.load(gate_ptrs + up_step + k, mask=w_mask, other=0.0).to(tl.float32) * xk[None, None, :]
     gate = tl.sum(acc_gate, axis=2)

@@ -84,14 +84,7 @@ class SparseMoE(nn.Module):
             self.shared_expert = self.shared_expert_gate = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pre-norm MoE of a decoder layer: returns (its output, the residual stream). Without a shared expert the
-        normed rows are needed by the kernels alone, which then fuse the norm where they can."""
-        if self.shared_expert is None:
-            experts = self.experts
-            out, residual = moe.norm_routed_experts(x, residual, norm.weight, norm.eps, self.gate.weight,
-                                                    experts.gate_up_proj, experts.down_proj, self.top_k,
-                                                    self.renormalize)
-            return self.tp.all_reduce(out), residual
+        """The pre-norm MoE of a decoder layer: returns (its output, the residual stream)."""
         h, residual = norm(x, residual)
         out = self.experts(h, self.gate(h), self.top_k, self.renormalize)
         if self.shared_expert is not None:

@@ -23,7 +23,15 @@ from nanoserve.model_spec import (LAYER_TYPES, REFUSED_ARCHITECTURES, SUPPORTED_
                                   sliding_window, text_config, unsupported_architecture)
 from nanoserve.rope_config import SUPPORTED_ROPE_TYPES, rope_parameters  # noqa: F401 (re-exported)
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+# GGUF architectures transformers reads a config from (its GGUF_CONFIG_MAPPING) that we run; Mistral files are
+# "llama". OLMo-2 ("olmo2") has no transformers mapping, so it is refused with the rest.
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3")
+# llama.cpp picks Gemma's attention scale by model size (the file does not state it): 1/sqrt(hidden / heads) for
+# the 27B models, known by their layer count, else 1/sqrt(head_dim).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# Where the config's window is the file's, not transformers' class default: Phi-3 (its mapping skips the key) and
+# llama (a file named "mistral" gets MistralConfig's 4096; llama.cpp's Mistral files state none and run unwindowed).
+_GGUF_WINDOW_ARCHS = ("llama", "phi3")
 _GGUF_MAGIC = b"GGUF"
 # Metadata keys of the tokens that end a generation besides EOS (end of turn, end of message).
 _GGUF_EXTRA_STOP_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -167,6 +175,9 @@ def _load_gguf_config(path: Path):
     if arch == "llama" and metadata.get("llama.expert_count"):  # transformers reads a dense LlamaConfig from it
         raise ModelLoadError(f"{path}: Mixtral GGUF files (llama architecture with {metadata['llama.expert_count']} "
                              "experts) are not supported; load the Mixtral safetensors folder instead")
+    if arch == "phi3" and metadata.get("phi3.rope.scaling.attn_factor") is not None:  # written with rope_factors_*
+        raise ModelLoadError(f"{path}: phi3 GGUF files with LongRoPE factors (long-context Phi-3) are not "
+                             "supported; load the safetensors folder instead")
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:  # gguf/numpy raise ValueError, struct.error, IndexError... for damaged files
@@ -177,8 +188,46 @@ def _load_gguf_config(path: Path):
         config.head_dim = key_length
     if arch in ("qwen2moe", "qwen3moe"):
         _set_gguf_expert_sizes(config, metadata, arch)
+    if arch in _GEMMA_27B_LAYERS:
+        _set_gguf_gemma(config, metadata, arch)
+    _set_gguf_rope(config, metadata, arch)
+    if arch in _GGUF_WINDOW_ARCHS and hasattr(config, "sliding_window"):
+        window = metadata.get(f"{arch}.attention.sliding_window")  # absent or 0: none, as llama.cpp runs the file
+        config.sliding_window = window if isinstance(window, int) and window > 0 else None
     _check_spec(config, path)
     return config
+
+
+def _set_gguf_gemma(config, metadata: dict, arch: str) -> None:
+    """The soft-caps the file states (transformers' mapping keeps the class defaults, Gemma 2's 50 and 30) and the
+    attention scale llama.cpp derives (the file has no query_pre_attn_scalar)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = metadata.get(f"{arch}.{key}")
+        if value is not None:
+            setattr(config, key, float(value))
+    big = config.num_hidden_layers == _GEMMA_27B_LAYERS[arch]
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if big else config.head_dim
+
+
+def _set_gguf_rope(config, metadata: dict, arch: str) -> None:
+    """RoPE settings the file states that transformers' mapping skips: the rotated share of each head
+    (rope.dimension_count: Phi-3's partial rotary), linear scaling (on Gemma 3's global layers only, as llama.cpp
+    applies it) and Phi-3's original context length."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return
+    per_type = [params[t] for t in LAYER_TYPES if t in params] or [params]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dims = metadata.get(f"{arch}.rope.dimension_count")
+    if isinstance(dims, int) and 0 < dims < head_dim:
+        for layer_params in per_type:
+            layer_params["partial_rotary_factor"] = dims / head_dim
+    full = params.get("full_attention", params)
+    if metadata.get(f"{arch}.rope.scaling.type") == "linear":
+        full.update(rope_type="linear", factor=float(metadata.get(f"{arch}.rope.scaling.factor", 1.0)))
+    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+    if isinstance(original, int) and hasattr(config, "original_max_position_embeddings"):
+        config.original_max_position_embeddings = original
 
 
 def _set_gguf_expert_sizes(config, metadata: dict, arch: str) -> None:

@@ -9,6 +9,7 @@ gives it something exact to be checked against.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -18,8 +19,19 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 F32 = gguf.GGMLQuantizationType.F32
-# HF model_type → GGUF architecture where the names differ (llama.cpp writes Mixtral as "llama").
-GGUF_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+# HF model_type → GGUF architecture where the names differ (llama.cpp writes Mistral and Mixtral as "llama").
+GGUF_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama",
+             "gemma3_text": "gemma3"}
+# Architecture keys llama.cpp's converter writes for some families only (GGUFWriter method → config field).
+_FAMILY_KEYS = {"gemma2": {"add_attn_logit_softcapping": "attn_logit_softcapping",
+                           "add_final_logit_softcapping": "final_logit_softcapping",
+                           "add_sliding_window": "sliding_window"},
+                "gemma3": {"add_final_logit_softcapping": "final_logit_softcapping",
+                           "add_sliding_window": "sliding_window"},
+                "phi3": {"add_sliding_window": "sliding_window",  # None is written as 0 (Phi-4: no window)
+                         "add_rope_scaling_orig_ctx_len": "original_max_position_embeddings"}}
+# GGUF architectures whose converter stores Gemma's (1 + w) norms as 1 + w (names ending in norm.weight).
+_NORM_SHIFTED = ("gemma2", "gemma3")
 # Matrices llama.cpp's converter always keeps in F32 (its tensor_force_quant list): the routers.
 _F32_MATRICES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 _F32_HF_MATRICES = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
@@ -46,7 +58,7 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType = F3
     the folder's weights.
     """
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    writer = gguf.GGUFWriter(str(out), arch or GGUF_ARCH.get(config["model_type"], config["model_type"]))
+    writer = gguf.GGUFWriter(str(out), arch or gguf_arch(config))
     _write_config(writer, config)
     _write_tokenizer(writer, model_dir)
     weights = tensors if tensors is not None else gguf_tensors(model_dir)
@@ -82,22 +94,44 @@ def quantized_copy(model_dir: Path, out_dir: Path, qtype: gguf.GGMLQuantizationT
     return out_dir
 
 
+def gguf_arch(config: dict) -> str:
+    return GGUF_ARCH.get(config["model_type"], config["model_type"])
+
+
 def _write_config(writer: gguf.GGUFWriter, config: dict) -> None:
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3's global layers: the file's one RoPE base and scaling
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    writer.add_rope_freq_base(config.get("rope_theta") or rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    rotary = config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+    writer.add_rope_dimension_count(int(rotary * head_dim))
     writer.add_vocab_size(config["vocab_size"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "longrope":  # the factors themselves are tensors (gguf_tensors)
+        writer.add_rope_scaling_attn_factors(_longrope_attn_factor(config, rope))
+    for method, field in _FAMILY_KEYS.get(gguf_arch(config), {}).items():
+        if config.get(field) is not None or method == "add_sliding_window":
+            getattr(writer, method)(config.get(field) or 0)
     _write_moe_config(writer, config)
+
+
+def _longrope_attn_factor(config: dict, rope: dict) -> float:
+    """llama.cpp's Phi-3 converter: sqrt(1 + log(scale) / log(original length)) for a context scaled up."""
+    original = config.get("original_max_position_embeddings") or rope["original_max_position_embeddings"]
+    scale = config["max_position_embeddings"] / original
+    return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
 
 
 def _write_moe_config(writer: gguf.GGUFWriter, config: dict) -> None:
@@ -136,9 +170,10 @@ def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path) -> None:
 
 def gguf_tensors(model_dir: Path) -> dict[str, np.ndarray]:
     """GGUF name → float array, as llama.cpp's convert_hf_to_gguf writes them: q/k rows permuted for llama-family
-    files, each layer's experts stacked per projection (torch.stack over the expert number, its Qwen2MoeModel)."""
+    files, each layer's experts stacked per projection (torch.stack over the expert number, its Qwen2MoeModel),
+    Gemma's norms stored as 1 + w, Phi-3's fused qkv / gate-up kept fused (attn_qkv, ffn_up)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    arch = GGUF_ARCH.get(config["model_type"], config["model_type"])
+    arch = gguf_arch(config)
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(arch_id, config["num_hidden_layers"])
     out, experts = {}, {}
@@ -147,6 +182,8 @@ def gguf_tensors(model_dir: Path) -> dict[str, np.ndarray]:
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             kv = hf_name.endswith("k_proj.weight")
             array = _llama_cpp_permute(array, config["num_key_value_heads" if kv else "num_attention_heads"])
+        if arch in _NORM_SHIFTED and hf_name.endswith("norm.weight"):
+            array = array + 1
         parts = hf_name.split(".")
         if "experts" in parts:  # prefix.experts.N.proj.weight → prefix.experts.proj.weight, expert N
             i = parts.index("experts")
@@ -162,6 +199,10 @@ def gguf_tensors(model_dir: Path) -> dict[str, np.ndarray]:
         if gguf_module is None:  # the converter's "Can not map tensor": the architecture has no such tensor
             raise ValueError(f"llama.cpp has no {arch} tensor for {hf_name!r}")
         gguf_names[f"{gguf_module}.{leaf}"] = array
+    rope = config.get("rope_parameters") or {}
+    if rope.get("long_factor"):  # Phi-3's LongRoPE factors, as its converter adds them
+        gguf_names["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
+        gguf_names["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
     return gguf_names
 
 

@@ -6,6 +6,11 @@ map to HF names through gguf's own name table, and llama-family q/k rows are un-
 tensor processor, so the weights are exactly the ones transformers would load. Tensors are dequantized one at
 a time and go straight to the device in the serving dtype: the only full copy of the model is the model.
 
+Families (gemma2, gemma3, phi3; Mistral files are llama's): llama.cpp stores Gemma's (1 + w) norms as 1 + w;
+transformers' Gemma processor subtracts the 1 and ParamWriter adds it back, as for a safetensors folder (in fp32:
+the round trip gives the file's 1 + w back bit for bit). Phi-3's fused attn_qkv and ffn_up (gate rows, then up)
+are its checkpoint's qkv_proj and gate_up_proj, which pieces() splits as it does the folder's.
+
 Mixtures of experts (qwen2moe, qwen3moe): llama.cpp stacks each layer's experts per projection
 (`blk.N.ffn_gate_exps` [E, I, H], `ffn_up_exps`, `ffn_down_exps` [E, H, I]), which gguf's name table knows as
 `model.layers.N.mlp.experts.gate_proj`...; ParamWriter places each into its half of our stacked gate_up_proj (or
@@ -20,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanoserve.model.weights import ParamWriter, pieces
+from nanoserve.model.weights import ParamWriter, names_of, pieces
 from nanoserve.model_files import ModelLoadError, first_line
 
 logger = logging.getLogger("nanoserve")
@@ -45,7 +50,7 @@ def load_weights(model, path: str | Path, hf_config, dtype: torch.dtype, device:
     arch = str(reader.fields["general.architecture"].contents())
     writer = ParamWriter(model, dtype, device)
     processor = _tensor_processor(arch, hf_config)
-    names = _gguf_to_hf_names(arch, model.num_layers, writer.expected, processor)
+    names = _gguf_to_hf_names(arch, model.num_layers, _stored_names(model, writer.expected), processor)
     for tensor in reader.tensors:
         hf_name = names.get(tensor.name)
         if hf_name is None:
@@ -92,6 +97,18 @@ def _check_tensor_types(reader, path: Path) -> None:
             raise ModelLoadError(f"{path.name}: tensor {tensor.name!r} is stored as {qtype.name}, a type the gguf "
                                  "package cannot dequantize") from None
         checked.add(qtype)
+
+
+def _stored_names(model, hf_names: list[str]) -> list[str]:
+    """The HF names the file holds: the model's, with the parts of a tensor its family's checkpoint stores fused
+    named by that tensor (Phi-3's qkv_proj and gate_up_proj, llama.cpp's attn_qkv and ffn_up; pieces() splits them)."""
+    parts_of = {part: whole for whole, parts in names_of(model).fused for part in parts}
+    out = []
+    for name in hf_names:
+        module, _, leaf = name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        out.append(f"{parent}.{parts_of[last]}.{leaf}" if last in parts_of else name)
+    return list(dict.fromkeys(out))
 
 
 def _gguf_to_hf_names(arch: str, num_layers: int, hf_names: list[str], processor) -> dict[str, str]:

@@ -137,8 +137,9 @@ class ModelSpec:
     def uniform_window(self) -> int | None:
         """The sliding window when every layer has one (Mistral-v0.1, Phi-3-mini): blocks before it are never read.
         None when any layer attends to the whole context (Gemma 2/3's global layers read every block)."""
-        windowed = self.sliding_window is not None and all(t == "sliding_attention" for t in self.layer_types)
-        return self.sliding_window if windowed and self.layer_types else None
+        if self.layer_types and all(t == "sliding_attention" for t in self.layer_types):
+            return self.sliding_window
+        return None
 
     def layer_rope(self, index: int) -> dict:
         """Layer `index`'s RoPE settings."""

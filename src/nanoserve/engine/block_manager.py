@@ -103,9 +103,10 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].token_ids != chunk:
                 if self.window is None:
                     break
-                block_id, run = self.placeholder, -1
+                block_id, run = self.placeholder, 0
+            else:
+                run += 1  # the cached blocks ending at block i
             found.append(block_id)
-            run += 1  # the cached blocks ending at block i
             if run and i + 1 - run <= self._first_live_block((i + 1) * bs):
                 best = i + 1
         first = min(self._first_live_block(best * bs), max(best - 1, 0))

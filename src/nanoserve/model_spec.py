@@ -133,6 +133,14 @@ class ModelSpec:
         """Layer `index`'s sliding window; None for full attention."""
         return self.sliding_window if self._sliding(index) else None
 
+    @property
+    def uniform_window(self) -> int | None:
+        """The sliding window when every layer has one (Mistral-v0.1, Phi-3-mini): blocks before it are never read.
+        None when any layer attends to the whole context (Gemma 2/3's global layers read every block)."""
+        if self.layer_types and all(t == "sliding_attention" for t in self.layer_types):
+            return self.sliding_window
+        return None
+
     def layer_rope(self, index: int) -> dict:
         """Layer `index`'s RoPE settings."""
         return self.local_rope if self._sliding(index) and self.local_rope is not None else self.rope

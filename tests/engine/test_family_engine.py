@@ -28,7 +28,8 @@ def test_batched_greedy_matches_transformers(name, tiny_family_dirs):
 @pytest.mark.parametrize("name", ["gemma3", "mistral"])
 def test_chunks_prefix_hits_and_preemption_match_transformers(name, tiny_family_dirs):
     """Chunks of 16 tokens over windows of 10 (a chunk's queries see keys of the chunk before), a cached prefix of 33
-    tokens (past the window), and a KV cache small enough to preempt."""
+    tokens (past the window), and a KV cache small enough to preempt Gemma 3
+    (its global layers keep every block; Mistral frees what slid out of its window)."""
     path = str(tiny_family_dirs[name])
     shared = prompts_of_lengths([33], 500, seed=5)[0]
     prompts = [shared + p for p in prompts_of_lengths([4, 9, 2, 13], 500, seed=6)]
@@ -44,7 +45,9 @@ def test_chunks_prefix_hits_and_preemption_match_transformers(name, tiny_family_
                 done[out.request_id] = out.token_ids
             check_blocks(engine)
         assert [first[0].token_ids] + [done[str(i)] for i in range(3)] == expected
-        assert engine.stats.prefix_cache_hit_tokens >= 32 and engine.stats.preemptions > 0
+        assert engine.stats.prefix_cache_hit_tokens >= 32
+        # Mistral's blocks that slid out of its window are freed: the same cache holds the batch without preempting
+        assert (engine.stats.preemptions > 0) == (name == "gemma3")
         assert engine.stats.mixed_steps > 0
 
 

@@ -86,6 +86,14 @@ def test_the_spec_each_config_gives(tiny_family_dirs):
     assert {a.sliding_window for a in ours(tiny_family_dirs["mistral_nowindow"]).attention_layers()} == {None}
 
 
+def test_the_window_every_layer_has(tiny_family_dirs):
+    """The engine frees slid-out blocks only where every layer is windowed (engine/block_manager.py)."""
+    names = ("mistral", "mistral_nowindow", "gemma2", "gemma3", "phi3")
+    got = {n: ModelSpec.from_hf_config(load_hf_config(tiny_family_dirs[n])).uniform_window for n in names}
+    assert got == {"mistral": TINY_WINDOW, "mistral_nowindow": None, "gemma2": None, "gemma3": None, "phi3": None}
+    assert ModelSpec.from_hf_config(_config(tiny_family_dirs["mistral"], sliding_window=4096)).uniform_window is None
+
+
 @torch.inference_mode()
 def test_soft_caps_and_gemma_norm_offset_change_the_result(tiny_family_dirs):
     """The tiny Gemma 2's caps bite (so its parity with HF checks them); its norms hold 1 + w."""

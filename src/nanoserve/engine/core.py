@@ -44,7 +44,8 @@ from nanoserve.engine.pipeline import InFlight, StepPipeline
 from nanoserve.engine.prompts import check_params_token_ids, check_prompt_ids
 from nanoserve.engine.scheduler import ScheduledStep, Scheduler, chunk_caps
 from nanoserve.engine.sequence import Sequence, SequenceStatus
-from nanoserve.model_files import eos_token_ids, load_tokenizer
+from nanoserve.kernels.paging import blocks_for
+from nanoserve.model_files import ModelSpec, eos_token_ids, load_tokenizer
 from nanoserve.runner.batch import SampledTokens
 from nanoserve.runner.parallel.group import WorkerError, create_runner
 
@@ -63,7 +64,8 @@ class EngineCore:
         self.vocab_size = self.info.vocab_size
         self.eos_token_ids = [t for t in self._eos_ids(hf_config) if 0 <= t < self.vocab_size]
         self.block_manager = BlockManager(self.info.num_kv_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
+                                          self.config.enable_prefix_caching,
+                                          ModelSpec.from_hf_config(hf_config).uniform_window)
         self.scheduler = Scheduler(self.config, self.block_manager, self._prompt_token_caps())
         self.sequences: dict[str, Sequence] = {}
         self._pipeline = StepPipeline()
@@ -83,7 +85,16 @@ class EngineCore:
         return (f"engine ready in {seconds:.1f} s: {_architecture(hf_config)}, {c.dtype} on {c.device}"
                 f"{f', tp={c.tensor_parallel_size}' if c.tensor_parallel_size > 1 else ''}, max_model_len "
                 f"{c.max_model_len}, max_num_seqs {c.max_num_seqs}; KV cache {gib:.2f} GiB = "
-                f"{r.num_kv_blocks * c.block_size} tokens ({r.num_kv_blocks} blocks of {c.block_size}); {shown}")
+                f"{r.num_kv_blocks * c.block_size} tokens ({r.num_kv_blocks} blocks of {c.block_size}"
+                f"{self._window_note()}); {shown}")
+
+    def _window_note(self) -> str:
+        """With a window on every layer, a decoding sequence holds at most the blocks of its window."""
+        bm = self.block_manager
+        if bm.window is None:
+            return ""
+        held = blocks_for(self.config.max_model_len, bm.block_size, bm.window)
+        return f"; sliding window {bm.window} on every layer: a decoding sequence holds at most {held} blocks"
 
     def _prompt_token_caps(self) -> list[int] | None:
         """chunk_time_ratio's caps from the runner's measured curves (batch-size and token-count: planned "auto"

@@ -11,6 +11,9 @@ With prompt_token_caps (the engine sets them from the measured step-time curves 
 step that decodes d rows carries at most caps[d] prompt tokens, so the decoding streams are not held up by a
 long chunk; a step with nothing to decode still takes the whole budget.
 
+With a sliding window on every layer, a running sequence holds only the blocks its next queries read
+(BlockManager.free_slid_out), so admission and preemption count just those.
+
 When a running sequence needs a KV block and none is free, the latest-arrived running sequence is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed later
 (prompt + the tokens it already produced), so no request is lost.
@@ -77,7 +80,10 @@ class Scheduler:
         return step
 
     def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
-        """Decode rows first (one token each, preempting for blocks), then the next chunks of prompts in progress."""
+        """Decode rows first (one token each, preempting for blocks), then the next chunks of prompts in progress. The
+        blocks that slid out of every layer's window go back to the pool first (a no-op without a window)."""
+        for seq in self.running:
+            self.block_manager.free_slid_out(seq)
         budget = self._schedule_decodes(step, budget)
         caps = self.prompt_token_caps
         if caps and step.seqs:

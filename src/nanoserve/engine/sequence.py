@@ -37,6 +37,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_synced_blocks: int = 0  # leading block_table entries already in the device's block table
     num_hashed_blocks: int = 0  # leading full blocks registered for prefix reuse
+    block_hash: int | None = None  # the prefix hash chain through those blocks (kept here: a windowed one is freed)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache once the scheduled steps have run
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at the last allocation
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set

@@ -8,9 +8,12 @@ from __future__ import annotations
 import numpy as np
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks that hold num_tokens tokens (a partly filled last block counts)."""
-    return -(-num_tokens // block_size)
+def blocks_for(num_tokens: int, block_size: int, window: int | None = None) -> int:
+    """Blocks that hold num_tokens tokens (a partly filled last block counts). With a sliding window on every layer
+    (the engine frees the blocks that slid out of it), the most a decoding sequence of num_tokens tokens holds: its
+    query's `window` keys (itself included) span at most blocks_for(window - 1) + 1 blocks."""
+    blocks = -(-num_tokens // block_size)
+    return blocks if window is None else min(blocks, -(-(window - 1) // block_size) + 1)
 
 
 def kv_slots(tables, positions, block_size: int) -> np.ndarray:

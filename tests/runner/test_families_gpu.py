@@ -50,13 +50,15 @@ def test_every_captured_size_replays_what_eager_computes(name):
         results[b] = (prompts, [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)])
     assert graphs.engine.stats.decode_steps_graph > 0 and graphs.engine.stats.decode_steps_eager == 0
     graphs.close()
-    # bf16 with random weights: the graph runs its bucket's rows and prompts past 2048 tokens take other prefill
-    # kernels than token-count graphs, so logits differ by rounding and a greedy pick may flip where two logits
-    # nearly tie (Mistral-7B at b=4 once did, at its 6th token). A divergence anywhere else is a failure.
+    # bf16 with random weights: the graph runs its bucket's rows and mixed steps replay token-count graphs (padded
+    # GEMMs) where the eager engine runs the real rows, so logits differ by rounding and a greedy pick may flip where
+    # two logits nearly tie. A random 7B model's logits reach |16..32|, where one bf16 step is 0.125: Mistral-7B at
+    # b=4 parted three times at gaps of 0.0, 0.0 and 0.125 (experiments/gpu_mistral_904d0fd_h200.log), above the
+    # demo's 0.1. A tie within two such steps is rounding; a divergence anywhere else is a failure.
+    near_tie = 2 * 0.125
     eager_params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
     with _llm(name, enforce_eager=True) as eager:
         for b, (prompts, got) in results.items():
             want = eager.generate(prompts, eager_params, use_tqdm=False)
-            _, divergences = run.compare_tokens([SimpleNamespace(token_ids=t) for t in got], want,
-                                                run.NEAR_TIE["bfloat16"])
+            _, divergences = run.compare_tokens([SimpleNamespace(token_ids=t) for t in got], want, near_tie)
             assert all(d.near_tie for d in divergences), (b, divergences)

@@ -69,8 +69,9 @@ class ParamCounts:
         return self.total - self._lookup_only - self.sparse_layers * (self.num_experts - self.top_k) * self.expert
 
     def decode_read(self, rows: int) -> int:
-        """Parameters a decode step of `rows` rows reads: all but an untied embedding (rows of it only), and of each
-        MoE layer's experts the expected number that `rows` tokens select, uniform routing: E · (1 − (1 − k/E)^rows)."""
+        """Parameters a decode step of `rows` rows reads: all but an untied embedding (rows of it only), and of
+        each MoE layer's experts the expected number that `rows` tokens select, uniform routing:
+        E · (1 − (1 − k/E)^rows)."""
         if not self.num_experts:
             return self.total - self._lookup_only
         touched = self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** rows)
@@ -198,8 +199,8 @@ def decode_steps(llm, counts: ParamCounts, cfg: dict, rows_list: list[int], band
         out[str(rows)] = {"step_ms": median, "min_ms": min(times), "floor_ms": floor_ms, "floor_bytes": floor_bytes,
                           "kv_bytes": kv_row * rows, "context": context, "profile": table}
         top = sorted(table["kinds"].items(), key=lambda kv: -kv[1]["busy_us"])[:4]
-        print(f"  decode b={rows:3d} at {context}: {median:7.3f} ms (floor {floor_ms:.3f} ms, {median / floor_ms:.2f}x); "
-              + ", ".join(f"{kind} {row['busy_us']:.0f} us" for kind, row in top)
+        print(f"  decode b={rows:3d} at {context}: {median:7.3f} ms (floor {floor_ms:.3f} ms, "
+              f"{median / floor_ms:.2f}x); " + ", ".join(f"{kind} {row['busy_us']:.0f} us" for kind, row in top)
               + f" of {table['busy_us']:.0f} us busy", flush=True)
     return out
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (DECODE_CONTEXT, RESULTS_DIR, decode_steps, env_info, kv_bytes_per_token,  # noqa: E402
                                measure_copy_bandwidth, model_config, model_spec, param_counts, release_cuda_memory,
                                start_engine, text_part, write_json, write_model_dir)
-from benchmarks.throughput import measure_matmul_flops, measure_model, nano_vllm_workload  # noqa: E402
+from benchmarks.throughput import VARIANTS, measure_matmul_flops, measure_model, nano_vllm_workload  # noqa: E402
 
 SHAPES = {"gemma3": "gemma-3-4b", "mistral": "mistral-7b"}
 WINDOWED = ("gemma3",)  # the families whose local layers a long-context step tests (Mistral's window spans 4096)
@@ -111,16 +111,18 @@ def measure_decode(cfg: dict, bandwidth: float, rows_list: list[int], context: i
 
 
 def prompt_graphs(throughput: dict) -> dict:
-    """Per variant: the engine's prompt-step counters, the workload's largest prompt and the graphs' token limit."""
-    from nanoserve.config import PREFILL_GRAPH_MAX_TOKENS
+    """Per variant: the engine's prompt-step counters (of every step size: the stats do not split them), the
+    variant's token budget (the largest a step can be), the workload's largest prompt and the graphs' token limit."""
+    from nanoserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, PREFILL_GRAPH_MAX_TOKENS
 
     prompts, _ = nano_vllm_workload()
     out = {}
     for variant, rec in throughput.get("variants", {}).items():
         stats = rec.get("stats", {})
         out[variant] = {k: stats.get(k) for k in ("prefill_steps_eager", "prefill_steps_graph", "mixed_steps")}
-        out[variant].update(largest_prompt=max(map(len, prompts)), graph_max_tokens=PREFILL_GRAPH_MAX_TOKENS,
-                            error=rec.get("error"))
+        budget = VARIANTS[variant].get("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        out[variant].update(budget=budget, largest_prompt=max(map(len, prompts)),
+                            graph_max_tokens=PREFILL_GRAPH_MAX_TOKENS, error=rec.get("error"))
     return out
 
 

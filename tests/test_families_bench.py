@@ -110,3 +110,10 @@ def test_main_without_cuda_prints_one_line(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert families.main(["all"]) == 0
     assert capsys.readouterr().out.strip() == "families.py needs a CUDA GPU"
+
+
+def test_prompt_graphs_reports_each_variants_budget():
+    stats = {"prefill_steps_eager": 3, "prefill_steps_graph": 40, "mixed_steps": 43}
+    out = families.prompt_graphs({"variants": {"async": {"stats": stats}, "async-2048": {"error": "OOM"}}})
+    assert out["async"] == dict(stats, budget=8192, largest_prompt=1024, graph_max_tokens=2048, error=None)
+    assert out["async-2048"]["budget"] == 2048 and out["async-2048"]["prefill_steps_eager"] is None

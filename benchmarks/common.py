@@ -21,6 +21,7 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 SHAPES_DIR = REPO_ROOT / "benchmarks" / "shapes"
 MODEL_CONFIGS = {p.parent.name: json.loads(p.read_text()) for p in sorted(SHAPES_DIR.glob("*/config.json"))}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DECODE_CONTEXT = 512  # the decode steps' context (tokens per row) in the targets of issues 35 and 36
 
 
 def model_config(name: str) -> dict:
@@ -41,7 +42,7 @@ def write_model_dir(config: dict | str, directory: str | Path) -> Path:
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Parameters of a Llama/Qwen-family decoder (and its mixtures of experts) by role."""
+    """Parameters of a decoder (Llama and the other dense families, and the mixtures of experts) by role."""
 
     per_layer: int  # a dense layer's (an MoE model's layers are counted in `layers`)
     layers: int  # all decoder layers
@@ -58,50 +59,72 @@ class ParamCounts:
         return self.layers + self.final_norm + self.embedding + self.lm_head
 
     @property
+    def _lookup_only(self) -> int:
+        """The embedding when only looked up (an untied one); a tied one is also the head every row multiplies by."""
+        return self.embedding if self.lm_head else 0
+
+    @property
     def active(self) -> int:
-        """What one token multiplies by: every weight but the unselected experts (and the embedding, a lookup)."""
-        return self.total - self.embedding - self.sparse_layers * (self.num_experts - self.top_k) * self.expert
+        """What one token multiplies by: every weight but the unselected experts (and an untied embedding, a lookup)."""
+        return self.total - self._lookup_only - self.sparse_layers * (self.num_experts - self.top_k) * self.expert
 
     def decode_read(self, rows: int) -> int:
-        """Parameters a decode step of `rows` rows reads: all but the embedding (rows of it only), and of each MoE
-        layer's experts the expected number that `rows` tokens select, uniform routing: E · (1 − (1 − k/E)^rows)."""
+        """Parameters a decode step of `rows` rows reads: all but an untied embedding (rows of it only), and of
+        each MoE layer's experts the expected number that `rows` tokens select, uniform routing:
+        E · (1 − (1 − k/E)^rows)."""
         if not self.num_experts:
-            return self.total - self.embedding
+            return self.total - self._lookup_only
         touched = self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** rows)
-        return round(self.total - self.embedding - self.sparse_layers * (self.num_experts - touched) * self.expert)
+        return round(self.total - self._lookup_only - self.sparse_layers * (self.num_experts - touched) * self.expert)
+
+
+def text_part(cfg: dict) -> dict:
+    """The text model's config: a multimodal config's text_config (Gemma 3), else the config itself."""
+    return cfg.get("text_config") or cfg
+
+
+def model_spec(cfg: dict):
+    """The engine's ModelSpec of a config dict (transformers' config class fills the defaults the file omits, e.g.
+    Gemma's tied embeddings and its layer types from sliding_window_pattern)."""
+    from transformers import AutoConfig
+
+    from nanoserve.model_spec import ModelSpec
+
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    return ModelSpec.from_hf_config(AutoConfig.for_model(cfg.get("model_type", "llama"), **fields))
 
 
 def head_dim(cfg: dict) -> int:
+    cfg = text_part(cfg)
     return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
 
 
+_NORMS_PER_LAYER = {"pre": 2, "sandwich": 4, "post": 2}  # model_spec.Family.norms: RMSNorms of hidden_size a layer
+
+
 def param_counts(cfg: dict) -> ParamCounts:
-    """Weights from a HF config: q/k/v/o (+ q/k/v bias for Qwen2, all four with attention_bias, + q/k RMSNorm for
-    Qwen3), gate/up/down, two RMSNorms per layer, final norm, embedding, untied lm_head."""
-    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    nh, nkv, d = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"]), head_dim(cfg)
-    model_type = cfg.get("model_type", "llama")
-    q, kv = nh * d, nkv * d
-    attn = h * q + 2 * h * kv + q * h
-    if model_type in ("qwen2", "qwen2_moe"):  # Qwen2: q/k/v bias, no o_proj bias
-        attn += q + 2 * kv
-    elif cfg.get("attention_bias", False):  # Llama-style attention_bias: all four projections
-        attn += q + 2 * kv + h
-    if model_type in ("qwen3", "qwen3_moe"):
-        attn += 2 * d  # q_norm, k_norm over head_dim
-    mlp = 3 * h * inter + (2 * inter + h if cfg.get("mlp_bias", False) else 0)
-    per_layer = attn + mlp + 2 * h
-    tied = bool(cfg.get("tie_word_embeddings", False))
-    layers = cfg["num_hidden_layers"]
-    moe = _moe_counts(cfg, h, layers)
+    """Weights from a HF config (a multimodal one's text model only): q/k/v/o (+ their biases as ModelSpec reads
+    them), q/k RMSNorm (per head: Qwen3, Gemma 3; over the projection: OLMo-2), gate/up/down, the layer's RMSNorms
+    (two; Gemma's four), final norm, embedding, untied lm_head. Phi-3's fused projections count the same."""
+    spec = model_spec(cfg)
+    h, inter, vocab, d = spec.hidden_size, spec.intermediate_size, spec.vocab_size, spec.head_dim
+    q, kv = spec.num_heads * d, spec.num_kv_heads * d
+    attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if spec.qkv_bias else 0) + (h if spec.o_bias else 0)
+    attn += {"head": 2 * d, "projection": q + kv, None: 0}[spec.qk_norm]
+    norms = _NORMS_PER_LAYER[spec.family.norms] * h
+    mlp = 3 * h * inter + (2 * inter + h if spec.mlp_bias else 0)
+    per_layer = attn + mlp + norms
+    embedding, lm_head = vocab * h, 0 if spec.tie_word_embeddings else vocab * h
+    layers = spec.num_layers
+    moe = _moe_counts(text_part(cfg), h, layers)
     if moe is None:
-        return ParamCounts(per_layer=per_layer, layers=per_layer * layers, final_norm=h,
-                           embedding=vocab * h, lm_head=0 if tied else vocab * h)
+        return ParamCounts(per_layer=per_layer, layers=per_layer * layers, final_norm=h, embedding=embedding,
+                           lm_head=lm_head)
     expert, experts, top_k, sparse, shared = moe
-    sparse_layer = attn + 2 * h + experts * (expert + h) + (3 * h * shared + h if shared else 0)  # + the router
+    sparse_layer = attn + norms + experts * (expert + h) + (3 * h * shared + h if shared else 0)  # + the router
     return ParamCounts(per_layer=per_layer, layers=per_layer * (layers - sparse) + sparse_layer * sparse, final_norm=h,
-                       embedding=vocab * h, lm_head=0 if tied else vocab * h, expert=expert, num_experts=experts,
-                       top_k=top_k, sparse_layers=sparse)
+                       embedding=embedding, lm_head=lm_head, expert=expert, num_experts=experts, top_k=top_k,
+                       sparse_layers=sparse)
 
 
 def _moe_counts(cfg: dict, h: int, layers: int) -> tuple[int, int, int, int, int] | None:
@@ -123,9 +146,63 @@ def kv_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
 
     from nanoserve.runner.kv_cache import KVCacheSpec
 
-    nkv = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    text = text_part(cfg)
+    nkv = text.get("num_key_value_heads", text["num_attention_heads"])
     dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
-    return KVCacheSpec(cfg["num_hidden_layers"], nkv, head_dim(cfg), 1, dtype).bytes_per_token
+    return KVCacheSpec(text["num_hidden_layers"], nkv, head_dim(cfg), 1, dtype).bytes_per_token
+
+
+def kv_bytes_read(cfg: dict, context: int, dtype_bytes: int = 2) -> int:
+    """K/V bytes one decode row at `context` tokens reads: min(context, window) tokens on a sliding-window layer,
+    all of them on a full-attention one (the windows as the engine reads them: ModelSpec.window)."""
+    spec = model_spec(cfg)
+    per_layer_token = kv_bytes_per_token(cfg, dtype_bytes) // spec.num_layers
+    return per_layer_token * sum(min(context, spec.window(i) or context) for i in range(spec.num_layers))
+
+
+def start_engine(model_dir: str, max_num_seqs: int, max_model_len: int = 4096):
+    """An LLM on a dummy-weight model folder, and its start-up record (wall time, graph captures, KV blocks)."""
+    import time
+
+    from nanoserve import LLM
+
+    start = time.perf_counter()
+    llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len,
+              max_num_seqs=max_num_seqs, show_progress=False)
+    wall = time.perf_counter() - start
+    graphs = llm.engine.core.runner.graphs
+    capture = {kind.name.lower(): {"capture_s": gr.capture_seconds, "wall_s": gr.wall_seconds,
+                                   "sizes": list(gr.capture_sizes)} for kind, gr in graphs.runners.items()}
+    return llm, {"engine_start_s": wall, "capture_s": graphs.capture_seconds, "graphs": capture,
+                 "kv_blocks": llm.engine.core.runner.info.num_kv_blocks}
+
+
+def decode_steps(llm, counts: ParamCounts, cfg: dict, rows_list: list[int], bandwidth: float,
+                 context: int = DECODE_CONTEXT) -> dict:
+    """The engine's decode step (ModelRunner.execute of a forward-only batch: the graph replay the engine runs) at
+    `context` tokens a row, per row count: median ms against its floor (the weights the rows read,
+    ParamCounts.decode_read, and the K/V they read, kv_bytes_read, at `bandwidth`), with one profiled step's kinds."""
+    import statistics
+
+    from nanoserve.bench.decode_step import decode_batch, time_decode_step
+    from nanoserve.bench.profile import kind_table, profile_step
+
+    runner = llm.engine.core.runner
+    kv_row = kv_bytes_read(cfg, context)
+    out = {}
+    for rows in rows_list:
+        batch = decode_batch(runner, rows, context)
+        times = time_decode_step(runner, batch, warmup=5, iters=30)
+        floor_bytes = 2 * counts.decode_read(rows) + kv_row * rows
+        median, floor_ms = statistics.median(times), 1e3 * floor_bytes / bandwidth
+        table = kind_table(profile_step(lambda: runner.execute(batch)))
+        out[str(rows)] = {"step_ms": median, "min_ms": min(times), "floor_ms": floor_ms, "floor_bytes": floor_bytes,
+                          "kv_bytes": kv_row * rows, "context": context, "profile": table}
+        top = sorted(table["kinds"].items(), key=lambda kv: -kv[1]["busy_us"])[:4]
+        print(f"  decode b={rows:3d} at {context}: {median:7.3f} ms (floor {floor_ms:.3f} ms, "
+              f"{median / floor_ms:.2f}x); " + ", ".join(f"{kind} {row['busy_us']:.0f} us" for kind, row in top)
+              + f" of {table['busy_us']:.0f} us busy", flush=True)
+    return out
 
 
 def kv_blocks_needed(num_seqs: int, tokens_per_seq: int, block_size: int, spare: int = 1) -> int:

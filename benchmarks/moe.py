@@ -28,48 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (RESULTS_DIR, back_to_back_seconds, env_info, kv_bytes_per_token,  # noqa: E402
-                               measure_copy_bandwidth, model_config, param_counts, write_json, write_model_dir)
+from benchmarks.common import (RESULTS_DIR, back_to_back_seconds, decode_steps, env_info,  # noqa: E402
+                               measure_copy_bandwidth, model_config, param_counts, start_engine, write_json,
+                               write_model_dir)
 from nanoserve.bench.profile import kind_table, profile_step  # noqa: E402
 from benchmarks.throughput import measure_matmul_flops, measure_model  # noqa: E402
 
 SHAPES = {"qwen3": "qwen3-30b-a3b", "mixtral": "mixtral-8x7b"}
-CONTEXT = 512
-
-
-def start_engine(model_dir: str, max_num_seqs: int):
-    from nanoserve import LLM
-
-    start = time.perf_counter()
-    llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
-              max_num_seqs=max_num_seqs, show_progress=False)
-    wall = time.perf_counter() - start
-    graphs = llm.engine.core.runner.graphs
-    capture = {kind.name.lower(): {"capture_s": gr.capture_seconds, "wall_s": gr.wall_seconds,
-                                   "sizes": list(gr.capture_sizes)} for kind, gr in graphs.runners.items()}
-    return llm, {"engine_start_s": wall, "capture_s": graphs.capture_seconds, "graphs": capture,
-                 "kv_blocks": llm.engine.core.runner.info.num_kv_blocks}
-
-
-def decode_steps(llm, counts, cfg: dict, rows_list: list[int], bandwidth: float) -> dict:
-    from nanoserve.bench.decode_step import decode_batch, time_decode_step
-
-    runner = llm.engine.core.runner
-    kv_token = kv_bytes_per_token(cfg)
-    out = {}
-    for rows in rows_list:
-        batch = decode_batch(runner, rows, CONTEXT)
-        times = time_decode_step(runner, batch, warmup=5, iters=30)
-        floor_bytes = 2 * counts.decode_read(rows) + kv_token * rows * CONTEXT
-        median = statistics.median(times)
-        table = kind_table(profile_step(lambda: runner.execute(batch)))
-        out[str(rows)] = {"step_ms": median, "min_ms": min(times), "floor_ms": 1e3 * floor_bytes / bandwidth,
-                          "floor_bytes": floor_bytes, "profile": table}
-        print(f"  decode b={rows:3d}: {median:7.3f} ms (floor {out[str(rows)]['floor_ms']:.3f} ms, "
-              f"{median / out[str(rows)]['floor_ms']:.2f}x); experts {table['kinds']['experts']['busy_us']:.0f} us, "
-              f"routing {table['kinds']['routing']['busy_us']:.0f} us, attention "
-              f"{table['kinds']['attention']['busy_us']:.0f} us of {table['busy_us']:.0f} us busy", flush=True)
-    return out
 
 
 def ttft(llm, counts, tokens: int, flops: float) -> dict:

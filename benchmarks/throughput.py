@@ -34,6 +34,7 @@ VARIANTS = {  # engine options per variant
     "async": dict(async_scheduling=True),
     "async-no-prefill-graphs": dict(async_scheduling=True, prefill_graph_sizes="off"),
     "async-8192": dict(async_scheduling=True, max_num_batched_tokens=8192),  # the offline budget before round 7
+    "async-2048": dict(async_scheduling=True, max_num_batched_tokens=2048),  # every step within the token graphs
     "sync": dict(async_scheduling=False),
 }
 

@@ -74,3 +74,17 @@ def run_churn(engine, steps: int, seed: int = 0, max_requests: int = 300, params
     finished = {rid: v for rid, v in finished.items() if rid not in aborted}
     assert engine.core.block_manager.num_used_blocks == 0
     return finished, engine.stats
+
+
+def run_chunked_batch(engine, generate, prompts: list[list[int]], params) -> list[list[int]]:
+    """The first prompt through LLM.generate (it fills the prefix cache), then the rest added at once and stepped to
+    the end with the block accounting checked every step: each prompt's tokens, in order."""
+    first = generate(prompts[:1], params, use_tqdm=False)
+    for i, p in enumerate(prompts[1:]):
+        engine.add_request(str(i), p, params, stream=False)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out.token_ids
+        check_blocks(engine)
+    return [first[0].token_ids] + [done[str(i)] for i in range(len(prompts) - 1)]

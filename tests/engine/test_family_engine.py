@@ -7,7 +7,7 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from tests.conftest import FAMILIES
-from tests.engine.churn import check_blocks
+from tests.engine.churn import run_chunked_batch
 from tests.engine.test_engine import GREEDY, hf_greedy, prompts_of_lengths
 
 OPTIONS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, max_num_seqs=8)
@@ -36,15 +36,8 @@ def test_chunks_prefix_hits_and_preemption_match_transformers(name, tiny_family_
     expected = hf_greedy(path, prompts, 12)
     with LLM(path, num_kv_blocks=22, max_num_batched_tokens=16, **dict(OPTIONS, max_model_len=64)) as llm:
         engine = llm.engine
-        first = llm.generate(prompts[:1], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
-        for i, p in enumerate(prompts[1:]):
-            engine.add_request(str(i), p, SamplingParams(max_tokens=12, **GREEDY), stream=False)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                done[out.request_id] = out.token_ids
-            check_blocks(engine)
-        assert [first[0].token_ids] + [done[str(i)] for i in range(3)] == expected
+        params = SamplingParams(max_tokens=12, **GREEDY)
+        assert run_chunked_batch(engine, llm.generate, prompts, params) == expected
         assert engine.stats.prefix_cache_hit_tokens >= 32
         # Mistral's blocks that slid out of its window are freed: the same cache holds the batch without preempting
         assert (engine.stats.preemptions > 0) == (name == "gemma3")

@@ -14,15 +14,12 @@ import shutil
 
 import gguf
 import pytest
-import torch
 from gguf_files import quantized_copy, write_gguf
 
-from nanoserve.model.loader import load_model
 from nanoserve.model_files import ModelSpec, load_hf_config
 from nanoserve.tiny import TINY_WINDOW, make_tiny_model
-from tests.model.test_gguf import assert_one_line_error, assert_same_generations
+from tests.model.test_gguf import assert_one_line_error, assert_same_generations, assert_same_weights, load
 
-CPU = torch.device("cpu")
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 FAMILIES = {"gemma2": ("gemma2", dict(query_pre_attn_scalar=16)),
             "gemma3": ("gemma3", dict(query_pre_attn_scalar=16, num_hidden_layers=6, layer_types=None)),
@@ -39,17 +36,6 @@ def family_files(tmp_path_factory) -> dict[str, tuple]:
         folder = make_tiny_model(root / name, arch, **overrides)
         out[name] = folder, write_gguf(folder, root / f"{name}.gguf")
     return out
-
-
-def load(path):
-    return load_model(path, load_hf_config(path), torch.float32, CPU)
-
-
-def assert_same_weights(a, b) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for name in sa:
-        assert torch.equal(sa[name], sb[name]), name
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3"])

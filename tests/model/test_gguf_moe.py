@@ -19,7 +19,7 @@ from nanoserve.model.communicator import TensorParallel
 from nanoserve.model.loader import load_model
 from nanoserve.model_files import ModelLoadError, load_hf_config
 from nanoserve.tiny import make_tiny_model
-from tests.model.test_gguf import assert_same_generations
+from tests.model.test_gguf import assert_same_generations, assert_same_weights, load
 from tests.model.test_llama import TOL, PagedKV, hf_logits, prefill_batch, random_seqs
 
 CPU = torch.device("cpu")
@@ -40,17 +40,6 @@ def moe_files(tmp_path_factory) -> dict[str, tuple]:
         out[arch] = (folder, write_gguf(folder, root / f"{arch}.gguf"),
                      write_gguf(folder, root / f"{arch}.Q8_0.gguf", Q8_0))
     return out
-
-
-def load(path):
-    return load_model(path, load_hf_config(path), torch.float32, CPU)
-
-
-def assert_same_weights(a, b) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for name in sa:
-        assert torch.equal(sa[name], sb[name]), name
 
 
 def squeezed_copy(folder, out, qtype=gguf.GGMLQuantizationType.F32):

@@ -82,9 +82,15 @@ def run_chunked_batch(engine, generate, prompts: list[list[int]], params) -> lis
     first = generate(prompts[:1], params, use_tqdm=False)
     for i, p in enumerate(prompts[1:]):
         engine.add_request(str(i), p, params, stream=False)
+    done = step_to_end(engine)
+    return [first[0].token_ids] + [done[str(i)] for i in range(len(prompts) - 1)]
+
+
+def step_to_end(engine) -> dict[str, list[int]]:
+    """Step until every request finished, the block accounting checked after each step: tokens by request id."""
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             done[out.request_id] = out.token_ids
         check_blocks(engine)
-    return [first[0].token_ids] + [done[str(i)] for i in range(len(prompts) - 1)]
+    return done

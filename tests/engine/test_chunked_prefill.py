@@ -8,7 +8,7 @@ import pytest
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.scheduler import chunk_caps
 from nanoserve.runner.startup.bucket_plan import StepCurve
-from tests.engine.churn import check_blocks
+from tests.engine.churn import check_blocks, step_to_end
 from tests.engine.test_engine import GREEDY, hf_greedy, prompts_of_lengths
 
 CHUNK = 16
@@ -65,11 +65,7 @@ def test_preemption_mid_prefill(tiny_model_dirs):
     engine = tight.engine
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params, stream=False)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            done[out.request_id] = out.token_ids
-        check_blocks(engine)
+    done = step_to_end(engine)
     assert engine.stats.preemptions > 0
     assert [done[str(i)] for i in range(len(prompts))] == hf_greedy(path, prompts, 20)
     assert engine.core.block_manager.num_used_blocks == 0

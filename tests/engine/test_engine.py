@@ -30,6 +30,17 @@ def prompts_of_lengths(lengths, vocab, seed=0):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def assert_batch_matches_transformers(path: str, options: dict) -> None:
+    """A mixed-length greedy batch (1–30 prompt tokens, 10 new) equals transformers' tokens, and frees every block."""
+    prompts = prompts_of_lengths([1, 4, 9, 17, 30], 500, seed=4)
+    expected = hf_greedy(path, prompts, 10)
+    assert len({tuple(t) for t in expected}) > 1
+    with LLM(path, **options) as llm:
+        got = llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)
+        assert [o.token_ids for o in got] == expected
+        assert llm.engine.core.block_manager.num_used_blocks == 0
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_model_dirs):
     """One small-block engine per arch (block_size 4 so prompts and generations cross many block boundaries)."""

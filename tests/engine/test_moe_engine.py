@@ -8,21 +8,14 @@ import pytest
 from nanoserve import LLM, SamplingParams
 from nanoserve.tiny import MOE_ARCHS
 from tests.engine.churn import run_chunked_batch
-from tests.engine.test_engine import GREEDY, hf_greedy, prompts_of_lengths
+from tests.engine.test_engine import GREEDY, assert_batch_matches_transformers, hf_greedy, prompts_of_lengths
 
 OPTIONS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, max_num_seqs=8)
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_batched_greedy_matches_transformers(arch, tiny_moe_dirs):
-    path = str(tiny_moe_dirs[arch])
-    prompts = prompts_of_lengths([1, 4, 9, 17, 30], 500, seed=4)
-    expected = hf_greedy(path, prompts, 10)
-    assert len({tuple(t) for t in expected}) > 1
-    with LLM(path, **OPTIONS) as llm:
-        got = llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)
-        assert [o.token_ids for o in got] == expected
-        assert llm.engine.core.block_manager.num_used_blocks == 0
+    assert_batch_matches_transformers(str(tiny_moe_dirs[arch]), OPTIONS)
 
 
 def test_chunks_prefix_hits_and_preemption_match_transformers(tiny_moe_dirs):

@@ -76,13 +76,13 @@ def run_churn(engine, steps: int, seed: int = 0, max_requests: int = 300, params
     return finished, engine.stats
 
 
-def run_chunked_batch(engine, generate, prompts: list[list[int]], params) -> list[list[int]]:
+def run_chunked_batch(llm, prompts: list[list[int]], params) -> list[list[int]]:
     """The first prompt through LLM.generate (it fills the prefix cache), then the rest added at once and stepped to
     the end with the block accounting checked every step: each prompt's tokens, in order."""
-    first = generate(prompts[:1], params, use_tqdm=False)
+    first = llm.generate(prompts[:1], params, use_tqdm=False)
     for i, p in enumerate(prompts[1:]):
-        engine.add_request(str(i), p, params, stream=False)
-    done = step_to_end(engine)
+        llm.engine.add_request(str(i), p, params, stream=False)
+    done = step_to_end(llm.engine)
     return [first[0].token_ids] + [done[str(i)] for i in range(len(prompts) - 1)]
 
 

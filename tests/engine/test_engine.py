@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.engine import QueueFullError
+from tests.engine.churn import run_chunked_batch
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -28,6 +29,17 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[
 def prompts_of_lengths(lengths, vocab, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def chunked_prefix_batch_stats(path: str, options: dict):
+    """Chunks of 16 tokens, a shared 33-token prefix (cached after the first prompt) and a 22-block KV cache: the
+    tokens equal transformers'; returns the engine's stats (hits, preemptions, mixed steps) for the caller's checks."""
+    shared = prompts_of_lengths([33], 500, seed=5)[0]
+    prompts = [shared + p for p in prompts_of_lengths([4, 9, 2, 13], 500, seed=6)]
+    expected = hf_greedy(path, prompts, 12)
+    with LLM(path, num_kv_blocks=22, max_num_batched_tokens=16, **dict(options, max_model_len=64)) as llm:
+        assert run_chunked_batch(llm, prompts, SamplingParams(max_tokens=12, **GREEDY)) == expected
+        return llm.engine.stats
 
 
 def assert_batch_matches_transformers(path: str, options: dict) -> None:

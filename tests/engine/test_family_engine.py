@@ -7,8 +7,8 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from tests.conftest import FAMILIES
-from tests.engine.churn import run_chunked_batch
-from tests.engine.test_engine import GREEDY, assert_batch_matches_transformers, hf_greedy, prompts_of_lengths
+from tests.engine.test_engine import (GREEDY, assert_batch_matches_transformers, chunked_prefix_batch_stats,
+                                     prompts_of_lengths)
 
 OPTIONS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, max_num_seqs=8)
 
@@ -23,18 +23,10 @@ def test_chunks_prefix_hits_and_preemption_match_transformers(name, tiny_family_
     """Chunks of 16 tokens over windows of 10 (a chunk's queries see keys of the chunk before), a cached prefix of 33
     tokens (past the window), and a KV cache small enough to preempt Gemma 3
     (its global layers keep every block; Mistral frees what slid out of its window)."""
-    path = str(tiny_family_dirs[name])
-    shared = prompts_of_lengths([33], 500, seed=5)[0]
-    prompts = [shared + p for p in prompts_of_lengths([4, 9, 2, 13], 500, seed=6)]
-    expected = hf_greedy(path, prompts, 12)
-    with LLM(path, num_kv_blocks=22, max_num_batched_tokens=16, **dict(OPTIONS, max_model_len=64)) as llm:
-        engine = llm.engine
-        params = SamplingParams(max_tokens=12, **GREEDY)
-        assert run_chunked_batch(engine, llm.generate, prompts, params) == expected
-        assert engine.stats.prefix_cache_hit_tokens >= 32
-        # Mistral's blocks that slid out of its window are freed: the same cache holds the batch without preempting
-        assert (engine.stats.preemptions > 0) == (name == "gemma3")
-        assert engine.stats.mixed_steps > 0
+    stats = chunked_prefix_batch_stats(str(tiny_family_dirs[name]), OPTIONS)
+    assert stats.prefix_cache_hit_tokens >= 32 and stats.mixed_steps > 0
+    # Mistral's blocks that slid out of its window are freed: the same cache holds the batch without preempting
+    assert (stats.preemptions > 0) == (name == "gemma3")
 
 
 def test_two_ranks_give_the_one_rank_tokens(tiny_family_dirs):

@@ -7,8 +7,8 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.tiny import MOE_ARCHS
-from tests.engine.churn import run_chunked_batch
-from tests.engine.test_engine import GREEDY, assert_batch_matches_transformers, hf_greedy, prompts_of_lengths
+from tests.engine.test_engine import (GREEDY, assert_batch_matches_transformers, chunked_prefix_batch_stats,
+                                     prompts_of_lengths)
 
 OPTIONS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, max_num_seqs=8)
 
@@ -19,16 +19,8 @@ def test_batched_greedy_matches_transformers(arch, tiny_moe_dirs):
 
 
 def test_chunks_prefix_hits_and_preemption_match_transformers(tiny_moe_dirs):
-    path = str(tiny_moe_dirs["qwen3_moe"])
-    shared = prompts_of_lengths([33], 500, seed=5)[0]
-    prompts = [shared + p for p in prompts_of_lengths([4, 9, 2, 13], 500, seed=6)]
-    expected = hf_greedy(path, prompts, 12)
-    with LLM(path, num_kv_blocks=22, max_num_batched_tokens=16, **dict(OPTIONS, max_model_len=64)) as llm:
-        engine = llm.engine
-        params = SamplingParams(max_tokens=12, **GREEDY)
-        assert run_chunked_batch(engine, llm.generate, prompts, params) == expected
-        assert engine.stats.prefix_cache_hit_tokens >= 32 and engine.stats.preemptions > 0
-        assert engine.stats.mixed_steps > 0
+    stats = chunked_prefix_batch_stats(str(tiny_moe_dirs["qwen3_moe"]), OPTIONS)
+    assert stats.prefix_cache_hit_tokens >= 32 and stats.preemptions > 0 and stats.mixed_steps > 0
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -42,6 +42,17 @@ def chunked_prefix_batch_stats(path: str, options: dict):
         return llm.engine.stats
 
 
+def assert_two_ranks_give_one_ranks_tokens(path: str, options: dict) -> None:
+    """tp=2 (gloo, CPU) generates tp=1's greedy tokens, with chunked prompts."""
+    prompts = prompts_of_lengths([2, 7, 19], 500, seed=12)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    options = dict(options, max_num_batched_tokens=16)
+    with LLM(path, **options) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(path, tensor_parallel_size=2, **options) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+
+
 def assert_batch_matches_transformers(path: str, options: dict) -> None:
     """A mixed-length greedy batch (1–30 prompt tokens, 10 new) equals transformers' tokens, and frees every block."""
     prompts = prompts_of_lengths([1, 4, 9, 17, 30], 500, seed=4)

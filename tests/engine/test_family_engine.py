@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from nanoserve import LLM, SamplingParams
 from tests.conftest import FAMILIES
-from tests.engine.test_engine import (GREEDY, assert_batch_matches_transformers, chunked_prefix_batch_stats,
-                                     prompts_of_lengths)
+from tests.engine.test_engine import (assert_batch_matches_transformers, assert_two_ranks_give_one_ranks_tokens,
+                                     chunked_prefix_batch_stats)
 
 OPTIONS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, max_num_seqs=8)
 
@@ -31,10 +30,4 @@ def test_chunks_prefix_hits_and_preemption_match_transformers(name, tiny_family_
 
 def test_two_ranks_give_the_one_rank_tokens(tiny_family_dirs):
     path = str(tiny_family_dirs["gemma2"])  # windowed layers, attention and final soft-caps, tied embeddings
-    prompts = prompts_of_lengths([2, 7, 19], 500, seed=12)
-    params = SamplingParams(max_tokens=8, **GREEDY)
-    options = dict(OPTIONS, max_num_batched_tokens=16)
-    with LLM(path, **options) as llm:
-        want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    with LLM(path, tensor_parallel_size=2, **options) as llm:
-        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert_two_ranks_give_one_ranks_tokens(path, OPTIONS)

@@ -7,8 +7,8 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.tiny import MOE_ARCHS
-from tests.engine.test_engine import (GREEDY, assert_batch_matches_transformers, chunked_prefix_batch_stats,
-                                     prompts_of_lengths)
+from tests.engine.test_engine import (GREEDY, assert_batch_matches_transformers, assert_two_ranks_give_one_ranks_tokens,
+                                     chunked_prefix_batch_stats, prompts_of_lengths)
 
 OPTIONS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, max_num_seqs=8)
 
@@ -38,10 +38,4 @@ def test_async_loop_equals_sync(tiny_moe_dirs, async_scheduling):
 
 def test_two_ranks_give_the_one_rank_tokens(tiny_moe_dirs):
     path = str(tiny_moe_dirs["qwen2_moe"])  # routed experts and the shared expert both split
-    prompts = prompts_of_lengths([2, 7, 19], 500, seed=12)
-    params = SamplingParams(max_tokens=8, **GREEDY)
-    options = dict(OPTIONS, max_num_batched_tokens=16)
-    with LLM(path, **options) as llm:
-        want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    with LLM(path, tensor_parallel_size=2, **options) as llm:
-        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert_two_ranks_give_one_ranks_tokens(path, OPTIONS)

@@ -101,13 +101,20 @@ def test_a_compile_past_the_time_limit_is_refused_while_others_are_served(server
         assert r.status_code == 200 and seconds < FAST_S, (name, seconds, r.text)
     choice = answers["small"][0].json()["choices"][0]
     assert choice["text"] in ('"small-0"', '"small-1"', '"small-2"') and choice["finish_reason"] == "stop", choice
-    # the same schema while its compile runs on: refused the same way, streamed too, on that compile (the log has one
-    # compile of it; no copy of it takes the other thread: a new small schema still compiles at once)
+    # the same schema again: refused at once, streamed too, on that one compile (no copy of it takes the other thread:
+    # a new small schema still compiles at once). While the compile runs on, for its time; once it has finished (on a
+    # fast machine, within this test), for what it compiled to: this schema's grammar is also past the size limit.
+    def refused_again(error: dict) -> bool:
+        first = answers["slow"][0].json()["error"]
+        size = "cannot compile the grammar: its compiled grammar takes"
+        return {**error, "message": ""} == {**first, "message": ""} and (
+            error["message"] == first["message"] or error["message"].startswith(size))
+
     error, _ = stream_error(server, constrained(slow, stream=True))
-    assert error == {**answers["slow"][0].json()["error"], "param": None}, error
+    assert refused_again({**error, "param": None}), error
     for _ in range(2):
         r, seconds = post(server, constrained(slow))
-        assert r.json() == answers["slow"][0].json() and seconds < FAST_S, seconds
+        assert refused_again(r.json()["error"]) and seconds < FAST_S, (seconds, r.text)
     r, seconds = post(server, constrained(enum("fresh", 4)))
     assert r.status_code == 200 and seconds < FAST_S, (seconds, r.text)
     assert server.log().count(REFUSED_LOG) == 1, server.log()

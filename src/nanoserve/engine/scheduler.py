@@ -82,8 +82,9 @@ class Scheduler:
     def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
         """Decode rows first (one token each, preempting for blocks), then the next chunks of prompts in progress. The
         blocks that slid out of every layer's window go back to the pool first (a no-op without a window)."""
-        for seq in self.running:
-            self.block_manager.free_slid_out(seq)
+        if self.block_manager.window is not None:  # no per-sequence call on every step of an unwindowed model
+            for seq in self.running:
+                self.block_manager.free_slid_out(seq)
         budget = self._schedule_decodes(step, budget)
         caps = self.prompt_token_caps
         if caps and step.seqs:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import statistics
 import sys
 import tempfile
@@ -612,18 +613,33 @@ ATTENTION_SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128),  #
 L2_DEFEAT_BYTES = 256 * 2**20  # KV per replay, over all layers: several times the H200's 50 MB L2
 
 
-def attention_point(shape, b: int, context: int, rule: dict, bandwidth: float, table_tokens: int) -> dict:
+KV_FORMATS = ("bf16", "fp8-token", "fp8-layer")  # the cache formats (kernels/kv_quant.py)
+
+
+def attention_point(shape, b: int, context: int, rule: dict, bandwidth: float, table_tokens: int,
+                    kv_format: str = "bf16") -> dict:
     """Per-layer µs and bandwidth of decode attention (+ merge) for b rows of `context` tokens under one rule:
-    {"waves": w} (the split rule with DECODE_WAVES = w) and {"stages": s} (DECODE_NUM_STAGES)."""
+    {"waves": w} (the split rule with DECODE_WAVES = w) and {"stages": s} (DECODE_NUM_STAGES), over a cache of
+    kv_format (KV_FORMATS); bytes per token from the engine's KVCacheSpec."""
     from nanoserve.kernels import attention as A
+    from nanoserve.kernels import kv_quant
+    from nanoserve.runner.kv_cache import KVCacheSpec
 
     heads, kv_heads, d = shape
     block = 16
-    per_layer = b * context * kv_heads * d * 2 * 2
+    fp8 = kv_format != "bf16"
+    spec = KVCacheSpec(1, kv_heads, d, block, kv_quant.FP8_DTYPE if fp8 else torch.bfloat16,
+                       kv_format.removeprefix("fp8-") if fp8 else None)
+    per_layer = b * context * spec.bytes_per_token
     layers = max(4, min(64, -(-L2_DEFEAT_BYTES // per_layer)))
     blocks = b * (context // block)
     k = torch.randn(layers * blocks + 1, block, kv_heads, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
+    scales = None
+    if fp8:
+        layer_scale = None if spec.scales == "token" else torch.ones(1, device="cuda")
+        (k, ks), (v, vs) = (kv_quant.quantize_ref(x, layer_scale) for x in (k, v))
+        scales = (ks, vs)
     width = table_tokens // block
     tables = [torch.full((b, width), layers * blocks, dtype=torch.int32, device="cuda") for _ in range(layers)]
     for layer, t in enumerate(tables):
@@ -632,7 +648,8 @@ def attention_point(shape, b: int, context: int, rule: dict, bandwidth: float, t
     q = torch.randn(b, heads, d, device="cuda", dtype=torch.bfloat16)
     with mock.patch.object(A, "DECODE_WAVES", rule.get("waves", A.DECODE_WAVES)), \
             mock.patch.object(A, "DECODE_NUM_STAGES", rule.get("stages", A.DECODE_NUM_STAGES)):
-        run = lambda: [A.decode_attention(q, k, v, t, lens, d ** -0.5) for t in tables]  # noqa: E731
+        run = lambda: [A.decode_attention(q, k, v, t, lens, d ** -0.5, kv_scales=scales)  # noqa: E731
+                       for t in tables]
         run()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -641,27 +658,28 @@ def attention_point(shape, b: int, context: int, rule: dict, bandwidth: float, t
         splits = A.decode_num_splits(b, kv_heads, width * block, torch.cuda.get_device_properties(0).multi_processor_count)
     us = b2b_ms(graph.replay, iters=20) * 1e3 / layers
     del graph, k, v
-    return {"b": b, "context": context, **rule, "splits": splits, "layers": layers, "us_per_layer": us,
+    return {"b": b, "context": context, "kv": kv_format, **rule, "splits": splits, "layers": layers, "us_per_layer": us,
             "bandwidth_fraction": per_layer / (us * 1e-6) / bandwidth}
 
 
 def attention_sweep(args, bandwidth: float) -> dict:
     rules = [{"waves": w, "stages": s} for w in args.waves for s in args.stages]
     out = {}
-    for name, shape in ATTENTION_SHAPES.items():
-        points = out[name] = []
-        for b in args.attention_rows:
-            for context in args.attention_contexts:
-                for rule in rules:
-                    try:
-                        points.append(attention_point(shape, b, context, rule, bandwidth, args.max_model_len))
-                    except Exception as exc:
-                        points.append({"b": b, "context": context, **rule, "error": f"{type(exc).__name__}: {exc}"[:300]})
-                    p = points[-1]
-                    print(f"== attention {name} b={b} ctx={context} {rule}: "
-                          + (f"{p['us_per_layer']:.1f} µs/layer, {100 * p['bandwidth_fraction']:.0f}% of copy "
-                             f"bandwidth, {p['splits']} splits" if "error" not in p else p["error"]), flush=True)
-                release_cuda_memory()
+    for name in args.attention_shapes:
+        shape, points = ATTENTION_SHAPES[name], out.setdefault(name, [])
+        for b, context, rule, kv in itertools.product(args.attention_rows, args.attention_contexts, rules,
+                                                      args.kv_formats):
+            try:
+                points.append(attention_point(shape, b, context, rule, bandwidth, max(args.max_model_len, context),
+                                              kv))
+            except Exception as exc:
+                points.append({"b": b, "context": context, "kv": kv, **rule,
+                               "error": f"{type(exc).__name__}: {exc}"[:300]})
+            p = points[-1]
+            print(f"== attention {name} {kv} b={b} ctx={context} {rule}: "
+                  + (f"{p['us_per_layer']:.1f} µs/layer, {100 * p['bandwidth_fraction']:.0f}% of copy "
+                     f"bandwidth, {p['splits']} splits" if "error" not in p else p["error"]), flush=True)
+            release_cuda_memory()
     return out
 
 
@@ -685,6 +703,8 @@ def main() -> int:
     p.add_argument("--attention-contexts", nargs="+", type=int, default=[1024, 2048, 4096])
     p.add_argument("--waves", nargs="+", type=int, default=[4, 8, 16])
     p.add_argument("--stages", nargs="+", type=int, default=[1, 2, 3])
+    p.add_argument("--attention-shapes", nargs="+", default=list(ATTENTION_SHAPES), choices=list(ATTENTION_SHAPES))
+    p.add_argument("--kv-formats", nargs="+", default=["bf16"], choices=KV_FORMATS, help="attention: cache formats")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -192,14 +192,18 @@ def test_logprobs_match_log_softmax(engines, tiny_model_dirs):
         sum(ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.token_ids)), abs=1e-3)
 
 
-def test_preemption_completes_every_request_with_the_same_tokens(tiny_model_dirs):
+KV_DTYPES = ["auto", "fp8"]  # the preemption and prefix-cache checks hold for an fp8 KV cache too
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+def test_preemption_completes_every_request_with_the_same_tokens(tiny_model_dirs, kv_cache_dtype):
     path = str(tiny_model_dirs["qwen3"])
     prompts = prompts_of_lengths([6, 11, 3, 14, 9, 7, 12, 5], 500, seed=3)
     params = SamplingParams(max_tokens=24, **GREEDY)
-    roomy = LLM(path, device="cpu", dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=256)
+    options = dict(device="cpu", dtype="float32", block_size=4, max_model_len=64, kv_cache_dtype=kv_cache_dtype)
+    roomy = LLM(path, num_kv_blocks=256, **options)
     expected = [o.token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
-    tight = LLM(path, device="cpu", dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=16,
-                enable_prefix_caching=False)
+    tight = LLM(path, num_kv_blocks=16, enable_prefix_caching=False, **options)
     engine = tight.engine
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params, stream=False)
@@ -219,15 +223,16 @@ def test_preemption_completes_every_request_with_the_same_tokens(tiny_model_dirs
     assert engine.core.block_manager.num_used_blocks == 0
 
 
-def test_prefix_cache_hits_give_the_same_tokens(tiny_model_dirs):
-    llm = LLM(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", block_size=4, max_model_len=128)
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+def test_prefix_cache_hits_give_the_same_tokens(tiny_model_dirs, kv_cache_dtype):
+    options = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(str(tiny_model_dirs["llama"]), **options)
     shared = prompts_of_lengths([21], 500, seed=5)[0]
     prompts = [shared + [7, 8], shared + [9], shared]
     params = SamplingParams(max_tokens=10, **GREEDY)
     cold = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]  # later ones hit the cache
     assert llm.engine.stats.prefix_cache_hit_tokens >= 2 * 20
-    no_cache = LLM(str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", block_size=4, max_model_len=128,
-                   enable_prefix_caching=False)
+    no_cache = LLM(str(tiny_model_dirs["llama"]), enable_prefix_caching=False, **options)
     assert cold == [o.token_ids for o in no_cache.generate(prompts, params, use_tqdm=False)]
     both = llm.generate(prompts, params, use_tqdm=False)  # same step: later prompts reuse blocks filled this step
     assert [o.token_ids for o in both] == cold

@@ -90,9 +90,9 @@ qkv = torch.randn(3, 4096, dtype=bf)
 q, k, v = qkv[:, :2048].view(3, 16, 128), qkv[:, 2048:3072].view(3, 8, 128), qkv[:, 3072:].view(3, 8, 128)
 slots = torch.zeros(3, dtype=torch.int64)
 rotary_kv.qk_norm_rope(q, k, cos_sin, slots, torch.ones(128, dtype=bf), torch.ones(128, dtype=bf), 1e-6,
-                       kv_store=(v, kc, vc, slots))
+                       kv_store=(v, kc, vc, slots, None))
 # partial rotary (Phi-4-mini: 96 of 128 dims)
-rotary_kv.qk_norm_rope(q, k, torch.randn(4096, 192, dtype=bf), slots, kv_store=(v, kc, vc, slots))
+rotary_kv.qk_norm_rope(q, k, torch.randn(4096, 192, dtype=bf), slots, kv_store=(v, kc, vc, slots, None))
 attention.store_kv(k, v, kc, vc, slots)
 tables, lens = torch.zeros(3, 32, dtype=torch.int32), torch.full((3,), 500, dtype=torch.int32)
 attention.decode_attention(torch.randn(3, 16, 128, dtype=bf), kc, vc, tables, lens, 0.1)
@@ -115,6 +115,13 @@ cu = torch.arange(4, dtype=torch.int32)
 meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, context_lens=lens, block_tables=tables, cu_seqlens_q=cu,
                          max_seqlen_q=1, has_cached_prefix=True)
 attention.paged_prefill_attention(torch.randn(3, 16, 128, dtype=bf), kc, vc, meta, 0.1)
+# an fp8 KV cache: per-token scales and a per-layer scale, through every store and read
+kc8, vc8 = torch.zeros(10, 16, 8, 128, dtype=torch.float8_e4m3fn), torch.zeros(10, 16, 8, 128, dtype=torch.float8_e4m3fn)
+for scales in ((torch.ones(10, 16, 8, dtype=bf), torch.ones(10, 16, 8, dtype=bf)), (torch.ones(1), torch.ones(1))):
+    rotary_kv.qk_norm_rope(q, k, cos_sin, slots, kv_store=(v, kc8, vc8, slots, scales))
+    attention.store_kv(k, v, kc8, vc8, slots, scales)
+    attention.decode_attention(torch.randn(3, 16, 128, dtype=bf), kc8, vc8, tables, lens, 0.1, kv_scales=scales)
+    attention.paged_prefill_attention(torch.randn(3, 16, 128, dtype=bf), kc8, vc8, meta, 0.1, kv_scales=scales)
 # MoE at the Qwen3-30B-A3B layer shape (8 of its 128 experts): the router, the decode path, align_blocks and the
 # grouped GEMMs in both tilings, with the CUDA tiles (the host code reads no device value, so none has to be real)
 cuda = torch.device("cuda")

@@ -270,7 +270,7 @@ def rope_reference(x, residual, norm_w, w, b, rope: QKVRope):
     normed, new_residual = fused.rms_norm_ref(x, norm_w, 1e-6, residual)
     q, k, v = rope.split(F.linear(normed, w, b))
     q, _ = qk_norm_rope_ref(q, k, rope.cos_sin_cache, rope.positions, rope.q_norm_weight, rope.k_norm_weight,
-                            rope.eps, kv_store=(v, rope.k_cache, rope.v_cache, rope.slot_mapping))
+                            rope.eps, kv_store=(v, rope.k_cache, rope.v_cache, rope.slot_mapping, None))
     return q, new_residual
 
 

@@ -59,7 +59,7 @@ def test_qk_norm_rope_stores_k_and_v_in_the_paged_cache(dtype):
         k_cache = torch.zeros(blocks, block_size, kv_heads, d, dtype=dtype, device=DEVICE)
         v_cache = torch.zeros_like(k_cache)
         with switched(force_triton=force):
-            q_out, k_out = rotary_kv.qk_norm_rope(q, k, cache, positions, kv_store=(v, k_cache, v_cache, slots))
+            q_out, k_out = rotary_kv.qk_norm_rope(q, k, cache, positions, kv_store=(v, k_cache, v_cache, slots, None))
         caches.append((q_out, k_out, k_cache, v_cache))
     for a, b in zip(*caches):
         torch.testing.assert_close(a, b, **tol(dtype))
@@ -97,7 +97,7 @@ def test_token_blocked_kernel_matches_reference(dtype, rotary_dim, monkeypatch):
     for fn in (rotary_kv.qk_norm_rope, rotary_kv.qk_norm_rope_ref):
         k_cache = torch.zeros(5, 4, kv_heads, d, dtype=dtype, device=DEVICE)
         v_cache = torch.zeros_like(k_cache)
-        out = fn(q, k, cache, positions, qw, kw, 1e-6, kv_store=(v, k_cache, v_cache, slots))
+        out = fn(q, k, cache, positions, qw, kw, 1e-6, kv_store=(v, k_cache, v_cache, slots, None))
         results.append((*out, k_cache, v_cache))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, **tol(dtype))

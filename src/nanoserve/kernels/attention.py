@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanoserve.kernels import reference
+from nanoserve.kernels import kv_quant, reference
 from nanoserve.kernels._triton import (cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_start, pdl_wait, tl,
                                        use_triton)
+from nanoserve.kernels.kv_quant import quantize_rows
 from nanoserve.kernels.metadata import AttentionInputs
 
 
@@ -37,21 +38,24 @@ def select_backend(device: torch.device) -> str:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionInputs, scale: float, backend: str,
                     kv_stored: bool = False, *, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for the T new tokens → attention output [T, H, D].
 
     kv_stored: the caller already wrote k/v into the cache (fused into its rotary kernel); k and v may then be
     None. window / softcap: the layer's sliding window and logit soft-cap (reference.py says what they mean; None:
-    off), fixed per layer, so a captured graph records them."""
+    off), fixed per layer, so a captured graph records them. kv_scales: (k_scale, v_scale) of an fp8 cache
+    (kernels/kv_quant.py); None for a cache in the model's dtype."""
     if backend == "triton":
         store, prefill, decode = store_kv, prefill_attention, decode_attention
     else:
         store, prefill, decode = reference.store_kv, reference.prefill_attention, reference.decode_attention
     if not kv_stored:
-        store(k, v, k_cache, v_cache, meta.slot_mapping)
+        store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
     if meta.is_prefill:
-        return prefill(q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
-    return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window=window, softcap=softcap)
+        return prefill(q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap, kv_scales=kv_scales)
+    return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window=window, softcap=softcap,
+                  kv_scales=kv_scales)
 
 
 def check_window_softcap(window: int | None, softcap: float | None) -> None:
@@ -98,11 +102,12 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks_ptr, vs_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
+                     stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h, stride_s_slot, stride_s_h,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)
     token = tl.program_id(0)
@@ -113,6 +118,11 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     src = token.to(tl.int64)
     k = tl.load(k_ptr + src * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(v_ptr + src * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    if FP8:
+        scale_at = slot * stride_s_slot + heads[:, None] * stride_s_h
+        head_ok = heads[:, None] < NUM_KV_HEADS
+        k = quantize_rows(k, ks_ptr + scale_at, head_ok, TOKEN_SCALES)
+        v = quantize_rows(v, vs_ptr + scale_at, head_ok, TOKEN_SCALES)
     tl.store(k_cache_ptr + slot * stride_kc_slot + heads[:, None] * stride_kc_h + dims[None, :],
              k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + slot * stride_vc_slot + heads[:, None] * stride_vc_h + dims[None, :],
@@ -120,8 +130,9 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write k/v [num_tokens, num_kv_heads, head_dim] into their cache slots: one launch, no sync."""
+             slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Write k/v [num_tokens, num_kv_heads, head_dim] into their cache slots: one launch, no sync. An fp8 cache
+    (kv_scales given) stores e4m3 codes, and per-token scales beside them (kernels/kv_quant.py)."""
     num_tokens = k.shape[0]
     num_kv_heads, head_dim = k_cache.shape[-2:]
     if k.shape != v.shape or tuple(k.shape[1:]) != (num_kv_heads, head_dim):
@@ -132,18 +143,19 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                          "[num_blocks, block_size, num_kv_heads, head_dim]")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"store_kv: slot_mapping {tuple(slot_mapping.shape)} must be [{num_tokens}]")
+    scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
     if num_tokens == 0:
         return
     _require_unit_last_stride(store_kv=(k, v, k_cache, v_cache))
-    _require_slot_layout(k_cache, v_cache)
+    _require_slot_layout(k_cache, v_cache, *(kv_scales if fmt["TOKEN_SCALES"] else ()))
     block_d = next_power_of_2(head_dim)
     block_h = min(next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
     grid = (num_tokens, cdiv(num_kv_heads, block_h))
-    _store_kv_kernel[grid](k, v, k_cache, v_cache, slot_mapping,
+    _store_kv_kernel[grid](k, v, k_cache, v_cache, slot_mapping, scales[0], scales[1],
                            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
-                           NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
-                           num_warps=4, **pdl_args(k.device))
+                           scales[3], scales[4], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h,
+                           BLOCK_D=block_d, **fmt, num_warps=4, **pdl_args(k.device))
 
 
 # --------------------------------------------------------------------------------------------- decode
@@ -152,14 +164,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 @jit
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin, end, first_key, last_key, kv_head,
                  dims, dim_ok, qk_scale, cap_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                 ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 DOT_UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr = True):
+                 DOT_UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr = True):
     """Fold keys [start, start + BLOCK_N) ∩ [begin, end) of one paged context into the running (max, sum, acc) of
     the rows of q (log2-domain online softmax); row r attends only to keys in [first_key[r], last_key[r]] (its
     sliding window); keys outside [begin, end) are not even loaded, nor their block-table entries. A row may see
     no key of a tile (its window starts later): its running max then stays -inf and the tile adds nothing.
     MASKED=False: the caller knows every row sees every key of the tile (below the causal diagonal, inside every
-    row's window), so neither the loads nor the scores are masked."""
+    row's window), so neither the loads nor the scores are masked. FP8: the cache holds e4m3 codes, widened to q's
+    dtype in registers; a key's scale multiplies its scores and its value's probabilities (kernels/kv_quant.py)."""
     keys = start + tl.arange(0, BLOCK_N)
     offsets = keys % BLOCK_SIZE
     if MASKED:
@@ -171,7 +185,16 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin
         kv_mask = dim_ok[None, :]
     k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_kt
                 + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
-    scores = _scores(_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST), qk_scale, cap_scale, SOFTCAP)
+    dots = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, DOT_UPCAST)
+    if FP8:
+        scale_at = block_ids * stride_sb + offsets * stride_st + kv_head * stride_sh
+        if MASKED:
+            dots = dots * tl.load(ks_ptr + scale_at, mask=key_ok, other=0.0).to(tl.float32)[None, :]
+            v_scale = tl.load(vs_ptr + scale_at, mask=key_ok, other=0.0).to(tl.float32)
+        else:
+            dots = dots * tl.load(ks_ptr + scale_at).to(tl.float32)[None, :]
+            v_scale = tl.load(vs_ptr + scale_at).to(tl.float32)
+    scores = _scores(dots, qk_scale, cap_scale, SOFTCAP)
     if MASKED:
         seen = key_ok[None, :] & (keys[None, :] >= first_key[:, None]) & (keys[None, :] <= last_key[:, None])
         scores = tl.where(seen, scores, float("-inf"))
@@ -184,7 +207,9 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
                 + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+    if FP8:
+        p = p * v_scale[None, :]
+    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), DOT_PRECISION, DOT_UPCAST)
     return m_new, l_i, acc
 
 
@@ -216,10 +241,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    part_acc_ptr, part_ml_ptr, qk_scale, cap_scale, window, num_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                   ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-                   DOT_UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+                   DOT_UPCAST: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)  # q, the cache and the decode inputs all come from earlier kernels
     seq = tl.program_id(0)
@@ -239,7 +265,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         dim_ok = dims < HEAD_DIM
         q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        q = q.to(k_cache_ptr.dtype.element_ty)
+        if not FP8:  # an fp8 cache is widened to q's dtype instead
+            q = q.to(k_cache_ptr.dtype.element_ty)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -250,7 +277,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, window_start,
                                          part_end, first_key, last_key, kv_head, dims, dim_ok, qk_scale, cap_scale,
                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                         BLOCK_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST, SOFTCAP)
+                                         ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
+                                         BLOCK_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
         if not SPLIT:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
@@ -323,7 +351,8 @@ class DecodePartials:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, *, window: int | None = None,
-                     softcap: float | None = None, num_splits: int | None = None) -> torch.Tensor:
+                     softcap: float | None = None, num_splits: int | None = None,
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context → [num_seqs, num_heads, head_dim].
 
     q [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] int32; context_lens
@@ -340,6 +369,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"decode_attention: block_tables {tuple(block_tables.shape)} / context_lens "
                          f"{tuple(context_lens.shape)} must be [{num_seqs}, max_blocks] / [{num_seqs}]")
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
     if num_seqs == 0:
         return out
     _require_unit_last_stride(decode_attention=(q, k_cache, v_cache, block_tables))
@@ -347,7 +377,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     window = NO_WINDOW if window is None else window
     max_keys = min(block_tables.shape[1] * block_size, window)  # static: the window is the layer's
     block_d = max(16, next_power_of_2(head_dim))
-    block_n = _kv_tile_tokens(block_d, k_cache.element_size())
+    block_n = _kv_tile_tokens(block_d, _compute_dtype(q, k_cache).itemsize)
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_keys, num_sms(q.device))
     num_splits = max(1, min(num_splits, cdiv(max_keys, block_n)))  # a split is at least one tile
@@ -364,10 +394,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         window, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *scales,
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=softcap is not None,
-        **_dot_args(q.device, k_cache.dtype), num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+        FP8=fmt["FP8"], **_dot_args(q.device, _compute_dtype(q, k_cache)), num_warps=DECODE_NUM_WARPS,
+        num_stages=DECODE_NUM_STAGES,
         **pdl_args(q.device))
     if num_splits == 1:
         return out
@@ -393,10 +424,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
                     cu_seqlens_q_ptr, work_seq_ptr, work_start_ptr, out_ptr, qk_scale, cap_scale, window,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                    ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     Q_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                    SOFTCAP: tl.constexpr, USE_PDL: tl.constexpr):
+                    SOFTCAP: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)
     kv_head = tl.program_id(0)  # the heads of one tile launch together, and the work list is longest first
@@ -417,7 +449,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
         q_rows = (q_begin + tokens).to(tl.int64)
         q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        q = q.to(k_cache_ptr.dtype.element_ty)
+        if not FP8:  # an fp8 cache is widened to q's dtype instead
+            q = q.to(k_cache_ptr.dtype.element_ty)
         # Bottom-right causal alignment: new token i sits at position context_len - q_len + i; it sees keys
         # (q_pos - window, q_pos]. Padding rows take the tile's first position, which keeps their softmax finite;
         # they are never stored.
@@ -438,18 +471,21 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
         for start in range(kv_start, full_start, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
                                          first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N,
-                                         DOT_PRECISION, DOT_UPCAST, SOFTCAP)
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr, vs_ptr,
+                                         stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
+                                         DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
         for start in range(full_start, full_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
                                          first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N,
-                                         DOT_PRECISION, DOT_UPCAST, SOFTCAP, MASKED=False)
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr, vs_ptr,
+                                         stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
+                                         DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8, MASKED=False)
         for start in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
                                          first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N,
-                                         DOT_PRECISION, DOT_UPCAST, SOFTCAP)
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr, vs_ptr,
+                                         stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
+                                         DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
         out = acc / l_i[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -484,7 +520,8 @@ def prefill_work_capacity(num_tokens: int, max_seqs: int, q_per_tile: int) -> in
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: AttentionInputs, scale: float, tiles: PrefillTiles | None = None, *,
-                            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                            window: int | None = None, softcap: float | None = None,
+                            kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context (cached prefix included), each token
     over the last `window` keys (paged_attention's window / softcap; a tile reads no key tile that lies wholly
     before its first token's window).
@@ -504,10 +541,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if meta.cu_seqlens_q is None:
         raise ValueError("prefill_attention needs meta.cu_seqlens_q")
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
     if num_tokens == 0:
         return out
     _require_unit_last_stride(prefill_attention=(q, k_cache, v_cache, meta.block_tables))
-    tiles = tiles or prefill_tiles(num_heads // num_kv_heads, head_dim, k_cache.element_size())
+    tiles = tiles or prefill_tiles(num_heads // num_kv_heads, head_dim, _compute_dtype(q, k_cache).itemsize)
     work_seq, work_start = meta.work_seq, meta.work_start
     if work_seq is None:
         lens = meta.query_lens_host or torch.diff(meta.cu_seqlens_q).tolist()
@@ -521,29 +559,32 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out, *_score_args(scale, softcap), NO_WINDOW if window is None else window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0), *scales,
         BLOCK_SIZE=block_size, GROUP=tiles.group, HEAD_DIM=head_dim, Q_PER_TILE=tiles.q_per_tile,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, SOFTCAP=softcap is not None,
-        **_dot_args(q.device, k_cache.dtype),
+        FP8=fmt["FP8"], **_dot_args(q.device, _compute_dtype(q, k_cache)),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(q.device))
     return out
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, meta: AttentionInputs, scale: float, *, window: int | None = None,
-                      softcap: float | None = None) -> torch.Tensor:
+                      softcap: float | None = None,
+                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal varlen prefill → [num_new_tokens, num_heads, head_dim].
 
     Without a cached prefix every sequence's keys are exactly its new k/v (q_len == k_len), which is
     what torch's flash varlen forward computes (CUDA, fp16/bf16; a sliding window W is its window_size_left W - 1,
     as transformers passes it to flash-attn). Everything else (prefix-cache hits, a softcap, which it lacks, fp32,
-    older torch, k/v only in the cache) takes the paged Triton kernel over the cache.
+    older torch, k/v only in the cache, an fp8 cache: the fresh tokens then see their keys as later steps will, in
+    fp8) takes the paged Triton kernel over the cache.
     """
-    if _can_use_varlen(q, k, v, meta, window, softcap):
+    if kv_scales is None and _can_use_varlen(q, k, v, meta, window, softcap):
         cu, longest = meta.cu_seqlens_q, meta.max_seqlen_q
         sliding = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
         return _FLASH_VARLEN(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale, **sliding)[0]
-    return paged_prefill_attention(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+    return paged_prefill_attention(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
+                                   kv_scales=kv_scales)
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -612,6 +653,11 @@ def prefill_tiles(group: int, head_dim: int, element_size: int) -> PrefillTiles:
     num_warps = 4 if element_size <= 2 and block_d <= 128 else 8
     return PrefillTiles(group, block_d, max(block_m, next_power_of_2(group)), _kv_tile_tokens(block_d, element_size),
                         num_warps, PREFILL_NUM_STAGES)
+
+
+def _compute_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:
+    """The dtype K/V tiles are multiplied in: the cache's, or q's for an fp8 cache (widened in registers)."""
+    return q.dtype if kv_quant.is_fp8(cache.dtype) else cache.dtype
 
 
 def _dot_args(device: torch.device, dtype: torch.dtype) -> dict:

@@ -7,29 +7,48 @@ Two per-layer options, with transformers' semantics (masking_utils.sliding_windo
 attn_logit_softcapping): window W lets the query at position p see keys k with p - W < k <= p (at most W keys,
 itself included; None: all of them); softcap c replaces the scaled logits s by c * tanh(s / c) before the mask and
 the softmax (None: no capping).
+
+An fp8 cache (kv_scales = (k_scale, v_scale): kernels/kv_quant.py) stores e4m3 codes, and per-token scales beside them;
+reads dequantize what was stored.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from nanoserve.kernels import kv_quant
 from nanoserve.kernels.metadata import AttentionInputs
 from nanoserve.kernels.paging import blocks_for
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write k/v [num_tokens, num_kv_heads, head_dim] into their cache slots."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     slots = slot_mapping.long()
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+    for x, cache, scale in zip((k, v), (k_cache, v_cache), kv_scales or (None, None)):
+        if scale is None:
+            kv_quant.kernel_args(cache, None)  # a model-dtype cache
+            value = x.to(cache.dtype)
+        else:
+            value, row_scale = kv_quant.quantize_ref(x, None if kv_quant.per_token(scale) else scale)
+            if kv_quant.per_token(scale):
+                scale.view(-1, num_kv_heads).index_copy_(0, slots, row_scale.to(scale.dtype))
+        if scale is not None:  # index_copy_ has no fp8 kernel on CPU: copy the codes' bytes
+            cache, value = cache.view(torch.uint8), value.view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """The first context_len tokens of one sequence, [context_len, num_kv_heads, head_dim]."""
-    block_size = cache.shape[1]
-    return cache[block_table[:blocks_for(context_len, block_size)].long()].flatten(0, 1)[:context_len]
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int,
+                   scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The first context_len tokens of one sequence, [context_len, num_kv_heads, head_dim] (an fp8 cache's dequantized
+    with its scale, in fp32)."""
+    blocks = block_table[:blocks_for(context_len, cache.shape[1])].long()
+    values = cache[blocks].flatten(0, 1)[:context_len]
+    if scale is None:
+        return values
+    scale = scale[blocks].flatten(0, 1)[:context_len] if kv_quant.per_token(scale) else scale
+    return kv_quant.dequantize_ref(values, scale)
 
 
 def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -57,7 +76,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, meta: AttentionInputs, scale: float, *, window: int | None = None,
-                      softcap: float | None = None) -> torch.Tensor:
+                      softcap: float | None = None,
+                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context (the last `window` keys of it).
 
     q: [num_new_tokens, num_heads, head_dim]; k/v (this step's, already stored) are unused here: keys and
@@ -73,8 +93,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         if q_len == 0:
             continue
         qi = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
-        ki = gather_context(k_cache, meta.block_tables[row], ctx_len).transpose(0, 1)
-        vi = gather_context(v_cache, meta.block_tables[row], ctx_len).transpose(0, 1)
+        ks, vs = kv_scales or (None, None)
+        ki = gather_context(k_cache, meta.block_tables[row], ctx_len, ks).transpose(0, 1)
+        vi = gather_context(v_cache, meta.block_tables[row], ctx_len, vs).transpose(0, 1)
         ki = ki.repeat_interleave(num_heads // num_kv_heads, dim=0).to(q.dtype)
         vi = vi.repeat_interleave(num_heads // num_kv_heads, dim=0).to(q.dtype)
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
@@ -86,7 +107,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, *, window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None,
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context (its last `window` keys); fixed shapes, so it is
     graph-capturable.
 
@@ -97,8 +119,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     tables = block_tables.long()
-    k = k_cache[tables].flatten(1, 2).to(torch.float32)  # [S, L, Hkv, D]
-    v = v_cache[tables].flatten(1, 2).to(torch.float32)
+    k, v = (_paged_rows(cache, tables, scale) for cache, scale in zip((k_cache, v_cache), kv_scales or (None, None)))
     qg = q.to(torch.float32).view(num_seqs, num_kv_heads, group, head_dim)
     scores = soft_cap(torch.einsum("skgd,slkd->skgl", qg, k) * scale, softcap)
     positions = torch.arange(k.shape[1], device=q.device)
@@ -108,3 +129,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     v = torch.where(valid[:, :, None, None], v, 0.0)  # unwritten slots may hold anything, NaN included
     out = torch.einsum("skgl,slkd->skgd", probs, v)
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def _paged_rows(cache: torch.Tensor, tables: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Every slot the block tables name, [S, L, Hkv, D] fp32 (dequantized for an fp8 cache)."""
+    rows = cache[tables].flatten(1, 2)
+    if scale is None:
+        return rows.to(torch.float32)
+    return kv_quant.dequantize_ref(rows, scale[tables].flatten(1, 2) if kv_quant.per_token(scale) else scale)

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels import reference
+from nanoserve.kernels import kv_quant, reference
 from nanoserve.kernels._triton import cdiv, jit, pdl_args, pdl_start, pdl_wait, tl, use_triton
 from nanoserve.kernels.fused import rms_norm_ref
+from nanoserve.kernels.kv_quant import quantize_rows
 
 
 @dataclass
@@ -30,6 +31,7 @@ class QKVRope:
     q_norm_weight: torch.Tensor | None = None  # per-head RMSNorm of q and k (Qwen3)
     k_norm_weight: torch.Tensor | None = None
     eps: float = 1e-6
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # an fp8 cache's (kernels/kv_quant.py)
 
     @property
     def width(self) -> int:
@@ -46,7 +48,7 @@ class QKVRope:
     def apply(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """The separate kernel: (q, k) normalised and rotated; k and v stored in the cache."""
         return qk_norm_rope(q, k, self.cos_sin_cache, self.positions, self.q_norm_weight, self.k_norm_weight,
-                            self.eps, kv_store=(v, self.k_cache, self.v_cache, self.slot_mapping))
+                            self.eps, kv_store=(v, self.k_cache, self.v_cache, self.slot_mapping, self.kv_scales))
 
 
 def rotary_dim(cos_sin_cache: torch.Tensor, head_dim: int) -> int:
@@ -65,7 +67,8 @@ def qk_norm_rope_ref(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=Non
 
     cos_sin_cache rows are [cos, cos, -sin, sin] (each rotary_dim / 2), neox rotate-half as in HF Llama/Qwen over the
     first rotary_dim dims of each head (HF Phi-3's partial rotary), the rest unrotated.
-    kv_store = (v, k_cache, v_cache, slot_mapping): also write the rotated k and v into the paged cache.
+    kv_store = (v, k_cache, v_cache, slot_mapping, kv_scales): also write the rotated k and v into the paged cache
+    (kv_scales: an fp8 cache's, else None).
     """
     rd = rotary_dim(cos_sin_cache, q.shape[-1])
     cs = F.embedding(positions, cos_sin_cache).unsqueeze(1)
@@ -78,8 +81,8 @@ def qk_norm_rope_ref(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=Non
         x1, x2 = x_rot.chunk(2, dim=-1)
         out.append(torch.cat((torch.addcmul(x_rot * cos, torch.cat((x2, x1), dim=-1), sin), x_pass), dim=-1))
     if kv_store is not None:
-        v, k_cache, v_cache, slot_mapping = kv_store
-        reference.store_kv(out[1], v, k_cache, v_cache, slot_mapping)
+        v, k_cache, v_cache, slot_mapping, kv_scales = kv_store
+        reference.store_kv(out[1], v, k_cache, v_cache, slot_mapping, kv_scales)
     return out[0], out[1]
 
 
@@ -100,27 +103,32 @@ def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, e
     q_out = torch.empty(tokens, num_heads, d, dtype=q.dtype, device=q.device)
     k_out = torch.empty(tokens, num_kv_heads, d, dtype=k.dtype, device=k.device)
     has_norm = q_norm_w is not None
-    v, k_cache, v_cache, slots = kv_store if kv_store is not None else (k, k_out, k_out, positions)
+    v, k_cache, v_cache, slots, kv_scales = kv_store if kv_store is not None else (k, k_out, k_out, positions, None)
     if kv_store is not None and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
+    scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
+    if fmt["TOKEN_SCALES"] and not (kv_scales[0].is_contiguous() and kv_scales[1].is_contiguous()):
+        raise ValueError("per-token KV scales must be contiguous [num_blocks, block_size, num_kv_heads]")
     if not cos_sin_cache.is_contiguous():
         raise ValueError("the cos/sin table must be contiguous [max_position, 2 * rotary_dim]")
     block_t = ROPE_BLOCK_T if tokens >= ROPE_MIN_TOKENS_PER_BLOCK else 1
     _qk_norm_rope_kernel[(cdiv(tokens, block_t), num_heads + num_kv_heads)](
         q, k, v, q_out, k_out, k_cache, v_cache, slots, cos_sin_cache, positions,
-        q_norm_w if has_norm else cos_sin_cache, k_norm_w if has_norm else cos_sin_cache,
+        q_norm_w if has_norm else cos_sin_cache, k_norm_w if has_norm else cos_sin_cache, scales[0], scales[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), tokens, num_heads,
-        num_kv_heads, eps, HEAD_DIM=d, ROTARY_DIM=rd, BLOCK_T=block_t, HAS_NORM=has_norm,
-        STORE_KV=kv_store is not None, num_warps=4, **pdl_args(q.device))
+        num_kv_heads, eps, scales[3], scales[4], HEAD_DIM=d, ROTARY_DIM=rd, BLOCK_T=block_t, HAS_NORM=has_norm,
+        STORE_KV=kv_store is not None, **fmt, num_warps=4, **pdl_args(q.device))
     return q_out, k_out
 
 
 @jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                         cos_sin_ptr, pos_ptr, qw_ptr, kw_ptr,
+                         cos_sin_ptr, pos_ptr, qw_ptr, kw_ptr, ks_ptr, vs_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_tokens, num_heads,
-                         num_kv_heads, eps, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
-                         HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, USE_PDL: tl.constexpr):
+                         num_kv_heads, eps, stride_s_slot, stride_s_h, HEAD_DIM: tl.constexpr,
+                         ROTARY_DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_NORM: tl.constexpr,
+                         STORE_KV: tl.constexpr, FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)  # everything below reads the previous kernels' outputs
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]  # [BLOCK_T, 1]
@@ -164,6 +172,11 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr,
         if kv_head >= 0:  # write these tokens' rotated k and their v into the paged cache
             slot = tl.load(slot_ptr + tokens, mask=token_ok, other=0).to(tl.int64)
             cache_at = (slot * num_kv_heads + kv_head) * HEAD_DIM + dims
-            tl.store(k_cache_ptr + cache_at, out, mask=token_ok)
             v = tl.load(v_ptr + tokens * stride_vt + kv_head * stride_vh + dims, mask=token_ok)
-            tl.store(v_cache_ptr + cache_at, v, mask=token_ok)
+            k = out
+            if FP8:  # e4m3 codes of the rounded k and of v, and their scales (kernels/kv_quant.py)
+                scale_at = slot * stride_s_slot + kv_head * stride_s_h
+                k = quantize_rows(k, ks_ptr + scale_at, token_ok, TOKEN_SCALES)
+                v = quantize_rows(v, vs_ptr + scale_at, token_ok, TOKEN_SCALES)
+            tl.store(k_cache_ptr + cache_at, k.to(k_cache_ptr.dtype.element_ty), mask=token_ok)
+            tl.store(v_cache_ptr + cache_at, v.to(v_cache_ptr.dtype.element_ty), mask=token_ok)

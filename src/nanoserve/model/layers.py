@@ -215,6 +215,8 @@ class Attention(nn.Module):
         self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
+        self.k_scale: torch.Tensor | None = None  # an fp8 cache's scales (kernels/kv_quant.py), set with the cache
+        self.v_scale: torch.Tensor | None = None
         self.backend = "torch"  # "torch" | "triton", see nanoserve.kernels.attention.select_backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, meta: AttentionMetadata,
@@ -224,7 +226,12 @@ class Attention(nn.Module):
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention layer has no KV cache: the model runner must set k_cache/v_cache first")
         return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.backend, kv_stored,
-                               window=self.sliding_window, softcap=self.logit_softcap)
+                               window=self.sliding_window, softcap=self.logit_softcap, kv_scales=self.kv_scales)
+
+    @property
+    def kv_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k_scale, v_scale) of an fp8 cache; None for a cache in the model's dtype."""
+        return None if self.k_scale is None else (self.k_scale, self.v_scale)
 
     def extra_repr(self) -> str:
         options = "".join(f", {name}={value}" for name, value in (("sliding_window", self.sliding_window),

@@ -1,6 +1,10 @@
 """The paged KV cache's shape and bytes: the one source for KV-cache sizes (the memory plan and the
 benchmarks both ask it).
 
+An fp8 cache (kernels/kv_quant.py) holds e4m3 codes and its scales: per token ("token": one bf16 value per token and
+kv head, K and V each, laid out like the cache without head_dim, so the per-token bytes count them) or per layer
+("layer": one fp32 value for K and one for V, the checkpoint's or 1.0).
+
 On CPU the cache lives in an anonymous memory map: its pages read as zeros and cost memory only once a
 block is written, so the process's footprint follows the tokens actually cached, not the cache's size
 (zero-filling a 1 GiB cache at start-up made a 660 KB model idle at ~1 GB RSS).
@@ -13,7 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.kernels.kv_quant import TOKEN_SCALE_DTYPE, is_fp8
 from nanoserve.kernels.paging import blocks_for
+
+KV_SCALE_DESIGNS = ("token", "layer")
+DEFAULT_LAYER_SCALE = 1.0  # an uncalibrated per-layer scale (vLLM's default)
 
 
 @dataclass(frozen=True)
@@ -23,14 +31,21 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    scales: str | None = None  # an fp8 cache's scale design (KV_SCALE_DESIGNS); None for a model-dtype cache
+
+    def __post_init__(self):
+        if is_fp8(self.dtype) != (self.scales is not None) or self.scales not in (None,) + KV_SCALE_DESIGNS:
+            raise ValueError(f"a {self.dtype} KV cache cannot have scales={self.scales!r}: an fp8 cache has "
+                             f"{' or '.join(KV_SCALE_DESIGNS)} scales, another none")
 
     @classmethod
-    def of(cls, model, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
-        return cls(model.num_layers, model.num_kv_heads, model.head_dim, block_size, dtype)
+    def of(cls, model, block_size: int, dtype: torch.dtype, scales: str | None = None) -> "KVCacheSpec":
+        return cls(model.num_layers, model.num_kv_heads, model.head_dim, block_size, dtype, scales)
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        per_head = self.head_dim * self.dtype.itemsize + (TOKEN_SCALE_DTYPE.itemsize if self.scales == "token" else 0)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     @property
     def block_bytes(self) -> int:
@@ -43,16 +58,33 @@ class KVCacheSpec:
         """One tensor [2, layers, num_blocks + 1, block_size, kv_heads, head_dim] (the extra block is the dummy
         that padded decode rows write); each attention layer gets views of it."""
         shape = (2, self.num_layers, num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)
-        cache = _lazy_zeros(shape, self.dtype) if torch.device(device).type == "cpu" else \
-            torch.zeros(shape, dtype=self.dtype, device=device)
+        cache = _zeros(shape, self.dtype, device)
+        scales = self._scales(model, shape[:-1], device)
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = cache[0, i], cache[1, i]
+            attn.k_scale, attn.v_scale = (None, None) if scales is None else (scales[0, i], scales[1, i])
         return cache
+
+    def _scales(self, model, shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+        """[2, layers, ...] K and V scales: per token, zeros laid out like the cache without head_dim (the store
+        writes them); per layer, [2, layers, 1] fp32 from each layer's checkpoint_kv_scales, else 1.0."""
+        if self.scales == "token":
+            return _zeros(shape, TOKEN_SCALE_DTYPE, device)
+        if self.scales == "layer":
+            values = [getattr(attn, "checkpoint_kv_scales", None) or (DEFAULT_LAYER_SCALE,) * 2
+                      for attn in model.attention_layers()]
+            return torch.tensor(values, dtype=torch.float32, device=device).t().reshape(2, -1, 1).contiguous()
+        return None
 
     @staticmethod
     def release(model) -> None:
         for attn in model.attention_layers():
-            attn.k_cache = attn.v_cache = None
+            attn.k_cache = attn.v_cache = attn.k_scale = attn.v_scale = None
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _lazy_zeros(shape, dtype) if torch.device(device).type == "cpu" else \
+        torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -42,6 +42,13 @@ CUDAGRAPH_POOL_BUDGET_MIB = 1024
 # Top logprobs a request may ask for per token (logprobs / prompt_logprobs; the sampler's buffers hold this many)
 MAX_LOGPROBS = 20
 QUANTIZATIONS = ("fp8",)  # weight formats model/quantization.py can make at load
+# --kv-cache-dtype: "auto" keeps K/V in the serving dtype, "fp8" (alias "fp8_e4m3", as vLLM names it) stores float8
+# e4m3 codes with scales of the --kv-cache-scales design: "token" (one per token and KV head, computed as K/V are
+# stored), "layer" (one for K and one for V per layer: the checkpoint's, else 1.0), "auto" ("layer" when the
+# checkpoint carries KV scales, else "token")
+KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
+KV_CACHE_SCALES = ("auto", "token", "layer")
 # The side of the square weight tiles a block-scaled FP8 weight carries one scale for: what block-quantized
 # checkpoints use (weight_block_size [128, 128]) and the only one the kernels take
 FP8_BLOCK = 128
@@ -205,6 +212,14 @@ class EngineConfig:
         unset="none")
     quantize_lm_head: bool = _field(False, help="with quantization, the lm_head too (it stays in the serving dtype "
                                                 "otherwise)")
+    kv_cache_dtype: str = _field(
+        "auto", help="the KV cache's storage: 'auto' is the serving dtype, 'fp8' (or 'fp8_e4m3') float8 e4m3 codes "
+                     "with scales (--kv-cache-scales): half the bytes per token, so twice the cached tokens in the "
+                     "same memory")
+    kv_cache_scales: str = _field(
+        "auto", help="with --kv-cache-dtype fp8, how K and V are scaled: 'token' (one scale per token and KV head, "
+                     "computed as they are stored), 'layer' (one per layer for K and one for V: the checkpoint's "
+                     "k_scale / v_scale, else 1.0), 'auto' (layer when the checkpoint carries KV scales, else token)")
     show_progress: bool = _field(True, help="show progress bars (CUDA-graph capture)")
 
     @classmethod
@@ -240,11 +255,22 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs quantization='fp8'")
+        self._check_kv_cache()
         self.cudagraph_capture_sizes = _capture_sizes(self.cudagraph_capture_sizes, self.max_num_seqs)
         self.prefill_graph_sizes = _prefill_graph_sizes(self.prefill_graph_sizes)
         if not self.cudagraph_capture_budget_s > 0:
             raise ValueError(f"cudagraph_capture_budget_s must be > 0, got {self.cudagraph_capture_budget_s}")
         _positive("cudagraph_pool_budget_mib", self.cudagraph_pool_budget_mib)
+
+    def _check_kv_cache(self) -> None:
+        self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES + tuple(KV_CACHE_DTYPE_ALIASES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_scales not in KV_CACHE_SCALES:
+            raise ValueError(f"kv_cache_scales must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scales!r}")
+        if self.kv_cache_scales != "auto" and self.kv_cache_dtype != "fp8":
+            raise ValueError(f"kv_cache_scales={self.kv_cache_scales!r} needs kv_cache_dtype='fp8'")
 
     def resolve(self, model_max_len: int, model_dtype: torch.dtype | None) -> "EngineConfig":
         """The concrete config the engine runs on: device indexed, dtype chosen, token limits filled in, both graph
@@ -299,6 +325,12 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         self._require_resolved()
         return getattr(_torch(), self.dtype)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV cache's element type: float8 e4m3 codes for an fp8 cache, else the serving dtype."""
+        self._require_resolved()
+        return _torch().float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.torch_dtype
 
     def _require_resolved(self) -> None:
         if not self.is_resolved:
@@ -384,4 +416,5 @@ def _serving_dtype(model_dtype: torch.dtype | None) -> str:
     return "float16" if model_dtype == _torch().float16 else "bfloat16"
 
 
-__all__ = ["EngineConfig", "GraphSizes", "FIELD_HELP", "default_capture_sizes", "DTYPE_NAMES"]
+__all__ = ["EngineConfig", "GraphSizes", "FIELD_HELP", "default_capture_sizes", "DTYPE_NAMES", "KV_CACHE_DTYPES",
+           "KV_CACHE_SCALES"]

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nanoserve.model_files import ModelLoadError, checkpoint_quantization
+from nanoserve.tiny import make_tiny_model
 from tests.model.test_fp8_checkpoints import quantization_config, write_checkpoint
 from tests.model.test_quantization import load
 
@@ -61,6 +62,20 @@ def test_each_naming_loads_the_scales_as_stored(variant, tiny_model_dirs, tmp_pa
     got = loaded_scales(d)
     want = [(k, k if variant == "kv_scale" else v) for k, v in map(layer_scales, range(len(got)))]
     assert got == want
+
+
+def test_a_multimodal_checkpoints_text_layers_take_theirs(tmp_path):
+    """Gemma 3's multimodal checkpoint: the text model's names are renamed as its weights are; a vision tower's
+    scales are skipped with the tower."""
+    d = make_tiny_model(tmp_path / "mm", "gemma3_mm")
+    tensors = load_file(str(d / "model.safetensors"))
+    layers = json.loads((d / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    for i in range(layers):
+        tensors[f"language_model.model.layers.{i}.self_attn.k_scale"] = torch.tensor(layer_scales(i)[0])
+        tensors[f"language_model.model.layers.{i}.self_attn.v_scale"] = torch.tensor(layer_scales(i)[1])
+    tensors["vision_tower.encoder.layers.0.self_attn.k_scale"] = torch.tensor(3.0)
+    save_file(tensors, str(d / "model.safetensors"))
+    assert loaded_scales(d) == [layer_scales(i) for i in range(layers)]
 
 
 def test_a_checkpoint_without_scales_sets_none(tiny_model_dirs):

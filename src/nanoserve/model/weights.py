@@ -172,13 +172,14 @@ class ParamWriter:
     def is_scale(self, hf_name: str) -> bool:
         """Whether a tensor is an FP8 checkpoint's weight scales or a layer's KV-cache scale (then put_scale takes it,
         whole)."""
-        if kv_scale_target(canonical_name(self.model, hf_name)) is not None:
+        if self._kv_scale_name(hf_name) is not None:
             return True
         return self.fp8 is not None and hf_name.rpartition(".")[2] == self.fp8.scale_name
 
     def put_scale(self, hf_name: str, file_name: str, scale: torch.Tensor) -> None:
-        if kv_scale_target(canonical_name(self.model, hf_name)) is not None:
-            self.kv_scales.add(canonical_name(self.model, hf_name), file_name, scale)
+        kv_name = self._kv_scale_name(hf_name)
+        if kv_name is not None:
+            self.kv_scales.add(kv_name, file_name, scale)
             return
         weight = hf_name.rpartition(".")[0] + ".weight"
         found = target(self.model, weight)
@@ -187,6 +188,14 @@ class ParamWriter:
                                  f"{self.model.spec.architecture} model has no weight {weight!r} to scale")
         name, index = found
         self.scales.add(name, weight_shard(self.model, name, index), scale, hf_name)
+
+    def _kv_scale_name(self, hf_name: str) -> str | None:
+        """The name our tables know a layer's KV-cache scale by; None for another tensor (or one of a part the model
+        skips, a vision tower's)."""
+        if hf_name.startswith(names_of(self.model).skipped):
+            return None
+        name = canonical_name(self.model, hf_name)
+        return name if kv_scale_target(name) is not None else None
 
     def shard(self, hf_name: str, file_name: str, shape: tuple[int, ...]) -> tuple[str, WeightShard] | None:
         """(our parameter, this rank's shard) of an HF tensor of `shape`; None for a tensor the model skips."""

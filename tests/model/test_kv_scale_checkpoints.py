@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from nanoserve.model.communicator import TensorParallel
 from nanoserve.model_files import ModelLoadError, checkpoint_quantization
 from nanoserve.tiny import make_tiny_model
 from tests.model.test_fp8_checkpoints import quantization_config, write_checkpoint
@@ -51,8 +52,8 @@ def copy(tiny_model_dirs, tmp_path) -> Path:
     return d
 
 
-def loaded_scales(d: Path) -> list:
-    return [getattr(attn, "checkpoint_kv_scales", None) for attn in load(d).attention_layers()]
+def loaded_scales(d: Path, **kw) -> list:
+    return [getattr(attn, "checkpoint_kv_scales", None) for attn in load(d, **kw).attention_layers()]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -76,6 +77,14 @@ def test_a_multimodal_checkpoints_text_layers_take_theirs(tmp_path):
     tensors["vision_tower.encoder.layers.0.self_attn.k_scale"] = torch.tensor(3.0)
     save_file(tensors, str(d / "model.safetensors"))
     assert loaded_scales(d) == [layer_scales(i) for i in range(layers)]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_tensor_parallel_rank_takes_the_same_scales(rank, tiny_model_dirs, tmp_path):
+    d = copy(tiny_model_dirs, tmp_path)
+    add_kv_scales(d, VARIANTS["self_attn"])
+    tp = TensorParallel(rank, 2, group=object())  # loading runs no collective
+    assert loaded_scales(d, tp=tp) == [layer_scales(0), layer_scales(1)]
 
 
 def test_a_checkpoint_without_scales_sets_none(tiny_model_dirs):

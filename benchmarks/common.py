@@ -21,7 +21,11 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 SHAPES_DIR = REPO_ROOT / "benchmarks" / "shapes"
 MODEL_CONFIGS = {p.parent.name: json.loads(p.read_text()) for p in sorted(SHAPES_DIR.glob("*/config.json"))}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-DECODE_CONTEXT = 512  # the decode steps' context (tokens per row) in the targets of issues 35 and 36
+DECODE_CONTEXT = 512  # the decode steps' context (tokens per row) in the targets of issues 35, 36 and 37
+# The KV-cache formats issue 37's benchmarks compare, as engine options: the model dtype ("auto"), fp8 with a scale per
+# token and KV head, fp8 with one scale per layer (1.0 without checkpoint scales: vLLM's uncalibrated default)
+KV_SETTINGS = {"auto": {}, "fp8": {"kv_cache_dtype": "fp8", "kv_cache_scales": "token"},
+               "fp8-layer": {"kv_cache_dtype": "fp8", "kv_cache_scales": "layer"}}
 
 
 def model_config(name: str) -> dict:
@@ -76,6 +80,13 @@ class ParamCounts:
             return self.total - self._lookup_only
         touched = self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** rows)
         return round(self.total - self._lookup_only - self.sparse_layers * (self.num_experts - touched) * self.expert)
+
+
+def check(value: float | None, limit: float, at_least: bool = False) -> dict:
+    """A target read off a result: its value, limit and whether it holds (value <= limit, or >= with at_least; None
+    where not measured)."""
+    met = None if value is None else (value >= limit if at_least else value <= limit)
+    return {"value": value, "limit": limit, "met": met}
 
 
 def text_part(cfg: dict) -> dict:
@@ -140,60 +151,64 @@ def _moe_counts(cfg: dict, h: int, layers: int) -> tuple[int, int, int, int, int
     return 3 * h * cfg["moe_intermediate_size"], cfg["num_experts"], cfg["num_experts_per_tok"], sparse, shared
 
 
-def kv_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
-    """K and V of one token across all layers (the engine's KVCacheSpec, for a config not yet loaded)."""
+def kv_bytes_per_token(cfg: dict, dtype_bytes: int = 2, scales: str | None = None) -> int:
+    """K and V of one token across all layers (the engine's KVCacheSpec, for a config not yet loaded): dtype_bytes 1
+    is an fp8 cache, whose `scales` ("token" or "layer", as KV_SETTINGS name them) the spec counts too."""
     import torch
 
     from nanoserve.runner.kv_cache import KVCacheSpec
 
     text = text_part(cfg)
     nkv = text.get("num_key_value_heads", text["num_attention_heads"])
-    dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
-    return KVCacheSpec(text["num_hidden_layers"], nkv, head_dim(cfg), 1, dtype).bytes_per_token
+    dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    return KVCacheSpec(text["num_hidden_layers"], nkv, head_dim(cfg), 1, dtype, scales).bytes_per_token
 
 
-def kv_bytes_read(cfg: dict, context: int, dtype_bytes: int = 2) -> int:
+def kv_bytes_read(cfg: dict, context: int, dtype_bytes: int = 2, scales: str | None = None) -> int:
     """K/V bytes one decode row at `context` tokens reads: min(context, window) tokens on a sliding-window layer,
     all of them on a full-attention one (the windows as the engine reads them: ModelSpec.window)."""
     spec = model_spec(cfg)
-    per_layer_token = kv_bytes_per_token(cfg, dtype_bytes) // spec.num_layers
+    per_layer_token = kv_bytes_per_token(cfg, dtype_bytes, scales) // spec.num_layers
     return per_layer_token * sum(min(context, spec.window(i) or context) for i in range(spec.num_layers))
 
 
-def start_engine(model_dir: str, max_num_seqs: int, max_model_len: int = 4096):
-    """An LLM on a dummy-weight model folder, and its start-up record (wall time, graph captures, KV blocks)."""
+def start_engine(model_dir: str, max_num_seqs: int, max_model_len: int = 4096, **engine_options):
+    """An LLM on a dummy-weight model folder, and its start-up record (wall time, graph captures, KV blocks and the
+    cache's bytes per token); engine_options: more EngineConfig fields (kv_cache_dtype, graph sizes, ...)."""
     import time
 
     from nanoserve import LLM
 
     start = time.perf_counter()
-    llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len,
-              max_num_seqs=max_num_seqs, show_progress=False)
+    options = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len,
+                   max_num_seqs=max_num_seqs, show_progress=False)
+    llm = LLM(model_dir, **{**options, **engine_options})
     wall = time.perf_counter() - start
-    graphs = llm.engine.core.runner.graphs
+    runner = llm.engine.core.runner
     capture = {kind.name.lower(): {"capture_s": gr.capture_seconds, "wall_s": gr.wall_seconds,
-                                   "sizes": list(gr.capture_sizes)} for kind, gr in graphs.runners.items()}
-    return llm, {"engine_start_s": wall, "capture_s": graphs.capture_seconds, "graphs": capture,
-                 "kv_blocks": llm.engine.core.runner.info.num_kv_blocks}
+                                   "sizes": list(gr.capture_sizes)} for kind, gr in runner.graphs.runners.items()}
+    return llm, {"engine_start_s": wall, "capture_s": runner.graphs.capture_seconds, "graphs": capture,
+                 "kv_blocks": runner.info.num_kv_blocks, "kv_bytes_per_token": runner.kv.bytes_per_token}
 
 
 def decode_steps(llm, counts: ParamCounts, cfg: dict, rows_list: list[int], bandwidth: float,
-                 context: int = DECODE_CONTEXT) -> dict:
+                 context: int = DECODE_CONTEXT, weight_bytes: int | None = None) -> dict:
     """The engine's decode step (ModelRunner.execute of a forward-only batch: the graph replay the engine runs) at
-    `context` tokens a row, per row count: median ms against its floor (the weights the rows read,
-    ParamCounts.decode_read, and the K/V they read, kv_bytes_read, at `bandwidth`), with one profiled step's kinds."""
+    `context` tokens a row, per row count: median ms against its floor (the weights the rows read, bf16
+    ParamCounts.decode_read or `weight_bytes` (fp8 weights), and the K/V they read, kv_bytes_read in the engine's own
+    cache format, at `bandwidth`), with one profiled step's kinds."""
     import statistics
 
     from nanoserve.bench.decode_step import decode_batch, time_decode_step
     from nanoserve.bench.profile import kind_table, profile_step
 
     runner = llm.engine.core.runner
-    kv_row = kv_bytes_read(cfg, context)
+    kv_row = kv_bytes_read(cfg, context, runner.kv.dtype.itemsize, runner.kv.scales)
     out = {}
     for rows in rows_list:
         batch = decode_batch(runner, rows, context)
         times = time_decode_step(runner, batch, warmup=5, iters=30)
-        floor_bytes = 2 * counts.decode_read(rows) + kv_row * rows
+        floor_bytes = (2 * counts.decode_read(rows) if weight_bytes is None else weight_bytes) + kv_row * rows
         median, floor_ms = statistics.median(times), 1e3 * floor_bytes / bandwidth
         table = kind_table(profile_step(lambda: runner.execute(batch)))
         out[str(rows)] = {"step_ms": median, "min_ms": min(times), "floor_ms": floor_ms, "floor_bytes": floor_bytes,

@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (DECODE_CONTEXT, RESULTS_DIR, decode_steps, env_info, kv_bytes_per_token,  # noqa: E402
-                               measure_copy_bandwidth, model_config, model_spec, param_counts, release_cuda_memory,
-                               start_engine, text_part, write_json, write_model_dir)
+from benchmarks.common import (DECODE_CONTEXT, RESULTS_DIR, check, decode_steps, env_info,  # noqa: E402
+                               kv_bytes_per_token, measure_copy_bandwidth, model_config, model_spec, param_counts,
+                               release_cuda_memory, start_engine, text_part, write_json, write_model_dir)
 from benchmarks.throughput import VARIANTS, measure_matmul_flops, measure_model, nano_vllm_workload  # noqa: E402
 
 SHAPES = {"gemma3": "gemma-3-4b", "mistral": "mistral-7b"}
@@ -78,21 +78,17 @@ def targets(report: dict) -> dict:
     for rows, step in report.get("decode", {}).items():
         twin = report.get("twin_decode", {}).get(rows)
         if twin:
-            out[f"twin_ratio_b{rows}"] = _check(ratio(step["step_ms"], twin["step_ms"]), TWIN_RATIO_MAX)
+            out[f"twin_ratio_b{rows}"] = check(ratio(step["step_ms"], twin["step_ms"]), TWIN_RATIO_MAX)
         if rows == "1":
-            out["floor_ratio_b1"] = _check(ratio(step["step_ms"], step["floor_ms"]), FLOOR_RATIO_MAX)
+            out["floor_ratio_b1"] = check(ratio(step["step_ms"], step["floor_ms"]), FLOOR_RATIO_MAX)
     long = report.get("long_context")
     if long:
-        out["window_ratio"] = _check(ratio(long["windowed"]["step_ms"], long["no_windows"]["step_ms"]),
+        out["window_ratio"] = check(ratio(long["windowed"]["step_ms"], long["no_windows"]["step_ms"]),
                                      WINDOW_RATIO_MAX)
     graphs = report.get("prompt_graphs", {}).get("async-2048")
     if graphs and graphs.get("prefill_steps_eager") is not None:
-        out["eager_prompt_steps_le_2048"] = _check(graphs["prefill_steps_eager"], 0)
+        out["eager_prompt_steps_le_2048"] = check(graphs["prefill_steps_eager"], 0)
     return out
-
-
-def _check(value: float | None, limit: float) -> dict:
-    return {"value": value, "limit": limit, "met": None if value is None else value <= limit}
 
 
 def measure_decode(cfg: dict, bandwidth: float, rows_list: list[int], context: int, max_model_len: int) -> dict:
@@ -147,8 +143,9 @@ def measure_family(family: str, bandwidth: float, flops: float, skip_throughput:
         report["throughput"] = measure_model(name, THROUGHPUT_VARIANTS, bandwidth, flops)
         report["prompt_graphs"] = prompt_graphs(report["throughput"])
     report["targets"] = targets(report)
-    for key, check in report["targets"].items():
-        print(f"  {key}: {check['value']} (limit {check['limit']}) {'met' if check['met'] else 'NOT met'}", flush=True)
+    for key, target in report["targets"].items():
+        print(f"  {key}: {target['value']} (limit {target['limit']}) {'met' if target['met'] else 'NOT met'}",
+              flush=True)
     return report
 
 

@@ -13,6 +13,10 @@ matmul rate measured in this run. KV bytes per token come from the
 engine's own KVCacheSpec, weight bytes from the loaded model's parameters.
 
     python benchmarks/throughput.py [--models qwen3-0.6b llama-3.1-8b] [--variants async sync] [--out DIR]
+                                    [--kv-cache-dtype auto|fp8] [--kv-cache-scales auto|token|layer]
+
+The KV-cache options go to every engine; a run with them writes throughput_kv-fp8[-SCALES].json (throughput.json
+with the defaults), and the JSON's settings record them.
 """
 from __future__ import annotations
 
@@ -77,6 +81,13 @@ def roofline_seconds(prompts, params, weight_bytes, kv_bytes_per_token: int, num
     return {"decode_seconds": decode_s, "prefill_seconds": prefill_s, "seconds": decode_s + prefill_s}
 
 
+def output_name(kv_cache_dtype: str = "auto", kv_cache_scales: str = "auto") -> str:
+    """throughput.json for the default KV cache, else throughput_kv-DTYPE[-SCALES].json."""
+    if kv_cache_dtype == "auto" and kv_cache_scales == "auto":
+        return "throughput.json"
+    return f"throughput_kv-{kv_cache_dtype}{'' if kv_cache_scales == 'auto' else f'-{kv_cache_scales}'}.json"
+
+
 def run_variant(model_dir: str, prompts, params, options: dict) -> dict:
     """One `nanoserve bench throughput` run (nanoserve.bench.offline.run_throughput) after nano-vllm's warm-up."""
     from nanoserve import LLM, SamplingParams
@@ -102,7 +113,8 @@ def run_variant(model_dir: str, prompts, params, options: dict) -> dict:
     return rec
 
 
-def measure_model(name: str, variants: list[str], bandwidth: float, flops: float) -> dict:
+def measure_model(name: str, variants: list[str], bandwidth: float, flops: float, **engine_options) -> dict:
+    """engine_options: added to every variant's (the KV cache's format)."""
     prompts, params = nano_vllm_workload()
     result = {"model": name, "num_seqs": len(prompts), "prompt_tokens": sum(map(len, prompts)),
               "output_tokens_expected": sum(p.max_tokens for p in params), "variants": {}}
@@ -110,7 +122,7 @@ def measure_model(name: str, variants: list[str], bandwidth: float, flops: float
         model_dir = str(write_model_dir(name, tmp))
         for variant in variants:
             try:
-                rec = run_variant(model_dir, prompts, params, VARIANTS[variant])
+                rec = run_variant(model_dir, prompts, params, {**VARIANTS[variant], **engine_options})
             except Exception as e:
                 traceback.print_exc()
                 result["variants"][variant] = {"error": f"{type(e).__name__}: {e}"}
@@ -138,15 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
     p.add_argument("--variants", nargs="+", default=["async", "sync"], choices=sorted(VARIANTS))
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype (auto | fp8)")
+    p.add_argument("--kv-cache-scales", default="auto", help="the engine's kv_cache_scales (auto | token | layer)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("throughput.py needs a CUDA GPU")
         return 0
     bandwidth, flops = measure_copy_bandwidth(), measure_matmul_flops()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
-    report = {"env": env_info(), "bandwidth_bytes_per_s": bandwidth, "matmul_flops": flops,
-              "models": [measure_model(m, args.variants, bandwidth, flops) for m in args.models]}
-    print(f"wrote {write_json(args.out / 'throughput.json', report)}")
+    kv = {"kv_cache_dtype": args.kv_cache_dtype, "kv_cache_scales": args.kv_cache_scales}
+    report = {"env": env_info(), "bandwidth_bytes_per_s": bandwidth, "matmul_flops": flops, "settings": kv,
+              "models": [measure_model(m, args.variants, bandwidth, flops, **kv) for m in args.models]}
+    print(f"wrote {write_json(args.out / output_name(**kv), report)}")
     return 0
 
 

@@ -19,7 +19,8 @@ must be placed there, or this test fails naming it):
              contract (model.attention_metadata)
     kernels  Triton kernels and their PyTorch references; they take tensors or duck-typed objects
              (kernels.metadata.AttentionInputs) and import nothing from above
-    ground   what every floor may read: config (constants, EngineConfig), sampling (SamplingParams),
+    ground   what every floor may read: config (constants, EngineConfig; graph_sizes, its graph-size settings),
+             sampling (SamplingParams),
              model_files (HF config / tokenizer / EOS / GGUF metadata), model_spec (a config's shape and family),
              rope_config (its RoPE settings),
              checkpoint_formats, errors, hub, tiny, the package root
@@ -49,7 +50,8 @@ LAYERS = [  # top first
     ("model", ("nanoserve.model",)),
     ("kernels", ("nanoserve.kernels",)),
     ("ground", ("nanoserve", "nanoserve.config", "nanoserve.sampling", "nanoserve.model_files", "nanoserve.rope_config",
-                "nanoserve.model_spec", "nanoserve.hub", "nanoserve.tiny", "nanoserve.errors", "nanoserve.checkpoint_formats")),
+                "nanoserve.model_spec", "nanoserve.hub", "nanoserve.tiny", "nanoserve.errors", "nanoserve.checkpoint_formats",
+                "nanoserve.graph_sizes")),
 ]
 WIRE_MODULE = "nanoserve.engine.messages"
 

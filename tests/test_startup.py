@@ -74,5 +74,5 @@ def test_start_up_says_what_it_runs(tiny_model_dirs):
     assert out.returncode == 0, out.stderr
     ready = next(line for line in out.stderr.splitlines() if "engine ready in" in line)
     for part in ("Qwen3ForCausalLM", "float32 on cpu", "max_model_len 64", "max_num_seqs 4",
-                 "KV cache 0.00 GiB = 256 tokens (16 blocks of 16)", "no CUDA graphs (no CUDA device)"):
+                 "KV cache float32: 0.00 GiB = 256 tokens (16 blocks of 16, ", "no CUDA graphs (no CUDA device)"):
         assert part in ready, ready

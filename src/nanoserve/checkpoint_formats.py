@@ -1,6 +1,7 @@
 """The weight formats a checkpoint may be stored in, read from its quantization_config: pre-quantized FP8 layouts
 (the 'fp8' method and compressed-tensors FP8), and a one-line refusal for every other stored format, before any
-weight is read."""
+weight is read. Also its KV-cache scheme (compressed-tensors' kv_cache_scheme): per-layer fp8 K/V scales stored
+beside the weights, which an fp8 KV cache (--kv-cache-dtype fp8) uses as stored."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ def checkpoint_quantization(quant, source: Path | str) -> Fp8Checkpoint | None:
     format (GPTQ, AWQ, int4/int8, fp8 e5m2, other block sizes) is one ModelLoadError line naming it."""
     if not quant:
         return None
+    kv_cache_scheme(quant, source)
     method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
     if method == "fp8":
         return _fp8_method(quant, source)
@@ -66,6 +68,8 @@ def _compressed_tensors(quant: dict, source) -> Fp8Checkpoint:
         raise ModelLoadError(f"{source}: compressed-tensors checkpoint with a sparsity_config; nanoserve loads "
                              "dense FP8 weights only")
     groups = quant.get("config_groups") or {}
+    if not groups and quant.get("kv_cache_scheme"):
+        return None  # KV-cache scales only: the weights are stored unquantized
     if not groups:
         raise ModelLoadError(f"{source}: compressed-tensors checkpoint without config_groups")
     scales = set()
@@ -87,4 +91,21 @@ def _compressed_tensors(quant: dict, source) -> Fp8Checkpoint:
     return Fp8Checkpoint("compressed-tensors", "weight_scale", tuple(sorted(scales)))
 
 
-__all__ = ["Fp8Checkpoint", "checkpoint_quantization"]
+def kv_cache_scheme(quant, source: Path | str) -> bool:
+    """Whether quantization_config declares a KV-cache scheme (then the checkpoint must carry per-layer K/V scales:
+    the loader checks); a scheme other than static, symmetric 8-bit float per tensor is one ModelLoadError line."""
+    scheme = quant.get("kv_cache_scheme") if isinstance(quant, dict) else None
+    if not scheme:
+        return False
+    if not isinstance(scheme, dict):
+        raise ModelLoadError(f"{source}: quantization_config.kv_cache_scheme must be an object, got {scheme!r}")
+    kind = (scheme.get("num_bits"), scheme.get("type"), scheme.get("strategy"))
+    if kind != (8, "float", "tensor") or scheme.get("dynamic") or scheme.get("symmetric") is False:
+        raise ModelLoadError(f"{source}: quantization_config.kv_cache_scheme is {kind[0]}-bit {kind[1]} per "
+                             f"{kind[2]} (dynamic={scheme.get('dynamic')}, symmetric={scheme.get('symmetric')}); "
+                             "nanoserve loads static symmetric 8-bit float KV-cache scales per tensor (one per layer "
+                             "for K and one for V)")
+    return True
+
+
+__all__ = ["Fp8Checkpoint", "checkpoint_quantization", "kv_cache_scheme"]

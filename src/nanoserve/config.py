@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from nanoserve.graph_sizes import GraphSizes, capture_sizes, default_capture_sizes, prefill_graph_sizes
+
 if TYPE_CHECKING:  # torch is imported where a value needs it: the CLI parses its flags without it
     import torch
 
@@ -29,8 +31,6 @@ SERVE_CHUNK_TIME_RATIO = 4.0
 # sized for its streams' ITL, not throughput.
 SERVE_DEFAULTS = {"max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS, "chunk_time_ratio": SERVE_CHUNK_TIME_RATIO}
 MAX_DEFAULT_MODEL_LEN = 32768
-CAPTURE_SIZE_MODES = ("auto", "pow2")
-PREFILL_GRAPH_MODES = ("auto", "off")
 # Token-count graphs ("auto"): planned among multiples of PREFILL_GRAPH_TOKEN_STEP up to this many tokens (and
 # max_num_batched_tokens); a larger step runs eagerly. (Capping the offline budget here, so that every prompt step
 # replays a graph, made one long prompt faster and nano-vllm's workload slower: notes/PERF.md, round 7.)
@@ -42,6 +42,13 @@ CUDAGRAPH_POOL_BUDGET_MIB = 1024
 # Top logprobs a request may ask for per token (logprobs / prompt_logprobs; the sampler's buffers hold this many)
 MAX_LOGPROBS = 20
 QUANTIZATIONS = ("fp8",)  # weight formats model/quantization.py can make at load
+# --kv-cache-dtype: "auto" keeps K/V in the serving dtype, "fp8" (alias "fp8_e4m3", as vLLM names it) stores float8
+# e4m3 codes with scales of the --kv-cache-scales design: "token" (one per token and KV head, computed as K/V are
+# stored), "layer" (one for K and one for V per layer: the checkpoint's, else 1.0), "auto" ("layer" when the
+# checkpoint carries KV scales, else "token")
+KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
+KV_CACHE_SCALES = ("auto", "token", "layer")
 # The side of the square weight tiles a block-scaled FP8 weight carries one scale for: what block-quantized
 # checkpoints use (weight_block_size [128, 128]) and the only one the kernels take
 FP8_BLOCK = 128
@@ -104,24 +111,6 @@ CONSTRAINT_CHECK_SLOW_KEPT = 256  # constraints that outlasted the budget, remem
 # A hub id is resolved (hub.py) after one connection to the hub's host opens within this long; otherwise from the
 # cache only: huggingface_hub would retry an unreachable hub five times with backoff (tens of seconds of warnings)
 HUB_PROBE_TIMEOUT_S = 2.0
-
-
-@dataclass(frozen=True)
-class GraphSizes:
-    """A resolved graph-size setting (cudagraph_capture_sizes, prefill_graph_sizes): `sizes` to capture as given,
-    or, when `planned` ("auto"), sizes the runner plans at start-up from measured replays, none over `largest`.
-    `largest` is the largest graph either way; GraphSizes() (false) means no graphs."""
-
-    sizes: tuple[int, ...] = ()
-    planned: bool = False
-    largest: int = 0
-
-    def __bool__(self) -> bool:
-        return self.largest > 0
-
-    @classmethod
-    def given(cls, sizes) -> "GraphSizes":
-        return cls(tuple(sizes), False, max(sizes, default=0))
 
 
 def _field(default=dataclasses.MISSING, *, help: str, unset: str | None = None):
@@ -205,6 +194,14 @@ class EngineConfig:
         unset="none")
     quantize_lm_head: bool = _field(False, help="with quantization, the lm_head too (it stays in the serving dtype "
                                                 "otherwise)")
+    kv_cache_dtype: str = _field(
+        "auto", help="the KV cache's storage: 'auto' is the serving dtype, 'fp8' (or 'fp8_e4m3') float8 e4m3 codes "
+                     "with scales (--kv-cache-scales): half the bytes per token, so twice the cached tokens in the "
+                     "same memory")
+    kv_cache_scales: str = _field(
+        "auto", help="with --kv-cache-dtype fp8, how K and V are scaled: 'token' (one scale per token and KV head, "
+                     "computed as they are stored), 'layer' (one per layer for K and one for V: the checkpoint's "
+                     "k_scale / v_scale, else 1.0), 'auto' (layer when the checkpoint carries KV scales, else token)")
     show_progress: bool = _field(True, help="show progress bars (CUDA-graph capture)")
 
     @classmethod
@@ -240,11 +237,22 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs quantization='fp8'")
-        self.cudagraph_capture_sizes = _capture_sizes(self.cudagraph_capture_sizes, self.max_num_seqs)
-        self.prefill_graph_sizes = _prefill_graph_sizes(self.prefill_graph_sizes)
+        self._check_kv_cache()
+        self.cudagraph_capture_sizes = capture_sizes(self.cudagraph_capture_sizes, self.max_num_seqs)
+        self.prefill_graph_sizes = prefill_graph_sizes(self.prefill_graph_sizes)
         if not self.cudagraph_capture_budget_s > 0:
             raise ValueError(f"cudagraph_capture_budget_s must be > 0, got {self.cudagraph_capture_budget_s}")
         _positive("cudagraph_pool_budget_mib", self.cudagraph_pool_budget_mib)
+
+    def _check_kv_cache(self) -> None:
+        self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES + tuple(KV_CACHE_DTYPE_ALIASES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_scales not in KV_CACHE_SCALES:
+            raise ValueError(f"kv_cache_scales must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scales!r}")
+        if self.kv_cache_scales != "auto" and self.kv_cache_dtype != "fp8":
+            raise ValueError(f"kv_cache_scales={self.kv_cache_scales!r} needs kv_cache_dtype='fp8'")
 
     def resolve(self, model_max_len: int, model_dtype: torch.dtype | None) -> "EngineConfig":
         """The concrete config the engine runs on: device indexed, dtype chosen, token limits filled in, both graph
@@ -300,6 +308,12 @@ class EngineConfig:
         self._require_resolved()
         return getattr(_torch(), self.dtype)
 
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV cache's element type: float8 e4m3 codes for an fp8 cache, else the serving dtype."""
+        self._require_resolved()
+        return _torch().float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.torch_dtype
+
     def _require_resolved(self) -> None:
         if not self.is_resolved:
             raise RuntimeError("this EngineConfig is not resolved yet: call resolve() with the model's limits")
@@ -307,45 +321,6 @@ class EngineConfig:
 
 # Each field's help, for code that wants one (the --model of commands without engine flags).
 FIELD_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(EngineConfig)}
-
-
-def default_capture_sizes(max_num_seqs: int) -> list[int]:
-    """The design notes' buckets: powers of two below max_num_seqs, plus max_num_seqs itself."""
-    sizes, b = [], 1
-    while b < max_num_seqs:
-        sizes.append(b)
-        b *= 2
-    sizes.append(max_num_seqs)
-    return sizes
-
-
-def _capture_sizes(value, max_num_seqs: int) -> list[int] | str | GraphSizes:
-    if isinstance(value, GraphSizes):  # resolved already
-        return value
-    sizes = _size_list("cudagraph_capture_sizes", value, CAPTURE_SIZE_MODES)
-    if isinstance(sizes, list) and sizes and max(sizes) > max_num_seqs:
-        raise ValueError(f"cudagraph_capture_sizes {sizes} exceed max_num_seqs={max_num_seqs}")
-    return sizes
-
-
-def _prefill_graph_sizes(value) -> list[int] | str | GraphSizes:
-    if isinstance(value, GraphSizes):
-        return value
-    return _size_list("prefill_graph_sizes", value, PREFILL_GRAPH_MODES)
-
-
-def _size_list(name: str, value, modes: tuple[str, ...]) -> list[int] | str:
-    """One of `modes` (also given as a one-word list, as the CLI passes it) or ascending distinct positive sizes."""
-    if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], str) and not value[0].isdigit():
-        value = value[0]
-    if isinstance(value, str):
-        if value not in modes:
-            raise ValueError(f"{name} must be one of {modes} or a list of sizes, got {value!r}")
-        return value
-    sizes = [int(s) if isinstance(s, str) and s.isdigit() else s for s in value]
-    if any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in sizes):
-        raise ValueError(f"{name} must be positive integers, got {list(value)}")
-    return sorted(set(sizes))
 
 
 def hf_config_dtype(hf_config) -> torch.dtype | None:
@@ -384,4 +359,5 @@ def _serving_dtype(model_dtype: torch.dtype | None) -> str:
     return "float16" if model_dtype == _torch().float16 else "bfloat16"
 
 
-__all__ = ["EngineConfig", "GraphSizes", "FIELD_HELP", "default_capture_sizes", "DTYPE_NAMES"]
+__all__ = ["EngineConfig", "GraphSizes", "FIELD_HELP", "default_capture_sizes", "DTYPE_NAMES", "KV_CACHE_DTYPES",
+           "KV_CACHE_SCALES"]

@@ -5,6 +5,7 @@ dtype.)"""
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -110,3 +111,19 @@ def test_fp8_blocks_cost_about_half(head_dim, min_ratio):
     assert math.isclose(bf16.block_bytes / layer.block_bytes, 2.0)
     with pytest.raises(ValueError, match="cannot have scales"):
         KVCacheSpec(32, 8, head_dim, 16, torch.bfloat16, "token")
+
+
+def test_a_checkpoints_kv_scales_serve_as_stored(tiny_model_dirs, tmp_path):
+    """"auto" scales follow a checkpoint that carries per-layer KV scales: the cache uses them as stored."""
+    from tests.model.test_kv_scale_checkpoints import add_kv_scales, layer_scales
+
+    d = tmp_path / "scaled"
+    shutil.copytree(tiny_model_dirs["llama"], d)
+    add_kv_scales(d, ("k_scale", "v_scale"))
+    with LLM(str(d), kv_cache_dtype="fp8", **CPU) as llm:
+        layers = llm.engine.core.runner.model.attention_layers()
+        assert [(a.k_scale.item(), a.v_scale.item()) for a in layers] == [layer_scales(i) for i in range(len(layers))]
+        assert llm.engine.stats.kv_cache_scales == "layer"
+        out = llm.generate(prompts_of_lengths([12], 500, seed=24), SamplingParams(max_tokens=6, **GREEDY),
+                           use_tqdm=False)
+        assert len(out[0].token_ids) == 6

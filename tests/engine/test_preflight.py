@@ -52,7 +52,7 @@ def test_serve_refuses_a_model_the_ranks_cannot_share_at_once(tiny_model_dirs, t
     assert time.monotonic() - started < 60
 
 
-def test_bfloat16_on_a_gpu_without_it_is_refused(tiny_model_dirs, monkeypatch):
+def test_bfloat16_or_an_fp8_kv_cache_on_a_gpu_without_it_is_refused(tiny_model_dirs, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 5))
     config = EngineConfig(str(tiny_model_dirs["qwen3"]), device="cuda:0", dtype="bfloat16").resolve(64, None)
@@ -61,3 +61,9 @@ def test_bfloat16_on_a_gpu_without_it_is_refused(tiny_model_dirs, monkeypatch):
         preflight.check_dtype(config)
     preflight.check_dtype(EngineConfig(str(tiny_model_dirs["qwen3"]), device="cuda:0",
                                        dtype="float16").resolve(64, None))
+    fp8_kv = EngineConfig(str(tiny_model_dirs["qwen3"]), device="cuda:0", dtype="float16", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype=fp8 needs a GPU of compute capability 8.9 or newer; cuda:0 "
+                                         "is 7.5: leave --kv-cache-dtype auto"):
+        preflight.check_dtype(fp8_kv.resolve(64, None))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 9))
+    preflight.check_dtype(fp8_kv.resolve(64, None))

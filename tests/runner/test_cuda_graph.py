@@ -86,11 +86,13 @@ def _tiny_llm(path, **kw):
 
 
 @pytest.mark.gpu
-def test_every_bucket_replay_equals_eager(tiny_model_dirs):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_every_bucket_replay_equals_eager(tiny_model_dirs, kv_cache_dtype):
     """Per batch size (padded ones too), the first decode step's greedy token and logprob (a graph replay of the
-    bucket) equal an enforce_eager engine's on the same prompts of 257 tokens."""
+    bucket) equal an enforce_eager engine's on the same prompts of 257 tokens (with an fp8 KV cache too)."""
     path = tiny_model_dirs["qwen3"]
-    graphs, eager = _tiny_llm(path), _tiny_llm(path, enforce_eager=True)
+    graphs = _tiny_llm(path, kv_cache_dtype=kv_cache_dtype)
+    eager = _tiny_llm(path, enforce_eager=True, kv_cache_dtype=kv_cache_dtype)
     gr = graphs.engine.core.runner.graphs.runners[Kind.DECODE]
     assert gr.capture_sizes == [1, 2, 4, 8, 16] and set(gr.graphs) == set(gr.capture_sizes)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -106,10 +108,11 @@ def test_every_bucket_replay_equals_eager(tiny_model_dirs):
 
 
 @pytest.mark.gpu
-def test_greedy_tokens_identical_to_eager_for_each_bucket_over_64_steps(tiny_model_dirs):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_greedy_tokens_identical_to_eager_for_each_bucket_over_64_steps(tiny_model_dirs, kv_cache_dtype):
     path = tiny_model_dirs["llama"]
-    graphs = _tiny_llm(path)
-    eager = _tiny_llm(path, enforce_eager=True)
+    graphs = _tiny_llm(path, kv_cache_dtype=kv_cache_dtype)
+    eager = _tiny_llm(path, enforce_eager=True, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     for b in (1, 2, 3, 4, 7, 8, 16):
         prompts = [[(7 * i + j) % 400 + 3 for j in range(5 + 3 * i)] for i in range(b)]

@@ -137,13 +137,15 @@ GPU_OPTIONS = dict(device="cuda", max_model_len=512, max_num_seqs=16, num_kv_blo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_graphed_prompt_steps_equal_eager_ones(arch, tiny_model_dirs):
+@pytest.mark.parametrize("arch,kv_cache_dtype", [("llama", "auto"), ("qwen3", "auto"), ("qwen3", "fp8")])
+def test_graphed_prompt_steps_equal_eager_ones(arch, kv_cache_dtype, tiny_model_dirs):
     """fp32 (both paths attend through the paged kernel): the same greedy tokens with the token-count graphs as
-    without, over fresh prompts, shared prefixes, chunk continuations and decode rows riding along."""
+    without, over fresh prompts, shared prefixes, chunk continuations and decode rows riding along; with an fp8 KV
+    cache too."""
     path = str(tiny_model_dirs[arch])
-    graphs = LLM(path, dtype="float32", prefill_graph_sizes=[16, 32, 48, 64], **GPU_OPTIONS)
-    eager = LLM(path, dtype="float32", prefill_graph_sizes="off", **GPU_OPTIONS)
+    options = dict(GPU_OPTIONS, dtype="float32", kv_cache_dtype=kv_cache_dtype)
+    graphs = LLM(path, prefill_graph_sizes=[16, 32, 48, 64], **options)
+    eager = LLM(path, prefill_graph_sizes="off", **options)
     shared = prompts_of_lengths([37], graphs.engine.vocab_size, seed=3)[0]
     prompts = prompts_of_lengths([3, 17, 70, 150, 9, 33], graphs.engine.vocab_size, seed=4)
     prompts += [shared + p[:5] for p in prompts]

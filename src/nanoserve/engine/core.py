@@ -84,9 +84,9 @@ class EngineCore:
             "no CUDA graphs (" + ("enforce_eager" if c.enforce_eager else "no CUDA device") + ")"
         return (f"engine ready in {seconds:.1f} s: {_architecture(hf_config)}, {c.dtype} on {c.device}"
                 f"{f', tp={c.tensor_parallel_size}' if c.tensor_parallel_size > 1 else ''}, max_model_len "
-                f"{c.max_model_len}, max_num_seqs {c.max_num_seqs}; KV cache {gib:.2f} GiB = "
-                f"{r.num_kv_blocks * c.block_size} tokens ({r.num_kv_blocks} blocks of {c.block_size}"
-                f"{self._window_note()}); {shown}")
+                f"{c.max_model_len}, max_num_seqs {c.max_num_seqs}; KV cache {_kv_cache_kind(r)}: {gib:.2f} GiB = "
+                f"{r.num_kv_blocks * c.block_size} tokens ({r.num_kv_blocks} blocks of {c.block_size}, "
+                f"{r.kv_block_bytes} bytes each{self._window_note()}); {shown}")
 
     def _window_note(self) -> str:
         """With a window on every layer, a decoding sequence holds at most the blocks of its window."""
@@ -350,7 +350,14 @@ class EngineCore:
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
             mixed_steps=self._mixed_steps, preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
+            kv_cache_dtype=self.info.kv_cache_dtype, kv_cache_scales=self.info.kv_cache_scales,
+            kv_block_bytes=self.info.kv_block_bytes,
             **vars(self.counters))  # the runner's steps by how they ran, its padding (RunnerCounters)
+
+
+def _kv_cache_kind(info) -> str:
+    """The cache's element type and, for fp8, its scale design: "bfloat16", "float8_e4m3fn with per-token scales"."""
+    return info.kv_cache_dtype + (f" with per-{info.kv_cache_scales} scales" if info.kv_cache_scales else "")
 
 
 def _architecture(hf_config) -> str:

@@ -59,6 +59,9 @@ class EngineStats(msgspec.Struct):
     padding_tokens: int = 0  # padded tokens in graph-replayed prompt / mixed steps
     preemptions: int = 0
     prefix_cache_hit_tokens: int = 0
+    kv_cache_dtype: str = ""  # the KV cache as the runner allocated it (RunnerInfo): element type, fp8 scale design
+    kv_cache_scales: str | None = None
+    kv_block_bytes: int = 0
 
 
 # -- envelopes: API process → core process ---------------------------------------------------------

@@ -30,13 +30,18 @@ def check_engine_config(config: EngineConfig, hf_config=None):
 
 
 def check_dtype(config: EngineConfig) -> None:
-    """bfloat16 needs a GPU of compute capability 8.0 or newer (CPUs emulate it; float16 runs everywhere)."""
+    """bfloat16 needs a GPU of compute capability 8.0 or newer (CPUs emulate it; float16 runs everywhere); an fp8 KV
+    cache 8.9 or newer (the float8 e4m3 conversions its kernels use: Ada, Hopper and later)."""
     device = config.torch_device
-    if device.type != "cuda" or config.dtype != "bfloat16":
+    needs = [("dtype=bfloat16", (8, 0), "use --dtype float16")] if config.dtype == "bfloat16" else []
+    if config.kv_cache_dtype == "fp8":
+        needs.append(("kv_cache_dtype=fp8", (8, 9), "leave --kv-cache-dtype auto"))
+    if device.type != "cuda" or not needs:
         return
     for rank in range(config.tensor_parallel_size):
         index = (device.index or 0) + rank
-        major, minor = torch.cuda.get_device_capability(index)
-        if major < 8:
-            raise ValueError(f"dtype=bfloat16 needs a GPU of compute capability 8.0 or newer; cuda:{index} is "
-                             f"{major}.{minor}: use --dtype float16")
+        capability = torch.cuda.get_device_capability(index)
+        for what, needed, instead in needs:
+            if capability < needed:
+                raise ValueError(f"{what} needs a GPU of compute capability {needed[0]}.{needed[1]} or newer; "
+                                 f"cuda:{index} is {capability[0]}.{capability[1]}: {instead}")

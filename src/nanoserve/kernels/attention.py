@@ -82,6 +82,11 @@ DECODE_WAVES_SPARSE = 16
 DECODE_MAX_SPLITS = 128
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3  # software-pipeline depth of the key-tile loop (Triton's default on sm_90)
+# An fp8 cache's tiles are widened in registers: pipelining them through shared memory made the kernel slower (b=256
+# Qwen3-0.6B 219 µs a layer at 3 stages, 158 at 1; so were a register prefetch of the next tile, fp16 products, keys
+# as the products' rows, dequantizing before the products, K loaded transposed: benchmarks/results/experiments/
+# fp8_decode_tiles_*_h200.json).
+DECODE_NUM_STAGES_FP8 = 1
 # K/V tiles of at most this many bytes (64 tokens of bf16 at head_dim 128): larger ones spill registers.
 KV_TILE_BYTES = 16384
 MAX_BLOCK_N = 64
@@ -398,7 +403,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=softcap is not None,
         FP8=fmt["FP8"], **_dot_args(q.device, _compute_dtype(q, k_cache)), num_warps=DECODE_NUM_WARPS,
-        num_stages=DECODE_NUM_STAGES,
+        num_stages=DECODE_NUM_STAGES_FP8 if fmt["FP8"] else DECODE_NUM_STAGES,
         **pdl_args(q.device))
     if num_splits == 1:
         return out

@@ -90,9 +90,8 @@ def fp8_codes(x, scale):
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
     bits = y.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    tiny = (tl.abs(y) + 16384.0) - 16384.0
-    tiny = tl.where(bits < 0, -tiny, tiny)
-    return tl.where(tl.abs(y) < 0.015625, tiny, normal)
+    tiny = ((tl.abs(y) + 16384.0) - 16384.0).to(tl.int32, bitcast=True) | (bits & -2147483648)  # y's sign, even on 0
+    return tl.where(tl.abs(y) < 0.015625, tiny.to(tl.float32, bitcast=True), normal)
 
 
 @jit

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from nanoserve.checkpoint_formats import kv_cache_scheme
 from nanoserve.kernels.attention import select_backend
 from nanoserve.model import gguf
 from nanoserve.model.communicator import TensorParallel
@@ -101,12 +102,14 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device,
                       on_tensor=lambda names: None) -> None:
-    """Every tensor of the folder's files into the model; an FP8 checkpoint's weights stay fp8 with their scales."""
-    fp8 = checkpoint_quantization(getattr(hf_config, "quantization_config", None), model_dir / "config.json")
+    """Every tensor of the folder's files into the model; an FP8 checkpoint's weights stay fp8 with their scales, its
+    KV-cache scales go to the attention layers."""
+    quant = getattr(hf_config, "quantization_config", None)
+    fp8 = checkpoint_quantization(quant, model_dir / "config.json")
     if fp8 is not None and model.spec.moe is not None:
         raise ModelLoadError(f"{model_dir}: fp8 checkpoints of mixture-of-experts models are not supported yet "
                              f"({model.spec.architecture}); use the bf16 checkpoint")
-    writer = ParamWriter(model, dtype, device, fp8)
+    writer = ParamWriter(model, dtype, device, fp8, kv_cache_scheme(quant, model_dir / "config.json"))
     open_device = str(device) if device.type == "cuda" else "cpu"
     for file in _weight_files(model_dir):
         try:

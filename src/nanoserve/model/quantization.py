@@ -13,18 +13,28 @@ output instead of one per 128 weights.
 
 Pre-quantized checkpoints keep their codes and scales exactly: per-channel and 128x128-block scales as stored,
 a per-tensor scale repeated over its rows (so merged q/k/v or gate/up parts with scales of their own stay exact).
+Their per-layer KV-cache scales (CheckpointKVScales) go to each layer's Attention as `checkpoint_kv_scales`, for an
+fp8 KV cache with per-layer scales (runner/kv_cache.py).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
 from nanoserve.config import FP8_BLOCK, QUANTIZATIONS
 from nanoserve.kernels import fp8
-from nanoserve.model.layers import Linear, WeightShard
+from nanoserve.model.layers import Attention, Linear, WeightShard
 from nanoserve.model_files import Fp8Checkpoint, ModelLoadError
 
 SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# A layer's KV-cache scale tensors, by their name after `self_attn.` (the names pre-quantized checkpoints use, as vLLM
+# reads them: compressed-tensors, ModelOpt, the older single kv_scale) → the scales each gives, K and / or V
+KV_SCALE_NAMES = {"k_scale": "k", "v_scale": "v", "attn.k_scale": "k", "attn.v_scale": "v",
+                  "k_proj.k_scale": "k", "v_proj.v_scale": "v", "k_proj.output_scale": "k",
+                  "v_proj.output_scale": "v", "kv_scale": "kv"}
+_ATTENTION = ".self_attn."
 
 
 def quantize_linear(linear: Linear) -> None:
@@ -149,3 +159,56 @@ def _merged(parts, module: Linear, name: str) -> torch.Tensor:
         else:
             out[start:stop] = local
     return out
+
+
+def kv_scale_target(hf_name: str) -> tuple[str, str] | None:
+    """(the Attention module, "k" / "v" / "kv") that a checkpoint's KV-cache scale tensor belongs to; None for any
+    other tensor."""
+    layer, found, rest = hf_name.partition(_ATTENTION)
+    if not found or rest not in KV_SCALE_NAMES:
+        return None
+    return f"{layer}{_ATTENTION}attn", KV_SCALE_NAMES[rest]
+
+
+class CheckpointKVScales:
+    """A checkpoint's per-layer KV-cache scales (one value each for K and V, the same on every tensor-parallel
+    rank), collected tensor by tensor and set on the layers' Attention modules as `checkpoint_kv_scales` = (k, v)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.found: dict[str, dict[str, float]] = {}  # Attention module → {"k": scale, "v": scale}
+
+    def add(self, hf_name: str, file_name: str, scale: torch.Tensor) -> None:
+        module, parts = kv_scale_target(hf_name)
+        try:
+            attn = self.model.get_submodule(module)
+        except AttributeError:
+            attn = None
+        if not isinstance(attn, Attention):
+            raise ModelLoadError(f"unexpected tensor {hf_name!r} in {file_name}: the "
+                                 f"{self.model.spec.architecture} model has no attention layer {module!r}")
+        if scale.numel() != 1:
+            raise ModelLoadError(f"KV-cache scale {hf_name!r} in {file_name} has shape {tuple(scale.shape)}; "
+                                 "one value per layer expected")
+        value = float(scale.float().reshape(()))
+        if not (math.isfinite(value) and value > 0):
+            raise ModelLoadError(f"KV-cache scale {hf_name!r} in {file_name} is {value}: it must be finite and "
+                                 "positive")
+        held = self.found.setdefault(module, {})
+        for part in parts:
+            if held.setdefault(part, value) != value:
+                raise ModelLoadError(f"{file_name} gives {module!r} two {part.upper()} scales, {held[part]} and "
+                                     f"{value} ({hf_name!r})")
+
+    def finish(self, scheme: bool, source) -> None:
+        """Set each layer's (k, v); a KV-cache scheme without scale tensors, or a layer with one of the two, is an
+        error."""
+        if scheme and not self.found:
+            raise ModelLoadError(f"{source}: quantization_config.kv_cache_scheme is set, but the checkpoint has no "
+                                 "k_scale / v_scale tensors")
+        for module, held in self.found.items():
+            if len(held) < 2:
+                have = next(iter(held))
+                raise ModelLoadError(f"{source} has a {have.upper()} scale for {module!r} but no "
+                                     f"{'V' if have == 'k' else 'K'} scale")
+            self.model.get_submodule(module).checkpoint_kv_scales = (held["k"], held["v"])

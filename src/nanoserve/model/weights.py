@@ -15,7 +15,7 @@ from torch import nn
 from nanoserve.kernels.fp8 import FP8_DTYPE
 from nanoserve.model.layers import RMSNorm, WeightShard, weight_shard
 from nanoserve.model.moe import Experts, covered_names, expert_target
-from nanoserve.model.quantization import Fp8Scales
+from nanoserve.model.quantization import CheckpointKVScales, Fp8Scales, kv_scale_target
 from nanoserve.model_files import Fp8Checkpoint, ModelLoadError
 
 # Tensors some checkpoints carry that hold nothing the model needs.
@@ -95,9 +95,9 @@ def pieces(model, hf_name: str, shape: tuple[int, ...]) -> list[Piece]:
         out.append(Piece(f"{parent}.{part}.{leaf}", (sizes[part],) + tuple(shape[1:]), rows))
         start = rows.stop
     return out
-# FP8 checkpoints' scales for static activation (and KV-cache) quantization: activations stay in the serving
-# dtype or are quantized per token where they are used, the KV cache in the serving dtype.
-_ACTIVATION_SCALES = ("input_scale", "output_scale", "k_scale", "v_scale", "q_scale")
+# FP8 checkpoints' scales for static activation quantization: activations stay in the serving dtype or are quantized
+# per token where they are used. (Their KV-cache scales go to the attention layers: CheckpointKVScales.)
+_ACTIVATION_SCALES = ("input_scale", "output_scale", "q_scale")
 
 
 def target(model, hf_name: str) -> tuple[str, object] | None:
@@ -153,9 +153,11 @@ def set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 class ParamWriter:
     """Writes one checkpoint's tensors into `model`'s parameters (on `device`, in `dtype`): finds each HF tensor's
     parameter and this rank's shard of it, checks the shape, and fills merged parameters part by part. With an
-    FP8 checkpoint (fp8) its fp8 weights stay fp8 and their scales go to the layers' weight_scale."""
+    FP8 checkpoint (fp8) its fp8 weights stay fp8 and their scales go to the layers' weight_scale. Per-layer KV-cache
+    scales go to the attention layers (kv_cache_scheme: the config declares them, so they must be there)."""
 
-    def __init__(self, model, dtype: torch.dtype, device: torch.device, fp8: Fp8Checkpoint | None = None):
+    def __init__(self, model, dtype: torch.dtype, device: torch.device, fp8: Fp8Checkpoint | None = None,
+                 kv_cache_scheme: bool = False):
         self.model, self.dtype, self.device = model, dtype, device
         self.params = dict(model.named_parameters())
         self.expected = hf_names(model, self.params)
@@ -163,14 +165,22 @@ class ParamWriter:
         self._packed: dict[str, torch.Tensor] = {}  # merged params being filled shard by shard
         self.fp8 = fp8
         self.scales = Fp8Scales(model, fp8, device) if fp8 is not None else None
+        self.kv_scales, self.kv_cache_scheme = CheckpointKVScales(model), kv_cache_scheme
         self.fp8_weights: dict[str, str] = {}  # HF weights stored in fp8 → their parameter
         self._covers: dict[str, list[str]] = {}  # a stacked expert tensor → the per-expert names it fills
 
     def is_scale(self, hf_name: str) -> bool:
-        """Whether an FP8 checkpoint's tensor is a weight's scales (then put_scale takes it, whole)."""
+        """Whether a tensor is an FP8 checkpoint's weight scales or a layer's KV-cache scale (then put_scale takes it,
+        whole)."""
+        if self._kv_scale_name(hf_name) is not None:
+            return True
         return self.fp8 is not None and hf_name.rpartition(".")[2] == self.fp8.scale_name
 
     def put_scale(self, hf_name: str, file_name: str, scale: torch.Tensor) -> None:
+        kv_name = self._kv_scale_name(hf_name)
+        if kv_name is not None:
+            self.kv_scales.add(kv_name, file_name, scale)
+            return
         weight = hf_name.rpartition(".")[0] + ".weight"
         found = target(self.model, weight)
         if found is None or found[0] not in self.params:
@@ -178,6 +188,14 @@ class ParamWriter:
                                  f"{self.model.spec.architecture} model has no weight {weight!r} to scale")
         name, index = found
         self.scales.add(name, weight_shard(self.model, name, index), scale, hf_name)
+
+    def _kv_scale_name(self, hf_name: str) -> str | None:
+        """The name our tables know a layer's KV-cache scale by; None for another tensor (or one of a part the model
+        skips, a vision tower's)."""
+        if hf_name.startswith(names_of(self.model).skipped):
+            return None
+        name = canonical_name(self.model, hf_name)
+        return name if kv_scale_target(name) is not None else None
 
     def shard(self, hf_name: str, file_name: str, shape: tuple[int, ...]) -> tuple[str, WeightShard] | None:
         """(our parameter, this rank's shard) of an HF tensor of `shape`; None for a tensor the model skips."""
@@ -244,6 +262,7 @@ class ParamWriter:
             set_param(self.model, name, tensor)
         if self.scales is not None:
             self.scales.finish(self.fp8_weights, source)
+        self.kv_scales.finish(self.kv_cache_scheme, source)
 
 
 __all__ = ["CHECKPOINT_NAMES", "CheckpointNames", "PACKED_MODULES", "ParamWriter", "Piece", "hf_names", "pieces",

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.config import KV_CACHE_SCALES
 from nanoserve.kernels.kv_quant import TOKEN_SCALE_DTYPE, is_fp8
 from nanoserve.kernels.paging import blocks_for
 
-KV_SCALE_DESIGNS = ("token", "layer")
+KV_SCALE_DESIGNS = tuple(s for s in KV_CACHE_SCALES if s != "auto")  # what "auto" resolves to at start-up
 DEFAULT_LAYER_SCALE = 1.0  # an uncalibrated per-layer scale (vLLM's default)
 
 

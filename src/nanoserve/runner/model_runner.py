@@ -52,6 +52,7 @@ class ModelRunner:
         s = start(config, hf_config, self.tp, self.rng)
         self.model, self.kv, self.buffers, self.graphs = s.model, s.kv, s.buffers, s.graphs
         self.info = RunnerInfo(self.model.vocab_size, str(self.device), s.num_kv_blocks, s.kv.block_bytes,
+                               str(s.kv.dtype).removeprefix("torch."), s.kv.scales,
                                tuple(s.graphs.sizes(Kind.DECODE)), tuple(s.graphs.sizes(Kind.TOKENS)),
                                s.step_curve, s.token_curve)
         self.counters = RunnerCounters()

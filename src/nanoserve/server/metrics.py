@@ -1,6 +1,6 @@
 """Prometheus metrics of the server: request counts, token counters, TTFT / inter-token latency histograms
 (observed on the per-step deltas as the engine client receives them), and the engine's live state (running /
-waiting, KV-cache use, decode steps by graph vs eager) from the core's latest stats, read at scrape time."""
+waiting, KV-cache use and kind, decode steps by graph vs eager) from the core's latest stats, read at scrape time."""
 from __future__ import annotations
 
 import time
@@ -30,6 +30,12 @@ class _EngineCollector:
                                 value=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
         yield GaugeMetricFamily("nanoserve_kv_cache_blocks_used", "KV-cache blocks in use", value=s.kv_blocks_used)
         yield GaugeMetricFamily("nanoserve_kv_cache_blocks_total", "KV-cache blocks in all", value=s.kv_blocks_total)
+        yield GaugeMetricFamily("nanoserve_kv_cache_block_bytes", "Bytes of one KV-cache block over every layer "
+                                "(an fp8 cache's scales included; one rank's heads)", value=s.kv_block_bytes)
+        info = GaugeMetricFamily("nanoserve_kv_cache_info", "The KV cache's element type and fp8 scale design "
+                                 "(none: the serving dtype, unscaled); the value is 1", labels=["dtype", "scales"])
+        info.add_metric([s.kv_cache_dtype, s.kv_cache_scales or "none"], 1)
+        yield info
         counters = [
             ("nanoserve_prompt_tokens", "Prompt tokens processed", s.prompt_tokens),
             ("nanoserve_generation_tokens", "Tokens generated", s.generation_tokens),

@@ -21,6 +21,7 @@ from nanoserve.runner.dispatch import GraphTable, Kind
 from nanoserve.runner.kv_cache import KVCacheSpec
 from nanoserve.runner.startup import graphs
 from nanoserve.runner.startup.bucket_plan import StepCurve
+from nanoserve.runner.startup.kv_scales import resolve_kv_scales
 from nanoserve.runner.startup.memory import plan_memory
 from nanoserve.runner.startup.probes import Probes
 from nanoserve.runner.startup.self_check import self_check
@@ -45,7 +46,7 @@ def start(config: EngineConfig, hf_config, tp: TensorParallel, rng: torch.Genera
     model = load_model(config.model, hf_config, config.torch_dtype, config.torch_device, config.load_format, tp,
                        quantization=config.quantization, quantize_lm_head=config.quantize_lm_head,
                        progress=config.show_progress and tp.rank == 0, max_model_len=config.max_model_len)
-    kv = KVCacheSpec.of(model, config.block_size, config.torch_dtype)
+    kv = KVCacheSpec.of(model, config.block_size, config.kv_torch_dtype, resolve_kv_scales(config, model))
     num_blocks = tp.min_int(plan_memory(model, config, kv).num_kv_blocks)  # every rank's cache holds it
     if num_blocks * config.block_size < config.max_model_len:
         raise ValueError(

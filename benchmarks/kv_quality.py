@@ -12,7 +12,9 @@ sees its whole context (itself included) in the setting's format, as a decode st
 top-1 agreement and mean |Δ logprob| of the continuation's token, each with its standard error over the tokens
 (`_se`; over the prompts' means in `_se_prompts`: positions of one prompt are not independent), and the largest
 |Δ logprob|. `auto_vs_greedy` checks the method: auto's teacher-forced top-1 against the generated tokens (a prompt
-step and a decode step differ only in rounding).
+step and a decode step differ only in rounding). `fp32-model` (the real model only: dummy weights differ by dtype)
+is the scale to read the fp8 rows against: the same teacher-forced run with the model (and so its KV) in float32,
+against bf16 — what serving the model in bf16 already moves.
 Contexts. short: SmolLM2's 16 chat prompts (fp8_quality.PROMPTS through the tokenizer's chat template); long: 4
 prompts of LONG_CONTEXT tokens of real text (Python's own documentation, pydoc_data.topics, and the sources of two
 stdlib modules). The random-weight Llama shape (dummy weights, no tokenizer): seeded random token ids, 16 x 512 and
@@ -48,6 +50,7 @@ SHORT_PROMPTS, LONG_PROMPTS = 16, 4
 TOP1_MIN = 0.97  # issue 37: top-1 agreement with bf16 KV on the real SmolLM2, 16 prompts x 128 tokens
 CHARS_PER_TOKEN_MAX = 8  # text taken per prompt token before tokenizing (no source reaches this many)
 SEED = 0
+FP32_REFERENCE = "fp32-model"  # the model in float32, KV auto: bf16's own cost (real weights only)
 
 Forced = list[tuple[list[int], list[float]]]  # per prompt: (top-1 ids, logprobs of the continuation's tokens)
 
@@ -153,9 +156,12 @@ def smollm2_gguf() -> Path:
 
 
 def engine_options(model: str, device: str, max_model_len: int, kv: str) -> dict:
-    """The LLM's options for one KV setting: bf16, prefix caching off (every prompt step recomputes and stores)."""
-    options = dict(device=device, dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=SHORT_PROMPTS,
-                   enable_prefix_caching=False, show_progress=False, **KV_SETTINGS[kv])
+    """The LLM's options for one KV setting (or FP32_REFERENCE): bf16, prefix caching off (every prompt step
+    recomputes and stores)."""
+    fp32 = kv == FP32_REFERENCE
+    options = dict(device=device, dtype="float32" if fp32 else "bfloat16", max_model_len=max_model_len,
+                   max_num_seqs=SHORT_PROMPTS, enable_prefix_caching=False, show_progress=False,
+                   **({} if fp32 else KV_SETTINGS[kv]))
     if device != "cpu":  # the decode graphs the generation uses and no token-count graphs (prompt steps eager)
         options.update(cudagraph_capture_sizes=[1, 2, 4, 8, 16], prefill_graph_sizes="off")
     if model != "smollm2":
@@ -191,7 +197,8 @@ def measure(model: str, model_path: str, args) -> dict:
         forced = {"auto": {c: teacher_forced(llm, p, conts[c]) for c, p in prompts.items()}}
         sample = llm.tokenizer.decode(conts["short"][0]) if llm.tokenizer is not None else None
     seconds["auto"] = time.perf_counter() - start - seconds["generate"]
-    for kv in args.kv:
+    compared = args.kv + ([FP32_REFERENCE] if model == "smollm2" else [])
+    for kv in compared:
         start = time.perf_counter()
         with LLM(model_path, **engine_options(model, args.device, max_model_len, kv)) as llm:
             forced[kv] = {c: teacher_forced(llm, p, conts[c]) for c, p in prompts.items()}
@@ -199,7 +206,7 @@ def measure(model: str, model_path: str, args) -> dict:
         print(f"  {kv}: {seconds[kv]:.0f} s", flush=True)
     results = {c: {"prompts": len(p), "prompt_tokens": [len(x) for x in p], "continuation_tokens": args.tokens,
                    "auto_vs_greedy": greedy_agreement(forced["auto"][c], conts[c]),
-                   "settings": {kv: compare(forced["auto"][c], forced[kv][c]) for kv in args.kv}}
+                   "settings": {kv: compare(forced["auto"][c], forced[kv][c]) for kv in compared}}
                for c, p in prompts.items()}
     return {"contexts": results, "seconds": seconds, "short_sample_text": sample}  # "generate": with its start-up
 
@@ -209,7 +216,7 @@ def targets(model: str, contexts: dict) -> dict:
     if model != "smollm2" or "short" not in contexts:
         return {}
     return {f"short / {kv} / top-1 agreement": check(row["top1_agreement"], TOP1_MIN, at_least=True)
-            for kv, row in contexts["short"]["settings"].items()}
+            for kv, row in contexts["short"]["settings"].items() if kv in KV_SETTINGS}
 
 
 def _pm(mean: float, se: float | None, digits: int) -> str:

@@ -104,7 +104,7 @@ def test_mean_se():
 def test_quality_targets_and_table():
     row = {"tokens": 2048, "prompts": 16, "top1_agreement": 0.98, "top1_agreement_se": 0.003,
            "mean_abs_dlogprob": 0.01, "mean_abs_dlogprob_se": 0.001, "max_abs_dlogprob": 0.5}
-    short = {"fp8": row, "fp8-layer": dict(row, top1_agreement=0.96)}
+    short = {"fp8": row, "fp8-layer": dict(row, top1_agreement=0.96), kv_quality.FP32_REFERENCE: row}
     contexts = {"short": {"auto_vs_greedy": 0.999, "settings": short},
                 "long": {"auto_vs_greedy": 1.0, "settings": {"fp8": row}}}
     t = kv_quality.targets("smollm2", contexts)
@@ -112,7 +112,8 @@ def test_quality_targets_and_table():
                  "short / fp8-layer / top-1 agreement": {"value": 0.96, "limit": 0.97, "met": False}}
     assert kv_quality.targets("llama-3.1-8b", contexts) == {}
     lines = kv_quality.table_lines(contexts, t)
-    assert lines[1].split()[:5] == ["short", "fp8", "2048", "0.9800", "±"] and len(lines) == 1 + 5 + 2
+    assert lines[1].split()[:5] == ["short", "fp8", "2048", "0.9800", "±"] and len(lines) == 1 + 6 + 2
+    assert lines[3].split()[1] == kv_quality.FP32_REFERENCE  # a row of the table, no target
     assert lines[-1].endswith("NOT met")
 
 

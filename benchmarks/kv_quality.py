@@ -19,7 +19,7 @@ Contexts. short: SmolLM2's 16 chat prompts (fp8_quality.PROMPTS through the toke
 prompts of LONG_CONTEXT tokens of real text (Python's own documentation, pydoc_data.topics, and the sources of two
 stdlib modules). The random-weight Llama shape (dummy weights, no tokenizer): seeded random token ids, 16 x 512 and
 4 x LONG_CONTEXT tokens, the same TOKENS continuation tokens.
-Run time. SmolLM2 on a 2-core CPU: 14 minutes for the full run (the long contexts dominate: four 4k-token prompts
+Run time. SmolLM2 on a 2-core CPU: 14.5 minutes for the full run (the long contexts dominate: four 4k-token prompts
 prefilled four times, ~60 s each, at bf16 with the PyTorch attention path); --long-prompts 0 leaves them out (~2
 minutes).
 """

@@ -91,6 +91,7 @@ DECODE_NUM_STAGES_FP8 = 1
 KV_TILE_BYTES = 16384
 MAX_BLOCK_N = 64
 PREFILL_NUM_STAGES = 3  # Triton's default on sm_90
+PREFILL_NUM_STAGES_FP8 = 1  # as decode's: an fp8 cache's tiles are widened in registers, not pipelined
 
 
 @jit
@@ -550,7 +551,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_tokens == 0:
         return out
     _require_unit_last_stride(prefill_attention=(q, k_cache, v_cache, meta.block_tables))
-    tiles = tiles or prefill_tiles(num_heads // num_kv_heads, head_dim, _compute_dtype(q, k_cache).itemsize)
+    tiles = tiles or prefill_tiles(num_heads // num_kv_heads, head_dim, _compute_dtype(q, k_cache).itemsize,
+                                   fmt["FP8"])
     work_seq, work_start = meta.work_seq, meta.work_start
     if work_seq is None:
         lens = meta.query_lens_host or torch.diff(meta.cu_seqlens_q).tolist()
@@ -651,13 +653,14 @@ class PrefillTiles:
         return self.block_m // self.group  # a non-power-of-two group leaves a few rows idle
 
 
-def prefill_tiles(group: int, head_dim: int, element_size: int) -> PrefillTiles:
-    """The tiling that compiles without register spills on sm_90 (checked with ptxas) for this head shape."""
+def prefill_tiles(group: int, head_dim: int, element_size: int, fp8: bool = False) -> PrefillTiles:
+    """The tiling that compiles without register spills on sm_90 (checked with ptxas) for this head shape (element_size:
+    of the products' operands; fp8: over an fp8 cache)."""
     block_d = max(16, next_power_of_2(head_dim))
     block_m = 32 if element_size >= 4 and block_d >= 256 else 64
     num_warps = 4 if element_size <= 2 and block_d <= 128 else 8
     return PrefillTiles(group, block_d, max(block_m, next_power_of_2(group)), _kv_tile_tokens(block_d, element_size),
-                        num_warps, PREFILL_NUM_STAGES)
+                        num_warps, PREFILL_NUM_STAGES_FP8 if fp8 else PREFILL_NUM_STAGES)
 
 
 def _compute_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:

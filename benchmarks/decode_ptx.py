@@ -3,6 +3,9 @@
 Why fp8 K/V tiles cost as much time as bf16 ones though they are half the bytes (notes/PERF.md, round 8, third
 session): the mix shows how each format's tiles reach the tensor-core products. Counts are static PTX instructions of
 the whole kernel (the key-tile loop dominates), at Qwen3-0.6B's head shape (16 q / 8 kv heads, head_dim 128), one split.
+Then the same count for the decode loop's two products alone (q @ k^T, p @ v over 8 tiles of 64 keys) with each
+operand stored dim-major (as the cache is) or token-major, widened to bf16 or fp16: which layout lets an 8-bit tile
+reach the tensor cores through ldmatrix rather than scalar shared-memory loads.
 
     python benchmarks/decode_ptx.py [--out FILE]
 """
@@ -75,6 +78,66 @@ def instruction_mix(ptx: str) -> dict:
     return {"total": sum(counts.values()), **{k: counts[k] for k in keys}}
 
 
+def _product_kernels():
+    """Toy decode loops: q @ k^T and p @ v over 8 key tiles, the K or V tile stored [keys, dims] or [dims, keys]."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def qk(q_ptr, k_ptr, o_ptr, TOKEN_MAJOR: tl.constexpr, WIDEN: tl.constexpr):
+        g, d, n = tl.arange(0, 16), tl.arange(0, 128), tl.arange(0, 64)
+        q = tl.load(q_ptr + g[:, None] * 128 + d[None, :])
+        acc = tl.zeros([16, 64], tl.float32)
+        for i in range(8):
+            if TOKEN_MAJOR:
+                k_t = tl.load(k_ptr + i * 8192 + d[:, None] * 64 + n[None, :])
+            else:
+                k_t = tl.trans(tl.load(k_ptr + i * 8192 + n[:, None] * 128 + d[None, :]))
+            if WIDEN:
+                k_t = k_t.to(q.dtype)
+            acc += tl.dot(q, k_t)
+        tl.store(o_ptr + g[:, None] * 64 + n[None, :], acc)
+
+    @triton.jit
+    def pv(p_ptr, v_ptr, o_ptr, TOKEN_MAJOR: tl.constexpr, WIDEN: tl.constexpr):
+        g, d, n = tl.arange(0, 16), tl.arange(0, 128), tl.arange(0, 64)
+        p = tl.load(p_ptr + g[:, None] * 64 + n[None, :])
+        acc = tl.zeros([16, 128], tl.float32)
+        for i in range(8):
+            if TOKEN_MAJOR:
+                v = tl.trans(tl.load(v_ptr + i * 8192 + d[:, None] * 64 + n[None, :]))
+            else:
+                v = tl.load(v_ptr + i * 8192 + n[:, None] * 128 + d[None, :])
+            if WIDEN:
+                v = v.to(p.dtype)
+            acc += tl.dot(p, v)
+        tl.store(o_ptr + g[:, None] * 128 + d[None, :], acc)
+
+    return {"q @ k^T": qk, "p @ v": pv}
+
+
+def operand_layouts() -> dict:
+    """The products' instruction mix per stored layout (dim-major / token-major) and cache / product dtypes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    rows = {}
+    for name, kernel in _product_kernels().items():
+        for layout, cache, act in [(lay, c, a) for lay in ("dim-major", "token-major")
+                                   for c, a in (("bf16", "bf16"), ("fp8e4nv", "bf16"), ("fp8e4nv", "fp16"))]:
+            names = [p.name for p in kernel.params]
+            signature = {names[0]: "*" + act, names[1]: "*" + cache, names[2]: "*fp32",
+                         "TOKEN_MAJOR": "constexpr", "WIDEN": "constexpr"}
+            constexprs = {"TOKEN_MAJOR": layout == "token-major", "WIDEN": cache != act}
+            attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
+            ptx = compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "num_stages": 1}).asm["ptx"]
+            label = f"{name}, {layout}, {cache} cache, {act} products"
+            rows[label] = instruction_mix(ptx)
+            print(f"{label:52s} " + ", ".join(f"{k} {v}" for k, v in rows[label].items()), flush=True)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None)
@@ -98,9 +161,10 @@ def main() -> int:
         attention.decode_attention(q, cache, cache, tables, lens, 0.1, kv_scales=scales, num_splits=1)
         rows[name] = instruction_mix(captured["_decode_kernel"])
         print(f"{name:28s} " + ", ".join(f"{k} {v}" for k, v in rows[name].items()), flush=True)
+    products = operand_layouts()
     if args.out:
         write_json(args.out, {"env": env_info(), "kernel": "_decode_kernel", "shape": "16 q / 8 kv heads, d 128",
-                              "ptx": rows})
+                              "ptx": rows, "products": products})
     return 0
 
 

@@ -44,6 +44,9 @@ def ptx_of_next_launch(captured: dict):
                 gpu = {"DOT_UPCAST": False, "DOT_PRECISION": "tf32"}
                 signature[param.name], constexprs[param.name] = "constexpr", gpu.get(param.name, value)
                 continue
+            if isinstance(value, int) and value == 1 and not param.do_not_specialize:
+                signature[param.name], constexprs[param.name] = "constexpr", 1  # as a real launch specializes it
+                continue
             if isinstance(value, torch.Tensor):
                 signature[param.name], aligned = "*" + PTX_TYPES[value.dtype], True
             elif isinstance(value, float):

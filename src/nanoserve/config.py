@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nanoserve.graph_sizes import GraphSizes, capture_sizes, default_capture_sizes, prefill_graph_sizes
+from nanoserve.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:  # torch is imported where a value needs it: the CLI parses its flags without it
     import torch
@@ -202,6 +203,13 @@ class EngineConfig:
         "auto", help="with --kv-cache-dtype fp8, how K and V are scaled: 'token' (one scale per token and KV head, "
                      "computed as they are stored), 'layer' (one per layer for K and one for V: the checkpoint's "
                      "k_scale / v_scale, else 1.0), 'auto' (layer when the checkpoint carries KV scales, else token)")
+    speculative_config: dict | str | None = _field(
+        None, help="speculative decoding, as a JSON object with vLLM's names: {\"method\": \"ngram\", "
+                   "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": m} (drafts "
+                   "copied from the request's own earlier tokens) or {\"method\": \"suffix\", ...} (drafts from "
+                   "suffix statistics over the request and recent requests' outputs); verification is exact (greedy "
+                   "and sampled outputs keep the model's distribution); \"adaptive\": false keeps k drafts every step",
+        unset="off")
     show_progress: bool = _field(True, help="show progress bars (CUDA-graph capture)")
 
     @classmethod
@@ -238,6 +246,8 @@ class EngineConfig:
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs quantization='fp8'")
         self._check_kv_cache()
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        self.speculative_config = spec.as_dict() if spec is not None else None
         self.cudagraph_capture_sizes = capture_sizes(self.cudagraph_capture_sizes, self.max_num_seqs)
         self.prefill_graph_sizes = prefill_graph_sizes(self.prefill_graph_sizes)
         if not self.cudagraph_capture_budget_s > 0:
@@ -293,6 +303,11 @@ class EngineConfig:
         if sizes == "auto":  # (no step holds more than max_num_seqs full sequences)
             return GraphSizes((), True, min(PREFILL_GRAPH_MAX_TOKENS, budget, self.max_num_seqs * max_model_len))
         return GraphSizes.given(sizes)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The checked speculative-decoding settings (None: off)."""
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def is_resolved(self) -> bool:

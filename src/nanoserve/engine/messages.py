@@ -62,6 +62,13 @@ class EngineStats(msgspec.Struct):
     kv_cache_dtype: str = ""  # the KV cache as the runner allocated it (RunnerInfo): element type, fp8 scale design
     kv_cache_scales: str | None = None
     kv_block_bytes: int = 0
+    # speculative decoding (speculative_config): its method, the sequences that verified drafts (a row per step),
+    # the drafts proposed and accepted, and acceptances by draft position (index j: drafts accepted at position j)
+    spec_method: str | None = None
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
 
 
 # -- envelopes: API process → core process ---------------------------------------------------------

@@ -1,0 +1,101 @@
+"""benchmarks/speculative.py (issue 38's offline benchmark) on a tiny random model with two short prompts: the JSON's
+fields, greedy outputs identical across methods, the method settings and overrides; and the committed workloads'
+shape. The real SmolLM2 run is `python benchmarks/speculative.py workload --device cpu --limit N`."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import spec_workloads, speculative  # noqa: E402
+
+PROMPTS = [{"source": "test", "messages": [{"role": "user", "content": "Repeat: the cat sat on the mat, the cat."}]},
+           {"source": "test", "messages": [{"role": "user", "content": "Tell me a story."}]}]
+RECORD_FIELDS = {"prompts", "prompt_tokens", "output_tokens", "seconds", "output_tok_s", "per_prompt", "stats",
+                 "mean_accepted_length", "acceptance_rate", "accepted_per_position_per_row", "first_output_text",
+                 "mismatches", "identical_to_none", "tok_s_vs_none"}
+
+
+def test_workload_files_have_sixteen_sourced_prompts():
+    for name in speculative.WORKLOADS:
+        prompts = speculative.load_workload(name)
+        assert len(prompts) == 16 and all(p["source"] and p["messages"][0]["role"] == "user" for p in prompts)
+        assert len(speculative.load_workload(name, limit=3)) == 3
+    lo, hi = spec_workloads.PASSAGE_TOKENS
+    assert all(lo <= p["passage_tokens"] <= hi for p in speculative.load_workload("copy"))
+    with pytest.raises(ValueError, match="unknown workload"):
+        speculative.load_workload("nope")
+
+
+def test_workload_edits_are_seeded():
+    text = "Exceptions are raised whenever something happens that the interpreter cannot handle " * 4
+    typos = spec_workloads.add_typos(text, rate=0.5)
+    assert typos == spec_workloads.add_typos(text, rate=0.5) != text and len(typos) == len(text)
+    assert spec_workloads.apply_edit("a = b\n", ("replace", "b", "c")) == "a = c\n"
+    assert spec_workloads.cut("one\ntwo\nthree\n", len, 8) == "one\ntwo\n"
+
+
+def test_method_configs_merge_overrides_and_check_them():
+    configs = speculative.method_configs(["none", "ngram", "ngram8", "suffix"],
+                                         ['ngram8={"method": "ngram", "num_speculative_tokens": 8}'], adaptive=False)
+    assert configs["none"] is None and configs["suffix"] == {"method": "suffix", "adaptive": False}
+    assert configs["ngram8"] == {**speculative.METHODS["ngram"], "num_speculative_tokens": 8, "adaptive": False}
+    for methods, overrides in ((["eagle"], []), (["none"], ['none={"method": "ngram"}']), (["ngram"], ["ngram=4"]),
+                               (["ngram"], ['suffix={"method": "suffix"}']),
+                               (["ngram"], ['ngram={"num_speculative_tokens": 0}'])):
+        with pytest.raises(ValueError):
+            speculative.method_configs(methods, overrides, None)
+
+
+def test_stats_delta_and_speculation_figures():
+    from nanoserve.engine.messages import EngineStats
+
+    before = EngineStats(generation_tokens=10, spec_num_drafts=2, spec_draft_tokens=8, spec_accepted_tokens=3,
+                         spec_accepted_per_position=[2, 1])
+    after = EngineStats(generation_tokens=30, spec_num_drafts=6, spec_draft_tokens=24, spec_accepted_tokens=9,
+                        spec_accepted_per_position=[5, 3, 1])
+    delta = speculative.stats_delta(before, after)
+    assert delta["generation_tokens"] == 20 and delta["spec_accepted_per_position"] == [3, 2, 1]
+    figures = speculative.speculation(delta)
+    assert figures == {"mean_accepted_length": 6 / 4 + 1, "acceptance_rate": 6 / 16,
+                       "accepted_per_position_per_row": [0.75, 0.5, 0.25]}
+    assert speculative.speculation(speculative.stats_delta(before, before))["mean_accepted_length"] is None
+    assert speculative.first_difference([1, 2, 3], [1, 5]) == 1 and speculative.first_difference([1], [1, 2]) == 1
+
+
+def test_main_on_a_tiny_model_writes_the_fields_and_identical_outputs(tmp_path, tiny_model_dirs, monkeypatch):
+    monkeypatch.setattr(speculative, "load_workload", lambda name, limit=None: PROMPTS[:limit])
+    out = tmp_path / "spec.json"
+    assert speculative.main(["workload", "--model", str(tiny_model_dirs["llama"]), "--methods", "none,ngram",
+                             "--workload", "copy,chat", "--max-tokens", "12", "--device", "cpu", "--out",
+                             str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["runs"]) == {"none", "ngram"} and report["settings"]["device"] == "cpu"
+    for method, run in report["runs"].items():
+        for name in ("copy", "chat"):
+            rec = run["workloads"][name]
+            assert RECORD_FIELDS <= set(rec) and rec["prompts"] == 2 and len(rec["per_prompt"]["tok_s"]) == 2
+            assert rec["identical_to_none"] and rec["mismatches"] == []
+            assert rec["stats"]["generation_tokens"] == rec["output_tokens"] > 0
+    assert report["targets"] and all(t["met"] for t in report["targets"].values())  # CPU: the identity targets only
+    lines = speculative.table_lines(report["runs"], report["targets"])
+    assert len(lines) == 1 + 4 + len(report["targets"])
+
+
+def test_compare_lists_mismatches_and_ratios():
+    runs = {m: {"workloads": {"copy": {"output_tok_s": tok_s}}} for m, tok_s in (("none", 10.0), ("ngram", 25.0))}
+    outputs = {"none": {"copy": [[1, 2, 3], [4, 5]]}, "ngram": {"copy": [[1, 2, 3], [4, 6, 7]]}}
+    speculative.compare_with_baseline(runs, outputs)
+    rec = runs["ngram"]["workloads"]["copy"]
+    assert rec["mismatches"] == [{"prompt": 1, "first_diff": 1, "tokens": [2, 3]}] and not rec["identical_to_none"]
+    assert rec["tok_s_vs_none"] == 2.5 and runs["none"]["workloads"]["copy"]["identical_to_none"]
+    t = speculative.targets(runs, "cuda")
+    assert t["copy / ngram / tok/s vs none"] == {"value": 2.5, "limit": 2.0, "met": True}
+    assert t["copy / ngram / prompts whose output differs from none's"]["met"] is False
+    assert "copy / ngram / tok/s vs none" not in speculative.targets(runs, "cpu")

@@ -310,6 +310,12 @@ class EngineConfig:
         return SpeculativeConfig.parse(self.speculative_config)
 
     @property
+    def max_sampled_rows(self) -> int:
+        """Most logit rows one step samples: a row per sequence, and per draft when verifying speculative drafts."""
+        spec = self.speculative
+        return self.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+
+    @property
     def is_resolved(self) -> bool:
         return self.device != "auto" and self.dtype != "auto" and self.max_model_len is not None
 

@@ -12,8 +12,8 @@ from nanoserve.runner.batch import BlockUpdates, DecodeBatch, Penalties, Prefill
 
 def build_batch(step: ScheduledStep, block_size: int, eos_token_ids: list[int]) -> DecodeBatch | PrefillBatch:
     """Call right after scheduling: the sequences' block tables, slots and pending counts are this step's."""
-    sampled = [s for s, samples in zip(step.seqs, step.samples) if samples]
-    sampling = sampling_batch(sampled, eos_token_ids) if sampled else None
+    rows = [(s, d) for s, samples, d in zip(step.seqs, step.samples, step.drafts) if samples]
+    sampling = sampling_batch([s for s, _ in rows], eos_token_ids, [d for _, d in rows]) if rows else None
     if step.is_decode:
         return _decode_batch(step, block_size, sampling)
     return _prefill_batch(step, block_size, block_updates(step.seqs), sampling)
@@ -35,10 +35,11 @@ def _decode_batch(step: ScheduledStep, bs: int, sampling) -> DecodeBatch:
 
 def _prefill_batch(step: ScheduledStep, bs: int, updates: BlockUpdates, sampling) -> PrefillBatch:
     token_ids, slot_mapping = [], []
-    for seq, start, n, decode in zip(step.seqs, step.starts, step.num_new_tokens, step.decode_rows):
-        if decode:  # its input is the token it sampled last, on the device
-            token_ids.append(np.array([-1], np.int32))
-            slot_mapping.append(kv_slots([seq.block_table], [start], bs))
+    for seq, start, n, decode, drafts in zip(step.seqs, step.starts, step.num_new_tokens, step.decode_rows,
+                                             step.drafts):
+        if decode:  # its input is the token it sampled last, on the device; then its drafts
+            token_ids.append(np.array([-1, *drafts], np.int32))
+            slot_mapping.append(kv_slots(seq.block_table, np.arange(start, start + n), bs))
         else:
             token_ids.append(np.array(seq.tokens_between(start, start + n), np.int32))
             slot_mapping.append(kv_slots(seq.block_table, np.arange(start, start + n), bs))
@@ -48,6 +49,10 @@ def _prefill_batch(step: ScheduledStep, bs: int, updates: BlockUpdates, sampling
         starts=np.array(step.starts, np.int32), query_lens=np.array(step.num_new_tokens, np.int32),
         token_ids=np.concatenate(token_ids), slot_mapping=np.concatenate(slot_mapping), block_updates=updates,
         sample_rows=sample_rows, sampling=sampling, max_blocks=max(len(s.block_table) for s in step.seqs))
+    if step.has_drafts:
+        drafts = [d for d, samples in zip(step.drafts, step.samples) if samples]
+        batch.sample_counts = np.fromiter((1 + len(d) for d in drafts), np.int32, len(drafts))
+        batch.draft_ids = np.concatenate([np.array([*d, -1], np.int32) for d in drafts])
     if any(s.params.prompt_logprobs is not None for s in step.seqs):
         _prompt_logprob_rows(batch, step)
     return batch
@@ -87,8 +92,14 @@ def block_updates(seqs: list[Sequence]) -> BlockUpdates:
     return BlockUpdates(np.array(slots, np.int32), np.array(cols, np.int32), np.array(ids, np.int32))
 
 
-def sampling_batch(seqs: list[Sequence], eos_token_ids: list[int]) -> SamplingBatch:
-    """Per-row sampling parameters of the sequences that sample this step (their pending count includes it)."""
+def sampling_batch(seqs: list[Sequence], eos_token_ids: list[int],
+                   drafts: list[list[int]] | None = None) -> SamplingBatch:
+    """Per-row sampling parameters of the sequences that sample this step (their pending count includes it). A
+    sequence verifying drafts samples a row at each of its draft positions and one after them (runner/speculative.py):
+    row j of it follows its outputs and drafts[:j], so bans (min_tokens) and penalties see that history."""
+    drafts = drafts or [[] for _ in seqs]
+    if any(drafts):
+        return _verify_sampling_batch(seqs, eos_token_ids, drafts)
     n = len(seqs)
     params = [s.params for s in seqs]
     temperature = np.fromiter((0.0 if p.greedy else p.temperature for p in params), np.float32, n)
@@ -102,7 +113,7 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: list[int]) -> SamplingBa
     if any(p.logprobs is not None for p in params):
         batch.num_logprobs = [p.logprobs for p in params]
     if any(p.min_tokens for p in params):
-        _ban_stop_tokens(batch, seqs, eos_token_ids)
+        _ban_stop_tokens(batch, seqs, [0] * n, eos_token_ids)
     if any(p.logit_bias for p in params):
         _logit_bias(batch, params)
     if any(p.uses_penalties for p in params):
@@ -114,12 +125,27 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: list[int]) -> SamplingBa
     return batch
 
 
-def _ban_stop_tokens(batch: SamplingBatch, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
-    """min_tokens: a row whose token is not yet past min_tokens may not sample EOS or its stop_token_ids."""
+def _verify_sampling_batch(seqs: list[Sequence], eos_token_ids: list[int], drafts: list[list[int]]) -> SamplingBatch:
+    """The rows of a verification step: each sequence's parameters repeated over its 1 + len(drafts) rows."""
+    counts = [1 + len(d) for d in drafts]
+    rows = [(seq, j) for seq, c in zip(seqs, counts) for j in range(c)]
+    batch = sampling_batch([seq for seq, _ in rows], eos_token_ids)
+    if any(s.params.min_tokens for s in seqs):
+        batch.banned_rows = batch.banned_tokens = np.zeros(0, np.int32)
+        _ban_stop_tokens(batch, [seq for seq, _ in rows], [j for _, j in rows], eos_token_ids)
+    if batch.penalties is not None:
+        history = {id(seq): d for seq, d in zip(seqs, drafts)}
+        batch.penalties.output_token_ids = [seq.output_token_ids + history[id(seq)][:j] for seq, j in rows]
+    return batch
+
+
+def _ban_stop_tokens(batch: SamplingBatch, seqs: list[Sequence], ahead: list[int], eos_token_ids: list[int]) -> None:
+    """min_tokens: a row whose token is not yet past min_tokens may not sample EOS or its stop_token_ids. ahead[i]:
+    row i's token comes that many tokens after the step's first for its sequence (a draft position)."""
     rows, tokens = [], []
-    for i, seq in enumerate(seqs):
+    for i, (seq, j) in enumerate(zip(seqs, ahead)):
         p = seq.params
-        if not p.reached_min_tokens(seq.num_output_tokens - 1):  # this step's token is output num_output_tokens
+        if not p.reached_min_tokens(seq.num_output_tokens - 1 + j):  # this step's token is output num_output_tokens
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             rows += [i] * len(banned)
             tokens += sorted(banned)

@@ -73,6 +73,7 @@ class EngineCore:
         self._grammars: Grammars | None = None  # made by the first structured-output request
         self._compiling: dict[str, Future] = {}  # request id → its grammar, compiling; the sequence waits for it
         self._prompt_tokens = self._generation_tokens = self._mixed_steps = 0
+        self._speculator = self._make_speculator()
         logger.info("%s", self._ready_line(hf_config, time.perf_counter() - start))
 
     def _ready_line(self, hf_config, seconds: float) -> str:
@@ -87,6 +88,13 @@ class EngineCore:
                 f"{c.max_model_len}, max_num_seqs {c.max_num_seqs}; KV cache {_kv_cache_kind(r)}: {gib:.2f} GiB = "
                 f"{r.num_kv_blocks * c.block_size} tokens ({r.num_kv_blocks} blocks of {c.block_size}, "
                 f"{r.kv_block_bytes} bytes each{self._window_note()}); {shown}")
+
+    def _make_speculator(self):
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        from nanoserve.engine.speculation import Speculator  # (the proposers load only when asked for)
+        return Speculator(spec, self.config.max_model_len, self.info.step_curve, self.info.token_curve)
 
     def _window_note(self) -> str:
         """With a window on every layer, a decoding sequence holds at most the blocks of its window."""
@@ -131,6 +139,8 @@ class EngineCore:
         seq = Sequence(rid, list(ids), params)
         seq.generator = params.make_generator(self.info.device)
         self.sequences[rid] = seq
+        if self._speculator is not None:
+            self._speculator.add(seq)
         if grammar is None:
             self.scheduler.add(seq)
         else:  # scheduled once compiled (_admit_compiled)
@@ -187,10 +197,13 @@ class EngineCore:
         constrained step before it (its forward running) first has the step before that read and its own masks
         started: they fill while this one is scheduled and built; then its sampler and this step are launched."""
         outputs: list[SeqOutput] = self._admit_compiled() if self._compiling else []
-        overlap = self.config.async_scheduling and self._num_penalty_seqs == 0
+        spec = self._speculator
+        overlap = self.config.async_scheduling and self._num_penalty_seqs == 0 and spec is None
         if not overlap:  # every token known before scheduling
             outputs += self._read_all()
         started = self._start_deferred() if self._pipeline.deferred is not None else None
+        if spec is not None and not self._num_grammar_seqs:  # (a grammar's bitmask covers one row per sequence)
+            spec.offer(self.scheduler.running)
         step = self.scheduler.schedule()
         batch = build_batch(step, self.config.block_size, self.eos_token_ids) if step else None
         if started is not None:  # (overlap only) the step before it read, masked and sampled: see the docstring
@@ -255,7 +268,8 @@ class EngineCore:
         if done.handle is None:
             return done, None, None
         result = done.handle.result()
-        accepted = self._grammars.accept(done.sampled, result.token_ids) if self._num_grammar_seqs else None
+        grammar = self._num_grammar_seqs and not done.step.has_drafts
+        accepted = self._grammars.accept(done.sampled, result.token_ids) if grammar else None
         return done, result, accepted
 
     def _complete(self, done: InFlight, result: SampledTokens | None, accepted: list[bool] | None) -> list[SeqOutput]:
@@ -264,21 +278,37 @@ class EngineCore:
             return []
         if result.prompt_logprobs is not None:
             _distribute_prompt_logprobs(done.step, result.prompt_logprobs)
-        outputs = []
-        for i, seq in enumerate(done.sampled):
+        outputs, row = [], 0
+        drafts = [d for d, samples in zip(done.step.drafts, done.step.samples) if samples]
+        for i, (seq, seq_drafts) in enumerate(zip(done.sampled, drafts)):
+            rows = range(row, row + 1 + len(seq_drafts))  # its sampled rows: one, or one per draft and one more
+            row = rows.stop
             seq.num_pending -= 1
             if seq.is_finished:  # finished or aborted after this step was launched: the token is discarded
                 continue
-            token = result.token_ids[i]
             if accepted is not None and not accepted[i]:
-                outputs.append(self._grammar_dead_end(seq, token))
+                outputs.append(self._grammar_dead_end(seq, result.token_ids[rows.start]))
                 continue
+            if seq_drafts:
+                tokens = self._speculator.verified(seq, seq_drafts, result.token_ids[rows.start:rows.stop])
+                rows = rows[:len(tokens)]
+            outputs.append(self._append_tokens(seq, rows, result))
+        return outputs
+
+    def _append_tokens(self, seq: Sequence, rows: range, result: SampledTokens) -> SeqOutput:
+        """Append the samples of these rows to seq, up to the one that ends it; its delta."""
+        out = SeqOutput(seq.request_id, [])
+        if result.logprobs is not None:
+            out.token_logprobs, out.top_logprobs = [], []
+        for r in rows:
+            token = result.token_ids[r]
             seq.output_token_ids.append(token)
+            out.new_token_ids.append(token)
             self._generation_tokens += 1
             self.block_manager.register_full_blocks(seq, seq.num_computed_tokens)
-            out = SeqOutput(seq.request_id, [token])
             if result.logprobs is not None:
-                out.token_logprobs, out.top_logprobs = [result.logprobs[i]], [result.top_logprobs[i]]
+                out.token_logprobs.append(result.logprobs[r])
+                out.top_logprobs.append(result.top_logprobs[r])
             if len(seq.output_token_ids) == 1:
                 out.num_cached_tokens = seq.num_cached_tokens
                 if seq.params.prompt_logprobs is not None:
@@ -288,8 +318,10 @@ class EngineCore:
                 out.finish_reason, out.stop_reason = reason, seq.stop_reason
                 self.sequences.pop(seq.request_id, None)
                 self._finish(seq, reason)
-            outputs.append(out)
-        return outputs
+                return out
+        if self._speculator is not None:
+            self._speculator.extend(seq, out.new_token_ids)
+        return out
 
     def _grammar_dead_end(self, seq: Sequence, token: int) -> SeqOutput:
         """The grammar allowed no token the sampler could take (min_tokens banned the stop tokens the grammar
@@ -321,6 +353,8 @@ class EngineCore:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         else:
             self.scheduler.finish(seq, reason)
+        if self._speculator is not None:  # a finished request's output feeds the suffix proposer's cache
+            self._speculator.remove(seq, keep_outputs=reason not in ("abort", "error"))
         self._num_penalty_seqs -= seq.params.uses_penalties
         if seq.grammar is not None:
             self._num_grammar_seqs -= 1
@@ -352,6 +386,7 @@ class EngineCore:
             prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             kv_cache_dtype=self.info.kv_cache_dtype, kv_cache_scales=self.info.kv_cache_scales,
             kv_block_bytes=self.info.kv_block_bytes,
+            **(self._speculator.stats() if self._speculator is not None else {}),
             **vars(self.counters))  # the runner's steps by how they ran, its padding (RunnerCounters)
 
 

@@ -39,19 +39,26 @@ class ScheduledStep:
     starts: list[int] = field(default_factory=list)  # tokens already in the cache before this step
     num_new_tokens: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)  # the chunk reaches the sequence's end: sample a token
-    decode_rows: list[bool] = field(default_factory=list)  # one token whose id is on the device
-    is_decode: bool = True  # every row is a decode row: the step can replay a CUDA graph
+    decode_rows: list[bool] = field(default_factory=list)  # its first token's id is on the device (the last sampled)
+    drafts: list[list[int]] = field(default_factory=list)  # a decode row's draft tokens to verify after that one
+    is_decode: bool = True  # every row is one decode token: the step can replay a batch-size CUDA graph
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
 
-    def add(self, seq: Sequence, num_tokens: int, decoding: bool) -> None:
+    def add(self, seq: Sequence, num_tokens: int, decoding: bool, drafts: list[int] = ()) -> None:
+        """num_tokens: the row's tokens, its drafts included."""
         self.seqs.append(seq)
         self.starts.append(seq.num_computed_tokens)
         self.num_new_tokens.append(num_tokens)
-        self.samples.append(seq.num_computed_tokens + num_tokens == seq.num_tokens)
+        self.samples.append(seq.num_computed_tokens + num_tokens - len(drafts) == seq.num_tokens)
         self.decode_rows.append(decoding)
-        self.is_decode = self.is_decode and decoding
+        self.drafts.append(list(drafts))
+        self.is_decode = self.is_decode and decoding and not drafts
+
+    @property
+    def has_drafts(self) -> bool:
+        return not self.is_decode and any(self.drafts)
 
 
 class Scheduler:
@@ -106,6 +113,9 @@ class Scheduler:
             i += 1
             if not seq.decoding or seq.reached_length_limit(self.max_model_len):
                 continue  # a prompt in progress, or a sequence ended by its pending token
+            drafts, seq.draft_token_ids = seq.draft_token_ids[:min(seq.draft_room(self.max_model_len), budget - 1)], []
+            if drafts and not self.block_manager.allocate(seq, seq.num_tokens + len(drafts)):
+                drafts = []  # no blocks for them: the row decodes its one token
             while not self.block_manager.can_append_one(seq):
                 victim = self.running[-1]  # latest arrival, not scheduled in this step yet
                 self._preempt(victim)
@@ -113,8 +123,8 @@ class Scheduler:
                     break
             else:
                 self.block_manager.allocate(seq, seq.num_tokens)
-                self._add_to_step(step, seq, 1, decoding=True)
-                budget -= 1
+                self._add_to_step(step, seq, 1 + len(drafts), decoding=True, drafts=drafts)
+                budget -= 1 + len(drafts)
         return budget
 
     def _schedule_waiting(self, step: ScheduledStep, budget: int) -> None:
@@ -135,8 +145,8 @@ class Scheduler:
             self._add_to_step(step, seq, n, decoding=False)
             budget -= n
 
-    def _add_to_step(self, step: ScheduledStep, seq: Sequence, n: int, decoding: bool) -> None:
-        step.add(seq, n, decoding)
+    def _add_to_step(self, step: ScheduledStep, seq: Sequence, n: int, decoding: bool, drafts: list[int] = ()) -> None:
+        step.add(seq, n, decoding, drafts)
         if not decoding:  # the chunk's tokens are known: its full blocks can serve other prompts
             self.block_manager.register_full_blocks(seq, seq.num_computed_tokens + n)
         seq.num_computed_tokens += n
@@ -164,6 +174,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.draft_token_ids = []
         if seq.slot is not None:
             self.free_slots.append(seq.slot)
             seq.slot = None

@@ -46,6 +46,11 @@ class Sequence:
     stop_reason: int | None = None  # the stop token id that ended it
     prompt_logprobs: list = field(default_factory=list)  # params.prompt_logprobs: (logprob, top) per prompt token 1..
     num_prompt_logprobs_scheduled: int = 0  # prompt positions whose logprobs a launched step computes
+    # speculative decoding: the drafts offered for the next step (the scheduler may run fewer), and the drafts this
+    # sequence has had verified and accepted so far (its running acceptance rate)
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_drafted: int = 0
+    num_accepted: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,6 +89,14 @@ class Sequence:
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return prompt[start:] + self.output_token_ids[:end - n]
+
+    def draft_room(self, max_model_len: int) -> int:
+        """Most drafts the next step may verify: every accepted draft and the token after them must fit max_tokens
+        and max_model_len (rejected drafts' slots are rolled back, so only the outcome counts)."""
+        room = max_model_len - self.num_tokens - 1
+        if self.params.max_tokens is not None:
+            room = min(room, self.params.max_tokens - self.num_output_tokens - 1)
+        return max(room, 0)
 
     def reached_length_limit(self, max_model_len: int, pending: bool = True) -> bool:
         """max_tokens or max_model_len is reached. pending=True (the scheduler): the device's tokens count, no

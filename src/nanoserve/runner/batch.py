@@ -139,6 +139,11 @@ class PrefillBatch:
     prompt_logprob_rows: np.ndarray = field(default_factory=_empty)  # token rows whose next prompt token's ...
     prompt_logprob_targets: np.ndarray = field(default_factory=_empty)  # ... logprob is asked (these tokens)
     prompt_logprob_k: int = 0  # top logprobs per such row
+    # speculative decoding: sampled sequence i samples its last sample_counts[i] token rows (its decode token and its
+    # drafts), and each such row's sample is checked against draft_ids (the draft at the next position; -1 after
+    # the last): None when no row verifies drafts (one sample per sampled sequence)
+    sample_counts: np.ndarray | None = None
+    draft_ids: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

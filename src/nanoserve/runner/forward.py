@@ -4,6 +4,8 @@ Both take their input ids on the device where the host does not know them (a slo
 patch the persistent block table first. Each reads its inputs by name from a typed record (runner/inputs.py)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -12,6 +14,7 @@ from nanoserve.kernels.step_inputs import prepare_decode
 from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.runner import prompt_logprobs
 from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch
+from nanoserve.runner.speculative import VerifyRows
 from nanoserve.runner.inputs import (DecodeInputs, PersistentState, StepPacker, StepTail, TokenInputs, TokenViews,
                                      decode_values, token_values)
 
@@ -121,8 +124,8 @@ class TokenForward:
         ids = torch.where(v.ids >= 0, v.ids, self.state.last_tokens[v.token_slots.long()])
         return self.model(ids, v.positions, meta)
 
-    def sample_logits(self, hidden: torch.Tensor, tail: StepTail, batch: PrefillBatch):
-        """(logits of the sampled rows, their sampling parameters, their slots, the prompt logprobs asked for)."""
+    def sample_logits(self, hidden: torch.Tensor, tail: StepTail, batch: PrefillBatch) -> "SampledLogits":
+        """The logits of the sampled rows and what their sampling needs."""
         logits = self.model.compute_logits(hidden[tail.sample_token_rows.long()])
         params = tail.sampling() if batch.sampling is not None else None
         prompt = None
@@ -130,7 +133,19 @@ class TokenForward:
             packed = prompt_logprobs.compute(self.model, hidden, tail.logprob_rows, tail.logprob_targets,
                                              batch.prompt_logprob_k, self.logprob_chunk)
             prompt = prompt_logprobs.PromptLogprobsHandle(packed, len(batch.prompt_logprob_rows))
-        return logits, params, tail.sampled_slots, prompt
+        verify = VerifyRows(tail.draft_ids, tail.group_first) if batch.sample_counts is not None else None
+        return SampledLogits(logits, params, tail.sampled_slots, prompt, verify)
 
 
-__all__ = ["DecodeForward", "TokenForward"]
+class SampledLogits(NamedTuple):
+    """A prompt / mixed step's sampled rows: their logits, parameters and slots on the device, the prompt logprobs
+    asked for (a PromptLogprobsHandle or None), and the drafts they verify (None: no drafts)."""
+
+    logits: torch.Tensor
+    params: object | None  # SamplingTensors
+    slots: torch.Tensor
+    prompt_logprobs: object | None
+    verify: VerifyRows | None
+
+
+__all__ = ["DecodeForward", "TokenForward", "SampledLogits"]

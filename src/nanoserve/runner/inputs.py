@@ -94,6 +94,8 @@ class StepTail:
     update_ids: torch.Tensor = region()
     logprob_rows: torch.Tensor = region()  # token rows whose next prompt token's logprob is asked ...
     logprob_targets: torch.Tensor = region()  # ... for these tokens
+    draft_ids: torch.Tensor = region()  # verification: per sampled row, the draft its sample must equal (-1: none) ...
+    group_first: torch.Tensor = region()  # ... and the first sampled row of its sequence (empty: no drafts)
     temperature: torch.Tensor = region(dtype=np.float32)  # the sampled rows' parameters (empty: no sampling)
     top_p: torch.Tensor = region(dtype=np.float32)
     top_k: torch.Tensor = region()
@@ -254,13 +256,28 @@ def token_values(batch: PrefillBatch, q_per_tile: int) -> tuple[dict[str, np.nda
               "token_slots": np.repeat(batch.slots, batch.query_lens), "slots": batch.slots,
               "context_lens": context_lens, "cu_seqlens_q": cu_q, "work_seq": work_seq, "work_start": work_start}
     u = batch.block_updates
-    tail = {"sample_token_rows": (cu_q[1:][batch.sample_rows] - 1).astype(np.int32),
-            "sampled_slots": batch.slots[batch.sample_rows], "update_slots": u.slots, "update_cols": u.cols,
-            "update_ids": u.block_ids, "logprob_rows": batch.prompt_logprob_rows,
-            "logprob_targets": batch.prompt_logprob_targets}
+    tail = _sampled_rows(batch, cu_q) | {
+        "update_slots": u.slots, "update_cols": u.cols, "update_ids": u.block_ids,
+        "logprob_rows": batch.prompt_logprob_rows, "logprob_targets": batch.prompt_logprob_targets}
     empty_f, empty_i = np.zeros(0, np.float32), np.zeros(0, np.int32)
     tail |= {"temperature": empty_f, "top_p": empty_f, "top_k": empty_i, "min_p": empty_f}
     return static, tail | sampling_values(batch.sampling)
+
+
+def _sampled_rows(batch: PrefillBatch, cu_q: np.ndarray) -> dict[str, np.ndarray]:
+    """The token rows whose logits are sampled and their slots: each sampled sequence's last token, or (verifying
+    drafts) its last sample_counts[i] tokens, with the drafts they verify and their sequence's first row."""
+    last = (cu_q[1:][batch.sample_rows] - 1).astype(np.int32)
+    slots = batch.slots[batch.sample_rows]
+    if batch.sample_counts is None:
+        none = np.zeros(0, np.int32)
+        return {"sample_token_rows": last, "sampled_slots": slots, "draft_ids": none, "group_first": none}
+    counts = batch.sample_counts
+    first = np.cumsum(counts) - counts  # each sequence's first sampled row
+    within = np.arange(int(counts.sum()), dtype=np.int32) - np.repeat(first, counts)
+    rows = np.repeat(last - counts + 1, counts) + within
+    return {"sample_token_rows": rows.astype(np.int32), "sampled_slots": np.repeat(slots, counts),
+            "draft_ids": batch.draft_ids, "group_first": np.repeat(first, counts).astype(np.int32)}
 
 
 class StepPacker:

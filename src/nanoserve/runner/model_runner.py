@@ -25,6 +25,7 @@ from nanoserve.runner.dispatch import Kind
 from nanoserve.runner.info import RunnerCounters, RunnerInfo
 from nanoserve.runner.kv_cache import KVCacheSpec
 from nanoserve.runner.sampler import SampleHandle, SamplingPath, SamplingTensors
+from nanoserve.runner.speculative import VerifyRows
 from nanoserve.runner.startup import start
 from nanoserve.runner.startup.bucket_plan import BatchDistribution
 
@@ -38,6 +39,7 @@ class PendingSample:
     slots: torch.Tensor
     prompt_logprobs: object | None  # a PromptLogprobsHandle
     bucket: int | None  # the decode graph that made the logits (its sampler graph may follow)
+    verify: VerifyRows | None = None  # the rows verify drafts (runner/speculative.py)
 
 
 class ModelRunner:
@@ -75,15 +77,16 @@ class ModelRunner:
         """Launch the step and its sampling; None when the batch samples nothing (a mid-prompt chunk).
         defer_sampling: launch the forward only; the PendingSample returned is sampled by sample_deferred() (the
         engine fills the grammar bitmask in between), before any other step runs on this runner."""
+        verify = None
         if isinstance(batch, PrefillBatch):
-            (logits, params, slots, prompt), bucket = self._prefill(batch), None
+            (logits, params, slots, prompt, verify), bucket = self._prefill(batch), None
         else:
             logits, rows, bucket = self._decode(batch)
             views, b, prompt = self.buffers.decode_inputs.views(rows), batch.size, None
             params, slots = views.sampling(b), views.slots[:b]
         if batch.sampling is None or not len(batch.sampling):
             return None if prompt is None else SampleHandle.empty(prompt)
-        pending = PendingSample(logits, params, slots, prompt, bucket)
+        pending = PendingSample(logits, params, slots, prompt, bucket, verify)
         return pending if defer_sampling else self.sample_deferred(pending, batch.sampling)
 
     @torch.inference_mode()
@@ -97,7 +100,7 @@ class ModelRunner:
             if size is not None:
                 replay = functools.partial(self.graphs.replay, kind, size)
         handle = sampler(pending.logits, sampling, pending.params, self.buffers.state.last_tokens, pending.slots,
-                         replay)
+                         replay, pending.verify)
         handle.prompt_logprobs = pending.prompt_logprobs
         return handle
 

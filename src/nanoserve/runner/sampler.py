@@ -31,6 +31,7 @@ from nanoserve.config import MAX_LOGPROBS
 from nanoserve.kernels._triton import use_triton
 from nanoserve.kernels.sampling import SampleScratch, masked_float_logits, sample_tokens
 from nanoserve.runner.batch import Penalties, SampledTokens, SamplingBatch
+from nanoserve.runner.speculative import VerifyRows, accepted_store_slots
 
 
 @dataclass
@@ -94,9 +95,10 @@ class Sampler:
     """logits [n, V] + a SamplingBatch → sampled ids in the slots' last-token cells, and a SampleHandle."""
 
     def __init__(self, max_rows: int, device: torch.device, generator: torch.Generator | None = None,
-                 vocab_size: int = 0):
+                 vocab_size: int = 0, max_masked_rows: int | None = None):
         """generator: the noise of unseeded rows (None: torch's default RNG). Plain batches take the one kernel
-        where the kernels run Triton (kernels/_triton.use_triton)."""
+        where the kernels run Triton (kernels/_triton.use_triton). max_masked_rows: the most rows a grammar's bitmask
+        covers (a step verifying drafts has no grammar rows), max_rows by default."""
         self.device, self.generator = device, generator
         self.on_cuda = device.type == "cuda"
         words = max_rows * (2 + 2 * MAX_LOGPROBS)
@@ -105,7 +107,7 @@ class Sampler:
         self._events = [torch.cuda.Event() if self.on_cuda else None for _ in range(2)]
         self._turn = 0
         self._fused = SampleScratch(max_rows, device) if use_triton(device) else None
-        self._bitmask = torch.full((max_rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device) \
+        self._bitmask = torch.full((max_masked_rows or max_rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device) \
             if self._fused is not None else None  # the plain sample's mask: static, so its graphs read it
         # the plain sample's noise key, on the device: read by the kernel and advanced after it, so a graph of the
         # call draws anew each replay; seeded like the runner's generator (the same on every tensor-parallel rank)
@@ -144,12 +146,25 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors,
-                 last_tokens: torch.Tensor, slots: torch.Tensor, replay=None) -> SampleHandle:
+                 last_tokens: torch.Tensor, slots: torch.Tensor, replay=None,
+                 verify: VerifyRows | None = None) -> SampleHandle:
         """Sample one token per row; store it at last_tokens[slots]; start the copy to the host. replay: the graph
-        of this plain sample (runner/dispatch.py routed it), when there is one."""
+        of this plain sample (runner/dispatch.py routed it), when there is one. verify: the rows verify drafts
+        (runner/speculative.py); only each sequence's last accepted row is stored."""
         n = len(batch)
         if logits.shape[0] != n:
             raise ValueError(f"got {logits.shape[0]} logit rows for {n} sampled rows")
+        if verify is None:
+            return self._sample_store(logits, batch, params, last_tokens, slots, replay)[1]
+        dummy = len(last_tokens) - 1  # every row stores there first; the accepted run's last row then to its slot
+        tokens, handle = self._sample_store(logits, batch, params, last_tokens, torch.full_like(slots, dummy), None)
+        last_tokens.index_copy_(0, accepted_store_slots(tokens, verify, slots, dummy).long(), tokens)
+        return handle
+
+    def _sample_store(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors,
+                      last_tokens: torch.Tensor, slots: torch.Tensor, replay) -> tuple[torch.Tensor, SampleHandle]:
+        """The sampled ids [n] int32, stored at last_tokens[slots], and their handle."""
+        n = len(batch)
         path = self.path(batch)
         if path is SamplingPath.FUSED:
             masked = batch.grammar_rows is not None
@@ -157,7 +172,7 @@ class Sampler:
                 self._bitmask[:n].copy_(batch.grammar_bitmask, non_blocking=True)
             tokens = replay()[:n] if replay is not None else \
                 self._plain(logits, n if masked else 0, params.temperature, slots, last_tokens)
-            return self._to_host(tokens, None, None, None)
+            return tokens, self._to_host(tokens, None, None, None)
         top_k = batch.max_logprobs
         raw_logprobs = None
         if path is SamplingPath.ARGMAX:
@@ -172,7 +187,7 @@ class Sampler:
             tokens = self._sample(logits, batch, params)
         tokens = tokens.to(torch.int32)
         last_tokens.index_copy_(0, slots.long(), tokens)
-        return self._to_host(tokens, raw_logprobs, top_k, batch.num_logprobs)
+        return tokens, self._to_host(tokens, raw_logprobs, top_k, batch.num_logprobs)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors) -> torch.Tensor:
         if len(batch.bias_rows):  # before the bans: a banned token stays banned whatever its bias

@@ -1,0 +1,43 @@
+"""How many drafts each sequence verifies this step: the plan that maximizes the expected tokens per millisecond.
+
+A draft at position j (1-based) of a sequence whose drafts are accepted at rate α is kept only if every draft before
+it is, so it is worth α^j expected tokens (the usual geometric model of acceptance). A step of b decoding rows that
+verifies n drafts in all yields b + Σ α_i^j tokens and costs the measured time of a token-count step of b + n tokens;
+with n = 0 it is a plain decode step (the batch-size curve). Candidates sorted by α_i^j give, for every n, the best n
+drafts, and each sequence's chosen drafts stay a prefix of its own (α^j falls with j); the plan takes the n with the
+most tokens per ms. So large batches (whose decode step is cheap per row) and sequences whose drafts are rarely
+accepted verify few or none, and a single stream with a good acceptance rate verifies many.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from nanoserve.runner.startup.bucket_plan import StepTime
+from nanoserve.speculative_config import ACCEPTANCE_PRIOR
+
+
+def acceptance_rate(accepted: int, drafted: int) -> float:
+    """A sequence's running acceptance rate, from the prior until its own drafts are counted."""
+    prior_accepted, prior_drafted = ACCEPTANCE_PRIOR
+    return (accepted + prior_accepted) / (drafted + prior_drafted)
+
+
+def plan_drafts(lengths: list[int], rates: list[float], decode_ms: StepTime, tokens_ms: StepTime) -> list[int]:
+    """Per sequence, how many of its offered drafts (lengths[i]) to verify, given acceptance rates and the measured
+    step times (decode_ms: rows → ms of a decode step; tokens_ms: tokens → ms of a token-count step)."""
+    b = len(lengths)
+    owner = np.repeat(np.arange(b), lengths)
+    if not len(owner):
+        return [0] * b
+    position = np.arange(len(owner)) - np.repeat(np.cumsum(lengths) - lengths, lengths) + 1
+    value = np.asarray(rates, np.float64)[owner] ** position
+    order = np.lexsort((position, owner, -value))  # best first; ties: earlier sequence, earlier position
+    expected = b + np.concatenate([[0.0], np.cumsum(value[order])])
+    n = np.arange(len(order) + 1)
+    cost = np.asarray(tokens_ms(b + n), np.float64)
+    cost[0] = float(np.asarray(decode_ms(np.array([b])), np.float64)[0])
+    best = int(np.argmax(expected / cost))
+    return np.bincount(owner[order[:best]], minlength=b).tolist()
+
+
+__all__ = ["acceptance_rate", "plan_drafts"]

@@ -1,0 +1,79 @@
+"""Speculative decoding, the engine core's side: drafts offered before each step, verified samples turned into the
+tokens a sequence keeps, and the counters /metrics and the benchmarks read.
+
+Before scheduling, every decoding sequence is offered the drafts its proposer (engine/drafts.py) continues it with,
+as many as draft_plan.plan_drafts finds worth their cost (all of them, up to num_speculative_tokens, when the step
+curves were not measured or "adaptive" is off); the scheduler runs a sequence's last token and its drafts as one row
+of a token-count step. After the step, the sequence keeps its samples up to the first that differs from its draft
+(runner/speculative.py says why that is exact) and its computed-token count is rolled back over the rejected drafts:
+their KV slots are simply written again by later steps. The host must know every token before it drafts, so with
+speculation the loop reads each step before scheduling the next (no overlap).
+"""
+from __future__ import annotations
+
+from nanoserve.engine.draft_plan import acceptance_rate, plan_drafts
+from nanoserve.engine.drafts import make_proposer
+from nanoserve.engine.sequence import Sequence
+from nanoserve.runner.speculative import accepted_count
+from nanoserve.speculative_config import SpeculativeConfig
+
+
+class Speculator:
+    def __init__(self, spec: SpeculativeConfig, max_model_len: int, step_curve=None, token_curve=None):
+        """step_curve / token_curve: the runner's measured step times (None when not measured: no planning)."""
+        self.spec, self.max_model_len = spec, max_model_len
+        self.proposer = make_proposer(spec)
+        planned = spec.adaptive and step_curve is not None and token_curve is not None
+        self._curves = (step_curve, token_curve) if planned else None
+        self.num_drafts = self.draft_tokens = self.accepted_tokens = 0  # rows that verified drafts; drafts; kept
+        self.accepted_per_position = [0] * spec.num_speculative_tokens
+
+    # -- a sequence's life --------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.proposer.add(seq.request_id, seq.prompt_token_ids)
+
+    def remove(self, seq: Sequence, keep_outputs: bool) -> None:
+        self.proposer.remove(seq.request_id, keep_outputs)
+
+    # -- before a step ------------------------------------------------------------------------------
+    def offer(self, running: list[Sequence]) -> None:
+        """Set each decoding sequence's draft_token_ids for the next schedule (the scheduler may run fewer)."""
+        rows = [s for s in running if s.decoding and not s.is_finished]
+        k = self.spec.num_speculative_tokens
+        offered = [self._propose(s, min(k, s.draft_room(self.max_model_len))) for s in rows]
+        if self._curves is not None and any(offered):
+            rates = [acceptance_rate(s.num_accepted, s.num_drafted) for s in rows]
+            keep = plan_drafts([len(d) for d in offered], rates, *self._curves)
+            offered = [d[:n] for d, n in zip(offered, keep)]
+        for seq, drafts in zip(rows, offered):
+            seq.draft_token_ids = drafts
+
+    def _propose(self, seq: Sequence, k: int) -> list[int]:
+        return self.proposer.propose(seq.request_id, k) if k > 0 else []
+
+    # -- after a step -------------------------------------------------------------------------------
+    def verified(self, seq: Sequence, drafts: list[int], samples: list[int]) -> list[int]:
+        """The tokens seq keeps from a step that verified `drafts` (samples: its rows' samples): the accepted drafts
+        and the sample after them. Rolls its computed tokens back over the rejected drafts."""
+        a = accepted_count(samples, drafts)
+        seq.num_computed_tokens -= len(drafts) - a
+        seq.num_drafted += len(drafts)
+        seq.num_accepted += a
+        self.num_drafts += 1
+        self.draft_tokens += len(drafts)
+        self.accepted_tokens += a
+        for j in range(a):
+            self.accepted_per_position[j] += 1
+        return samples[:a + 1]
+
+    def extend(self, seq: Sequence, tokens: list[int]) -> None:
+        self.proposer.extend(seq.request_id, tokens)
+
+    def stats(self) -> dict:
+        """The EngineStats fields of speculation."""
+        return {"spec_method": self.spec.method, "spec_num_drafts": self.num_drafts,
+                "spec_draft_tokens": self.draft_tokens, "spec_accepted_tokens": self.accepted_tokens,
+                "spec_accepted_per_position": list(self.accepted_per_position)}
+
+
+__all__ = ["Speculator"]

@@ -8,7 +8,12 @@ rank, as in a real step.
 """
 from __future__ import annotations
 
-from nanoserve.runner.batch import DecodeBatch, disjoint_decode_batch
+import dataclasses
+
+import numpy as np
+
+from nanoserve.kernels.paging import kv_slots
+from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch, SamplingBatch, disjoint_decode_batch
 from nanoserve.runner.startup.timing import time_ms
 
 
@@ -22,6 +27,40 @@ def decode_batch(runner, rows: int, context_len: int) -> DecodeBatch:
     else:
         on_every_rank(runner, _write_tables, batch.slots, tables)
     return batch
+
+
+def greedy_sampling(slots: np.ndarray) -> SamplingBatch:
+    """Every row greedy, nothing else (the sampler's plain path)."""
+    n = len(slots)
+    return SamplingBatch(slots=slots, temperature=np.zeros(n, np.float32), top_p=np.ones(n, np.float32),
+                         top_k=np.zeros(n, np.int32), min_p=np.zeros(n, np.float32))
+
+
+def sampled_decode_batch(runner, rows: int, context_len: int) -> DecodeBatch:
+    """decode_batch with greedy sampling: the whole decode step the engine runs (forward, logits, sampler)."""
+    batch = decode_batch(runner, rows, context_len)
+    return dataclasses.replace(batch, sampling=greedy_sampling(batch.slots))
+
+
+def verify_batch(runner, rows: int, context_len: int, num_drafts: int, draft_id: int = 0) -> PrefillBatch:
+    """The step that verifies num_drafts drafts on each of `rows` rows (engine/batching's layout: each row's last
+    sampled token, read on the device, then its drafts, all sampled greedily and checked against the drafts), at
+    context_len tokens a row once verified, over decode_batch's disjoint block tables."""
+    decode = decode_batch(runner, rows, context_len + num_drafts)
+    starts = np.full(rows, context_len - 1, np.int32)
+    q = num_drafts + 1
+    positions = (starts[:, None] + np.arange(q, dtype=np.int32)[None, :])
+    per_row = runner.kv.blocks_for(context_len + num_drafts)
+    table_rows = np.arange(rows * per_row, dtype=np.int32).reshape(rows, per_row)  # decode_batch's tables
+    ids = np.full((rows, q), draft_id, np.int32)
+    ids[:, 0] = -1
+    sampled = np.repeat(decode.slots, q)
+    return PrefillBatch(
+        slots=decode.slots, starts=starts, query_lens=np.full(rows, q, np.int32), token_ids=ids.ravel(),
+        slot_mapping=np.concatenate([kv_slots(t, p, runner.config.block_size) for t, p in zip(table_rows, positions)]),
+        block_updates=BlockUpdates(), sample_rows=np.arange(rows, dtype=np.int32), sampling=greedy_sampling(sampled),
+        max_blocks=per_row, sample_counts=np.full(rows, q, np.int32),
+        draft_ids=np.tile(np.array([draft_id] * num_drafts + [-1], np.int32), rows))
 
 
 def _write_tables(runner, slots, tables) -> None:  # module level: RunnerGroup pickles it to the workers
@@ -38,4 +77,14 @@ def time_decode_step(runner, batch: DecodeBatch, warmup: int = 5, iters: int = 3
     return time_ms(lambda: runner.execute(batch), runner.info.device, warmup, iters)
 
 
-__all__ = ["decode_batch", "run_decode_step", "time_decode_step"]
+def time_step(runner, batch, warmup: int = 5, iters: int = 30) -> list[float]:
+    """ms per step (launch + sampled tokens read back) over iters calls after warmup (the package's timing loop)."""
+    def step():
+        handle = runner.execute(batch)
+        if handle is not None:
+            handle.result()
+    return time_ms(step, runner.info.device, warmup, iters)
+
+
+__all__ = ["decode_batch", "run_decode_step", "time_decode_step", "sampled_decode_batch", "verify_batch", "time_step",
+           "greedy_sampling"]

@@ -78,9 +78,11 @@ def run_throughput(llm, requests: list[BenchRequest], params=None, warmup: bool 
     params = params or [sampling(r.output_len) for r in requests]
     if warmup:  # compiles what a first step needs; not timed
         llm.generate([requests[0].prompt], sampling(2), use_tqdm=False)
+    before = llm.engine.stats
     start = time.perf_counter()
     outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    speculation = speculation_delta(before, llm.engine.stats)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     result = {"elapsed_time": seconds, "num_requests": len(requests), "total_input_tokens": prompt_tokens,
@@ -90,7 +92,28 @@ def run_throughput(llm, requests: list[BenchRequest], params=None, warmup: bool 
               "output_tokens_per_second": output_tokens / seconds}
     log(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} total "
         f"tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s")
+    if speculation is not None:
+        result["speculation"] = speculation
+        log(f"Speculation ({speculation['method']}): {speculation['accepted_tokens']} of {speculation['draft_tokens']} "
+            f"drafts accepted ({speculation['acceptance_rate']:.1%}), {speculation['mean_accepted_length']:.2f} tokens "
+            "per verifying sequence step")
     return result
 
 
-__all__ = ["profile_batch", "run_latency", "run_throughput", "throughput_requests", "sampling", "vocab_size"]
+def speculation_delta(before, after) -> dict | None:
+    """Speculative decoding's counters between two EngineStats (None when it is off): drafts, acceptance, mean
+    accepted length (accepted drafts + 1 per verifying sequence step), acceptances by draft position."""
+    if after.spec_method is None:
+        return None
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    proposed = after.spec_draft_tokens - before.spec_draft_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    per_position = [a - b for a, b in zip(after.spec_accepted_per_position,
+                                          before.spec_accepted_per_position + [0] * len(after.spec_accepted_per_position))]
+    return {"method": after.spec_method, "num_drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0, "accepted_per_position": per_position}
+
+
+__all__ = ["profile_batch", "run_latency", "run_throughput", "throughput_requests", "sampling", "vocab_size",
+           "speculation_delta"]

@@ -94,7 +94,9 @@ class _Completion:
         return self.finish_reason is not None
 
     def append(self, out: SeqOutput) -> bool:
-        """Take one delta; True when a stop string ended the completion (the core must be told)."""
+        """Take one delta; True when a stop string ended the completion (the core must be told). A delta of several
+        tokens (verified drafts) is read token by token: a stop string completed inside it drops the tokens after."""
+        before = len(self.token_ids)
         self.token_ids += out.new_token_ids
         if out.token_logprobs is not None:
             self.cumulative_logprob += sum(out.token_logprobs)
@@ -103,30 +105,41 @@ class _Completion:
                     entry = dict(top)
                     entry.setdefault(token, lp)
                     self.logprobs.append(entry)
-        stopped = self.detok is not None and self._extend_text(out.new_token_ids)
-        if not stopped and out.finish_reason is not None:
+        taken = self._extend_text(out.new_token_ids, before) if self.detok is not None else None
+        if taken is not None:
+            if taken < len(out.new_token_ids):
+                del self.token_ids[before + taken:]
+                if out.token_logprobs is not None:
+                    self.cumulative_logprob -= sum(out.token_logprobs[taken:])
+                    if self.logprobs is not None:
+                        del self.logprobs[before + taken:]
+            return True
+        if out.finish_reason is not None:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
             if self.tokenizer is not None and out.finish_reason in ("stop", "length"):
                 self.text = detokenizer.full_text(self.tokenizer, self.prompt_ids, self.token_ids,
                                                   self.params.skip_special_tokens)
-        return stopped
+        return False
 
-    def _extend_text(self, new_ids: list[int]) -> bool:
-        end = len(self.text)
-        for t in new_ids:
-            self.text += self.detok.push(t)
+    def _extend_text(self, new_ids: list[int], before: int) -> int | None:
+        """Push the tokens' text; when a stop string ends the completion, how many of new_ids it took (else None)."""
         if self.stops is None:
-            return False
-        while True:  # stop strings completed before min_tokens are passed over
-            self.stop_state, end, stop = self.stops.feed(self.stop_state, self.text, end)
-            if stop is None:
-                return False
-            if self.params.reached_min_tokens(len(self.token_ids)):
-                break
-        at = end - len(stop)
-        self.text = self.text[:at + len(stop)] if self.params.include_stop_str_in_output else self.text[:at]
-        self.finish_reason, self.stop_reason = "stop", stop
-        return True
+            for t in new_ids:
+                self.text += self.detok.push(t)
+            return None
+        for i, t in enumerate(new_ids):
+            end = len(self.text)
+            self.text += self.detok.push(t)
+            while True:  # stop strings completed before min_tokens are passed over
+                self.stop_state, end, stop = self.stops.feed(self.stop_state, self.text, end)
+                if stop is None:
+                    break
+                if self.params.reached_min_tokens(before + i + 1):
+                    at = end - len(stop)
+                    self.text = self.text[:at + len(stop)] if self.params.include_stop_str_in_output else self.text[:at]
+                    self.finish_reason, self.stop_reason = "stop", stop
+                    return i + 1
+        return None
 
     def visible_text(self) -> str:
         if self.finished or self.stops is None:

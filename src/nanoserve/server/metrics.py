@@ -57,6 +57,28 @@ class _EngineCollector:
         prefill.add_metric(["graph"], s.prefill_steps_graph)
         prefill.add_metric(["eager"], s.prefill_steps_eager)
         yield prefill
+        if s.spec_method is not None:
+            yield from _speculation(s)
+
+
+def _speculation(s):
+    """Speculative decoding's counters (vLLM's spec_decode names), labelled by method."""
+    for name, doc, value in [
+            ("nanoserve_spec_decode_num_drafts", "Sequence steps that verified drafts", s.spec_num_drafts),
+            ("nanoserve_spec_decode_num_draft_tokens", "Draft tokens verified", s.spec_draft_tokens),
+            ("nanoserve_spec_decode_num_accepted_tokens", "Draft tokens accepted", s.spec_accepted_tokens)]:
+        family = CounterMetricFamily(name, doc, labels=["method"])
+        family.add_metric([s.spec_method], value)
+        yield family
+    per_position = CounterMetricFamily("nanoserve_spec_decode_num_accepted_tokens_per_pos",
+                                       "Draft tokens accepted, by their position among a step's drafts",
+                                       labels=["method", "position"])
+    for position, value in enumerate(s.spec_accepted_per_position):
+        per_position.add_metric([s.spec_method, str(position)], value)
+    yield per_position
+    yield GaugeMetricFamily("nanoserve_spec_decode_mean_accepted_length", "Tokens a verifying sequence step yields on "
+                            "average (accepted drafts + 1)",
+                            value=1 + s.spec_accepted_tokens / s.spec_num_drafts if s.spec_num_drafts else 0.0)
 
 
 class ServerMetrics:

@@ -1,0 +1,100 @@
+"""The cost of verifying drafts (issue 38): a step that verifies k drafts on each of b rows against a plain decode step
+of b rows, on real shapes with random bf16 weights, in one run.
+
+    python benchmarks/speculative_verify.py [--models llama-3.1-8b qwen3-0.6b] [--batch-sizes 1 4 8 16 32 64]
+                                            [--drafts 1 2 4 8] [--workload FILE] [--out DIR]
+
+One engine per model (speculative_config ngram with the largest k, so the sampler holds every row; planned decode and
+token-count graphs as `nanoserve serve` runs them). Both steps are the engine's own (ModelRunner.execute, sampled
+greedily, tokens read back: bench/decode_step.py): the decode step replays its batch-size graph; the verification
+step (each row's last token and its k drafts, every row sampled and checked) replays the smallest token-count graph
+of at least b·(k+1) tokens, then the lm_head and the sampler on its b·(k+1) rows. 512-token contexts.
+Targets (H200, Llama-3.1-8B): k = 4 at b = 1 <= 1.10x the decode step, at b = 32 <= 1.35x.
+--workload: a benchmarks/speculative.py result (the real SmolLM2 on the copy-heavy workload); its measured mean
+accepted length per verification gives the projected Llama-3.1-8B b = 1 tok/s: tokens per step / verify ms, against
+a decode step's 1 token / decode ms (target >= 1.8x today's 248 tok/s).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (RESULTS_DIR, check, env_info, model_config, release_cuda_memory,  # noqa: E402
+                               start_engine, write_json, write_model_dir)
+
+CONTEXT = 512
+TARGETS = {("llama-3.1-8b", 1, 4): 1.10, ("llama-3.1-8b", 32, 4): 1.35}
+PROJECTED_MIN, TODAY_TOK_S = 1.8, 248.0  # Llama-3.1-8B b = 1 tok/s today (issue 38)
+
+
+def measure(name: str, batch_sizes: list[int], drafts: list[int]) -> dict:
+    from nanoserve.bench.decode_step import sampled_decode_batch, time_step, verify_batch
+
+    spec = {"method": "ngram", "num_speculative_tokens": max(drafts)}
+    with tempfile.TemporaryDirectory() as tmp:
+        llm, startup = start_engine(str(write_model_dir(model_config(name), tmp)), max(batch_sizes), 4096,
+                                    speculative_config=spec)
+        runner = llm.engine.core.runner
+        rec = {"startup": startup, "steps": {}}
+        for b in batch_sizes:
+            decode = statistics.median(time_step(runner, sampled_decode_batch(runner, b, CONTEXT)))
+            row = {"decode_ms": decode}
+            for k in drafts:
+                verify = statistics.median(time_step(runner, verify_batch(runner, b, CONTEXT, k)))
+                row[str(k)] = {"verify_ms": verify, "ratio": verify / decode}
+            rec["steps"][str(b)] = row
+            print(f"{name} b={b:3d}: decode {decode:.3f} ms; " + ", ".join(
+                f"k={k} {row[str(k)]['verify_ms']:.3f} ({row[str(k)]['ratio']:.2f}x)" for k in drafts), flush=True)
+        rec["counters"] = {k: v for k, v in vars(runner.counters).items()}
+        llm.close()
+    release_cuda_memory()
+    return rec
+
+
+def project(results: dict, workload: dict) -> dict:
+    """Llama-3.1-8B b = 1 tok/s from the measured acceptance (workload JSON: methods → copy → spec counters) and the
+    measured verify / decode ms at the workload's k."""
+    out = {}
+    steps = results.get("llama-3.1-8b", {}).get("steps", {}).get("1")
+    if steps is None:
+        return out
+    for method, rec in workload.get("methods", {}).items():
+        copy = rec.get("copy") or {}
+        k, length = copy.get("num_speculative_tokens"), copy.get("mean_accepted_length")
+        if not k or not length or str(k) not in steps:
+            continue
+        tok_s = 1e3 * length / steps[str(k)]["verify_ms"]
+        out[method] = {"k": k, "mean_accepted_length": length, "tok_s": tok_s, "today_tok_s": TODAY_TOK_S,
+                       "decode_tok_s": 1e3 / steps["decode_ms"], "ratio": tok_s / TODAY_TOK_S,
+                       "check": check(tok_s / TODAY_TOK_S, PROJECTED_MIN, at_least=True)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["llama-3.1-8b", "qwen3-0.6b"])
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 8, 16, 32, 64])
+    ap.add_argument("--drafts", nargs="+", type=int, default=[1, 2, 4, 8])
+    ap.add_argument("--workload", help="a benchmarks/speculative.py JSON, for the projection")
+    ap.add_argument("--out", default=str(RESULTS_DIR))
+    args = ap.parse_args(argv)
+    results = {name: measure(name, args.batch_sizes, args.drafts) for name in args.models}
+    targets = {f"{m} b={b} k={k}": check(results[m]["steps"][str(b)][str(k)]["ratio"], limit)
+               for (m, b, k), limit in TARGETS.items()
+               if m in results and str(b) in results[m]["steps"] and str(k) in results[m]["steps"][str(b)]}
+    data = {"env": env_info(), "context": CONTEXT, "results": results, "targets": targets}
+    if args.workload:
+        data["projection"] = project(results, json.loads(Path(args.workload).read_text()))
+    print(json.dumps({"targets": targets, "projection": data.get("projection")}, indent=1))
+    write_json(Path(args.out) / "speculative_verify.json", data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

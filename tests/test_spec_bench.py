@@ -18,8 +18,9 @@ from benchmarks import spec_workloads, speculative  # noqa: E402
 PROMPTS = [{"source": "test", "messages": [{"role": "user", "content": "Repeat: the cat sat on the mat, the cat."}]},
            {"source": "test", "messages": [{"role": "user", "content": "Tell me a story."}]}]
 RECORD_FIELDS = {"prompts", "prompt_tokens", "output_tokens", "seconds", "output_tok_s", "per_prompt", "stats",
-                 "mean_accepted_length", "acceptance_rate", "accepted_per_position_per_row", "first_output_text",
-                 "mismatches", "identical_to_none", "tok_s_vs_none"}
+                 "speculation", "first_output_text", "mismatches", "identical_to_none", "tok_s_vs_none"}
+SPECULATION_FIELDS = {"method", "num_drafts", "draft_tokens", "accepted_tokens", "acceptance_rate",
+                      "mean_accepted_length", "accepted_per_position"}
 
 
 def test_workload_files_have_sixteen_sourced_prompts():
@@ -53,39 +54,27 @@ def test_method_configs_merge_overrides_and_check_them():
             speculative.method_configs(methods, overrides, None)
 
 
-def test_stats_delta_and_speculation_figures():
-    from nanoserve.engine.messages import EngineStats
-
-    before = EngineStats(generation_tokens=10, spec_num_drafts=2, spec_draft_tokens=8, spec_accepted_tokens=3,
-                         spec_accepted_per_position=[2, 1])
-    after = EngineStats(generation_tokens=30, spec_num_drafts=6, spec_draft_tokens=24, spec_accepted_tokens=9,
-                        spec_accepted_per_position=[5, 3, 1])
-    delta = speculative.stats_delta(before, after)
-    assert delta["generation_tokens"] == 20 and delta["spec_accepted_per_position"] == [3, 2, 1]
-    figures = speculative.speculation(delta)
-    assert figures == {"mean_accepted_length": 6 / 4 + 1, "acceptance_rate": 6 / 16,
-                       "accepted_per_position_per_row": [0.75, 0.5, 0.25]}
-    assert speculative.speculation(speculative.stats_delta(before, before))["mean_accepted_length"] is None
-    assert speculative.first_difference([1, 2, 3], [1, 5]) == 1 and speculative.first_difference([1], [1, 2]) == 1
-
-
 def test_main_on_a_tiny_model_writes_the_fields_and_identical_outputs(tmp_path, tiny_model_dirs, monkeypatch):
     monkeypatch.setattr(speculative, "load_workload", lambda name, limit=None: PROMPTS[:limit])
     out = tmp_path / "spec.json"
-    assert speculative.main(["workload", "--model", str(tiny_model_dirs["llama"]), "--methods", "none,ngram",
+    assert speculative.main(["workload", "--model", str(tiny_model_dirs["llama"]), "--methods", "none",
                              "--workload", "copy,chat", "--max-tokens", "12", "--device", "cpu", "--out",
                              str(out)]) == 0
     report = json.loads(out.read_text())
-    assert set(report["runs"]) == {"none", "ngram"} and report["settings"]["device"] == "cpu"
+    assert set(report["runs"]) == {"none"} and report["settings"]["device"] == "cpu"
     for method, run in report["runs"].items():
         for name in ("copy", "chat"):
             rec = run["workloads"][name]
             assert RECORD_FIELDS <= set(rec) and rec["prompts"] == 2 and len(rec["per_prompt"]["tok_s"]) == 2
             assert rec["identical_to_none"] and rec["mismatches"] == []
             assert rec["stats"]["generation_tokens"] == rec["output_tokens"] > 0
-    assert report["targets"] and all(t["met"] for t in report["targets"].values())  # CPU: the identity targets only
+            if method == "none":
+                assert rec["speculation"] is None
+            else:
+                assert set(rec["speculation"]) == SPECULATION_FIELDS and rec["speculation"]["method"] == method
+    assert all(t["met"] for t in report["targets"].values())  # CPU: the identity targets only
     lines = speculative.table_lines(report["runs"], report["targets"])
-    assert len(lines) == 1 + 4 + len(report["targets"])
+    assert len(lines) == 1 + 2 * len(report["runs"]) + len(report["targets"])
 
 
 def test_compare_lists_mismatches_and_ratios():
@@ -99,3 +88,4 @@ def test_compare_lists_mismatches_and_ratios():
     assert t["copy / ngram / tok/s vs none"] == {"value": 2.5, "limit": 2.0, "met": True}
     assert t["copy / ngram / prompts whose output differs from none's"]["met"] is False
     assert "copy / ngram / tok/s vs none" not in speculative.targets(runs, "cpu")
+    assert speculative.first_difference([1, 2, 3], [1, 5]) == 1 and speculative.first_difference([1], [1, 2]) == 1

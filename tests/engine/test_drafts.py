@@ -119,7 +119,7 @@ def suffix_oracle(tokens, cached, depth, k, factor, min_prob) -> list[int]:
         for m in range(min(len(tokens), depth - 1), 0, -1):
             if seqs and count(seqs, tokens[-m:]):
                 draft = suffix_draft(seqs, depth, tokens[-m:], min(k, int(factor * m + 1e-6)), min_prob)
-                if draft[1] > best[1]:
+                if draft[1] > best[1] + 1e-9:  # a tie keeps the earlier
                     best = draft
     return best[0]
 

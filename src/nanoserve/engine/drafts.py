@@ -8,7 +8,6 @@ request's history, since this runs on the engine loop for every sequence of ever
 """
 from __future__ import annotations
 
-from array import array
 from collections import deque
 from collections.abc import Sequence
 
@@ -18,6 +17,7 @@ _SHIFT = 32  # a trie edge's key is node << 32 | token: token ids fit in 32 bits
 _ROOT = 0
 _NONE = -1  # no node (no best child, no sibling)
 _FLOOR_SLACK = 1e-6  # floor(factor × matched length) without losing 29 to 0.29 × 100 = 28.999…
+_TIE = 1e-9  # draft scores this close are a tie (rounding must not pick the winner)
 
 
 class Proposer:
@@ -120,19 +120,19 @@ class _SuffixTrie:
     """Every token string of length ≤ depth in the indexed sequences, with its number of occurrences: node = a
     string, its children = the tokens that followed it. Insertion keeps the nodes of the sequence's suffixes
     (≤ depth of them), so a token costs O(depth) and adds at most depth nodes: memory is ≤ depth nodes per indexed
-    token (fewer where strings repeat), held in flat arrays plus one dict of edges.
+    token (fewer where strings repeat), held in flat lists plus one dict of edges.
 
     Each node keeps its most frequent child (ties: the smallest token id) for O(1) drafting, and its suffix link
     (the node of its string without the first token), which exists since every substring of an indexed string is
     indexed: it lets a match walk on like Aho–Corasick and a draft run past the depth."""
 
-    def __init__(self, depth: int):
-        self.depth = depth
+    def __init__(self, depth: int, evictable: bool):
+        self.depth, self.evictable = depth, evictable
         self.edges: dict[int, int] = {}
-        # per node (the root is 0): occurrences, last token, most frequent child, suffix link, children's list
-        self.count, self.token, self.best, self.link = array("q", [0]), array("q", [0]), array("q", [_NONE]), \
-            array("q", [_ROOT])
-        self.first_child, self.next_sibling, self.prev_sibling = (array("q", [_NONE]) for _ in range(3))
+        # per node (the root is 0): occurrences, last token, most frequent child, suffix link; lists index fastest
+        self.count, self.token, self.best, self.link = [0], [0], [_NONE], [_ROOT]
+        # what remove() needs: each node's children as a doubly linked list, and the ids it freed
+        self.first_child, self.next_sibling, self.prev_sibling = [_NONE], [_NONE], [_NONE]
         self.free: list[int] = []
 
     def insert(self, suffixes: list[int], token: int) -> list[int]:
@@ -144,7 +144,8 @@ class _SuffixTrie:
             child = edges.get(node << _SHIFT | token)
             if child is None:
                 child = self._new_node(node, token, grown[-1])
-            count[child] += 1
+            else:
+                count[child] += 1
             top = best[node]
             if top == _NONE or count[child] > count[top] or (count[child] == count[top] and tok[child] < tok[top]):
                 best[node] = child
@@ -152,19 +153,26 @@ class _SuffixTrie:
         return grown
 
     def _new_node(self, parent: int, token: int, link: int) -> int:
+        """A child of parent for token, counted once."""
         if self.free:
             node = self.free.pop()
-            self.count[node], self.token[node], self.best[node], self.link[node] = 0, token, _NONE, link
-            self.first_child[node] = _NONE
+            self.count[node], self.token[node], self.best[node], self.link[node] = 1, token, _NONE, link
         else:
             node = len(self.count)
-            for field, value in ((self.count, 0), (self.token, token), (self.best, _NONE), (self.link, link),
-                                 (self.first_child, _NONE), (self.next_sibling, _NONE), (self.prev_sibling, _NONE)):
-                field.append(value)
-        head = self.first_child[parent]
-        self.next_sibling[node], self.prev_sibling[node], self.first_child[parent] = head, _NONE, node
-        if head != _NONE:
-            self.prev_sibling[head] = node
+            self.count.append(1)
+            self.token.append(token)
+            self.best.append(_NONE)
+            self.link.append(link)
+        if self.evictable:
+            if node == len(self.first_child):
+                self.first_child.append(_NONE)
+                self.next_sibling.append(_NONE)
+                self.prev_sibling.append(_NONE)
+            head = self.first_child[parent]
+            self.first_child[node], self.next_sibling[node], self.prev_sibling[node] = _NONE, head, _NONE
+            self.first_child[parent] = node
+            if head != _NONE:
+                self.prev_sibling[head] = node
         self.edges[parent << _SHIFT | token] = node
         return node
 
@@ -241,7 +249,7 @@ class _SuffixState:
     def __init__(self, num_prompt: int, depth: int, global_version: int):
         self.tokens: list[int] = []
         self.num_prompt = num_prompt
-        self.trie = _SuffixTrie(depth)  # the request's prompt + outputs
+        self.trie = _SuffixTrie(depth, evictable=False)  # the request's prompt + outputs
         self.suffixes = [_ROOT]  # its suffixes' nodes in its trie, by length 0..depth
         # its longest suffix in the global trie, valid while the cache is at that version
         self.global_node, self.global_depth, self.global_version = _ROOT, 0, global_version
@@ -273,7 +281,7 @@ class SuffixProposer(Proposer):
                              f"{max_tree_depth}, {max_cached_requests}")
         self.depth, self.max_cached_requests = max_tree_depth, max_cached_requests
         self.max_spec_factor, self.min_token_prob = max_spec_factor, min_token_prob
-        self._global = _SuffixTrie(max_tree_depth)
+        self._global = _SuffixTrie(max_tree_depth, evictable=True)
         self._cached: deque[list[int]] = deque()  # the indexed outputs, oldest first
         self._version = 0  # bumped when the global trie changes
 
@@ -313,15 +321,18 @@ class SuffixProposer(Proposer):
     def _search(self, trie: _SuffixTrie, node: int, depth: int, k: int,
                 found: tuple[list[int], float]) -> tuple[list[int], float]:
         """The draft of the highest score over the matches from (node, depth) down its suffix links, or found
-        when none beats it; a match of length m drafts ≤ min(k, floor(factor × m)) tokens, which also bounds its
-        score, so the walk ends once that bound cannot beat the best."""
+        when none beats it by more than _TIE. A match of length m drafts ≤ limit = min(k, floor(factor × m))
+        tokens, each at most as likely as its first (p1), so limit × p1 bounds its score: matches that cannot
+        win are skipped, and the walk ends once the limit alone cannot."""
+        count, best = trie.count, trie.best
         while node != _ROOT:
             limit = min(k, int(self.max_spec_factor * depth + _FLOOR_SLACK))
-            if limit <= found[1]:
+            if limit <= found[1] + _TIE / 2:
                 break
-            if trie.best[node] != _NONE:
+            top = best[node]
+            if top != _NONE and limit * count[top] / count[node] > found[1] + _TIE / 2:
                 draft = trie.draft(node, depth, limit, self.min_token_prob)
-                if draft[1] > found[1]:
+                if draft[1] > found[1] + _TIE:
                     found = draft
             node, depth = trie.link[node], depth - 1
         return found

@@ -266,10 +266,11 @@ class SuffixProposer(Proposer):
     estimates are count(x t) / count(x) over every occurrence. Rule (Arctic Inference's): the draft of the highest
     score over both tries and every match length; ties go to the request's own trie, then to the longer match.
     Not only the longest match: in the own trie that one's continuation ends where the current occurrence begins
-    (one token for a loop "a a a …"), which a shorter match sees past.
+    (one token for a loop "a a a …"), which a shorter match sees past. Unlike Arctic Inference, a draft that
+    reaches the depth goes on from its context less the first token (match + draft may exceed the depth).
 
-    Memory: ≤ depth nodes per indexed token, i.e. per running request's prompt + outputs, plus the outputs of at
-    most max_cached_requests ended requests. The request's match in the global trie walks on with each token
+    Memory: ≤ depth nodes per indexed token, i.e. per running request's prompt + outputs (freed with it), plus
+    the outputs of at most max_cached_requests ended requests (an evicted one's nodes are freed for reuse). The request's match in the global trie walks on with each token
     (amortized O(1)); when the cache changes it is recomputed from the last depth tokens at the next propose."""
     method = "suffix"
 
@@ -290,7 +291,7 @@ class SuffixProposer(Proposer):
 
     def _append(self, state: _SuffixState, token_ids: Sequence[int]) -> None:
         trie, walk, suffixes = state.trie, self._global.walk, state.suffixes
-        walking = state.global_version == self._version and self._cached
+        walking = state.global_version == self._version and bool(self._cached)
         node, depth = state.global_node, state.global_depth
         for token in token_ids:
             suffixes = trie.insert(suffixes, token)

@@ -1,0 +1,364 @@
+"""drafts: the host-side draft proposers of speculative decoding (speculative_config's "ngram" and "suffix").
+
+The engine keeps one Proposer and calls it for every decoding sequence every step: add() when a request starts,
+extend() with the tokens it appended, propose() for up to k drafts, remove() when it ends. Drafts are a
+deterministic function of the tokens seen (ties broken by the smallest token id), so verification is exact
+(speculative_config says why). Every call costs O(new tokens × lookup depth) or O(k + depth): nothing rescans a
+request's history, since this runs on the engine loop for every sequence of every step.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from nanoserve.speculative_config import SpeculativeConfig
+
+_SHIFT = 32  # a trie edge's key is node << 32 | token: token ids fit in 32 bits
+_ROOT = 0
+_NONE = -1  # no node (no best child, no sibling)
+_FLOOR_SLACK = 1e-6  # floor(factor × matched length) without losing 29 to 0.29 × 100 = 28.999…
+_TIE = 1e-9  # draft scores this close are a tie (rounding must not pick the winner)
+
+
+class Proposer:
+    """The interface the engine calls; one object per engine holds every running request's index."""
+    method = ""
+
+    def __init__(self):
+        self._requests: dict[str, object] = {}
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        """A request starts: index its prompt."""
+        if request_id in self._requests:
+            raise ValueError(f"drafts: request {request_id!r} was already added")
+        self._requests[request_id] = state = self._new_state(prompt_token_ids)
+        self._append(state, prompt_token_ids)
+
+    def extend(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Tokens the request appended (its outputs: 1..k+1 a step)."""
+        self._append(self._state(request_id), token_ids)
+
+    def propose(self, request_id: str, k: int) -> list[int]:
+        """At most k draft ids continuing the request's tokens ([] when nothing matches)."""
+        state = self._state(request_id)
+        return self._propose(state, k) if k > 0 else []
+
+    def remove(self, request_id: str, keep_outputs: bool = True) -> None:
+        """The request ended: drop its index (suffix: its outputs join the global cache when keep_outputs)."""
+        state = self._state(request_id)
+        del self._requests[request_id]
+        self._ended(state, keep_outputs)
+
+    def _state(self, request_id: str):
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"drafts: unknown request {request_id!r} (never added, or already removed)") from None
+
+    def _new_state(self, prompt_token_ids: Sequence[int]):
+        raise NotImplementedError
+
+    def _append(self, state, token_ids: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def _propose(self, state, k: int) -> list[int]:
+        raise NotImplementedError
+
+    def _ended(self, state, keep_outputs: bool) -> None:
+        """What a method keeps of an ended request (nothing, unless it says)."""
+
+
+class _NgramState:
+    __slots__ = ("tokens", "last_end")
+
+    def __init__(self, num_sizes: int):
+        self.tokens: list[int] = []
+        # last_end[n - min][ngram] = where the continuation of its most recent occurrence starts, over every
+        # occurrence but the request's suffix itself (an n-gram is indexed once a token follows it)
+        self.last_end: list[dict[tuple[int, ...], int]] = [{} for _ in range(num_sizes)]
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup (vLLM's "ngram"): for n from prompt_lookup_max down to prompt_lookup_min, when the last n
+    tokens occurred earlier in the request (prompt + outputs), propose the up to k tokens that followed their most
+    recent earlier occurrence (best for copying and editing), up to the last known token; the longest n wins.
+
+    Each n-gram is indexed (a dict per n, n-gram tuple → end of its latest occurrence) when the token after it
+    arrives, so the request's suffix never matches itself: a token costs O(Σ n) and propose() O(Σ n + k)."""
+    method = "ngram"
+
+    def __init__(self, lookup_min: int, lookup_max: int):
+        super().__init__()
+        if not 1 <= lookup_min <= lookup_max:
+            raise ValueError(f"drafts: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lookup_min}, "
+                             f"{lookup_max}")
+        self.lookup_min, self.lookup_max = lookup_min, lookup_max
+
+    def _new_state(self, prompt_token_ids: Sequence[int]) -> _NgramState:
+        return _NgramState(self.lookup_max - self.lookup_min + 1)
+
+    def _append(self, state: _NgramState, token_ids: Sequence[int]) -> None:
+        tokens, last_end, lo = state.tokens, state.last_end, self.lookup_min
+        for token in token_ids:
+            end = len(tokens)  # the n-grams ending here get a continuation: index them
+            for n, index in enumerate(last_end, lo):
+                if n > end:
+                    break
+                index[tuple(tokens[end - n:end])] = end
+            tokens.append(token)
+
+    def _propose(self, state: _NgramState, k: int) -> list[int]:
+        tokens, size = state.tokens, len(state.tokens)
+        for n in range(min(self.lookup_max, size - 1), self.lookup_min - 1, -1):
+            start = state.last_end[n - self.lookup_min].get(tuple(tokens[size - n:]))
+            if start is not None:
+                return tokens[start:min(start + k, size)]
+        return []
+
+
+class _SuffixTrie:
+    """Every token string of length ≤ depth in the indexed sequences, with its number of occurrences: node = a
+    string, its children = the tokens that followed it. Insertion keeps the nodes of the sequence's suffixes
+    (≤ depth of them), so a token costs O(depth) and adds at most depth nodes: memory is ≤ depth nodes per indexed
+    token (fewer where strings repeat), held in flat lists plus one dict of edges.
+
+    Each node keeps its most frequent child (ties: the smallest token id) for O(1) drafting, and its suffix link
+    (the node of its string without the first token), which exists since every substring of an indexed string is
+    indexed: it lets a match walk on like Aho–Corasick and a draft run past the depth."""
+
+    def __init__(self, depth: int, evictable: bool):
+        self.depth, self.evictable = depth, evictable
+        self.edges: dict[int, int] = {}
+        # per node (the root is 0): occurrences, last token, most frequent child, suffix link; lists index fastest
+        self.count, self.token, self.best, self.link = [0], [0], [_NONE], [_ROOT]
+        # what remove() needs: each node's children as a doubly linked list, and the ids it freed
+        self.first_child, self.next_sibling, self.prev_sibling = [_NONE], [_NONE], [_NONE]
+        self.free: list[int] = []
+
+    def insert(self, suffixes: list[int], token: int) -> list[int]:
+        """Index token after the sequence whose suffix nodes (depth 0 first) are given → the new suffix nodes."""
+        count, best, tok, edges = self.count, self.best, self.token, self.edges
+        count[_ROOT] += 1
+        grown = [_ROOT]
+        for node in suffixes[:self.depth]:
+            child = edges.get(node << _SHIFT | token)
+            if child is None:
+                child = self._new_node(node, token, grown[-1])
+            else:
+                count[child] += 1
+            top = best[node]
+            if top == _NONE or count[child] > count[top] or (count[child] == count[top] and tok[child] < tok[top]):
+                best[node] = child
+            grown.append(child)
+        return grown
+
+    def _new_node(self, parent: int, token: int, link: int) -> int:
+        """A child of parent for token, counted once."""
+        if self.free:
+            node = self.free.pop()
+            self.count[node], self.token[node], self.best[node], self.link[node] = 1, token, _NONE, link
+        else:
+            node = len(self.count)
+            self.count.append(1)
+            self.token.append(token)
+            self.best.append(_NONE)
+            self.link.append(link)
+        if self.evictable:
+            if node == len(self.first_child):
+                self.first_child.append(_NONE)
+                self.next_sibling.append(_NONE)
+                self.prev_sibling.append(_NONE)
+            head = self.first_child[parent]
+            self.first_child[node], self.next_sibling[node], self.prev_sibling[node] = _NONE, head, _NONE
+            self.first_child[parent] = node
+            if head != _NONE:
+                self.prev_sibling[head] = node
+        self.edges[parent << _SHIFT | token] = node
+        return node
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Un-index a sequence inserted before: its counts go, and the nodes no other sequence holds."""
+        for start in range(len(tokens)):
+            path = [_ROOT]
+            for token in tokens[start:start + self.depth]:
+                path.append(self.edges[path[-1] << _SHIFT | token])
+            self.count[_ROOT] -= 1
+            for at in range(len(path) - 1, 0, -1):  # deepest first: a node's children are gone before it
+                self._decrement(path[at - 1], path[at])
+
+    def _decrement(self, parent: int, node: int) -> None:
+        self.count[node] -= 1
+        if self.count[node] == 0:
+            before, after = self.prev_sibling[node], self.next_sibling[node]
+            if before == _NONE:
+                self.first_child[parent] = after
+            else:
+                self.next_sibling[before] = after
+            if after != _NONE:
+                self.prev_sibling[after] = before
+            del self.edges[parent << _SHIFT | self.token[node]]
+            self.free.append(node)
+        if self.best[parent] == node:
+            self.best[parent] = self._most_frequent_child(parent)
+
+    def _most_frequent_child(self, node: int) -> int:
+        top, child = _NONE, self.first_child[node]
+        count, tok = self.count, self.token
+        while child != _NONE:
+            if top == _NONE or count[child] > count[top] or (count[child] == count[top] and tok[child] < tok[top]):
+                top = child
+            child = self.next_sibling[child]
+        return top
+
+    def walk(self, node: int, depth: int, token: int) -> tuple[int, int]:
+        """The node (and depth) of the longest suffix present after token follows the string of node."""
+        while True:
+            if depth < self.depth:
+                child = self.edges.get(node << _SHIFT | token)
+                if child is not None:
+                    return child, depth + 1
+            if node == _ROOT:
+                return _ROOT, 0
+            node, depth = self.link[node], depth - 1
+
+    def draft(self, node: int, depth: int, limit: int, min_prob: float) -> tuple[list[int], float]:
+        """Follow the most frequent child while the product of count(child) / count(node) along the path stays
+        ≥ min_prob, for ≤ limit tokens; at the depth, drop the context's first token (the suffix link) to go on.
+        → (tokens, score = Σ of those products, the expected number accepted were the estimates right)."""
+        count, best, tok, link = self.count, self.best, self.token, self.link
+        out: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(out) < limit:
+            if depth == self.depth:
+                node, depth = link[node], depth - 1
+            child = best[node]
+            if child == _NONE:
+                break
+            prob *= count[child] / count[node]
+            if prob < min_prob:
+                break
+            out.append(tok[child])
+            score += prob
+            node, depth = child, depth + 1
+        return out, score
+
+
+class _SuffixState:
+    __slots__ = ("tokens", "num_prompt", "trie", "suffixes", "global_node", "global_depth", "global_version")
+
+    def __init__(self, num_prompt: int, depth: int, global_version: int):
+        self.tokens: list[int] = []
+        self.num_prompt = num_prompt
+        self.trie = _SuffixTrie(depth, evictable=False)  # the request's prompt + outputs
+        self.suffixes = [_ROOT]  # its suffixes' nodes in its trie, by length 0..depth
+        # its longest suffix in the global trie, valid while the cache is at that version
+        self.global_node, self.global_depth, self.global_version = _ROOT, 0, global_version
+
+
+class SuffixProposer(Proposer):
+    """Suffix decoding (vLLM's / Arctic Inference's "suffix"): a trie of the request's prompt + outputs and a
+    global trie of the outputs of the suffix_decoding_max_cached_requests requests that ended last (FIFO: the
+    oldest one's counts and nodes leave when one more arrives), both of depth suffix_decoding_max_tree_depth.
+
+    Every suffix x of the request's tokens (|x| < depth) found in a trie is a match; its draft (_SuffixTrie.draft)
+    has ≤ min(k, floor(max_spec_factor × |x|)) tokens and a score (Σ of the path probabilities). The request's
+    own trie counts x's current occurrence too, which has no continuation, so x never predicts itself and the
+    estimates are count(x t) / count(x) over every occurrence. Rule (Arctic Inference's): the draft of the highest
+    score over both tries and every match length; ties go to the request's own trie, then to the longer match.
+    Not only the longest match: in the own trie that one's continuation ends where the current occurrence begins
+    (one token for a loop "a a a …"), which a shorter match sees past. Unlike Arctic Inference, a draft that
+    reaches the depth goes on from its context less the first token (match + draft may exceed the depth).
+
+    Memory: ≤ depth nodes per indexed token, i.e. per running request's prompt + outputs (freed with it), plus
+    the outputs of at most max_cached_requests ended requests (an evicted one's nodes are freed for reuse). The request's match in the global trie walks on with each token
+    (amortized O(1)); when the cache changes it is recomputed from the last depth tokens at the next propose."""
+    method = "suffix"
+
+    def __init__(self, max_tree_depth: int, max_cached_requests: int, max_spec_factor: float,
+                 min_token_prob: float):
+        super().__init__()
+        if max_tree_depth < 1 or max_cached_requests < 0:
+            raise ValueError(f"drafts: need max_tree_depth >= 1 and max_cached_requests >= 0, got "
+                             f"{max_tree_depth}, {max_cached_requests}")
+        self.depth, self.max_cached_requests = max_tree_depth, max_cached_requests
+        self.max_spec_factor, self.min_token_prob = max_spec_factor, min_token_prob
+        self._global = _SuffixTrie(max_tree_depth, evictable=True)
+        self._cached: deque[list[int]] = deque()  # the indexed outputs, oldest first
+        self._version = 0  # bumped when the global trie changes
+
+    def _new_state(self, prompt_token_ids: Sequence[int]) -> _SuffixState:
+        return _SuffixState(len(prompt_token_ids), self.depth, self._version)
+
+    def _append(self, state: _SuffixState, token_ids: Sequence[int]) -> None:
+        trie, walk, suffixes = state.trie, self._global.walk, state.suffixes
+        walking = state.global_version == self._version and bool(self._cached)
+        node, depth = state.global_node, state.global_depth
+        for token in token_ids:
+            suffixes = trie.insert(suffixes, token)
+            if walking:
+                node, depth = walk(node, depth, token)
+        state.tokens.extend(token_ids)
+        state.suffixes, state.global_node, state.global_depth = suffixes, node, depth
+
+    def _propose(self, state: _SuffixState, k: int) -> list[int]:
+        top = min(len(state.suffixes), self.depth) - 1
+        found = self._search(state.trie, state.suffixes[top], top, k, ([], 0.0))
+        if self._cached:
+            found = self._search(self._global, *self._global_match(state), k, found)
+        return found[0]
+
+    def _global_match(self, state: _SuffixState) -> tuple[int, int]:
+        """The node (and depth < the trie's) of the request's longest suffix in the global trie."""
+        trie = self._global
+        if state.global_version != self._version:
+            node, depth = _ROOT, 0
+            for token in state.tokens[-self.depth:]:
+                node, depth = trie.walk(node, depth, token)
+            state.global_node, state.global_depth, state.global_version = node, depth, self._version
+        if state.global_depth == self.depth:
+            return trie.link[state.global_node], self.depth - 1
+        return state.global_node, state.global_depth
+
+    def _search(self, trie: _SuffixTrie, node: int, depth: int, k: int,
+                found: tuple[list[int], float]) -> tuple[list[int], float]:
+        """The draft of the highest score over the matches from (node, depth) down its suffix links, or found
+        when none beats it by more than _TIE. A match of length m drafts ≤ limit = min(k, floor(factor × m))
+        tokens, each at most as likely as its first (p1), so limit × p1 bounds its score: matches that cannot
+        win are skipped, and the walk ends once the limit alone cannot."""
+        count, best = trie.count, trie.best
+        while node != _ROOT:
+            limit = min(k, int(self.max_spec_factor * depth + _FLOOR_SLACK))
+            if limit <= found[1] + _TIE / 2:
+                break
+            top = best[node]
+            if top != _NONE and limit * count[top] / count[node] > found[1] + _TIE / 2:
+                draft = trie.draft(node, depth, limit, self.min_token_prob)
+                if draft[1] > found[1] + _TIE:
+                    found = draft
+            node, depth = trie.link[node], depth - 1
+        return found
+
+    def _ended(self, state: _SuffixState, keep_outputs: bool) -> None:
+        outputs = state.tokens[state.num_prompt:]
+        if not keep_outputs or not outputs or self.max_cached_requests == 0:
+            return
+        suffixes = [_ROOT]
+        for token in outputs:
+            suffixes = self._global.insert(suffixes, token)
+        self._cached.append(outputs)
+        if len(self._cached) > self.max_cached_requests:
+            self._global.remove(self._cached.popleft())
+        self._version += 1
+
+
+def make_proposer(spec: SpeculativeConfig) -> Proposer:
+    """The proposer of the checked settings' method."""
+    if spec.method == "ngram":
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "suffix":
+        return SuffixProposer(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+                              spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob)
+    raise ValueError(f"drafts: unknown speculative method {spec.method!r}")
+
+
+__all__ = ["Proposer", "NgramProposer", "SuffixProposer", "make_proposer"]

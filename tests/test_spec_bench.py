@@ -57,24 +57,24 @@ def test_method_configs_merge_overrides_and_check_them():
 def test_main_on_a_tiny_model_writes_the_fields_and_identical_outputs(tmp_path, tiny_model_dirs, monkeypatch):
     monkeypatch.setattr(speculative, "load_workload", lambda name, limit=None: PROMPTS[:limit])
     out = tmp_path / "spec.json"
-    assert speculative.main(["workload", "--model", str(tiny_model_dirs["llama"]), "--methods", "none",
-                             "--workload", "copy,chat", "--max-tokens", "12", "--device", "cpu", "--out",
+    assert speculative.main(["workload", "--model", str(tiny_model_dirs["qwen3"]), "--methods", "none,ngram",
+                             "--workload", "copy", "--max-tokens", "24", "--device", "cpu", "--out",
                              str(out)]) == 0
     report = json.loads(out.read_text())
-    assert set(report["runs"]) == {"none"} and report["settings"]["device"] == "cpu"
+    assert set(report["runs"]) == {"none", "ngram"} and report["settings"]["device"] == "cpu"
     for method, run in report["runs"].items():
-        for name in ("copy", "chat"):
-            rec = run["workloads"][name]
-            assert RECORD_FIELDS <= set(rec) and rec["prompts"] == 2 and len(rec["per_prompt"]["tok_s"]) == 2
-            assert rec["identical_to_none"] and rec["mismatches"] == []
-            assert rec["stats"]["generation_tokens"] == rec["output_tokens"] > 0
-            if method == "none":
-                assert rec["speculation"] is None
-            else:
-                assert set(rec["speculation"]) == SPECULATION_FIELDS and rec["speculation"]["method"] == method
+        rec = run["workloads"]["copy"]
+        assert RECORD_FIELDS <= set(rec) and rec["prompts"] == 2 and len(rec["per_prompt"]["tok_s"]) == 2
+        assert rec["identical_to_none"] and rec["mismatches"] == []
+        assert rec["stats"]["generation_tokens"] == rec["output_tokens"] > 0
+        if method == "none":
+            assert rec["speculation"] is None
+        else:
+            assert set(rec["speculation"]) == SPECULATION_FIELDS and rec["speculation"]["method"] == method
+            assert rec["speculation"]["accepted_tokens"] > 0  # the tiny Qwen3's greedy output falls into loops
     assert all(t["met"] for t in report["targets"].values())  # CPU: the identity targets only
     lines = speculative.table_lines(report["runs"], report["targets"])
-    assert len(lines) == 1 + 2 * len(report["runs"]) + len(report["targets"])
+    assert len(lines) == 1 + len(report["runs"]) + len(report["targets"])
 
 
 def test_compare_lists_mismatches_and_ratios():

@@ -7,7 +7,8 @@
 Method. Per method a fresh LLM (bfloat16 on cuda, float32 on cpu; prefix caching on; the same seed) is warmed up with
 one short request, then runs each workload's prompts ONE AT A TIME (b = 1: generate([prompt]) per prompt, timed with
 time.perf_counter around it; greedy, max_tokens, EOS honoured). Per workload: output tokens, seconds, output tok/s
-(sum of tokens / sum of seconds), per-prompt tok/s, and the engine's speculative counters over the workload (the
+(sum of tokens / sum of seconds), per-prompt tok/s, on the GPU the idle time per step while the first prompt runs
+again under the profiler (gpu_idle), and the engine's speculative counters over the workload (the
 EngineStats deltas, nanoserve.bench.offline.speculation_delta): mean accepted length (accepted / verifying rows + 1),
 acceptance rate (accepted / drafted) and acceptances per draft position. Every method's greedy outputs are compared token by token with method none's:
 speculation must not change them, so a mismatch is a bug, listed by prompt index with its first differing position.
@@ -123,7 +124,25 @@ def run_workload(llm, prompts: list[list[int]], params) -> tuple[dict, list[list
               "per_prompt": {"output_tokens": tokens, "seconds": seconds,
                              "tok_s": [n / s for n, s in zip(tokens, seconds)]},
               "stats": counters_delta(before, after), "speculation": speculation_delta(before, after)}
+    if torch.cuda.is_available() and llm.engine.core.info.device.startswith("cuda"):
+        record["gpu_idle"] = gpu_idle(llm, prompts[0], params)
     return record, outputs
+
+
+def gpu_idle(llm, prompt: list[int], params) -> dict:
+    """The GPU's idle time while one prompt generates again (profiled): the span from its first kernel to its last,
+    the time some kernel ran (busy), and the rest per engine step (issue 38: drafting must not leave the GPU idle)."""
+    from nanoserve.bench.profile import kind_table, profile_step
+
+    def steps(stats) -> int:
+        return stats.decode_steps_graph + stats.decode_steps_eager + stats.mixed_steps
+
+    before = llm.engine.stats
+    table = kind_table(profile_step(lambda: llm.generate([prompt], params, use_tqdm=False)))
+    n = steps(llm.engine.stats) - steps(before)
+    idle = table["span_us"] - table["busy_us"]
+    return {"steps": n, "span_ms": table["span_us"] / 1e3, "busy_ms": table["busy_us"] / 1e3, "idle_ms": idle / 1e3,
+            "idle_us_per_step": idle / n if n else None, "busy_us_per_step": table["busy_us"] / n if n else None}
 
 
 def run_method(model_path: str, options: dict, workloads: dict[str, list[dict]], max_tokens: int

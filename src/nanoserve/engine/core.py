@@ -40,11 +40,11 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.grammar import Grammars
 from nanoserve.engine.messages import EngineRequest, EngineStats, SeqOutput
 from nanoserve.engine.preflight import check_engine_config
+from nanoserve.engine.ready_line import ready_line
 from nanoserve.engine.pipeline import InFlight, StepPipeline
 from nanoserve.engine.prompts import check_params_token_ids, check_prompt_ids
 from nanoserve.engine.scheduler import ScheduledStep, Scheduler, chunk_caps
 from nanoserve.engine.sequence import Sequence, SequenceStatus
-from nanoserve.kernels.paging import blocks_for
 from nanoserve.model_files import ModelSpec, eos_token_ids, load_tokenizer
 from nanoserve.runner.batch import SampledTokens
 from nanoserve.runner.parallel.group import WorkerError, create_runner
@@ -74,20 +74,8 @@ class EngineCore:
         self._compiling: dict[str, Future] = {}  # request id → its grammar, compiling; the sequence waits for it
         self._prompt_tokens = self._generation_tokens = self._mixed_steps = 0
         self._speculator = self._make_speculator()
-        logger.info("%s", self._ready_line(hf_config, time.perf_counter() - start))
-
-    def _ready_line(self, hf_config, seconds: float) -> str:
-        """What the engine runs, in one line: architecture, dtype, limits, KV cache, graphs."""
-        c, r = self.config, self.info
-        gib = r.num_kv_blocks * r.kv_block_bytes / 2**30
-        graphs = list(r.decode_graph_sizes)
-        shown = f"CUDA graphs for {len(graphs)} batch sizes {graphs}" if graphs else \
-            "no CUDA graphs (" + ("enforce_eager" if c.enforce_eager else "no CUDA device") + ")"
-        return (f"engine ready in {seconds:.1f} s: {_architecture(hf_config)}, {c.dtype} on {c.device}"
-                f"{f', tp={c.tensor_parallel_size}' if c.tensor_parallel_size > 1 else ''}, max_model_len "
-                f"{c.max_model_len}, max_num_seqs {c.max_num_seqs}; KV cache {_kv_cache_kind(r)}: {gib:.2f} GiB = "
-                f"{r.num_kv_blocks * c.block_size} tokens ({r.num_kv_blocks} blocks of {c.block_size}, "
-                f"{r.kv_block_bytes} bytes each{self._window_note()}); {shown}")
+        logger.info("%s", ready_line(self.config, self.info, hf_config, self.block_manager.window,
+                                      time.perf_counter() - start))
 
     def _make_speculator(self):
         spec = self.config.speculative
@@ -95,14 +83,6 @@ class EngineCore:
             return None
         from nanoserve.engine.speculation import Speculator  # (the proposers load only when asked for)
         return Speculator(spec, self.config.max_model_len, self.info.step_curve, self.info.token_curve)
-
-    def _window_note(self) -> str:
-        """With a window on every layer, a decoding sequence holds at most the blocks of its window."""
-        bm = self.block_manager
-        if bm.window is None:
-            return ""
-        held = blocks_for(self.config.max_model_len, bm.block_size, bm.window)
-        return f"; sliding window {bm.window} on every layer: a decoding sequence holds at most {held} blocks"
 
     def _prompt_token_caps(self) -> list[int] | None:
         """chunk_time_ratio's caps from the runner's measured curves (batch-size and token-count: planned "auto"
@@ -388,15 +368,6 @@ class EngineCore:
             kv_block_bytes=self.info.kv_block_bytes,
             **(self._speculator.stats() if self._speculator is not None else {}),
             **vars(self.counters))  # the runner's steps by how they ran, its padding (RunnerCounters)
-
-
-def _kv_cache_kind(info) -> str:
-    """The cache's element type and, for fp8, its scale design: "bfloat16", "float8_e4m3fn with per-token scales"."""
-    return info.kv_cache_dtype + (f" with per-{info.kv_cache_scales} scales" if info.kv_cache_scales else "")
-
-
-def _architecture(hf_config) -> str:
-    return (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
 
 
 def _distribute_prompt_logprobs(step: ScheduledStep, results: list) -> None:

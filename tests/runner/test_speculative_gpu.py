@@ -13,7 +13,7 @@ from tests.engine.test_speculative import LOOPING, NGRAM, SUFFIX
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 OPTIONS = dict(device="cuda", dtype="float32", block_size=16, max_model_len=256, max_num_seqs=16,
-               gpu_memory_utilization=0.05, prefill_graph_sizes=[16, 32, 48, 64, 96, 128])
+               num_kv_blocks=512, prefill_graph_sizes=[16, 32, 48, 64, 96, 128, 160])
 
 
 @pytest.mark.parametrize("spec", [NGRAM, SUFFIX], ids=["ngram", "suffix"])

@@ -4,11 +4,12 @@ of b rows, on real shapes with random bf16 weights, in one run.
     python benchmarks/speculative_verify.py [--models llama-3.1-8b qwen3-0.6b] [--batch-sizes 1 4 8 16 32 64]
                                             [--drafts 1 2 4 8] [--workload FILE] [--out DIR]
 
-One engine per model (speculative_config ngram with the largest k, so the sampler holds every row; planned decode and
-token-count graphs as `nanoserve serve` runs them). Both steps are the engine's own (ModelRunner.execute, sampled
-greedily, tokens read back: bench/decode_step.py): the decode step replays its batch-size graph; the verification
-step (each row's last token and its k drafts, every row sampled and checked) replays the smallest token-count graph
-of at least b·(k+1) tokens, then the lm_head and the sampler on its b·(k+1) rows. 512-token contexts.
+One engine per model (max_num_seqs 256, speculative_config ngram with the largest k, so the sampler holds every row;
+planned decode and token-count graphs as the engine plans them). Both steps are the engine's own (ModelRunner.execute,
+sampled greedily, tokens read back: bench/decode_step.py, the batch built by engine/batching.py): the decode step
+replays its batch-size graph; the verification step (each row's last token and its k drafts, every row sampled and
+checked) runs its b·(k+1) tokens as decode rows through the smallest batch-size graph of at least that many rows
+(up to 256), else through the smallest token-count graph of at least b·(k+1) tokens. 512-token contexts.
 Targets (H200, Llama-3.1-8B): k = 4 at b = 1 <= 1.10x the decode step, at b = 32 <= 1.35x.
 --workload: a benchmarks/speculative.py result (the real SmolLM2 on the copy-heavy workload); its measured mean
 accepted length per verification gives the projected Llama-3.1-8B b = 1 tok/s: tokens per step / verify ms, against
@@ -29,6 +30,7 @@ from benchmarks.common import (RESULTS_DIR, check, env_info, model_config, relea
                                start_engine, write_json, write_model_dir)
 
 CONTEXT = 512
+MAX_NUM_SEQS = 256  # the default: verifications of up to 256 tokens run as decode rows, larger ones as token steps
 TARGETS = {("llama-3.1-8b", 1, 4): 1.10, ("llama-3.1-8b", 32, 4): 1.35}
 PROJECTED_MIN, TODAY_TOK_S = 1.8, 248.0  # Llama-3.1-8B b = 1 tok/s today (issue 38)
 
@@ -38,7 +40,7 @@ def measure(name: str, batch_sizes: list[int], drafts: list[int]) -> dict:
 
     spec = {"method": "ngram", "num_speculative_tokens": max(drafts)}
     with tempfile.TemporaryDirectory() as tmp:
-        llm, startup = start_engine(str(write_model_dir(model_config(name), tmp)), max(batch_sizes), 4096,
+        llm, startup = start_engine(str(write_model_dir(model_config(name), tmp)), MAX_NUM_SEQS, 4096,
                                     speculative_config=spec)
         runner = llm.engine.core.runner
         rec = {"startup": startup, "steps": {}}

@@ -162,7 +162,7 @@ def test_device_rule_equals_host_rule():
         samples = [torch.randint(0, 3, (len(d) + 1,), generator=gen).tolist() for d in drafts]
         first = [sum(len(d) + 1 for d in drafts[:i]) for i in range(len(drafts))]
         rows = VerifyRows(torch.tensor([x for d in drafts for x in [*d, -1]], dtype=torch.int32),
-                          torch.tensor([f for f, d in zip(first, drafts) for _ in range(len(d) + 1)], dtype=torch.int32))
+                          torch.tensor([j for d in drafts for j in range(len(d) + 1)], dtype=torch.int32))
         slots = torch.tensor([10 + i for i, d in enumerate(drafts) for _ in range(len(d) + 1)], dtype=torch.int32)
         store = accepted_store_slots(torch.tensor([x for s in samples for x in s]), rows, slots, 99).tolist()
         want = [99] * len(store)
@@ -245,3 +245,10 @@ def test_a_stop_string_inside_a_multi_token_delta_drops_what_follows(tiny_model_
     assert c.token_ids == ids[:stop_at + 1] and len(c.logprobs) == stop_at + 1
     assert c.cumulative_logprob == pytest.approx(-0.5 * (stop_at + 1))
     assert c.text == tok.decode(ids[:stop_at + 1]).split("stop")[0] and c.finish_reason == "stop"
+
+
+def test_plan_drafts_costs_decode_rows_up_to_the_largest_decode_batch():
+    steep = lambda rows: 1.0 + 0.5 * (rows - 1)  # noqa: E731
+    flat = lambda tokens: 1.0 + 0.0 * tokens  # noqa: E731
+    assert plan_drafts([4], [0.5], steep, flat, max_decode_rows=1) == [4]  # verified as a (flat) token step
+    assert plan_drafts([4], [0.5], steep, flat, max_decode_rows=8) == [0]  # as (steep) decode rows

@@ -12,8 +12,11 @@ import dataclasses
 
 import numpy as np
 
-from nanoserve.kernels.paging import kv_slots
-from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch, SamplingBatch, disjoint_decode_batch
+from nanoserve.engine.batching import build_batch
+from nanoserve.engine.scheduler import ScheduledStep
+from nanoserve.engine.sequence import Sequence
+from nanoserve.runner.batch import DecodeBatch, PrefillBatch, SamplingBatch, disjoint_decode_batch
+from nanoserve.sampling import SamplingParams
 from nanoserve.runner.startup.timing import time_ms
 
 
@@ -42,25 +45,20 @@ def sampled_decode_batch(runner, rows: int, context_len: int) -> DecodeBatch:
     return dataclasses.replace(batch, sampling=greedy_sampling(batch.slots))
 
 
-def verify_batch(runner, rows: int, context_len: int, num_drafts: int, draft_id: int = 0) -> PrefillBatch:
-    """The step that verifies num_drafts drafts on each of `rows` rows (engine/batching's layout: each row's last
-    sampled token, read on the device, then its drafts, all sampled greedily and checked against the drafts), at
-    context_len tokens a row once verified, over decode_batch's disjoint block tables."""
-    decode = decode_batch(runner, rows, context_len + num_drafts)
-    starts = np.full(rows, context_len - 1, np.int32)
-    q = num_drafts + 1
-    positions = (starts[:, None] + np.arange(q, dtype=np.int32)[None, :])
+def verify_batch(runner, rows: int, context_len: int, num_drafts: int, draft_id: int = 0) -> DecodeBatch | PrefillBatch:
+    """The step that verifies num_drafts drafts on each of `rows` rows at context_len tokens a row, as the engine
+    builds it (engine/batching.py: decode rows of each slot when they fit the largest decode batch, else a token-count
+    step), every row sampled greedily and checked against the drafts, over decode_batch's disjoint block tables."""
+    decode_batch(runner, rows, context_len + num_drafts)  # writes the tables
     per_row = runner.kv.blocks_for(context_len + num_drafts)
-    table_rows = np.arange(rows * per_row, dtype=np.int32).reshape(rows, per_row)  # decode_batch's tables
-    ids = np.full((rows, q), draft_id, np.int32)
-    ids[:, 0] = -1
-    sampled = np.repeat(decode.slots, q)
-    return PrefillBatch(
-        slots=decode.slots, starts=starts, query_lens=np.full(rows, q, np.int32), token_ids=ids.ravel(),
-        slot_mapping=np.concatenate([kv_slots(t, p, runner.config.block_size) for t, p in zip(table_rows, positions)]),
-        block_updates=BlockUpdates(), sample_rows=np.arange(rows, dtype=np.int32), sampling=greedy_sampling(sampled),
-        max_blocks=per_row, sample_counts=np.full(rows, q, np.int32),
-        draft_ids=np.tile(np.array([draft_id] * num_drafts + [-1], np.int32), rows))
+    step = ScheduledStep()
+    for i in range(rows):
+        seq = Sequence(f"verify-{i}", [draft_id] * context_len, SamplingParams(temperature=0.0))
+        seq.slot, seq.decoding, seq.num_computed_tokens = i, True, context_len - 1
+        seq.block_table = list(range(i * per_row, (i + 1) * per_row))
+        seq.num_synced_blocks = per_row
+        step.add(seq, 1 + num_drafts, True, [draft_id] * num_drafts)
+    return build_batch(step, runner.config.block_size, [], runner.config.max_num_seqs)
 
 
 def _write_tables(runner, slots, tables) -> None:  # module level: RunnerGroup pickles it to the workers

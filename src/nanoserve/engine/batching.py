@@ -10,12 +10,17 @@ from nanoserve.kernels.paging import kv_slots
 from nanoserve.runner.batch import BlockUpdates, DecodeBatch, Penalties, PrefillBatch, SamplingBatch
 
 
-def build_batch(step: ScheduledStep, block_size: int, eos_token_ids: list[int]) -> DecodeBatch | PrefillBatch:
-    """Call right after scheduling: the sequences' block tables, slots and pending counts are this step's."""
+def build_batch(step: ScheduledStep, block_size: int, eos_token_ids: list[int],
+                max_decode_rows: int = 0) -> DecodeBatch | PrefillBatch:
+    """Call right after scheduling: the sequences' block tables, slots and pending counts are this step's. A step
+    whose every row decodes, some verifying drafts, runs as a decode batch of one row per token when those fit
+    max_decode_rows (the batch-size graphs), else as a token-count step."""
     rows = [(s, d) for s, samples, d in zip(step.seqs, step.samples, step.drafts) if samples]
     sampling = sampling_batch([s for s, _ in rows], eos_token_ids, [d for _, d in rows]) if rows else None
     if step.is_decode:
         return _decode_batch(step, block_size, sampling)
+    if all(step.decode_rows) and sum(step.num_new_tokens) <= max_decode_rows:
+        return _verify_batch(step, block_size, sampling)
     return _prefill_batch(step, block_size, block_updates(step.seqs), sampling)
 
 
@@ -31,6 +36,31 @@ def _decode_batch(step: ScheduledStep, bs: int, sampling) -> DecodeBatch:
             cols[i], ids[i] = seq.num_synced_blocks, seq.block_table[-1]
             seq.num_synced_blocks += 1
     return DecodeBatch(slots, positions, slot_mapping, positions + 1, cols, ids, sampling)
+
+
+def _verify_batch(step: ScheduledStep, bs: int, sampling) -> DecodeBatch:
+    """Each sequence as consecutive decode rows of its slot: its last token (read on the device), then its drafts, each
+    at its own position and context length; a new block is brought by the first row in its column
+    (kernels/step_inputs.py: the rows after it read it from that row)."""
+    parts: dict[str, list] = {k: [] for k in ("slots", "positions", "slot_mapping", "tokens", "drafts", "back",
+                                              "cols", "ids")}
+    for seq, start, drafts in zip(step.seqs, step.starts, step.drafts):
+        n = 1 + len(drafts)
+        positions = np.arange(start, start + n, dtype=np.int32)
+        cols, ids = np.full(n, -1, np.int32), np.zeros(n, np.int32)
+        for col in range(seq.num_synced_blocks, len(seq.block_table)):
+            row = max(col * bs - start, 0)
+            assert row < n and cols[row] < 0, "one new block per row, within the sequence's rows"
+            cols[row], ids[row] = col, seq.block_table[col]
+        seq.num_synced_blocks = len(seq.block_table)
+        for key, value in (("slots", np.full(n, seq.slot, np.int32)), ("positions", positions),
+                           ("slot_mapping", kv_slots(seq.block_table, positions, bs)),
+                           ("tokens", np.array([-1, *drafts], np.int32)), ("drafts", np.array([*drafts, -1], np.int32)),
+                           ("back", np.arange(n, dtype=np.int32)), ("cols", cols), ("ids", ids)):
+            parts[key].append(value)
+    a = {k: np.concatenate(v) for k, v in parts.items()}
+    return DecodeBatch(a["slots"], a["positions"], a["slot_mapping"].astype(np.int32), a["positions"] + 1, a["cols"],
+                       a["ids"], sampling, token_ids=a["tokens"], draft_ids=a["drafts"], group_back=a["back"])
 
 
 def _prefill_batch(step: ScheduledStep, bs: int, updates: BlockUpdates, sampling) -> PrefillBatch:

@@ -46,7 +46,7 @@ from nanoserve.engine.prompts import check_params_token_ids, check_prompt_ids
 from nanoserve.engine.scheduler import ScheduledStep, Scheduler, chunk_caps
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.model_files import ModelSpec, eos_token_ids, load_tokenizer
-from nanoserve.runner.batch import SampledTokens
+from nanoserve.runner.batch import PrefillBatch, SampledTokens
 from nanoserve.runner.parallel.group import WorkerError, create_runner
 
 logger = logging.getLogger("nanoserve")
@@ -82,7 +82,8 @@ class EngineCore:
         if spec is None:
             return None
         from nanoserve.engine.speculation import Speculator  # (the proposers load only when asked for)
-        return Speculator(spec, self.config.max_model_len, self.info.step_curve, self.info.token_curve)
+        return Speculator(spec, self.config.max_model_len, self.config.max_num_seqs, self.info.step_curve,
+                          self.info.token_curve)
 
     def _prompt_token_caps(self) -> list[int] | None:
         """chunk_time_ratio's caps from the runner's measured curves (batch-size and token-count: planned "auto"
@@ -185,7 +186,7 @@ class EngineCore:
         if spec is not None and not self._num_grammar_seqs:  # (a grammar's bitmask covers one row per sequence)
             spec.offer(self.scheduler.running)
         step = self.scheduler.schedule()
-        batch = build_batch(step, self.config.block_size, self.eos_token_ids) if step else None
+        batch = build_batch(step, self.config.block_size, self.eos_token_ids, self.config.max_num_seqs) if step else None
         if started is not None:  # (overlap only) the step before it read, masked and sampled: see the docstring
             outputs += self._sample_deferred(started)
             if step and all(s.is_finished for s in step.seqs):  # every row ended in that read: nothing to run
@@ -200,7 +201,7 @@ class EngineCore:
 
     def _launch(self, step: ScheduledStep, batch, overlap: bool) -> list[SeqOutput]:
         """Launch a built step: whole, or (grammar rows still running) its forward only, its sampler deferred."""
-        self._mixed_steps += not step.is_decode
+        self._mixed_steps += isinstance(batch, PrefillBatch)
         sampled = [s for s, samples in zip(step.seqs, step.samples) if samples]
         if self._num_grammar_seqs and any(s.grammar is not None for s in sampled):
             pending = self.runner.execute(batch, defer_sampling=True)  # its sampler waits for the masks

@@ -22,9 +22,11 @@ def acceptance_rate(accepted: int, drafted: int) -> float:
     return (accepted + prior_accepted) / (drafted + prior_drafted)
 
 
-def plan_drafts(lengths: list[int], rates: list[float], decode_ms: StepTime, tokens_ms: StepTime) -> list[int]:
+def plan_drafts(lengths: list[int], rates: list[float], decode_ms: StepTime, tokens_ms: StepTime,
+                max_decode_rows: int = 0) -> list[int]:
     """Per sequence, how many of its offered drafts (lengths[i]) to verify, given acceptance rates and the measured
-    step times (decode_ms: rows → ms of a decode step; tokens_ms: tokens → ms of a token-count step)."""
+    step times (decode_ms: rows → ms of a decode step; tokens_ms: tokens → ms of a token-count step): a step of up
+    to max_decode_rows tokens verifies as decode rows, a larger one as a token-count step."""
     b = len(lengths)
     owner = np.repeat(np.arange(b), lengths)
     if not len(owner):
@@ -34,8 +36,10 @@ def plan_drafts(lengths: list[int], rates: list[float], decode_ms: StepTime, tok
     order = np.lexsort((position, owner, -value))  # best first; ties: earlier sequence, earlier position
     expected = b + np.concatenate([[0.0], np.cumsum(value[order])])
     n = np.arange(len(order) + 1)
-    cost = np.asarray(tokens_ms(b + n), np.float64)
-    cost[0] = float(np.asarray(decode_ms(np.array([b])), np.float64)[0])
+    rows = b + n
+    as_decode = rows <= max(max_decode_rows, b)
+    cost = np.asarray(tokens_ms(rows), np.float64)
+    cost[as_decode] = np.asarray(decode_ms(rows[as_decode]), np.float64)
     best = int(np.argmax(expected / cost))
     return np.bincount(owner[order[:best]], minlength=b).tolist()
 

@@ -3,8 +3,9 @@ tokens a sequence keeps, and the counters /metrics and the benchmarks read.
 
 Before scheduling, every decoding sequence is offered the drafts its proposer (engine/drafts.py) continues it with,
 as many as draft_plan.plan_drafts finds worth their cost (all of them, up to num_speculative_tokens, when the step
-curves were not measured or "adaptive" is off); the scheduler runs a sequence's last token and its drafts as one row
-of a token-count step. After the step, the sequence keeps its samples up to the first that differs from its draft
+curves were not measured or "adaptive" is off); the scheduler runs a sequence's last token and its drafts as
+consecutive decode rows of its slot (a batch-size graph), or as one row of a token-count step when prompts ride
+along or the rows outnumber the largest decode batch. After the step, the sequence keeps its samples up to the first that differs from its draft
 (runner/speculative.py says why that is exact) and its computed-token count is rolled back over the rejected drafts:
 their KV slots are simply written again by later steps. The host must know every token before it drafts, so with
 speculation the loop reads each step before scheduling the next (no overlap).
@@ -19,9 +20,11 @@ from nanoserve.speculative_config import SpeculativeConfig
 
 
 class Speculator:
-    def __init__(self, spec: SpeculativeConfig, max_model_len: int, step_curve=None, token_curve=None):
-        """step_curve / token_curve: the runner's measured step times (None when not measured: no planning)."""
-        self.spec, self.max_model_len = spec, max_model_len
+    def __init__(self, spec: SpeculativeConfig, max_model_len: int, max_decode_rows: int, step_curve=None,
+                 token_curve=None):
+        """step_curve / token_curve: the runner's measured step times (None when not measured: no planning);
+        max_decode_rows: the most rows a decode batch (and so a verification as decode rows) runs."""
+        self.spec, self.max_model_len, self.max_decode_rows = spec, max_model_len, max_decode_rows
         self.proposer = make_proposer(spec)
         planned = spec.adaptive and step_curve is not None and token_curve is not None
         self._curves = (step_curve, token_curve) if planned else None
@@ -43,7 +46,7 @@ class Speculator:
         offered = [self._propose(s, min(k, s.draft_room(self.max_model_len))) for s in rows]
         if self._curves is not None and any(offered):
             rates = [acceptance_rate(s.num_accepted, s.num_drafted) for s in rows]
-            keep = plan_drafts([len(d) for d in offered], rates, *self._curves)
+            keep = plan_drafts([len(d) for d in offered], rates, *self._curves, self.max_decode_rows)
             offered = [d[:n] for d, n in zip(offered, keep)]
         for seq, drafts in zip(rows, offered):
             seq.draft_token_ids = drafts

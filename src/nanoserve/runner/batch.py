@@ -99,6 +99,12 @@ class DecodeBatch:
     new_block_cols: np.ndarray  # [b] int32: the column of the row's one new block in its slot's table, or -1
     new_block_ids: np.ndarray  # [b] int32
     sampling: SamplingBatch | None  # None: forward only (benchmarks)
+    # verification (runner/speculative.py): sequences run as consecutive rows of their slot, their last token then
+    # their drafts: each row's input id (-1: the slot's last sampled token), the draft its sample must equal (-1:
+    # none) and its rows before it in the slot. None: plain decode rows.
+    token_ids: np.ndarray | None = None
+    draft_ids: np.ndarray | None = None
+    group_back: np.ndarray | None = None
 
     @property
     def size(self) -> int:

@@ -46,7 +46,7 @@ class DecodeForward:
         """width: block-table columns to gather (eager callers pass the batch's widest table; graphs all)."""
         v = self.inputs.views(rows)
         input_ids, tables = prepare_decode(v.slots, v.new_block_cols, v.new_block_ids, self.state.last_tokens,
-                                           self.state.block_tables, width)
+                                           self.state.block_tables, width, v.token_ids, v.group_back)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=v.slot_mapping, context_lens=v.context_lens,
                                  block_tables=tables)
         hidden = self.model(input_ids, v.positions, meta)
@@ -133,7 +133,7 @@ class TokenForward:
             packed = prompt_logprobs.compute(self.model, hidden, tail.logprob_rows, tail.logprob_targets,
                                              batch.prompt_logprob_k, self.logprob_chunk)
             prompt = prompt_logprobs.PromptLogprobsHandle(packed, len(batch.prompt_logprob_rows))
-        verify = VerifyRows(tail.draft_ids, tail.group_first) if batch.sample_counts is not None else None
+        verify = VerifyRows(tail.draft_ids, tail.group_back) if batch.sample_counts is not None else None
         return SampledLogits(logits, params, tail.sampled_slots, prompt, verify)
 
 

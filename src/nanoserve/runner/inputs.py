@@ -59,6 +59,11 @@ class DecodeViews:
     context_lens: torch.Tensor = region(ROWS, 1)
     new_block_cols: torch.Tensor = region(ROWS, -1)  # the column of the row's one new block, or -1
     new_block_ids: torch.Tensor = region(ROWS, 0)
+    # verification rows (a sequence's last token and its drafts, consecutive rows of its slot): the row's input id
+    # (-1: the slot's last sampled token), the draft its sample must equal (-1: none), its rows before it in the slot
+    token_ids: torch.Tensor = region(ROWS, -1)
+    draft_ids: torch.Tensor = region(ROWS, -1)
+    group_back: torch.Tensor = region(ROWS, 0)
     temperature: torch.Tensor = region(ROWS, 0.0, np.float32)
     top_p: torch.Tensor = region(ROWS, 1.0, np.float32)
     top_k: torch.Tensor = region(ROWS, 0)
@@ -95,7 +100,7 @@ class StepTail:
     logprob_rows: torch.Tensor = region()  # token rows whose next prompt token's logprob is asked ...
     logprob_targets: torch.Tensor = region()  # ... for these tokens
     draft_ids: torch.Tensor = region()  # verification: per sampled row, the draft its sample must equal (-1: none) ...
-    group_first: torch.Tensor = region()  # ... and the first sampled row of its sequence (empty: no drafts)
+    group_back: torch.Tensor = region()  # ... and how many sampled rows of its sequence precede it (empty: no drafts)
     temperature: torch.Tensor = region(dtype=np.float32)  # the sampled rows' parameters (empty: no sampling)
     top_p: torch.Tensor = region(dtype=np.float32)
     top_k: torch.Tensor = region()
@@ -233,6 +238,8 @@ def decode_values(batch: DecodeBatch) -> dict[str, np.ndarray]:
     values = {"slots": batch.slots, "positions": batch.positions, "slot_mapping": batch.slot_mapping,
               "context_lens": batch.context_lens, "new_block_cols": batch.new_block_cols,
               "new_block_ids": batch.new_block_ids}
+    if batch.draft_ids is not None:
+        values |= {"token_ids": batch.token_ids, "draft_ids": batch.draft_ids, "group_back": batch.group_back}
     return values | sampling_values(batch.sampling)
 
 
@@ -271,13 +278,13 @@ def _sampled_rows(batch: PrefillBatch, cu_q: np.ndarray) -> dict[str, np.ndarray
     slots = batch.slots[batch.sample_rows]
     if batch.sample_counts is None:
         none = np.zeros(0, np.int32)
-        return {"sample_token_rows": last, "sampled_slots": slots, "draft_ids": none, "group_first": none}
+        return {"sample_token_rows": last, "sampled_slots": slots, "draft_ids": none, "group_back": none}
     counts = batch.sample_counts
     first = np.cumsum(counts) - counts  # each sequence's first sampled row
     within = np.arange(int(counts.sum()), dtype=np.int32) - np.repeat(first, counts)
     rows = np.repeat(last - counts + 1, counts) + within
     return {"sample_token_rows": rows.astype(np.int32), "sampled_slots": np.repeat(slots, counts),
-            "draft_ids": batch.draft_ids, "group_first": np.repeat(first, counts).astype(np.int32)}
+            "draft_ids": batch.draft_ids, "group_back": within}
 
 
 class StepPacker:

@@ -84,6 +84,8 @@ class ModelRunner:
             logits, rows, bucket = self._decode(batch)
             views, b, prompt = self.buffers.decode_inputs.views(rows), batch.size, None
             params, slots = views.sampling(b), views.slots[:b]
+            if batch.draft_ids is not None:
+                verify = VerifyRows(views.draft_ids[:b], views.group_back[:b])
         if batch.sampling is None or not len(batch.sampling):
             return None if prompt is None else SampleHandle.empty(prompt)
         pending = PendingSample(logits, params, slots, prompt, bucket, verify)
@@ -94,7 +96,7 @@ class ModelRunner:
         """Launch the sampler of a launched step with its (now complete) SamplingBatch. A plain batch after a decode
         graph replays that bucket's sampler graph when the table routes one."""
         sampler, replay = self.buffers.sampler, None
-        if pending.bucket is not None and sampler.path(sampling) is SamplingPath.FUSED:
+        if pending.bucket is not None and pending.verify is None and sampler.path(sampling) is SamplingPath.FUSED:
             kind = Kind.SAMPLE_MASKED if sampling.grammar_rows is not None else Kind.SAMPLE
             size = self.graphs.route(kind, pending.bucket)
             if size is not None:

@@ -23,10 +23,10 @@ import torch
 @dataclass
 class VerifyRows:
     """Per sampled row (views of the step's input buffer): the draft its sample must equal (-1 for a sequence's last
-    row) and the index of its sequence's first sampled row."""
+    row) and how many rows of its sequence come before it."""
 
     draft_ids: torch.Tensor  # [n] int32
-    group_first: torch.Tensor  # [n] int32
+    group_back: torch.Tensor  # [n] int32
 
 
 def accepted_store_slots(tokens: torch.Tensor, verify: VerifyRows, slots: torch.Tensor, dummy_slot: int) -> torch.Tensor:
@@ -34,7 +34,8 @@ def accepted_store_slots(tokens: torch.Tensor, verify: VerifyRows, slots: torch.
     (the first whose sample is not its draft), the dummy slot for every other row. Graph-capturable (no sync)."""
     miss = (tokens.to(torch.int32) != verify.draft_ids).to(torch.int32)
     before = torch.cumsum(miss, 0) - miss  # misses in the rows before each row
-    in_sequence = before - before[verify.group_first.long()]  # ... counted from its sequence's first row
+    first = torch.arange(len(miss), device=miss.device) - verify.group_back.long()  # its sequence's first row
+    in_sequence = before - before[first]  # ... counted from there
     ends = (in_sequence == 0) & (miss == 1)
     return torch.where(ends, slots, torch.full_like(slots, dummy_slot))
 

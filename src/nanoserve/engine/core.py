@@ -195,7 +195,8 @@ class EngineCore:
             outputs += self._launch(step, batch, overlap)
         elif not len(self._pipeline) and self._compiling:  # nothing to run until a grammar is ready
             wait(self._compiling.values(), GRAMMAR_WAIT_S, FIRST_COMPLETED)
-        while len(self._pipeline) > (1 if overlap and step else 0):
+        keep = 1 if step and (overlap or spec is not None) else 0  # speculating: the front end's work overlaps it
+        while len(self._pipeline) > keep:
             outputs += self._complete(*self._read(self._pipeline.oldest()))
         return outputs
 

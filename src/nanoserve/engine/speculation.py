@@ -8,7 +8,8 @@ consecutive decode rows of its slot (a batch-size graph), or as one row of a tok
 along or the rows outnumber the largest decode batch. After the step, the sequence keeps its samples up to the first that differs from its draft
 (runner/speculative.py says why that is exact) and its computed-token count is rolled back over the rejected drafts:
 their KV slots are simply written again by later steps. The host must know every token before it drafts, so with
-speculation the loop reads each step before scheduling the next (no overlap).
+speculation the loop reads each step before scheduling the next; the step just launched is left running while the
+caller (the front end: detokenizing, stop strings, streaming) handles the outputs of the one before.
 """
 from __future__ import annotations
 

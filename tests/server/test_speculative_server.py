@@ -1,0 +1,33 @@
+"""Speculative decoding through the OpenAI server (issue 38): a stream carries the same greedy text as the offline
+engine without drafts, its deltas may hold several tokens, and /metrics carries the acceptance counters."""
+from __future__ import annotations
+
+import pytest
+
+from nanoserve import SamplingParams
+from nanoserve.server.app import build_app
+from tests.server.conftest import API_KEY, ENGINE_OPTIONS, MODEL
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [11, 12, 11, 12, 11, 12, 11]]
+
+
+@pytest.fixture(scope="module")
+def speculating(model_dir, serve_app):
+    return serve_app(build_app(model_dir, api_key=API_KEY, served_model_name=MODEL, speculative_config=NGRAM,
+                               **ENGINE_OPTIONS))
+
+
+def test_stream_carries_the_greedy_text_and_metrics_the_acceptance(speculating, offline):
+    client = speculating.client()
+    for prompt in PROMPTS:
+        want = offline.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                                use_tqdm=False)[0].text
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0.0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want
+    speculating.wait_idle()
+    snapshot = speculating.metrics()
+    drafted = speculating.metric(snapshot, "nanoserve_spec_decode_num_draft_tokens_total", method="ngram")
+    accepted = speculating.metric(snapshot, "nanoserve_spec_decode_num_accepted_tokens_total", method="ngram")
+    assert drafted > 0 and 0 < accepted <= drafted

@@ -8,6 +8,7 @@ request's history, since this runs on the engine loop for every sequence of ever
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 
@@ -20,7 +21,7 @@ _FLOOR_SLACK = 1e-6  # floor(factor × matched length) without losing 29 to 0.29
 _TIE = 1e-9  # draft scores this close are a tie (rounding must not pick the winner)
 
 
-class Proposer:
+class Proposer(ABC):
     """The interface the engine calls; one object per engine holds every running request's index."""
     method = ""
 
@@ -55,14 +56,17 @@ class Proposer:
         except KeyError:
             raise KeyError(f"drafts: unknown request {request_id!r} (never added, or already removed)") from None
 
+    @abstractmethod
     def _new_state(self, prompt_token_ids: Sequence[int]):
-        raise NotImplementedError
+        """Each proposer's own index (NgramProposer, SuffixProposer)."""
 
+    @abstractmethod
     def _append(self, state, token_ids: Sequence[int]) -> None:
-        raise NotImplementedError
+        """Each proposer's own index (NgramProposer, SuffixProposer)."""
 
+    @abstractmethod
     def _propose(self, state, k: int) -> list[int]:
-        raise NotImplementedError
+        """Each proposer's own index (NgramProposer, SuffixProposer)."""
 
     def _ended(self, state, keep_outputs: bool) -> None:
         """What a method keeps of an ended request (nothing, unless it says)."""

@@ -51,7 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.common import (back_to_back_seconds, env_info, kv_bytes_per_token, measure_copy_bandwidth,  # noqa
-                               model_config, param_counts, release_cuda_memory, write_json, write_model_dir)
+                               model_config, param_counts, release_cuda_memory, text_part, write_json,
+                               write_model_dir)
 from nanoserve.bench.profile import kernel_kind, kind_table, profile_step  # noqa: E402,F401 (tests read them here)
 
 B2B_ITERS = 50
@@ -135,10 +136,10 @@ def b2b_ms(fn, iters: int = B2B_ITERS, repeats: int = 3) -> float:
 def floor_ms(cfg: dict, b: int, context: int, bandwidth: float, fp8: bool = False, fp8_head: bool = False) -> float:
     """Weights read once (the lm_head matrix whole, b embedding rows when it is not tied; the decoder layers' linear
     weights one byte each with fp8, and the lm_head's with fp8_head) + KV, at bandwidth."""
-    p = param_counts(cfg)
-    head = cfg["vocab_size"] * cfg["hidden_size"]
-    weight_params = p.layers + p.final_norm + head + (b * cfg["hidden_size"] if p.lm_head else 0)
-    fp8_params = sum(n * k for n, k in decode_shapes(cfg).values()) * cfg["num_hidden_layers"] if fp8 else 0
+    p, text = param_counts(cfg), text_part(cfg)
+    head = text["vocab_size"] * text["hidden_size"]
+    weight_params = p.layers + p.final_norm + head + (b * text["hidden_size"] if p.lm_head else 0)
+    fp8_params = sum(n * k for n, k in decode_shapes(cfg).values()) * text["num_hidden_layers"] if fp8 else 0
     fp8_params += head if fp8 and fp8_head else 0
     return (2 * weight_params - fp8_params + b * context * kv_bytes_per_token(cfg)) / bandwidth * 1e3
 
@@ -389,11 +390,15 @@ def print_summary(rows: list[dict], sets: list[str]) -> None:
 
 
 # -- the GEMV variants in the model ----------------------------------------------------------------------------
-GEMV_CANDIDATES = {
+GEMV_CANDIDATES = {  # (tiles of 512 or 256 along K divide hidden 2560 and 3072; 1024 leaves a masked last tile)
     1: ["fma 2x1024 w4 st2 p0", "fma 4x1024 w4 st3 p0", "fma 8x1024 w4 st2 p0", "fma 8x512 w4 st3 p0",
-        "fma 16x256 w4 st4 p0", "fma 4x512 w2 st3 p0", "fma 8x1024 w8 st2 p0", "fma 4x1024 w4 st3 p2"],
+        "fma 16x256 w4 st4 p0", "fma 4x512 w2 st3 p0", "fma 8x1024 w8 st2 p0", "fma 4x1024 w4 st3 p2",
+        "fma 4x512 w4 st4 p0", "fma 8x512 w4 st4 p0", "fma 16x512 w8 st3 p0", "fma 2x512 w4 st4 p0"],
     8: ["dot 64x128 w4 st4 p0", "dot 32x256 w4 st3 p1", "dot 16x512 w4 st3 p1", "dot 64x256 w4 st3 p1",
         "dot 128x128 w8 st3 p0", "dot 32x128 w4 st4 p2", "dot 16x256 w4 st4 p2", "dot 64x64 w4 st4 p2"],
+    16: ["dot 64x128 w4 st4 p0", "dot 64x128 w4 st4 p1", "dot 64x128 w4 st4 p2", "dot 32x256 w4 st3 p1",
+         "dot 32x256 w4 st3 p2", "dot 16x512 w4 st3 p2", "dot 32x128 w4 st4 p2", "dot 64x64 w4 st4 p2",
+         "dot 128x128 w8 st3 p1", "dot 64x256 w4 st3 p1", "cublas"],
 }
 
 
@@ -477,7 +482,8 @@ def prefill_products(cfg: dict, tokens_list=(128, 512, 2048, 8192)) -> dict:
 
 
 def decode_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
-    """(N, K) of each decode product of a layer, as the GEMV dispatch sees them."""
+    """(N, K) of each decode product of a layer, as the GEMV dispatch sees them (a multimodal config's text model)."""
+    cfg = text_part(cfg)
     h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg.get("head_dim") or \
         cfg["hidden_size"] // cfg["num_attention_heads"]
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])

@@ -393,12 +393,15 @@ def print_summary(rows: list[dict], sets: list[str]) -> None:
 GEMV_CANDIDATES = {  # (tiles of 512 or 256 along K divide hidden 2560 and 3072; 1024 leaves a masked last tile)
     1: ["fma 2x1024 w4 st2 p0", "fma 4x1024 w4 st3 p0", "fma 8x1024 w4 st2 p0", "fma 8x512 w4 st3 p0",
         "fma 16x256 w4 st4 p0", "fma 4x512 w2 st3 p0", "fma 8x1024 w8 st2 p0", "fma 4x1024 w4 st3 p2",
-        "fma 4x512 w4 st4 p0", "fma 8x512 w4 st4 p0", "fma 16x512 w8 st3 p0", "fma 2x512 w4 st4 p0"],
+        "fma 4x512 w4 st4 p0", "fma 8x512 w4 st4 p0", "fma 16x512 w8 st3 p0", "fma 2x512 w4 st4 p0",
+        "fma 4x512 w2 st4 p0", "fma 2x512 w2 st4 p0", "fma 8x512 w2 st3 p0", "fma 4x256 w2 st4 p0",
+        "fma 8x256 w4 st4 p0", "fma 2x1024 w2 st3 p0", "fma 2x2048 w4 st2 p0", "fma 1x1024 w2 st3 p0"],
     8: ["dot 64x128 w4 st4 p0", "dot 32x256 w4 st3 p1", "dot 16x512 w4 st3 p1", "dot 64x256 w4 st3 p1",
         "dot 128x128 w8 st3 p0", "dot 32x128 w4 st4 p2", "dot 16x256 w4 st4 p2", "dot 64x64 w4 st4 p2"],
     16: ["dot 64x128 w4 st4 p0", "dot 64x128 w4 st4 p1", "dot 64x128 w4 st4 p2", "dot 32x256 w4 st3 p1",
          "dot 32x256 w4 st3 p2", "dot 16x512 w4 st3 p2", "dot 32x128 w4 st4 p2", "dot 64x64 w4 st4 p2",
-         "dot 128x128 w8 st3 p1", "dot 64x256 w4 st3 p1", "cublas"],
+         "dot 128x128 w8 st3 p1", "dot 64x256 w4 st3 p1", "cublas", "dot 32x128 w4 st4 p1",
+         "dot 64x128 w4 st6 p1", "dot 64x64 w4 st4 p1", "dot 64x64 w4 st6 p2", "dot 128x64 w4 st4 p1"],
 }
 
 

@@ -174,6 +174,21 @@ def test_dispatch_table():
         gemv._parsed_table({1: ((None, "fma 4x1024 w4 st3 p0", "cuda"),)})
 
 
+def test_dispatch_shapes():
+    """A GEMV_SHAPES entry wins over the size rule for its exact shape and rows bucket only (fp8 weights excluded);
+    entries are checked when parsed."""
+    (rows, n, k), (short, winner) = next(iter(gemv.GEMV_SHAPES.items()))
+    for m in range(1, rows + 1):
+        if gemv._bucket(m, gemv._TABLE) == rows:
+            assert gemv.choose(m, n, k, 2) == (GemvConfig.parse(short), winner == gemv.TRITON)
+    by_size = next(c for lim, c, _ in gemv._TABLE[rows] if n * (k + 16) * 2 <= lim)
+    assert gemv.choose(rows, n, k + 16, 2)[0] == by_size  # another shape: the size rule
+    fp8_rule = gemv._FP8_TABLE[gemv._bucket(rows, gemv._FP8_TABLE)]
+    assert gemv.choose(rows, n, k, 1)[0] == next(c for lim, c, _ in fp8_rule if n * k <= lim)  # fp8: its own table
+    with pytest.raises(ValueError, match="bucket"):
+        gemv._parsed_shapes({(3, 8, 16): ("fma 4x1024 w4 st3 p0", gemv.TRITON)})
+
+
 def test_linear_falls_back_off_gpu_and_without_triton(monkeypatch):
     x, w, b = make(2, 24, 64, torch.float32, True, device="cpu")
     assert not gemv.kernel_applies(x, w, b)  # CPU tensors: F.linear

@@ -251,6 +251,20 @@ FP8_GEMV_TABLE: dict[int, tuple[tuple[float | None, str, str], ...]] = {
 
 
 
+# Products whose best variant the size rule above misses, measured in the model where its shape runs: (rows bucket, N,
+# K) → (variant, triton | cublas). A shape of the same bytes can want another tile: hidden 2560 (Gemma 3) is not a
+# multiple of 1024, so a 1024-wide tile masks its last loads; a weight of 2560 rows gives a 64-row tile only 40
+# programs, which K splits must fill. From the in-model sweeps of Gemma-3-4B's decode graphs on the H200
+# (benchmarks/results/gemv_sweep_gemma3_*_h200.json: `decode_floor.py model --models gemma-3-4b --gemv-rows 1 16`).
+GEMV_SHAPES: dict[tuple[int, int, int], tuple[str, str]] = {
+    (1, 2560, 2048): ('fma 2x1024 w4 st2 p0', TRITON),
+    (1, 20480, 2560): ('fma 4x512 w2 st3 p0', TRITON),
+    (1, 2560, 10240): ('fma 2x1024 w4 st2 p0', TRITON),
+    (16, 20480, 2560): ('dot 64x64 w4 st4 p2', TRITON),
+    (16, 2560, 10240): ('dot 64x128 w4 st4 p1', TRITON),
+}
+
+
 def _parsed_table(table: dict, name: str = "GEMV_TABLE") -> dict[int, tuple[tuple[float, GemvConfig, bool], ...]]:
     """Configs parsed and the rule checked once: sizes ascend, the last entry takes any size."""
     out = {}
@@ -269,6 +283,20 @@ _TABLE = _parsed_table(GEMV_TABLE)
 _FP8_TABLE = _parsed_table(FP8_GEMV_TABLE, "FP8_GEMV_TABLE")
 
 
+def _parsed_shapes(shapes: dict) -> dict[tuple[int, int, int], tuple[GemvConfig, bool]]:
+    """GEMV_SHAPES parsed and checked once: each key's rows are a GEMV_TABLE bucket."""
+    out = {}
+    for (rows, n, k), (cfg, winner) in shapes.items():
+        if rows not in GEMV_TABLE or winner not in (TRITON, CUBLAS):
+            raise ValueError(f"GEMV_SHAPES[{rows, n, k}]: rows must be a GEMV_TABLE bucket and the winner "
+                             f"{TRITON!r} or {CUBLAS!r}")
+        out[rows, n, k] = GemvConfig.parse(cfg), winner == TRITON
+    return out
+
+
+_SHAPES = _parsed_shapes(GEMV_SHAPES)
+
+
 def _bucket(m: int, keys) -> int:
     fits = [b for b in keys if b >= m]
     if not fits:
@@ -277,11 +305,14 @@ def _bucket(m: int, keys) -> int:
 
 
 def choose(m: int, n: int, k: int, element_size: int) -> tuple[GemvConfig, bool]:
-    """(the Triton variant for a product of m rows with an [n, k] weight, whether it beats cuBLAS there);
-    element_size 1 (fp8 weights) reads FP8_GEMV_TABLE."""
+    """(the Triton variant for a product of m rows with an [n, k] weight, whether it beats cuBLAS there): GEMV_SHAPES'
+    entry for the shape, else GEMV_TABLE's for its size; element_size 1 (fp8 weights) reads FP8_GEMV_TABLE."""
     weight_bytes = n * k * element_size
     table = _FP8_TABLE if element_size == 1 else _TABLE
-    for limit, cfg, triton_wins in table[_bucket(m, table)]:
+    bucket = _bucket(m, table)
+    if element_size != 1 and (bucket, n, k) in _SHAPES:  # a shape measured on its own
+        return _SHAPES[bucket, n, k]
+    for limit, cfg, triton_wins in table[bucket]:
         if weight_bytes <= limit:
             return cfg, triton_wins
     raise AssertionError("unreachable: the last entry takes any size")

@@ -57,5 +57,46 @@ def test_unknown_activation_is_refused(quantize):
 @pytest.mark.usefixtures("pdl_in_interpreter", "force_triton")
 def test_pdl_path_in_the_interpreter():
     test_rms_norm_with_and_without_residual(torch.float32, 100)
+    test_rms_norm_with_an_owed_post_norm_equals_two_calls(torch.float32, True, False)
     test_silu_and_mul(torch.float32, "silu")
     test_silu_and_mul(torch.float32, "gelu_tanh")
+
+
+def _post_norm_case(dtype, n, seed=0):
+    """x (a sub-layer's output, large values as Gemma's are), residual, the pre-norm and the owed post-norm weights."""
+    g = torch.Generator().manual_seed(seed)
+    x, r = (torch.randn(2, 5, n, generator=g) * torch.tensor([30.0, 1.0])[:, None, None]).to(DEVICE, dtype)
+    w, w_post = (torch.randn(2, n, generator=g) + 1).to(DEVICE, dtype)
+    return x, r, w, (w_post, 1e-5)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("force_triton")
+def test_rms_norm_with_an_owed_post_norm_equals_two_calls(dtype, with_residual, quantize):
+    """x_norm folds the post-norm into the kernel: bit for bit the two launches it replaces (the post-norm's output
+    rounded to the model dtype), and close to the reference's two plain steps."""
+    x, r, w, x_norm = _post_norm_case(dtype, 1000)
+    residual = r if with_residual else None
+    got = fused.rms_norm(x, w, 1e-6, residual, quantize=quantize, x_norm=x_norm)
+    want = fused.rms_norm(fused.rms_norm(x, *x_norm), w, 1e-6, residual, quantize=quantize)
+    got_out, want_out = (got[0], want[0]) if with_residual else (got, want)
+    if with_residual:
+        assert torch.equal(got[1], want[1])
+    if quantize:
+        assert torch.equal(got_out.scales, want_out.scales)
+        assert torch.equal(got_out.codes.float(), want_out.codes.float())
+        return
+    assert torch.equal(got_out, want_out)
+    ref = fused.rms_norm_ref(x, w, 1e-6, residual, x_norm=x_norm)
+    # bf16: an ulp the kernel's fp32 sum rounds differently in the post-norm's output can grow to a few after the add
+    torch.testing.assert_close(got, ref, **(tol(dtype) if dtype == torch.float32 else dict(rtol=2e-2, atol=8e-2)))
+
+
+def test_rms_norm_ref_with_an_owed_post_norm_is_two_plain_steps():
+    x, r, w, (w_post, eps_post) = _post_norm_case(torch.float32, 64)
+    h = w_post * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps_post))
+    out, res = fused.rms_norm_ref(x, w, 1e-6, r, x_norm=(w_post, eps_post))
+    torch.testing.assert_close(res, h + r)
+    torch.testing.assert_close(out, w * (res * torch.rsqrt(res.pow(2).mean(-1, keepdim=True) + 1e-6)))

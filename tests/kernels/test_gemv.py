@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels import attention, fused, gemv
+from nanoserve.kernels import attention, fp8, fused, gemv
 from nanoserve.kernels._triton import HAS_TRITON
 from nanoserve.kernels.gemv import GemvConfig
 from nanoserve.kernels.rotary_kv import QKVRope, qk_norm_rope_ref
@@ -256,6 +256,30 @@ def test_prologues_unfused_off_gpu_or_switched_off():
     assert residual is x
     with switched(fuse_norm=False):
         assert not gemv._fuses(gemv.SWITCHES.fuse_norm, x, w, None)
+
+
+NORM_PATHS = {"prologue": (True, FMA_SPLIT, None), "norm kernel": (False, None, None),
+              "dot8q": (True, GemvConfig.parse("dot8q 16x32 w4 st2 s3"), (None,))}
+
+
+@needs_triton
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("path", list(NORM_PATHS))
+def test_norm_linear_with_an_owed_post_norm_equals_post_norm_first(path, with_residual):
+    """x_norm on every path of norm_linear (the GEMV prologue: a launch of its own first; the separate norm kernel,
+    which is the reference off the GPU, and the W8A8 norm kernel: inside it) gives bit for bit what applying the
+    post-norm first gives."""
+    force, config, fp8_weight = NORM_PATHS[path]
+    x, residual, norm_w, w, b = norm_case(1 if force else 3, 96, 40, torch.float32, with_residual)
+    x = x * 20  # a sub-layer's output, far from unit rms
+    x_norm = (torch.linspace(0.5, 2, 96, device=DEVICE), 1e-5)
+    weight, scale = fp8.quantize(w) if fp8_weight else (w, None)
+    with switched(force_triton=force):
+        got = gemv.norm_linear(x, residual, norm_w, 1e-6, weight, b, weight_scale=scale, config=config,
+                               x_norm=x_norm)
+        want = gemv.norm_linear(fused.rms_norm(x, *x_norm), residual, norm_w, 1e-6, weight, b, weight_scale=scale,
+                                config=config)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 # -- norm + qkv + rope (the attention input) --------------------------------------------------------------

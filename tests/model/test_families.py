@@ -5,15 +5,19 @@ q/k norm over the whole projection); prompts longer than the window, prefix-cach
 edge; the spec each config gives; refusals."""
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
+from nanoserve.kernels import fused
 from nanoserve.model.communicator import check_sharding
+from nanoserve.model.layers import RMSNorm
 from nanoserve.model_files import ModelSpec, load_hf_config
 from nanoserve.tiny import TINY_WINDOW
 from tests.conftest import FAMILIES
 from nanoserve.model.loader import load_model
-from tests.model.test_llama import TOL, PagedKV, decode_batch, hf_logits, prefill_batch, random_seqs
+from tests.model.test_llama import TOL, PagedKV, _to, decode_batch, hf_logits, prefill_batch, random_seqs
 
 MAX_LEN = 128  # the engine's max_model_len: within phi3_longrope's original_max_position_embeddings
 
@@ -129,3 +133,60 @@ def test_refusals_are_one_line(tiny_family_dirs):
         ModelSpec.from_hf_config(_config(tiny_family_dirs["gemma2"], layer_types=["chunked_attention"] * 3))
     spec = ModelSpec.from_hf_config(_config(tiny_family_dirs["mistral"], sliding_window=4096))
     assert spec.window(0) is None  # as long as the context: full attention
+
+
+# -- Gemma's sandwich norms: each post-norm runs in the kernel of the pre-norm after it ----------------------------
+def _decode_once(model, device="cpu"):
+    """Prefill three sequences, then one decode step: (prefill logits, decode logits)."""
+    kv = PagedKV(model, num_blocks=16, block_size=4, device=device)
+    for attn in model.attention_layers():
+        attn.k_cache, attn.v_cache = attn.k_cache.to(model.dtype), attn.v_cache.to(model.dtype)
+    seqs = random_seqs([5, 2, 7], model.vocab_size, seed=8)
+    tables: list[list[int]] = [[] for _ in seqs]
+    ids, pos, meta = prefill_batch(kv, tables, seqs, [0] * len(seqs))
+    prefill = model.compute_logits(model(ids.to(device), pos.to(device), _to(meta, device)))
+    ids, pos, meta = decode_batch(kv, tables, [1, 2, 3], [len(s) for s in seqs])
+    return prefill, model.compute_logits(model(ids.to(device), pos.to(device), _to(meta, device)))
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma2", "llama"])
+@torch.inference_mode()
+def test_a_layer_runs_two_norm_kernels(name, tiny_family_dirs, tiny_model_dirs):
+    """A decode step runs 2 · layers + 1 norm kernels (fused.rms_norm calls) whether the family has Gemma's four
+    norms a layer or Llama's two: post_attention_layernorm runs in pre_feedforward_layernorm's kernel,
+    post_feedforward_layernorm in the next layer's input_layernorm's (the last layer's: the final norm's)."""
+    model = ours({**tiny_model_dirs, **tiny_family_dirs}[name])
+    with mock.patch.object(fused, "rms_norm", wraps=fused.rms_norm) as calls:
+        _decode_once(model)
+    assert calls.call_count == 2 * (2 * model.num_layers + 1)  # the prefill's and the decode step's
+    sandwich = model.model.layers[0].norm_names[1] is not None
+    assert sum(c.kwargs.get("x_norm") is not None for c in calls.call_args_list) == (
+        2 * 2 * model.num_layers if sandwich else 0)
+
+
+def _two_calls(rms_norm):
+    """fused.rms_norm as it ran before x_norm: an owed post-norm is a launch of its own."""
+    def unfused(x, weight, eps, residual=None, quantize=False, x_norm=None):
+        if x_norm is not None:
+            x = rms_norm(x, *x_norm)
+        return rms_norm(x, weight, eps, residual, quantize)
+    return unfused
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_gpu_folded_post_norms_equal_their_own_launches_bit_for_bit(tiny_family_dirs, tmp_path):
+    """bf16 on the GPU at Gemma-3-4B's width (2560: the norm kernels run apart from the GEMV, and every post-norm in
+    the next pre-norm's): prefill and decode logits with the folded post-norms == with each post-norm a launch of its
+    own, bit for bit."""
+    config = _config(tiny_family_dirs["gemma3"], hidden_size=2560, intermediate_size=1024, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=256)
+    model = load_model(tmp_path / "nowhere", config, torch.bfloat16, "cuda", load_format="dummy", max_model_len=MAX_LEN)
+    g = torch.Generator().manual_seed(0)
+    for norm in (m for m in model.modules() if isinstance(m, RMSNorm)):  # dummy norms are 1: make each differ
+        norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=g))
+    folded = _decode_once(model, "cuda")
+    with mock.patch.object(fused, "rms_norm", _two_calls(fused.rms_norm)):
+        unfolded = _decode_once(model, "cuda")
+    for got, want in zip(folded, unfolded):
+        assert torch.isfinite(want.float()).all() and torch.equal(got, want)

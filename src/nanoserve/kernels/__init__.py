@@ -5,7 +5,7 @@
                   which kernel a linear layer runs
     fp8.py        fp8 (e4m3) weights: quantize / dequantize, the many-rows product (_scaled_mm or dequantize +
                   matmul, PREFILL_TABLE); the few-row product is the GEMV's, which reads fp8 tiles
-    fused.py      residual add + RMSNorm, SiLU-and-mul
+    fused.py      (owed post-norm +) residual add + RMSNorm, SiLU-and-mul
     moe.py        mixture of experts: the router's top-k, the experts' SwiGLU MLPs on two paths (gemv for decode,
                   sort into expert blocks + grouped GEMM for prefill) and the rule between them
     moe_gemm.py   the grouped GEMM of moe.py's prefill path (SiLU·mul and routing-weight epilogues), its tiles

@@ -1,5 +1,5 @@
-"""Fused elementwise kernels: residual add + RMSNorm, act-and-mul of a gated MLP (SiLU or tanh-GELU; Triton on CUDA,
-plain PyTorch elsewhere).
+"""Fused elementwise kernels: (owed post-norm +) residual add + RMSNorm, act-and-mul of a gated MLP (SiLU or
+tanh-GELU; Triton on CUDA, plain PyTorch elsewhere).
 
 A decode step is a few hundred small kernels, so every launch counts even inside a CUDA graph
 (each costs a couple of microseconds of GPU time). These fuse what eager PyTorch runs as several
@@ -16,8 +16,11 @@ from nanoserve.kernels._triton import cdiv, jit, next_power_of_2, pdl_args, pdl_
 
 
 # -- residual add + RMSNorm --------------------------------------------------------------------
-def rms_norm_ref(x, weight, eps, residual=None):
-    """HF semantics: normalise in float32, round to the input dtype, then scale by the weight."""
+def rms_norm_ref(x, weight, eps, residual=None, x_norm=None):
+    """HF semantics: normalise in float32, round to the input dtype, then scale by the weight. x_norm = (weight, eps)
+    of a norm still owed to x (Gemma's post-norm) is applied first, as its own call would be."""
+    if x_norm is not None:
+        x = rms_norm_ref(x, *x_norm)
     if residual is not None:
         x = x + residual
         residual = x
@@ -27,11 +30,13 @@ def rms_norm_ref(x, weight, eps, residual=None):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             quantize: bool = False):
+             quantize: bool = False, x_norm: tuple[torch.Tensor, float] | None = None):
     """rms_norm(x) or, given a residual, (rms_norm(x + residual), x + residual). x is [T, N]. With quantize the
-    normed rows come as fp8.Fp8Rows (for a W8A8 product), quantized by the same kernel."""
+    normed rows come as fp8.Fp8Rows (for a W8A8 product), quantized by the same kernel. x_norm = (weight, eps): a
+    norm still owed to x (Gemma's post-norm), applied to x first in the same kernel; the result is bit for bit that
+    of the two calls rms_norm(x, *x_norm), then this one (the post-norm's output rounded to x's dtype as stored)."""
     if not use_triton(x):
-        out = rms_norm_ref(x, weight, eps, residual)
+        out = rms_norm_ref(x, weight, eps, residual, x_norm)
         if not quantize:
             return out
         return (fp8.groups_ref(out[0]), out[1]) if residual is not None else fp8.groups_ref(out)
@@ -39,10 +44,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = fp8.empty_rows(rows, n, x.dtype, x.device) if quantize else torch.empty_like(x)
     new_residual = torch.empty_like(x) if residual is not None else x
     codes, scales = (out.codes, out.scales) if quantize else (out, x)  # x: a placeholder, never written
-    _rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, codes, scales, new_residual,
-                              x.stride(0), (residual if residual is not None else x).stride(0), n, eps,
-                              HAS_RESIDUAL=residual is not None, BLOCK=max(fp8.BLOCK, next_power_of_2(n)),
-                              QUANTIZE=quantize, EXACT_CAST=not x.is_cuda, **pdl_args(x.device))
+    post_weight, post_eps = x_norm if x_norm is not None else (weight, 0.0)  # weight: a placeholder, never read
+    _rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, post_weight, codes, scales,
+                              new_residual, x.stride(0), (residual if residual is not None else x).stride(0), n, eps,
+                              post_eps, HAS_RESIDUAL=residual is not None, POST_NORM=x_norm is not None,
+                              BLOCK=max(fp8.BLOCK, next_power_of_2(n)), QUANTIZE=quantize, EXACT_CAST=not x.is_cuda,
+                              **pdl_args(x.device))
     return (out, new_residual) if residual is not None else out
 
 
@@ -87,17 +94,22 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False, activation: str = "sil
 
 
 @jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, res_out_ptr, stride_x, stride_r, n, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, QUANTIZE: tl.constexpr,
-                     EXACT_CAST: tl.constexpr, USE_PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, post_w_ptr, out_ptr, scale_ptr, res_out_ptr, stride_x, stride_r, n, eps,
+                     post_eps, HAS_RESIDUAL: tl.constexpr, POST_NORM: tl.constexpr, BLOCK: tl.constexpr,
+                     QUANTIZE: tl.constexpr, EXACT_CAST: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     dtype = x_ptr.dtype.element_ty
     pdl_start(USE_PDL)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: safe before the wait
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # weights: safe before the wait
+    if POST_NORM:
+        post_w = tl.load(post_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_wait(USE_PDL)
     xf = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if POST_NORM:  # the owed norm, rounded as its own kernel would store it
+        post_inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + post_eps)
+        xf = (post_w * (xf * post_inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     if HAS_RESIDUAL:  # the sum is rounded to the model dtype, like HF's add
         xf = (xf + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
         tl.store(res_out_ptr + row * n + cols, xf, mask=mask)

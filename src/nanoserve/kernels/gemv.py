@@ -476,25 +476,38 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                   config=config)
 
 
+def _norm_in_prologue(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+                      weight_scale: torch.Tensor | None) -> bool:
+    """Whether norm_linear runs its norm in the GEMV's prologue: under SWITCHES.fuse_norm for up to fuse_max_m rows of
+    fuse_norm_min_k…fuse_norm_max_k values (always under force_triton)."""
+    return SWITCHES.force_triton or (_fuses(SWITCHES.fuse_norm, x, weight, bias, weight_scale)
+                                     and SWITCHES.fuse_norm_min_k <= x.shape[1] <= SWITCHES.fuse_norm_max_k
+                                     and (residual is None or residual.stride(-1) == 1))
+
+
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                 weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_scale: torch.Tensor | None = None,
-                config: GemvConfig | None = None):
+                config: GemvConfig | None = None, x_norm: tuple[torch.Tensor, float] | None = None):
     """(rms_norm(x + residual) · norm_weight) @ weight.T + bias, and the new residual x + residual.
 
-    With SWITCHES.fuse_norm (up to fuse_max_m rows of fuse_norm_min_k…fuse_norm_max_k values) the norm runs inside the
-    GEMV's prologue.
+    Where _norm_in_prologue says so the norm runs inside the GEMV's prologue.
     Without a residual (the first layer) the new residual is x itself. A dot8q variant gets the normed rows quantized
-    by the norm kernel itself."""
+    by the norm kernel itself. x_norm = (weight, eps): a norm still owed to x (Gemma's post-norm), applied before the
+    add by the norm kernel (fused.rms_norm's x_norm), or by a launch of its own where the prologue (which does one
+    norm) runs the norm or there is no residual (the new residual is then the post-normed x)."""
     cfg = _variant(x, weight, bias, weight_scale, config)
-    if cfg is not None and cfg.act_fp8:
-        out = fused.rms_norm(x, norm_weight, eps, residual, quantize=True)
+    quantized = cfg is not None and cfg.act_fp8
+    in_prologue = not quantized and _norm_in_prologue(x, residual, weight, bias, weight_scale)
+    if x_norm is not None and (in_prologue or residual is None):
+        x, x_norm = fused.rms_norm(x, *x_norm), None
+    if quantized:
+        out = fused.rms_norm(x, norm_weight, eps, residual, quantize=True, x_norm=x_norm)
         rows, new_residual = out if residual is not None else (out, x)
         return _launch(rows, weight, bias, x.shape[1], cfg, weight_scale=weight_scale), new_residual
-    if not (SWITCHES.force_triton or _fuses(SWITCHES.fuse_norm, x, weight, bias, weight_scale)
-            and SWITCHES.fuse_norm_min_k <= x.shape[1] <= SWITCHES.fuse_norm_max_k and (residual is None or residual.stride(-1) == 1)):
+    if not in_prologue:
         if residual is None:
             return linear(fused.rms_norm(x, norm_weight, eps), weight, bias, weight_scale=weight_scale), x
-        normed, residual = fused.rms_norm(x, norm_weight, eps, residual)
+        normed, residual = fused.rms_norm(x, norm_weight, eps, residual, x_norm=x_norm)
         return linear(normed, weight, bias, weight_scale=weight_scale), residual
     new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
     cfg = config or choose(x.shape[0], weight.shape[0], x.shape[1], weight.element_size())[0]
@@ -505,13 +518,14 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 
 def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                   weight: torch.Tensor, bias: torch.Tensor | None, rope: QKVRope, *,
-                  weight_scale: torch.Tensor | None = None):
+                  weight_scale: torch.Tensor | None = None, x_norm: tuple[torch.Tensor, float] | None = None):
     """The attention input of a decoder layer: (q, k, v, new residual) after rms_norm(x + residual) → qkv
-    projection (norm_linear) → q/k RMSNorm (Qwen3) + RoPE (over the table's rotary_dim: partial rotary where it is
-    narrower than a head) with k and v stored in the paged cache (one kernel, rotary_kv.qk_norm_rope). A
-    qkv-epilogue variant (one head per output tile) was removed: it left the qkv GEMV N / head_dim programs and no
-    split-K, and the H200 measured it slower (notes/PERF.md, issue 34 figures, gemv.norm_qkv_rope)."""
-    qkv, residual = norm_linear(x, residual, norm_weight, eps, weight, bias, weight_scale=weight_scale)
+    projection (norm_linear; x_norm: its owed post-norm) → q/k RMSNorm (Qwen3) + RoPE (over the table's rotary_dim:
+    partial rotary where it is narrower than a head) with k and v stored in the paged cache (one kernel,
+    rotary_kv.qk_norm_rope). A qkv-epilogue variant (one head per output tile) was removed: it left the qkv GEMV
+    N / head_dim programs and no split-K, and the H200 measured it slower (notes/PERF.md, issue 34 figures,
+    gemv.norm_qkv_rope)."""
+    qkv, residual = norm_linear(x, residual, norm_weight, eps, weight, bias, weight_scale=weight_scale, x_norm=x_norm)
     q, k, v = rope.split(qkv)
     q, k = rope.apply(q, k, v)
     return q, k, v, residual

@@ -21,23 +21,32 @@ from nanoserve.model.communicator import Split, TensorParallel
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm; given a residual it first adds it in, returning (normed, new_residual) like vLLM's fused form."""
+    """RMSNorm; given a residual it first adds it in, returning (normed, new_residual) like vLLM's fused form.
+
+    x_norm: a norm still owed to x (Gemma's post-norm of the sub-layer that produced x), applied to x before the add
+    in this norm's kernel, so a sandwich layer runs as many norm kernels as a pre-norm one."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return fused.rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, x_norm: "RMSNorm | None" = None):
+        return fused.rms_norm(x, self.weight, self.eps, residual, x_norm=owed_norm(x_norm))
 
-    def then(self, linear: "Linear", x: torch.Tensor, residual: torch.Tensor | None):
-        """(linear(norm(x + residual)), x + residual); for one decode row the norm runs in the GEMV's prologue."""
+    def then(self, linear: "Linear", x: torch.Tensor, residual: torch.Tensor | None, x_norm: "RMSNorm | None" = None):
+        """(linear(norm(x_norm(x) + residual)), x_norm(x) + residual); for one decode row the norm runs in the GEMV's
+        prologue."""
         return gemv.norm_linear(x, residual, self.weight, self.eps, linear.weight, linear.bias,
-                                weight_scale=linear.weight_scale)
+                                weight_scale=linear.weight_scale, x_norm=owed_norm(x_norm))
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def owed_norm(norm: RMSNorm | None) -> tuple[torch.Tensor, float] | None:
+    """The kernels' x_norm argument, (weight, eps), for an owed norm (None: none)."""
+    return None if norm is None else (norm.weight, norm.eps)
 
 
 def rope_inv_freq(head_dim: int, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
@@ -180,9 +189,11 @@ class MLP(nn.Module):
         fused.activation_id(activation)  # ValueError for an activation the kernels lack
         self.gate_up_proj, self.down_proj, self.tp, self.activation = gate_up_proj, down_proj, tp, activation
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pre-norm MLP of a decoder layer: returns (its output, the residual stream)."""
-        gate_up, residual = norm.then(self.gate_up_proj, x, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                x_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm MLP of a decoder layer: returns (its output, the residual stream); x_norm: x's owed
+        post-norm (RMSNorm.then)."""
+        gate_up, residual = norm.then(self.gate_up_proj, x, residual, x_norm)
         return self.tp.all_reduce(self._down(gate_up)), residual
 
     def partial(self, h: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ weights (added at load, model/weights.py), the activation (SwiGLU / GeGLU), q/k 
 projection, qkv / o / MLP biases, each layer's sliding window and RoPE table, attention and final-logit soft-caps, the
 softmax scale, embedding scaling, tied embeddings. Parameter names follow HF except that q/k/v and gate/up are merged
 (qkv_proj, gate_up_proj) so a layer runs two matmuls where HF runs five; the loader fills them (model/weights.py).
+Each residual add runs in the kernel of the norm after it, and so does each of Gemma's post-norms (LlamaDecoderLayer).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from nanoserve.kernels.rotary_kv import QKVRope
 from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.model.communicator import TensorParallel, check_sharding, kv_head_split
 from nanoserve.model.layers import (MLP, Attention, ColumnParallelLinear, Linear, RMSNorm, RotaryEmbedding,
-                                    RowParallelLinear, VocabParallelEmbedding)
+                                    RowParallelLinear, VocabParallelEmbedding, owed_norm)
 from nanoserve.model.moe import SparseMoE
 from nanoserve.model_files import ModelSpec
 
@@ -35,11 +36,13 @@ def residual_sum(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor
     return x if residual is None else x + residual
 
 
-def project(norm: RMSNorm | None, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None):
-    """(linear(norm(x + residual)), x + residual); without a pre-norm (OLMo-2) the sum itself is projected."""
+def project(norm: RMSNorm | None, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None,
+            x_norm: RMSNorm | None = None):
+    """(linear(norm(x + residual)), x + residual), x_norm (an owed post-norm) applied to x first; without a pre-norm
+    (OLMo-2) the sum itself is projected."""
     if norm is not None:
-        return norm.then(linear, x, residual)
-    h = residual_sum(x, residual)
+        return norm.then(linear, x, residual, x_norm)
+    h = residual_sum(x if x_norm is None else x_norm(x), residual)
     return linear(h), h
 
 
@@ -69,8 +72,10 @@ class LlamaAttentionBlock(nn.Module):
                               sliding_window=spec.window(index), logit_softcap=spec.attn_softcap)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm | None, positions: torch.Tensor,
-                cos_sin_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention of a decoder layer: returns (its output, the residual stream)."""
+                cos_sin_cache: torch.Tensor, meta: AttentionMetadata,
+                x_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention of a decoder layer: returns (its output, the residual stream); x_norm: the previous layer's
+        owed output norm, applied to x in the input norm's kernel."""
         attn = self.attn
         if attn.k_cache is None:
             raise RuntimeError("attention layer has no KV cache: the model runner must set k_cache/v_cache first")
@@ -81,9 +86,9 @@ class LlamaAttentionBlock(nn.Module):
             if self.q_norm is not None:
                 rope.q_norm_weight, rope.k_norm_weight, rope.eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
             q, k, v, residual = gemv.norm_qkv_rope(x, residual, norm.weight, norm.eps, qkv.weight, qkv.bias, rope,
-                                                   weight_scale=qkv.weight_scale)
+                                                   weight_scale=qkv.weight_scale, x_norm=owed_norm(x_norm))
         else:
-            out, residual = project(norm, qkv, x, residual)
+            out, residual = project(norm, qkv, x, residual, x_norm)
             q, k, v = rope.split(out)
             if self.q_norm is not None:
                 q, k = self.q_norm(q.flatten(1)).view_as(q), self.k_norm(k.flatten(1)).view_as(k)
@@ -96,8 +101,11 @@ class LlamaAttentionBlock(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Attention then the feed-forward, each with the RMSNorms its family has around it (NORM_NAMES).
 
-    The residual add before a pre-norm runs inside that norm's kernel; a post-norm (Gemma's sandwich, OLMo-2) is
-    applied to the sub-layer's output, whose add then happens in the next pre-norm (or, without one, in `project`)."""
+    The residual add before a pre-norm runs inside that norm's kernel. A post-norm followed by a pre-norm (Gemma's
+    sandwich) runs in that pre-norm's kernel too, on x before the add: post_attention_layernorm in
+    pre_feedforward_layernorm's, post_feedforward_layernorm (returned as owed) in the next layer's input_layernorm
+    or the final norm. So a sandwich layer runs two norm kernels, like a pre-norm one. OLMo-2's post-norms, which no
+    pre-norm follows, are applied to the sub-layer's output, whose add then happens in `project`."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, tp: TensorParallel, index: int) -> None:
         super().__init__()
@@ -115,18 +123,20 @@ class LlamaDecoderLayer(nn.Module):
                            activation=spec.activation)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cos_sin_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's output, the residual stream before it); their sum is HF's hidden state."""
+                cos_sin_cache: torch.Tensor, meta: AttentionMetadata,
+                x_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor, RMSNorm | None]:
+        """Returns (this layer's output, the residual stream before it, the output's owed norm or None);
+        owed(output) + residual is HF's hidden state. x_norm: the previous layer's owed norm."""
         attn_in, attn_out, mlp_in, mlp_out = (getattr(self, n) if n else None for n in self.norm_names)
-        x, residual = self.self_attn(x, residual, attn_in, positions, cos_sin_cache, meta)
-        if attn_out is not None:
-            x = attn_out(x)
-        if mlp_in is not None:
-            x, residual = self.mlp(x, residual, mlp_in)
+        x, residual = self.self_attn(x, residual, attn_in, positions, cos_sin_cache, meta, x_norm)
+        if mlp_in is not None:  # attn_out, if any, runs in mlp_in's kernel
+            x, residual = self.mlp(x, residual, mlp_in, attn_out)
         else:
-            residual = residual_sum(x, residual)
+            residual = residual_sum(x if attn_out is None else attn_out(x), residual)
             x = self.tp.all_reduce(self.mlp.partial(residual))
-        return (mlp_out(x) if mlp_out is not None else x), residual
+        if mlp_out is not None and attn_in is None:  # no pre-norm follows (OLMo-2): applied here
+            return mlp_out(x), residual, None
+        return x, residual, mlp_out
 
 
 class LlamaModel(nn.Module):
@@ -152,11 +162,11 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        residual = None
+        residual = owed = None
         for layer, local in zip(self.layers, self.local_layers):
             rotary = self.rotary_emb_local if local else self.rotary_emb
-            x, residual = layer(x, residual, positions, rotary.cos_sin_cache, meta)
-        x, _ = self.norm(x, residual)
+            x, residual, owed = layer(x, residual, positions, rotary.cos_sin_cache, meta, owed)
+        x, _ = self.norm(x, residual, owed)
         return x
 
 

@@ -83,9 +83,11 @@ class SparseMoE(nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pre-norm MoE of a decoder layer: returns (its output, the residual stream)."""
-        h, residual = norm(x, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                x_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm MoE of a decoder layer: returns (its output, the residual stream); x_norm: x's owed
+        post-norm (as MLP.forward)."""
+        h, residual = norm(x, residual, x_norm)
         out = self.experts(h, self.gate(h), self.top_k, self.renormalize)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert.partial(h)

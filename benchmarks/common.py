@@ -21,6 +21,7 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 SHAPES_DIR = REPO_ROOT / "benchmarks" / "shapes"
 MODEL_CONFIGS = {p.parent.name: json.loads(p.read_text()) for p in sorted(SHAPES_DIR.glob("*/config.json"))}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DECODE_B2B_STEPS = 50  # decode_steps' back-to-back steps per timing
 DECODE_CONTEXT = 512  # the decode steps' context (tokens per row) in the targets of issues 35, 36 and 37
 # The KV-cache formats issue 37's benchmarks compare, as engine options: the model dtype ("auto"), fp8 with a scale per
 # token and KV head, fp8 with one scale per layer (1.0 without checkpoint scales: vLLM's uncalibrated default)
@@ -194,9 +195,12 @@ def start_engine(model_dir: str, max_num_seqs: int, max_model_len: int = 4096, *
 def decode_steps(llm, counts: ParamCounts, cfg: dict, rows_list: list[int], bandwidth: float,
                  context: int = DECODE_CONTEXT, weight_bytes: int | None = None) -> dict:
     """The engine's decode step (ModelRunner.execute of a forward-only batch: the graph replay the engine runs) at
-    `context` tokens a row, per row count: median ms against its floor (the weights the rows read, bf16
+    `context` tokens a row, per row count: ms against its floor (the weights the rows read, bf16
     ParamCounts.decode_read or `weight_bytes` (fp8 weights), and the K/V they read, kv_bytes_read in the engine's own
-    cache format, at `bandwidth`), with one profiled step's kinds."""
+    cache format, at `bandwidth`), with one profiled step's kinds. step_ms: steps launched back to back, as the
+    asynchronous engine runs them (its host work for step N+1 overlaps step N on the device); step_sync_ms: the median
+    of steps launched and waited for one at a time, which also counts the host's launch work (up to ~0.6 ms at 16
+    rows of 8k contexts: notes/PERF.md, issue 36, second attempt) — the figure these benchmarks reported before."""
     import statistics
 
     from nanoserve.bench.decode_step import decode_batch, time_decode_step
@@ -208,14 +212,16 @@ def decode_steps(llm, counts: ParamCounts, cfg: dict, rows_list: list[int], band
     for rows in rows_list:
         batch = decode_batch(runner, rows, context)
         times = time_decode_step(runner, batch, warmup=5, iters=30)
+        step_ms = 1e3 * back_to_back_seconds(lambda: runner.execute(batch), DECODE_B2B_STEPS) / DECODE_B2B_STEPS
         floor_bytes = (2 * counts.decode_read(rows) if weight_bytes is None else weight_bytes) + kv_row * rows
-        median, floor_ms = statistics.median(times), 1e3 * floor_bytes / bandwidth
+        floor_ms = 1e3 * floor_bytes / bandwidth
         table = kind_table(profile_step(lambda: runner.execute(batch)))
-        out[str(rows)] = {"step_ms": median, "min_ms": min(times), "floor_ms": floor_ms, "floor_bytes": floor_bytes,
-                          "kv_bytes": kv_row * rows, "context": context, "profile": table}
+        out[str(rows)] = {"step_ms": step_ms, "step_sync_ms": statistics.median(times), "min_sync_ms": min(times),
+                          "floor_ms": floor_ms, "floor_bytes": floor_bytes, "kv_bytes": kv_row * rows,
+                          "context": context, "profile": table}
         top = sorted(table["kinds"].items(), key=lambda kv: -kv[1]["busy_us"])[:4]
-        print(f"  decode b={rows:3d} at {context}: {median:7.3f} ms (floor {floor_ms:.3f} ms, "
-              f"{median / floor_ms:.2f}x); " + ", ".join(f"{kind} {row['busy_us']:.0f} us" for kind, row in top)
+        print(f"  decode b={rows:3d} at {context}: {step_ms:7.3f} ms (one at a time {statistics.median(times):.3f}; "
+              f"floor {floor_ms:.3f} ms, {step_ms / floor_ms:.2f}x); " + ", ".join(f"{kind} {row['busy_us']:.0f} us" for kind, row in top)
               + f" of {table['busy_us']:.0f} us busy", flush=True)
     return out
 

@@ -6,8 +6,8 @@ its floor, in one run.
     python benchmarks/families.py all [--out DIR]       # both, one after the other (longer than one 10-minute call)
 
 Per family:
-  * decode `engine.step()`-equivalent (common.decode_steps: the graph replay the engine runs) at 512-token contexts,
-    b = 1 / 64, against its floor (the weights a step reads, a tied head whole, + the K/V it reads, at the copy
+  * decode `engine.step()`-equivalent (common.decode_steps: the graph replay the engine runs, launched back to back as
+    the engine's steps are) at 512-token contexts, b = 1 / 64, against its floor (the weights a step reads, a tied head whole, + the K/V it reads, at the copy
     bandwidth measured here) and against the same step of its Llama twin (llama_twin: the same bytes per step as a
     plain LlamaForCausalLM). Targets: family / twin ≤ 1.15 at each b, step / floor ≤ 1.3 at b = 1;
   * Gemma 3 only: b = 16 at 8k-token contexts with its windows and with them ignored (without_windows: every layer

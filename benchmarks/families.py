@@ -9,7 +9,8 @@ Per family:
   * decode `engine.step()`-equivalent (common.decode_steps: the graph replay the engine runs, launched back to back as
     the engine's steps are) at 512-token contexts, b = 1 / 64, against its floor (the weights a step reads, a tied
     head whole, + the K/V it reads, at the copy bandwidth measured here) and against the same step of its Llama twin
-    (llama_twin: the same bytes per step as a plain LlamaForCausalLM). Targets: family / twin ≤ 1.15 at each b, step / floor ≤ 1.3 at b = 1;
+    (llama_twin: the same bytes per step as a plain LlamaForCausalLM). Targets: family / twin ≤ 1.15 at each b,
+    step / floor ≤ 1.3 at b = 1;
   * Gemma 3 only: b = 16 at 8k-token contexts with its windows and with them ignored (without_windows: every layer
     full attention), with the K/V bytes each reads (common.kv_bytes_read). Target: windowed / unwindowed ≤ 0.5;
   * nano-vllm's workload (benchmarks/throughput.py) as `nanoserve bench throughput` runs it ("async", 8192-token

@@ -1,5 +1,5 @@
 """Few-row products for decode: out = x @ W.T (+ bias) for M = 1..64 rows, as ONE Triton kernel, and the
-one place that decides which kernel a linear layer runs (GEMV_TABLE).
+one place that decides which kernel a linear layer runs (choose(): GEMV_SHAPES by shape, else GEMV_TABLE by size).
 
 At decode every linear layer multiplies M = batch-size rows by a weight W [N, K] that is read once
 from HBM, so its time is bytes(W) / bandwidth plus a fixed latency. cuBLAS's tiles are made for large

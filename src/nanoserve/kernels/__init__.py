@@ -13,6 +13,7 @@
     attention.py  paged attention: backend selection, KV store, split-K decode, paged prefill
     reference.py  plain-PyTorch paged attention (the CPU path and the oracle)
     metadata.py   AttentionInputs, what attention reads besides q/k/v (a Protocol: the dataclass is model/'s)
+    ngram.py      the n-gram (prompt lookup) drafts of speculative decoding, from device buffers of token histories
     switches.py   PDL and each fusion on/off (read once from the environment; benchmarks flip them)
 
 Nothing here imports from model/, runner/ or engine/: the model calls down into these, never back.

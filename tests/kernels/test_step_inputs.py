@@ -90,7 +90,7 @@ def _random_device_batch(seed: int, block_size: int, width: int, gathered: int, 
     rows = len(cols[0])
     counts = torch.randint(0, k + 1, (rows,), generator=g, dtype=torch.int32)
     drafts = torch.randint(0, 50_000, (rows, k), generator=g, dtype=torch.int32)
-    drafts[torch.arange(k) >= counts[:, None]] = -1
+    drafts[torch.arange(k) >= counts[:, None]] = 999_999  # the proposer writes -1 there: nothing may read them
     host = lambda: torch.randint(0, 1000, (rows,), generator=g, dtype=torch.int32)  # noqa: E731
     device = DeviceRows(_i32(*cols[5]), hist_len, host(), host(), host(), _i32(*cols[3]), drafts, counts, block_size)
     args = (_i32(*cols[0]), _i32(*cols[1]), torch.randint(0, 10_000, (rows,), generator=g, dtype=torch.int32),

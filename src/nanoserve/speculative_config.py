@@ -54,6 +54,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS}, got {method!r}")
         return (_ngram if method == "ngram" else _suffix)(dict(value))
 
+    @property
+    def drafts_on_device(self) -> bool:
+        """n-gram drafts are proposed on the device (kernels/ngram.py), so the asynchronous loop stays; suffix drafts
+        (a tree over many requests) are proposed on the host, which must read each step first."""
+        return self.method == "ngram"
+
     def as_dict(self) -> dict:
         """The settings the engine runs, without the other method's keys (what EngineConfig keeps)."""
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}

@@ -201,11 +201,11 @@ def test_config_fills_defaults():
 
 def test_verification_through_token_graph_inputs(tiny_model_dirs):
     """Verification steps through the token-count graphs' static inputs (their eager twin on CPU) give the tokens
-    decoding without speculation gives."""
+    decoding without speculation gives (suffix drafts: host drafts verify beside prompts; device drafts never do)."""
     path, sizes = str(tiny_model_dirs["qwen3"]), [4, 8, 12, 16, 24, 32, 48, 64]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     base = [o.token_ids for o in LLM(path, **OPTIONS).generate(LOOPING, params, use_tqdm=False)]
-    llm = LLM(path, speculative_config=NGRAM, prefill_graph_sizes=sizes, max_num_batched_tokens=64, **OPTIONS)
+    llm = LLM(path, speculative_config=SUFFIX, prefill_graph_sizes=sizes, max_num_batched_tokens=64, **OPTIONS)
     assert [o.token_ids for o in llm.generate(LOOPING, params, use_tqdm=False)] == base
     stats = llm.engine.stats
     assert stats.prefill_steps_graph > 0 and stats.prefill_steps_eager == 0 and stats.spec_accepted_tokens > 0

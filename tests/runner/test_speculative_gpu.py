@@ -65,5 +65,6 @@ def _token_pair(runner, batch):
     tokens = runner.graphs.route(Kind.TOKENS, batch.num_tokens, fwd.inputs.fits(batch, arrays[1]))
     assert tokens is not None, batch.num_tokens
     tail = fwd.load(arrays, tokens)
-    graph = fwd.sample_logits(runner.graphs.replay(Kind.TOKENS, tokens), tail, batch).logits.float().clone()
+    hidden, positions = runner.graphs.replay(Kind.TOKENS, tokens), fwd.inputs.views(tokens).positions
+    graph = fwd.sample_logits(hidden, tail, batch, positions).logits.float().clone()
     return graph, fwd(batch).logits.float()

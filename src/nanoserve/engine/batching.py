@@ -8,20 +8,49 @@ from nanoserve.engine.scheduler import ScheduledStep
 from nanoserve.engine.sequence import Sequence
 from nanoserve.kernels.paging import kv_slots
 from nanoserve.runner.batch import BlockUpdates, DecodeBatch, Penalties, PrefillBatch, SamplingBatch
+from nanoserve.runner.speculative import DEVICE_DRAFT
 
 
-def build_batch(step: ScheduledStep, block_size: int, eos_token_ids: list[int],
-                max_decode_rows: int = 0) -> DecodeBatch | PrefillBatch:
+def build_batch(step: ScheduledStep, block_size: int, eos_token_ids: list[int], max_decode_rows: int = 0,
+                on_device: bool = False) -> DecodeBatch | PrefillBatch:
     """Call right after scheduling: the sequences' block tables, slots and pending counts are this step's. A step
     whose every row decodes, some verifying drafts, runs as a decode batch of one row per token when those fit
-    max_decode_rows (the batch-size graphs), else as a token-count step."""
+    max_decode_rows (the batch-size graphs), else as a token-count step. on_device: drafts are proposed on the device
+    (runner/speculative.DraftState): decode rows take their positions from it, prompt tokens are recorded there."""
     rows = [(s, d) for s, samples, d in zip(step.seqs, step.samples, step.drafts) if samples]
     sampling = sampling_batch([s for s, _ in rows], eos_token_ids, [d for _, d in rows]) if rows else None
     if step.is_decode:
-        return _decode_batch(step, block_size, sampling)
-    if all(step.decode_rows) and sum(step.num_new_tokens) <= max_decode_rows:
-        return _verify_batch(step, block_size, sampling)
-    return _prefill_batch(step, block_size, block_updates(step.seqs), sampling)
+        batch = _decode_batch(step, block_size, sampling)
+    elif all(step.decode_rows) and sum(step.num_new_tokens) <= max_decode_rows:
+        batch = _verify_batch(step, block_size, sampling)
+    else:
+        assert not any(DEVICE_DRAFT in d for d in step.drafts), "device drafts run as decode rows only"
+        batch = _prefill_batch(step, block_size, block_updates(step.seqs), sampling)
+    if on_device:
+        _from_device(batch, step)
+    return batch
+
+
+def _from_device(batch: DecodeBatch | PrefillBatch, step: ScheduledStep) -> None:
+    """Drafting on the device: a decode batch's rows take their positions from the device, a sequence whose drafts
+    come from there proposes them at its first row; a prompt step records the prompt tokens it makes known (a first
+    chunk after a prefix hit: the cached ones too)."""
+    if isinstance(batch, DecodeBatch):
+        batch.from_device = np.ones(batch.size, np.int32)
+        batch.draft_slots = np.full(batch.size, -1, np.int32)
+        row = 0
+        for seq, drafts in zip(step.seqs, step.drafts):
+            if drafts and drafts[0] == DEVICE_DRAFT:
+                batch.draft_slots[row] = seq.slot
+            row += 1 + len(drafts)
+        return
+    spans = [(seq, 0 if start == seq.num_cached_tokens else start, start + n) for seq, start, n, decode in
+             zip(step.seqs, step.starts, step.num_new_tokens, step.decode_rows) if not decode]
+    if spans:
+        batch.known_slots = np.concatenate([np.full(end - first, seq.slot, np.int32) for seq, first, end in spans])
+        batch.known_positions = np.concatenate([np.arange(first, end, dtype=np.int32) for _, first, end in spans])
+        batch.known_ids = np.concatenate([np.array(seq.tokens_between(first, end), np.int32)
+                                          for seq, first, end in spans])
 
 
 def _decode_batch(step: ScheduledStep, bs: int, sampling) -> DecodeBatch:
@@ -158,20 +187,20 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: list[int],
 def _verify_sampling_batch(seqs: list[Sequence], eos_token_ids: list[int], drafts: list[list[int]]) -> SamplingBatch:
     """The rows of a verification step: each sequence's parameters repeated over its 1 + len(drafts) rows."""
     counts = [1 + len(d) for d in drafts]
-    rows = [(seq, j) for seq, c in zip(seqs, counts) for j in range(c)]
-    batch = sampling_batch([seq for seq, _ in rows], eos_token_ids)
+    rows = [(seq, j, c) for seq, c in zip(seqs, counts) for j in range(c)]
+    batch = sampling_batch([seq for seq, _, _ in rows], eos_token_ids)
     if any(s.params.min_tokens for s in seqs):
-        batch.banned_rows = batch.banned_tokens = np.zeros(0, np.int32)
-        _ban_stop_tokens(batch, [seq for seq, _ in rows], [j for _, j in rows], eos_token_ids)
+        batch.banned_rows = batch.banned_tokens = np.zeros(0, np.int32)  # (the pending count has all c rows)
+        _ban_stop_tokens(batch, [seq for seq, _, _ in rows], [j + 1 - c for _, j, c in rows], eos_token_ids)
     if batch.penalties is not None:
         history = {id(seq): d for seq, d in zip(seqs, drafts)}
-        batch.penalties.output_token_ids = [seq.output_token_ids + history[id(seq)][:j] for seq, j in rows]
+        batch.penalties.output_token_ids = [seq.output_token_ids + history[id(seq)][:j] for seq, j, _ in rows]
     return batch
 
 
 def _ban_stop_tokens(batch: SamplingBatch, seqs: list[Sequence], ahead: list[int], eos_token_ids: list[int]) -> None:
     """min_tokens: a row whose token is not yet past min_tokens may not sample EOS or its stop_token_ids. ahead[i]:
-    row i's token comes that many tokens after the step's first for its sequence (a draft position)."""
+    row i's token comes that many tokens after its sequence's last pending one (0, or ≤ 0 for a draft position)."""
     rows, tokens = [], []
     for i, (seq, j) in enumerate(zip(seqs, ahead)):
         p = seq.params

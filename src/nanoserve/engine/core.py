@@ -7,7 +7,8 @@ samples, read on the device. The host learns tokens one step late: a sequence th
 were freed when step N was read (the device runs the steps in order, so nothing is reused under it).
 Lengths are known on the host, so max_tokens never produces an extra token. Penalties need each row's
 token history, so while any request uses them the loop waits for each step before the next (same
-tokens, no overlap).
+tokens, no overlap). Speculative decoding keeps the overlap when its drafts come from the device (n-gram: a step
+in flight counts its drafts as kept until read; engine/speculation.py), and waits like penalties otherwise.
 
 A structured output's token bitmask needs its sequence's previous token. A step with such rows launches its
 forward only, its sampler deferred.
@@ -69,7 +70,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.config, self.block_manager, self._prompt_token_caps())
         self.sequences: dict[str, Sequence] = {}
         self._pipeline = StepPipeline()
-        self._num_penalty_seqs = self._num_grammar_seqs = 0
+        self._num_penalty_seqs = self._num_grammar_seqs = self._num_min_tokens_seqs = 0
         self._grammars: Grammars | None = None  # made by the first structured-output request
         self._compiling: dict[str, Future] = {}  # request id → its grammar, compiling; the sequence waits for it
         self._prompt_tokens = self._generation_tokens = self._mixed_steps = 0
@@ -127,6 +128,7 @@ class EngineCore:
         else:  # scheduled once compiled (_admit_compiled)
             self._compiling[rid] = grammar
         self._num_penalty_seqs += params.uses_penalties
+        self._num_min_tokens_seqs += params.min_tokens > 0
         self._prompt_tokens += len(ids)
 
     def _grammar_store(self) -> Grammars:
@@ -179,14 +181,15 @@ class EngineCore:
         started: they fill while this one is scheduled and built; then its sampler and this step are launched."""
         outputs: list[SeqOutput] = self._admit_compiled() if self._compiling else []
         spec = self._speculator
-        overlap = self.config.async_scheduling and self._num_penalty_seqs == 0 and spec is None
+        overlap = self.config.async_scheduling and self._num_penalty_seqs == 0 and (spec is None or self._spec_overlaps())
         if not overlap:  # every token known before scheduling
             outputs += self._read_all()
         started = self._start_deferred() if self._pipeline.deferred is not None else None
         if spec is not None and not self._num_grammar_seqs:  # (a grammar's bitmask covers one row per sequence)
-            spec.offer(self.scheduler.running)
+            spec.offer(self.scheduler.running, on_device=overlap)
         step = self.scheduler.schedule()
-        batch = build_batch(step, self.config.block_size, self.eos_token_ids, self.config.max_num_seqs) if step else None
+        batch = build_batch(step, self.config.block_size, self.eos_token_ids, self.config.max_num_seqs,
+                            spec is not None and spec.on_device) if step else None
         if started is not None:  # (overlap only) the step before it read, masked and sampled: see the docstring
             outputs += self._sample_deferred(started)
             if step and all(s.is_finished for s in step.seqs):  # every row ended in that read: nothing to run
@@ -199,6 +202,14 @@ class EngineCore:
         while len(self._pipeline) > keep:
             outputs += self._complete(*self._read(self._pipeline.oldest()))
         return outputs
+
+    def _spec_overlaps(self) -> bool:
+        """Speculating, the next step may be scheduled before the one in flight is read when its drafts come from the
+        device and it is decode rows only (a prompt step's positions come from the host, which must know every
+        token), with no min_tokens ban (whose rows the host counts from the tokens it knows)."""
+        s = self.scheduler
+        return (self._speculator.on_device and not self._num_min_tokens_seqs and not s.waiting
+                and all(seq.decoding for seq in s.running))
 
     def _launch(self, step: ScheduledStep, batch, overlap: bool) -> list[SeqOutput]:
         """Launch a built step: whole, or (grammar rows still running) its forward only, its sampler deferred."""
@@ -265,14 +276,15 @@ class EngineCore:
         for i, (seq, seq_drafts) in enumerate(zip(done.sampled, drafts)):
             rows = range(row, row + 1 + len(seq_drafts))  # its sampled rows: one, or one per draft and one more
             row = rows.stop
-            seq.num_pending -= 1
+            seq.num_pending -= len(rows)
             if seq.is_finished:  # finished or aborted after this step was launched: the token is discarded
                 continue
             if accepted is not None and not accepted[i]:
                 outputs.append(self._grammar_dead_end(seq, result.token_ids[rows.start]))
                 continue
-            if seq_drafts:
-                tokens = self._speculator.verified(seq, seq_drafts, result.token_ids[rows.start:rows.stop])
+            if seq_drafts:  # (the device's drafts: the host knows only how many were offered, when drafted there)
+                drafts = result.draft_ids[rows.start:rows.stop - 1]
+                tokens = self._speculator.verified(seq, drafts, result.token_ids[rows.start:rows.stop])
                 rows = rows[:len(tokens)]
             outputs.append(self._append_tokens(seq, rows, result))
         return outputs
@@ -338,6 +350,7 @@ class EngineCore:
         if self._speculator is not None:  # a finished request's output feeds the suffix proposer's cache
             self._speculator.remove(seq, keep_outputs=reason not in ("abort", "error"))
         self._num_penalty_seqs -= seq.params.uses_penalties
+        self._num_min_tokens_seqs -= seq.params.min_tokens > 0
         if seq.grammar is not None:
             self._num_grammar_seqs -= 1
             seq.grammar = None

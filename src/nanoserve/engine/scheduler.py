@@ -28,6 +28,7 @@ import numpy as np
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.runner.speculative import DEVICE_DRAFT
 from nanoserve.runner.startup.bucket_plan import StepTime
 
 
@@ -129,6 +130,8 @@ class Scheduler:
 
     def _schedule_waiting(self, step: ScheduledStep, budget: int) -> None:
         bm = self.block_manager
+        if any(DEVICE_DRAFT in d for d in step.drafts):  # device drafts run as decode rows only (engine/speculation.py)
+            return
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:  # just preempted: its last step's token is still on the device
@@ -151,7 +154,7 @@ class Scheduler:
             self.block_manager.register_full_blocks(seq, seq.num_computed_tokens + n)
         seq.num_computed_tokens += n
         if step.samples[-1]:
-            seq.num_pending += 1
+            seq.num_pending += 1 + len(drafts)  # (as if every draft is kept: the read corrects it)
             seq.decoding = True
 
     # -- state changes ----------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 With asynchronous scheduling the host runs one step ahead of the device, so a sequence may have
 `num_pending` sampled tokens whose values are still on the device: they count towards its length (its
-KV slots and positions are known) but not yet towards output_token_ids.
+KV slots and positions are known) but not yet towards output_token_ids. A step that verifies d drafts counts d + 1
+pending tokens, as if every draft is kept; reading it corrects the count (the device already knows the outcome: its
+decode rows take their positions from it), so lengths and blocks are upper bounds meanwhile.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ class Sequence:
     params: SamplingParams
     arrival: int = field(default_factory=lambda: next(_counter))
     output_token_ids: list[int] = field(default_factory=list)  # tokens whose values the host knows
-    num_pending: int = 0  # sampled tokens still on the device (async scheduling)
+    num_pending: int = 0  # sampled tokens still on the device (async scheduling; verified drafts count as kept)
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None  # the persistent batch row while running (device block table, last token)
     decoding: bool = False  # its prompt is done and its last token was sampled into its slot on the device

@@ -7,16 +7,24 @@ curves were not measured or "adaptive" is off); the scheduler runs a sequence's 
 consecutive decode rows of its slot (a batch-size graph), or as one row of a token-count step when prompts ride
 along or the rows outnumber the largest decode batch. After the step, the sequence keeps its samples up to the first that differs from its draft
 (runner/speculative.py says why that is exact) and its computed-token count is rolled back over the rejected drafts:
-their KV slots are simply written again by later steps. The host must know every token before it drafts, so with
-speculation the loop reads each step before scheduling the next; the step just launched is left running while the
-caller (the front end: detokenizing, stop strings, streaming) handles the outputs of the one before.
+their KV slots are simply written again by later steps.
+
+n-gram drafts are proposed on the device (on_device: runner/speculative.DraftState), so the loop stays asynchronous:
+the host schedules step N+1 while step N runs, counting N's drafts as kept; N+1's rows take their positions and drafts
+from the device, which knows N's outcome, and the host corrects its counts when it reads N. The host's own proposer,
+one step behind, only says how many drafts a sequence is offered (a match in what the host knows predicts one on the
+device). Such drafts run as decode rows only, so the loop waits for the step in flight whenever a prompt waits or runs
+(or a request has penalties or min_tokens, which read the tokens on the host): the host then offers its own drafts,
+which equal the device's. Suffix drafts always come from the host, which must know every token before it drafts: that
+loop reads each step before scheduling the next (the step just launched is left running while the front end handles
+the outputs of the one before).
 """
 from __future__ import annotations
 
 from nanoserve.engine.draft_plan import acceptance_rate, plan_drafts
 from nanoserve.engine.drafts import make_proposer
-from nanoserve.engine.sequence import Sequence
-from nanoserve.runner.speculative import accepted_count
+from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.runner.speculative import DEVICE_DRAFT, accepted_count
 from nanoserve.speculative_config import SpeculativeConfig
 
 
@@ -26,6 +34,7 @@ class Speculator:
         """step_curve / token_curve: the runner's measured step times (None when not measured: no planning);
         max_decode_rows: the most rows a decode batch (and so a verification as decode rows) runs."""
         self.spec, self.max_model_len, self.max_decode_rows = spec, max_model_len, max_decode_rows
+        self.on_device = spec.drafts_on_device
         self.proposer = make_proposer(spec)
         planned = spec.adaptive and step_curve is not None and token_curve is not None
         self._curves = (step_curve, token_curve) if planned else None
@@ -40,8 +49,10 @@ class Speculator:
         self.proposer.remove(seq.request_id, keep_outputs)
 
     # -- before a step ------------------------------------------------------------------------------
-    def offer(self, running: list[Sequence]) -> None:
-        """Set each decoding sequence's draft_token_ids for the next schedule (the scheduler may run fewer)."""
+    def offer(self, running: list[Sequence], on_device: bool = False) -> None:
+        """Set each decoding sequence's draft_token_ids for the next schedule (the scheduler may run fewer).
+        on_device: the step is scheduled before the one in flight is read (drafts from the device, decode rows only);
+        otherwise the host knows every token and offers its own drafts."""
         rows = [s for s in running if s.decoding and not s.is_finished]
         k = self.spec.num_speculative_tokens
         offered = [self._propose(s, min(k, s.draft_room(self.max_model_len))) for s in rows]
@@ -49,8 +60,20 @@ class Speculator:
             rates = [acceptance_rate(s.num_accepted, s.num_drafted) for s in rows]
             keep = plan_drafts([len(d) for d in offered], rates, *self._curves, self.max_decode_rows)
             offered = [d[:n] for d, n in zip(offered, keep)]
+        if on_device:
+            offered = self._device_drafts(offered, self.max_decode_rows - len(rows))
         for seq, drafts in zip(rows, offered):
             seq.draft_token_ids = drafts
+
+    @staticmethod
+    def _device_drafts(offered: list[list[int]], room: int) -> list[list[int]]:
+        """As many device drafts as the host's proposer found, within `room` extra decode rows (one batch)."""
+        fitted = []
+        for drafts in offered:
+            n = min(len(drafts), room)
+            room -= n
+            fitted.append([DEVICE_DRAFT] * n)
+        return fitted
 
     def _propose(self, seq: Sequence, k: int) -> list[int]:
         return self.proposer.propose(seq.request_id, k) if k > 0 else []
@@ -60,11 +83,12 @@ class Speculator:
         """The tokens seq keeps from a step that verified `drafts` (samples: its rows' samples): the accepted drafts
         and the sample after them. Rolls its computed tokens back over the rejected drafts."""
         a = accepted_count(samples, drafts)
-        seq.num_computed_tokens -= len(drafts) - a
-        seq.num_drafted += len(drafts)
+        if seq.status is SequenceStatus.RUNNING:  # (preempted while the step ran: its blocks and counts are gone)
+            seq.num_computed_tokens -= len(drafts) - a
+        seq.num_drafted += len(drafts)  # (rows the device found no draft for count: they cost a row each)
         seq.num_accepted += a
         self.num_drafts += 1
-        self.draft_tokens += len(drafts)
+        self.draft_tokens += sum(d >= 0 for d in drafts)
         self.accepted_tokens += a
         for j in range(a):
             self.accepted_per_position[j] += 1

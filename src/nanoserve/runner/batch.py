@@ -105,6 +105,10 @@ class DecodeBatch:
     token_ids: np.ndarray | None = None
     draft_ids: np.ndarray | None = None
     group_back: np.ndarray | None = None
+    # drafting on the device (runner/speculative.DraftState): per row 1 (its position from the device), and the slot
+    # whose device drafts a sequence's first row proposes (-1: none); None: host positions, host drafts
+    from_device: np.ndarray | None = None
+    draft_slots: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -150,6 +154,11 @@ class PrefillBatch:
     # the last): None when no row verifies drafts (one sample per sampled sequence)
     sample_counts: np.ndarray | None = None
     draft_ids: np.ndarray | None = None
+    # drafting on the device: the prompt tokens this step makes known (chunks and cached prefixes), for the slots'
+    # device histories (empty otherwise)
+    known_slots: np.ndarray = field(default_factory=_empty)
+    known_positions: np.ndarray = field(default_factory=_empty)
+    known_ids: np.ndarray = field(default_factory=_empty)
 
     @property
     def num_tokens(self) -> int:
@@ -168,4 +177,5 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[float] | None = None  # the sampled token's logprob per row
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per row, its params.logprobs best pairs
+    draft_ids: list[int] | None = None  # a verification's rows: the draft each row's sample was checked against
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per PrefillBatch.prompt_logprob_rows

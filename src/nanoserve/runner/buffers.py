@@ -15,6 +15,7 @@ from nanoserve.runner.forward import DecodeForward, TokenForward
 from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker, TokenInputs
 from nanoserve.runner.kv_cache import KVCacheSpec
 from nanoserve.runner.sampler import Sampler
+from nanoserve.runner.speculative import DraftState
 
 
 @dataclass
@@ -35,6 +36,11 @@ class StepBuffers:
         dummy_block = num_kv_blocks
         dummy_kv_slot = dummy_block * config.block_size
         state = PersistentState(config.max_num_seqs, kv.blocks_for(config.max_model_len), dummy_block, device)
+        spec = config.speculative
+        if spec is not None and spec.drafts_on_device:
+            state.drafting = DraftState(config.max_num_seqs + 1, config.max_model_len, config.max_num_seqs,
+                                        config.block_size, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                        spec.prompt_lookup_max, device)
         decode_inputs = DecodeInputs(config.max_num_seqs, state, dummy_kv_slot, device)
         tokens = config.prefill_graph_sizes.largest
         token_inputs = TokenInputs(tokens, config.max_num_seqs, TokenForward.q_per_tile_of(model), state,
@@ -47,6 +53,8 @@ class StepBuffers:
     def static_bytes(self) -> int:
         """Device bytes of the static buffers besides the KV cache (block tables, the forwards' inputs and outputs)."""
         tensors = [self.state.block_tables, self.decode_inputs.device_buf, self.decode_forward.static_logits]
+        if self.state.drafting is not None:
+            tensors.append(self.state.drafting.history)
         if self.token_forward.inputs is not None:
             tensors += [self.token_forward.inputs.device_buf, self.token_forward.static_hidden]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from nanoserve.kernels.attention import prefill_q_per_tile
-from nanoserve.kernels.step_inputs import prepare_decode
+from nanoserve.kernels.step_inputs import DeviceRows, prepare_decode
 from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.runner import prompt_logprobs
 from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch
@@ -45,8 +45,13 @@ class DecodeForward:
     def __call__(self, rows: int, width: int | None = None) -> torch.Tensor:
         """width: block-table columns to gather (eager callers pass the batch's widest table; graphs all)."""
         v = self.inputs.views(rows)
+        drafting, device = self.state.drafting, None
+        if drafting is not None:  # positions and drafts from the device (runner/speculative.DraftState)
+            drafts, counts = drafting.propose(v.draft_slots)
+            device = DeviceRows(v.from_device, drafting.hist_len, v.positions, v.slot_mapping, v.context_lens,
+                                v.draft_ids, drafts, counts, drafting.block_size)
         input_ids, tables = prepare_decode(v.slots, v.new_block_cols, v.new_block_ids, self.state.last_tokens,
-                                           self.state.block_tables, width, v.token_ids, v.group_back)
+                                           self.state.block_tables, width, v.token_ids, v.group_back, device)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=v.slot_mapping, context_lens=v.context_lens,
                                  block_tables=tables)
         hidden = self.model(input_ids, v.positions, meta)
@@ -91,7 +96,7 @@ class TokenForward:
             max_seqlen_q=int(batch.query_lens.max()), has_cached_prefix=batch.has_cached_context,
             query_lens_host=batch.query_lens.tolist(), context_lens_host=(batch.starts + batch.query_lens).tolist(),
             work_seq=static.work_seq, work_start=static.work_start)
-        return self.sample_logits(self._forward(static, meta), tail, batch)
+        return self.sample_logits(self._forward(static, meta), tail, batch, static.positions)
 
     def load(self, arrays, tokens: int) -> StepTail:
         """Fill the static inputs of `tokens` with the step's arrays and patch the block tables; the tail's device
@@ -124,9 +129,11 @@ class TokenForward:
         ids = torch.where(v.ids >= 0, v.ids, self.state.last_tokens[v.token_slots.long()])
         return self.model(ids, v.positions, meta)
 
-    def sample_logits(self, hidden: torch.Tensor, tail: StepTail, batch: PrefillBatch) -> "SampledLogits":
-        """The logits of the sampled rows and what their sampling needs."""
-        logits = self.model.compute_logits(hidden[tail.sample_token_rows.long()])
+    def sample_logits(self, hidden: torch.Tensor, tail: StepTail, batch: PrefillBatch,
+                      positions: torch.Tensor) -> "SampledLogits":
+        """The logits of the sampled rows and what their sampling needs (positions: the step's, by token row)."""
+        rows = tail.sample_token_rows.long()
+        logits = self.model.compute_logits(hidden[rows])
         params = tail.sampling() if batch.sampling is not None else None
         prompt = None
         if len(batch.prompt_logprob_rows):
@@ -134,18 +141,19 @@ class TokenForward:
                                              batch.prompt_logprob_k, self.logprob_chunk)
             prompt = prompt_logprobs.PromptLogprobsHandle(packed, len(batch.prompt_logprob_rows))
         verify = VerifyRows(tail.draft_ids, tail.group_back) if batch.sample_counts is not None else None
-        return SampledLogits(logits, params, tail.sampled_slots, prompt, verify)
+        return SampledLogits(logits, params, tail.sampled_slots, prompt, verify, positions[rows])
 
 
 class SampledLogits(NamedTuple):
     """A prompt / mixed step's sampled rows: their logits, parameters and slots on the device, the prompt logprobs
-    asked for (a PromptLogprobsHandle or None), and the drafts they verify (None: no drafts)."""
+    asked for (a PromptLogprobsHandle or None), the drafts they verify (None: no drafts) and their positions."""
 
     logits: torch.Tensor
     params: object | None  # SamplingTensors
     slots: torch.Tensor
     prompt_logprobs: object | None
     verify: VerifyRows | None
+    positions: torch.Tensor  # the sampled rows' positions
 
 
 __all__ = ["DecodeForward", "TokenForward", "SampledLogits"]

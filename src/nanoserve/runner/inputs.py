@@ -64,6 +64,10 @@ class DecodeViews:
     token_ids: torch.Tensor = region(ROWS, -1)
     draft_ids: torch.Tensor = region(ROWS, -1)
     group_back: torch.Tensor = region(ROWS, 0)
+    # drafting on the device (runner/speculative.DraftState): 1 → the row's position, KV slot and context length come
+    # from its slot's device token count; a sequence's first row's slot when its drafts come from the device, else -1
+    from_device: torch.Tensor = region(ROWS, 0)
+    draft_slots: torch.Tensor = region(ROWS, -1)
     temperature: torch.Tensor = region(ROWS, 0.0, np.float32)
     top_p: torch.Tensor = region(ROWS, 1.0, np.float32)
     top_k: torch.Tensor = region(ROWS, 0)
@@ -101,6 +105,9 @@ class StepTail:
     logprob_targets: torch.Tensor = region()  # ... for these tokens
     draft_ids: torch.Tensor = region()  # verification: per sampled row, the draft its sample must equal (-1: none) ...
     group_back: torch.Tensor = region()  # ... and how many sampled rows of its sequence precede it (empty: no drafts)
+    known_slots: torch.Tensor = region()  # drafting on the device: the prompt tokens this step makes known to the
+    known_positions: torch.Tensor = region()  # device (its chunks and cached prefixes), for the slots' histories
+    known_ids: torch.Tensor = region()
     temperature: torch.Tensor = region(dtype=np.float32)  # the sampled rows' parameters (empty: no sampling)
     top_p: torch.Tensor = region(dtype=np.float32)
     top_k: torch.Tensor = region()
@@ -168,10 +175,13 @@ class PersistentState:
         self.dummy_block = dummy_block
         self.block_tables = torch.full((max_num_seqs + 1, max_blocks), dummy_block, dtype=torch.int32, device=device)
         self.last_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
+        self.drafting = None  # a runner/speculative.DraftState when drafts are proposed on the device
 
     def apply(self, tail: StepTail) -> None:
-        """A step's block-table updates on the device (graph-capturable)."""
+        """A step's block-table updates on the device, and the prompt tokens it makes known (graph-capturable)."""
         self.block_tables.index_put_((tail.update_slots.long(), tail.update_cols.long()), tail.update_ids)
+        if self.drafting is not None:
+            self.drafting.record_known(tail.known_slots, tail.known_positions, tail.known_ids)
 
     def write_tables(self, slots: np.ndarray, tables: np.ndarray) -> None:
         """Whole rows at once, outside any graph (benchmarks and tests)."""
@@ -240,6 +250,8 @@ def decode_values(batch: DecodeBatch) -> dict[str, np.ndarray]:
               "new_block_ids": batch.new_block_ids}
     if batch.draft_ids is not None:
         values |= {"token_ids": batch.token_ids, "draft_ids": batch.draft_ids, "group_back": batch.group_back}
+    if batch.from_device is not None:
+        values |= {"from_device": batch.from_device, "draft_slots": batch.draft_slots}
     return values | sampling_values(batch.sampling)
 
 
@@ -265,7 +277,8 @@ def token_values(batch: PrefillBatch, q_per_tile: int) -> tuple[dict[str, np.nda
     u = batch.block_updates
     tail = _sampled_rows(batch, cu_q) | {
         "update_slots": u.slots, "update_cols": u.cols, "update_ids": u.block_ids,
-        "logprob_rows": batch.prompt_logprob_rows, "logprob_targets": batch.prompt_logprob_targets}
+        "logprob_rows": batch.prompt_logprob_rows, "logprob_targets": batch.prompt_logprob_targets,
+        "known_slots": batch.known_slots, "known_positions": batch.known_positions, "known_ids": batch.known_ids}
     empty_f, empty_i = np.zeros(0, np.float32), np.zeros(0, np.int32)
     tail |= {"temperature": empty_f, "top_p": empty_f, "top_k": empty_i, "min_p": empty_f}
     return static, tail | sampling_values(batch.sampling)

@@ -39,7 +39,8 @@ class PendingSample:
     slots: torch.Tensor
     prompt_logprobs: object | None  # a PromptLogprobsHandle
     bucket: int | None  # the decode graph that made the logits (its sampler graph may follow)
-    verify: VerifyRows | None = None  # the rows verify drafts (runner/speculative.py)
+    verify: VerifyRows | None  # the rows verify drafts (runner/speculative.py)
+    positions: torch.Tensor  # the sampled rows' positions (drafting on the device records their samples)
 
 
 class ModelRunner:
@@ -79,16 +80,16 @@ class ModelRunner:
         engine fills the grammar bitmask in between), before any other step runs on this runner."""
         verify = None
         if isinstance(batch, PrefillBatch):
-            (logits, params, slots, prompt, verify), bucket = self._prefill(batch), None
+            (logits, params, slots, prompt, verify, positions), bucket = self._prefill(batch), None
         else:
             logits, rows, bucket = self._decode(batch)
             views, b, prompt = self.buffers.decode_inputs.views(rows), batch.size, None
-            params, slots = views.sampling(b), views.slots[:b]
+            params, slots, positions = views.sampling(b), views.slots[:b], views.positions[:b]
             if batch.draft_ids is not None:
                 verify = VerifyRows(views.draft_ids[:b], views.group_back[:b])
         if batch.sampling is None or not len(batch.sampling):
             return None if prompt is None else SampleHandle.empty(prompt)
-        pending = PendingSample(logits, params, slots, prompt, bucket, verify)
+        pending = PendingSample(logits, params, slots, prompt, bucket, verify, positions)
         return pending if defer_sampling else self.sample_deferred(pending, batch.sampling)
 
     @torch.inference_mode()
@@ -101,8 +102,12 @@ class ModelRunner:
             size = self.graphs.route(kind, pending.bucket)
             if size is not None:
                 replay = functools.partial(self.graphs.replay, kind, size)
+        drafting, record = self.buffers.state.drafting, None
+        if drafting is not None:  # the samples join their slots' device histories
+            record = functools.partial(drafting.record_samples, slots=pending.slots, positions=pending.positions,
+                                       verify=pending.verify)
         handle = sampler(pending.logits, sampling, pending.params, self.buffers.state.last_tokens, pending.slots,
-                         replay, pending.verify)
+                         replay, pending.verify, record)
         handle.prompt_logprobs = pending.prompt_logprobs
         return handle
 
@@ -118,7 +123,8 @@ class ModelRunner:
         self.counters.prefill_steps_graph += 1
         self.counters.padding_tokens += tokens - batch.num_tokens
         tail = fwd.load(arrays, tokens)
-        return fwd.sample_logits(self.graphs.replay(Kind.TOKENS, tokens), tail, batch)
+        hidden = self.graphs.replay(Kind.TOKENS, tokens)
+        return fwd.sample_logits(hidden, tail, batch, fwd.inputs.views(tokens).positions)
 
     def _decode(self, batch: DecodeBatch) -> tuple[torch.Tensor, int, int | None]:
         """Logits [b, vocab] of a decode batch, the rows the step ran (its bucket, or b when eager) and the bucket

@@ -50,9 +50,10 @@ class SampleHandle:
     prompt_logprobs = None  # a PromptLogprobsHandle (runner/prompt_logprobs.py) when the step computed them
 
     def __init__(self, packed: torch.Tensor, event: torch.cuda.Event | None, num_rows: int, top_k: int | None,
-                 row_k: list[int | None] | None):
+                 row_k: list[int | None] | None, with_drafts: bool = False):
+        """with_drafts: the packed words end with each row's draft id (a verification)."""
         self._packed, self._event = packed, event
-        self.num_rows, self._top_k, self._row_k = num_rows, top_k, row_k
+        self.num_rows, self._top_k, self._row_k, self._with_drafts = num_rows, top_k, row_k, with_drafts
 
     @classmethod
     def empty(cls, prompt_logprobs) -> "SampleHandle":
@@ -73,16 +74,19 @@ class SampleHandle:
             self._event.synchronize()
         words = self._packed.numpy()
         n = self.num_rows
-        tokens = words[:n].tolist()
+        out = SampledTokens(words[:n].tolist())
+        if self._with_drafts:
+            out.draft_ids = words[len(words) - n:].tolist()
         if self._top_k is None:
-            return SampledTokens(tokens)
+            return out
         floats = words.view(np.float32)
         k = self._top_k
-        logprobs = floats[n:2 * n].tolist()
+        out.logprobs = floats[n:2 * n].tolist()
         top_ids = words[2 * n:2 * n + n * k].reshape(n, k).tolist()
         top_vals = floats[2 * n + n * k:2 * n + 2 * n * k].reshape(n, k).tolist()
-        top = [list(zip(ids[:rk or 0], vals[:rk or 0])) for ids, vals, rk in zip(top_ids, top_vals, self._row_k)]
-        return SampledTokens(tokens, logprobs, top)
+        out.top_logprobs = [list(zip(ids[:rk or 0], vals[:rk or 0])) for ids, vals, rk in
+                            zip(top_ids, top_vals, self._row_k)]
+        return out
 
 
 class SamplingPath(enum.Enum):
@@ -101,7 +105,7 @@ class Sampler:
         covers (a step verifying drafts has no grammar rows), max_rows by default."""
         self.device, self.generator = device, generator
         self.on_cuda = device.type == "cuda"
-        words = max_rows * (2 + 2 * MAX_LOGPROBS)
+        words = max_rows * (3 + 2 * MAX_LOGPROBS)  # ids, logprobs, top pairs, draft ids
         # two pinned buffers: the host reads step N's while step N+1's copy is queued
         self._host = [torch.zeros(words, dtype=torch.int32, pin_memory=self.on_cuda) for _ in range(2)]
         self._events = [torch.cuda.Event() if self.on_cuda else None for _ in range(2)]
@@ -147,23 +151,30 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors,
                  last_tokens: torch.Tensor, slots: torch.Tensor, replay=None,
-                 verify: VerifyRows | None = None) -> SampleHandle:
+                 verify: VerifyRows | None = None, record=None) -> SampleHandle:
         """Sample one token per row; store it at last_tokens[slots]; start the copy to the host. replay: the graph
         of this plain sample (runner/dispatch.py routed it), when there is one. verify: the rows verify drafts
-        (runner/speculative.py); only each sequence's last accepted row is stored."""
+        (runner/speculative.py); only each sequence's last accepted row is stored, and the rows' drafts travel back
+        with the samples. record: called with the sampled ids on the device (drafting on the device records them)."""
         n = len(batch)
         if logits.shape[0] != n:
             raise ValueError(f"got {logits.shape[0]} logit rows for {n} sampled rows")
         if verify is None:
-            return self._sample_store(logits, batch, params, last_tokens, slots, replay)[1]
-        dummy = len(last_tokens) - 1  # every row stores there first; the accepted run's last row then to its slot
-        tokens, handle = self._sample_store(logits, batch, params, last_tokens, torch.full_like(slots, dummy), None)
-        last_tokens.index_copy_(0, accepted_store_slots(tokens, verify, slots, dummy).long(), tokens)
+            tokens, handle = self._sample_store(logits, batch, params, last_tokens, slots, replay)
+        else:
+            dummy = len(last_tokens) - 1  # every row stores there first; the accepted run's last row then to its slot
+            tokens, handle = self._sample_store(logits, batch, params, last_tokens, torch.full_like(slots, dummy), None,
+                                                verify.draft_ids)
+            last_tokens.index_copy_(0, accepted_store_slots(tokens, verify, slots, dummy).long(), tokens)
+        if record is not None:
+            record(tokens)
         return handle
 
     def _sample_store(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors,
-                      last_tokens: torch.Tensor, slots: torch.Tensor, replay) -> tuple[torch.Tensor, SampleHandle]:
-        """The sampled ids [n] int32, stored at last_tokens[slots], and their handle."""
+                      last_tokens: torch.Tensor, slots: torch.Tensor, replay,
+                      drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, SampleHandle]:
+        """The sampled ids [n] int32, stored at last_tokens[slots], and their handle (drafts: the rows' draft ids,
+        copied to the host with them)."""
         n = len(batch)
         path = self.path(batch)
         if path is SamplingPath.FUSED:
@@ -172,7 +183,7 @@ class Sampler:
                 self._bitmask[:n].copy_(batch.grammar_bitmask, non_blocking=True)
             tokens = replay()[:n] if replay is not None else \
                 self._plain(logits, n if masked else 0, params.temperature, slots, last_tokens)
-            return tokens, self._to_host(tokens, None, None, None)
+            return tokens, self._to_host(tokens, None, None, None, drafts)
         top_k = batch.max_logprobs
         raw_logprobs = None
         if path is SamplingPath.ARGMAX:
@@ -187,7 +198,7 @@ class Sampler:
             tokens = self._sample(logits, batch, params)
         tokens = tokens.to(torch.int32)
         last_tokens.index_copy_(0, slots.long(), tokens)
-        return tokens, self._to_host(tokens, raw_logprobs, top_k, batch.num_logprobs)
+        return tokens, self._to_host(tokens, raw_logprobs, top_k, batch.num_logprobs, drafts)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors) -> torch.Tensor:
         if len(batch.bias_rows):  # before the bans: a banned token stays banned whatever its bias
@@ -221,7 +232,7 @@ class Sampler:
         logits.index_put_((rows.long(), cols.long()), vals.to(logits.dtype), accumulate=True)
 
     def _to_host(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, top_k: int | None,
-                 row_k: list[int | None] | None) -> SampleHandle:
+                 row_k: list[int | None] | None, drafts: torch.Tensor | None = None) -> SampleHandle:
         parts = [tokens]
         if top_k is not None:
             parts.append(raw_logprobs.gather(1, tokens.long()[:, None])[:, 0].contiguous().view(torch.int32))
@@ -230,6 +241,8 @@ class Sampler:
                 k = ids.shape[1]
                 parts += [ids.to(torch.int32).flatten(), vals.contiguous().view(torch.int32).flatten()]
                 top_k = k
+        if drafts is not None:
+            parts.append(drafts.to(torch.int32))
         packed = torch.cat(parts) if len(parts) > 1 else tokens
         host = self._host[self._turn][:packed.numel()]
         event = self._events[self._turn]
@@ -239,7 +252,7 @@ class Sampler:
             event.record()
         else:
             host.copy_(packed)
-        return SampleHandle(host, event, tokens.numel(), top_k, row_k)
+        return SampleHandle(host, event, tokens.numel(), top_k, row_k, drafts is not None)
 
 
 def sample_rows(logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors,

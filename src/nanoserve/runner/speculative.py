@@ -12,12 +12,21 @@ once: y = x with probability p(x), and a y ≠ x is distributed as p conditioned
 the last row's sample is the bonus token, drawn from p as usual. Greedy is the temperature → 0 case of the same rule.
 The host reads every row's sample and finds a itself (engine/core.py); the device only needs the new last token in the
 slot's cell, for the next step's input — done here, without a sync.
+
+Drafting on the device (n-gram: DraftState) keeps the asynchronous loop: the host schedules step N+1 before it knows how
+many drafts step N accepted. So each slot's tokens live on the device too (history, hist_len: written here from every
+sampled row and from every prompt token a step makes known), the decode rows take their positions from hist_len and
+their drafts from kernels/ngram.propose_ngram (kernels/step_inputs.py resolves both), and the host learns the drafts
+with the samples (the verify rows' draft ids travel back with them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from nanoserve.kernels.ngram import propose_ngram
+from nanoserve.kernels.step_inputs import DEVICE_DRAFT
 
 
 @dataclass
@@ -29,15 +38,65 @@ class VerifyRows:
     group_back: torch.Tensor  # [n] int32
 
 
-def accepted_store_slots(tokens: torch.Tensor, verify: VerifyRows, slots: torch.Tensor, dummy_slot: int) -> torch.Tensor:
-    """Per sampled row, the slot its token is stored in: its sequence's slot for the row that ends the accepted run
-    (the first whose sample is not its draft), the dummy slot for every other row. Graph-capturable (no sync)."""
+def accepted_run(tokens: torch.Tensor, verify: VerifyRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sampled row: whether its sample is kept (no row of its sequence before it missed its draft) and whether it
+    ends its sequence's accepted run (kept, and its own sample is not its draft). Graph-capturable (no sync)."""
     miss = (tokens.to(torch.int32) != verify.draft_ids).to(torch.int32)
     before = torch.cumsum(miss, 0) - miss  # misses in the rows before each row
     first = torch.arange(len(miss), device=miss.device) - verify.group_back.long()  # its sequence's first row
-    in_sequence = before - before[first]  # ... counted from there
-    ends = (in_sequence == 0) & (miss == 1)
+    kept = (before - before[first]) == 0  # ... counted from there
+    return kept, kept & (miss == 1)
+
+
+def accepted_store_slots(tokens: torch.Tensor, verify: VerifyRows, slots: torch.Tensor, dummy_slot: int) -> torch.Tensor:
+    """Per sampled row, the slot its token is stored in: its sequence's slot for the row that ends the accepted run
+    (the first whose sample is not its draft), the dummy slot for every other row. Graph-capturable (no sync)."""
+    ends = accepted_run(tokens, verify)[1]
     return torch.where(ends, slots, torch.full_like(slots, dummy_slot))
+
+
+class DraftState:
+    """The device's side of drafting on the device: each slot's tokens (prompt and kept samples) and their count, and
+    the proposer's output for a decode bucket's rows. Row `trash` of history takes the writes of rows whose token is
+    not kept; the dummy slot's count stays 0, so a padded row proposes nothing."""
+
+    def __init__(self, num_slots: int, max_len: int, max_rows: int, block_size: int, k: int, lookup_min: int,
+                 lookup_max: int, device: torch.device):
+        """num_slots: the slots with the dummy one (the last); max_len: max_model_len; max_rows: the largest decode
+        batch; k: num_speculative_tokens."""
+        self.dummy, self.trash, self.block_size = num_slots - 1, num_slots, block_size
+        self.k, self.lookup = k, (lookup_min, lookup_max)
+        self.history = torch.zeros(num_slots + 1, max_len, dtype=torch.int32, device=device)
+        self.hist_len = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
+        self.drafts = torch.full((max_rows, k), -1, dtype=torch.int32, device=device)
+        self.counts = torch.zeros(max_rows, dtype=torch.int32, device=device)
+
+    def propose(self, draft_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts for the rows of a bucket (draft_slots[r]: the slot of a sequence's first row when it verifies device
+        drafts, else -1: the dummy slot, which proposes nothing): views of the static buffers, graph-capturable."""
+        rows = draft_slots.shape[0]
+        out = (self.drafts[:rows], self.counts[:rows])
+        slots = torch.where(draft_slots >= 0, draft_slots, self.dummy)
+        return propose_ngram(self.history, self.hist_len, slots, self.k, *self.lookup, out=out)
+
+    def record_samples(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                       verify: VerifyRows | None) -> None:
+        """The sampled rows' kept tokens into their slots' histories (row at position p samples the token at p + 1),
+        and each slot's count from the row that ends its run. Graph-capturable."""
+        if verify is None:
+            kept = ends = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        else:
+            kept, ends = accepted_run(tokens, verify)
+        pos = positions.long() + 1
+        trash = torch.full_like(pos, self.trash)
+        col = pos.clamp(max=self.history.shape[1] - 1)
+        self.history.index_put_((torch.where(kept, slots.long(), trash), col), tokens.to(torch.int32))
+        self.hist_len.index_put_((torch.where(ends, slots.long(), trash),), (pos + 1).to(torch.int32))
+
+    def record_known(self, slots: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> None:
+        """Prompt tokens a step makes known (its chunks' and cached prefixes' ids at their positions)."""
+        if ids.shape[0]:
+            self.history.index_put_((slots.long(), positions.long()), ids)
 
 
 def accepted_count(samples: list[int], drafts: list[int]) -> int:
@@ -48,4 +107,4 @@ def accepted_count(samples: list[int], drafts: list[int]) -> int:
     return a
 
 
-__all__ = ["VerifyRows", "accepted_store_slots", "accepted_count"]
+__all__ = ["DEVICE_DRAFT", "VerifyRows", "DraftState", "accepted_run", "accepted_store_slots", "accepted_count"]

@@ -54,7 +54,8 @@ def _decode_pair(table: GraphTable, buffers: StepBuffers, probes: Probes, kind: 
 def _token_pair(table: GraphTable, buffers: StepBuffers, probes: Probes, kind: Kind, tokens: int):
     batch, tail = probes.load_mixed(tokens)
     fwd = buffers.token_forward
-    graph = fwd.sample_logits(table.replay(kind, tokens), tail, batch)[0].float().clone()
+    positions = fwd.inputs.views(tokens).positions
+    graph = fwd.sample_logits(table.replay(kind, tokens), tail, batch, positions)[0].float().clone()
     return graph, fwd(batch)[0].float()
 
 

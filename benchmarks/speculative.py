@@ -8,7 +8,7 @@ Method. Per method a fresh LLM (bfloat16 on cuda, float32 on cpu; prefix caching
 one short request, then runs each workload's prompts ONE AT A TIME (b = 1: generate([prompt]) per prompt, timed with
 time.perf_counter around it; greedy, max_tokens, EOS honoured). Per workload: output tokens, seconds, output tok/s
 (sum of tokens / sum of seconds), per-prompt tok/s, on the GPU the idle time per step while the first prompt runs
-again under the profiler (gpu_idle), and the engine's speculative counters over the workload (the
+under the profiler in another fresh engine after every method's timed pass (gpu_idle), and the engine's speculative counters over the workload (the
 EngineStats deltas, nanoserve.bench.offline.speculation_delta): mean accepted length (accepted / verifying rows + 1),
 acceptance rate (accepted / drafted) and acceptances per draft position. Every method's greedy outputs are compared token by token with method none's:
 speculation must not change them, so a mismatch is a bug, listed by prompt index with its first differing position.
@@ -124,8 +124,6 @@ def run_workload(llm, prompts: list[list[int]], params) -> tuple[dict, list[list
               "per_prompt": {"output_tokens": tokens, "seconds": seconds,
                              "tok_s": [n / s for n, s in zip(tokens, seconds)]},
               "stats": counters_delta(before, after), "speculation": speculation_delta(before, after)}
-    if torch.cuda.is_available() and llm.engine.core.info.device.startswith("cuda"):
-        record["gpu_idle"] = gpu_idle(llm, prompts[0], params)
     return record, outputs
 
 
@@ -164,6 +162,22 @@ def run_method(model_path: str, options: dict, workloads: dict[str, list[dict]],
             records[name]["first_output_text"] = llm.tokenizer.decode(outputs[name][0], skip_special_tokens=True)
     release_cuda_memory()
     return {"engine_start_s": engine_s, "workloads": records}, outputs
+
+
+def idle_pass(model_path: str, options: dict, workloads: dict[str, list[dict]], max_tokens: int) -> dict:
+    """Another fresh engine: each workload's first prompt under the profiler (gpu_idle). Run after every method's
+    timed pass: once the profiler has run in a process, later engines' steps there were ~1 ms slower each on the H200
+    (dcda414: the methods timed after none's profile ran at 0.55-0.7x), so no timing may follow it."""
+    from nanoserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=False)
+    with LLM(model_path, **options) as llm:
+        llm.generate([chat_ids(llm.tokenizer, WARMUP)], SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0),
+                     use_tqdm=False)
+        idle = {name: gpu_idle(llm, chat_ids(llm.tokenizer, entries[0]["messages"]), params)
+                for name, entries in workloads.items()}
+    release_cuda_memory()
+    return idle
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -297,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{method}: {config}", flush=True)
         runs[method], outputs[method] = run_method(model_path, engine_options(args.device, config), workloads,
                                                    args.max_tokens)
+    if args.device == "cuda":  # (after every timed pass: see idle_pass)
+        for method, config in configs.items():
+            for name, idle in idle_pass(model_path, engine_options(args.device, config), workloads,
+                                        args.max_tokens).items():
+                runs[method]["workloads"][name]["gpu_idle"] = idle
     compare_with_baseline(runs, outputs)
     report["runs"], report["targets"] = runs, targets(runs, args.device)
     print("\n".join(table_lines(runs, report["targets"])), flush=True)

@@ -11,7 +11,7 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine.draft_plan import plan_drafts
-from nanoserve.runner.speculative import VerifyRows, accepted_count, accepted_store_slots
+from nanoserve.runner.speculative import VerifyRows, accepted_count, accepted_run
 from tests.engine.churn import check_blocks, run_churn
 
 OPTIONS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, max_num_seqs=12)
@@ -154,7 +154,8 @@ def _pooled(counts: list[dict], least: int = 10) -> list[dict]:
 
 
 def test_device_rule_equals_host_rule():
-    """accepted_store_slots stores exactly the row that ends each sequence's accepted run (accepted_count)."""
+    """accepted_run ends each sequence's accepted run exactly at the row accepted_count gives, and keeps the rows up to
+    it (the sampler stores the ending row's token, the device histories the kept rows')."""
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):
         drafts = [torch.randint(0, 3, (int(torch.randint(0, 5, (1,), generator=gen)),), generator=gen).tolist()
@@ -164,11 +165,14 @@ def test_device_rule_equals_host_rule():
         rows = VerifyRows(torch.tensor([x for d in drafts for x in [*d, -1]], dtype=torch.int32),
                           torch.tensor([j for d in drafts for j in range(len(d) + 1)], dtype=torch.int32))
         slots = torch.tensor([10 + i for i, d in enumerate(drafts) for _ in range(len(d) + 1)], dtype=torch.int32)
-        store = accepted_store_slots(torch.tensor([x for s in samples for x in s]), rows, slots, 99).tolist()
-        want = [99] * len(store)
+        kept, ends = accepted_run(torch.tensor([x for s in samples for x in s]), rows)
+        store = torch.where(ends, slots, 99).tolist()
+        want, want_kept = [99] * len(store), [False] * len(store)
         for i, (d, s) in enumerate(zip(drafts, samples)):
-            want[first[i] + accepted_count(s, d)] = 10 + i
-        assert store == want
+            a = accepted_count(s, d)
+            want[first[i] + a] = 10 + i
+            want_kept[first[i]:first[i] + a + 1] = [True] * (a + 1)
+        assert store == want and kept.tolist() == want_kept
 
 
 def test_plan_drafts_follows_the_costs():

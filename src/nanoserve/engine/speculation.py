@@ -67,13 +67,11 @@ class Speculator:
 
     @staticmethod
     def _device_drafts(offered: list[list[int]], room: int) -> list[list[int]]:
-        """As many device drafts as the host's proposer found, within `room` extra decode rows (one batch)."""
-        fitted = []
-        for drafts in offered:
-            n = min(len(drafts), room)
-            room -= n
-            fitted.append([DEVICE_DRAFT] * n)
-        return fitted
+        """As many device drafts as the host's proposer found, within `room` extra decode rows (one batch): when they
+        do not fit, an equal share each, so a sequence's drafts (and a seeded one's draws) do not depend on the order
+        of the rows."""
+        share = len(max(offered, key=len, default=[])) if sum(map(len, offered)) <= room else room // len(offered)
+        return [[DEVICE_DRAFT] * min(len(d), share) for d in offered]
 
     def _propose(self, seq: Sequence, k: int) -> list[int]:
         return self.proposer.propose(seq.request_id, k) if k > 0 else []

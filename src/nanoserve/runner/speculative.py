@@ -48,13 +48,6 @@ def accepted_run(tokens: torch.Tensor, verify: VerifyRows) -> tuple[torch.Tensor
     return kept, kept & (miss == 1)
 
 
-def accepted_store_slots(tokens: torch.Tensor, verify: VerifyRows, slots: torch.Tensor, dummy_slot: int) -> torch.Tensor:
-    """Per sampled row, the slot its token is stored in: its sequence's slot for the row that ends the accepted run
-    (the first whose sample is not its draft), the dummy slot for every other row. Graph-capturable (no sync)."""
-    ends = accepted_run(tokens, verify)[1]
-    return torch.where(ends, slots, torch.full_like(slots, dummy_slot))
-
-
 class DraftState:
     """The device's side of drafting on the device: each slot's tokens (prompt and kept samples) and their count, and
     the proposer's output for a decode bucket's rows. Row `trash` of history takes the writes of rows whose token is
@@ -79,17 +72,19 @@ class DraftState:
         slots = torch.where(draft_slots >= 0, draft_slots, self.dummy)
         return propose_ngram(self.history, self.hist_len, slots, self.k, *self.lookup, out=out)
 
-    def record_samples(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                       verify: VerifyRows | None) -> None:
+    def record_samples(self, tokens: torch.Tensor, run: tuple[torch.Tensor, torch.Tensor] | None, slots: torch.Tensor,
+                       positions: torch.Tensor) -> None:
         """The sampled rows' kept tokens into their slots' histories (row at position p samples the token at p + 1),
-        and each slot's count from the row that ends its run. Graph-capturable."""
-        if verify is None:
-            kept = ends = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
-        else:
-            kept, ends = accepted_run(tokens, verify)
+        and each slot's count from the row that ends its run (run: accepted_run's (kept, ends); None: every row ends
+        its sequence's). Graph-capturable."""
         pos = positions.long() + 1
-        trash = torch.full_like(pos, self.trash)
         col = pos.clamp(max=self.history.shape[1] - 1)
+        if run is None:
+            self.history.index_put_((slots.long(), col), tokens.to(torch.int32))
+            self.hist_len.index_put_((slots.long(),), (pos + 1).to(torch.int32))
+            return
+        kept, ends = run
+        trash = torch.full_like(pos, self.trash)
         self.history.index_put_((torch.where(kept, slots.long(), trash), col), tokens.to(torch.int32))
         self.hist_len.index_put_((torch.where(ends, slots.long(), trash),), (pos + 1).to(torch.int32))
 
@@ -107,4 +102,4 @@ def accepted_count(samples: list[int], drafts: list[int]) -> int:
     return a
 
 
-__all__ = ["DEVICE_DRAFT", "VerifyRows", "DraftState", "accepted_run", "accepted_store_slots", "accepted_count"]
+__all__ = ["DEVICE_DRAFT", "VerifyRows", "DraftState", "accepted_run", "accepted_count"]

@@ -11,7 +11,8 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine.draft_plan import plan_drafts
-from nanoserve.runner.speculative import VerifyRows, accepted_count, accepted_run
+from nanoserve.kernels.verify import store_samples_ref
+from nanoserve.runner.speculative import accepted_count
 from tests.engine.churn import check_blocks, run_churn
 
 OPTIONS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, max_num_seqs=12)
@@ -154,25 +155,24 @@ def _pooled(counts: list[dict], least: int = 10) -> list[dict]:
 
 
 def test_device_rule_equals_host_rule():
-    """accepted_run ends each sequence's accepted run exactly at the row accepted_count gives, and keeps the rows up to
-    it (the sampler stores the ending row's token, the device histories the kept rows')."""
+    """store_samples ends each sequence's accepted run exactly at the row accepted_count gives (its token becomes the
+    slot's last one) and records the rows up to it in the slot's history."""
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):
         drafts = [torch.randint(0, 3, (int(torch.randint(0, 5, (1,), generator=gen)),), generator=gen).tolist()
                   for _ in range(int(torch.randint(1, 6, (1,), generator=gen)))]
         samples = [torch.randint(0, 3, (len(d) + 1,), generator=gen).tolist() for d in drafts]
-        first = [sum(len(d) + 1 for d in drafts[:i]) for i in range(len(drafts))]
-        rows = VerifyRows(torch.tensor([x for d in drafts for x in [*d, -1]], dtype=torch.int32),
-                          torch.tensor([j for d in drafts for j in range(len(d) + 1)], dtype=torch.int32))
-        slots = torch.tensor([10 + i for i, d in enumerate(drafts) for _ in range(len(d) + 1)], dtype=torch.int32)
-        kept, ends = accepted_run(torch.tensor([x for s in samples for x in s]), rows)
-        store = torch.where(ends, slots, 99).tolist()
-        want, want_kept = [99] * len(store), [False] * len(store)
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        slots = i32([i for i, d in enumerate(drafts) for _ in range(len(d) + 1)])
+        positions = i32([10 + j for d in drafts for j in range(len(d) + 1)])
+        last, history, hist_len = torch.full((8,), -5, dtype=torch.int32), torch.full((8, 20), -5, dtype=torch.int32), \
+            torch.zeros(8, dtype=torch.int32)
+        store_samples_ref(i32([x for s in samples for x in s]), slots, last, i32([x for d in drafts for x in [*d, -1]]),
+                          i32([j for d in drafts for j in range(len(d) + 1)]), positions, history, hist_len)
         for i, (d, s) in enumerate(zip(drafts, samples)):
             a = accepted_count(s, d)
-            want[first[i] + a] = 10 + i
-            want_kept[first[i]:first[i] + a + 1] = [True] * (a + 1)
-        assert store == want and kept.tolist() == want_kept
+            assert last[i] == s[a] and hist_len[i] == 10 + a + 2
+            assert history[i, 11:12 + a].tolist() == s[:a + 1] and (history[i, 12 + a:] == -5).all()
 
 
 def test_plan_drafts_follows_the_costs():

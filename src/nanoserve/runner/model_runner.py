@@ -104,7 +104,8 @@ class ModelRunner:
                 replay = functools.partial(self.graphs.replay, kind, size)
         drafting, record = self.buffers.state.drafting, None
         if drafting is not None:  # the samples join their slots' device histories
-            record = functools.partial(drafting.record_samples, slots=pending.slots, positions=pending.positions)
+            record = functools.partial(drafting.record_samples, slots=pending.slots, positions=pending.positions,
+                                       last_tokens=self.buffers.state.last_tokens)
         handle = sampler(pending.logits, sampling, pending.params, self.buffers.state.last_tokens, pending.slots,
                          replay, pending.verify, record)
         handle.prompt_logprobs = pending.prompt_logprobs

@@ -30,8 +30,9 @@ import torch
 from nanoserve.config import MAX_LOGPROBS
 from nanoserve.kernels._triton import use_triton
 from nanoserve.kernels.sampling import SampleScratch, masked_float_logits, sample_tokens
+from nanoserve.kernels.verify import store_samples
 from nanoserve.runner.batch import Penalties, SampledTokens, SamplingBatch
-from nanoserve.runner.speculative import VerifyRows, accepted_run
+from nanoserve.runner.speculative import VerifyRows
 
 
 @dataclass
@@ -155,22 +156,21 @@ class Sampler:
         """Sample one token per row; store it at last_tokens[slots]; start the copy to the host. replay: the graph
         of this plain sample (runner/dispatch.py routed it), when there is one. verify: the rows verify drafts
         (runner/speculative.py); only each sequence's last accepted row is stored, and the rows' drafts travel back
-        with the samples. record: called with the sampled ids on the device and the rows' accepted_run (None without
-        drafts): drafting on the device records them."""
+        with the samples. record: called with the sampled ids on the device and `verify` (drafting on the device:
+        it stores the verified rows' tokens itself, with their histories)."""
         n = len(batch)
         if logits.shape[0] != n:
             raise ValueError(f"got {logits.shape[0]} logit rows for {n} sampled rows")
-        run = None
         if verify is None:
             tokens, handle = self._sample_store(logits, batch, params, last_tokens, slots, replay)
         else:
             dummy = len(last_tokens) - 1  # every row stores there first; the accepted run's last row then to its slot
             tokens, handle = self._sample_store(logits, batch, params, last_tokens, torch.full_like(slots, dummy), None,
                                                 verify.draft_ids)
-            run = accepted_run(tokens, verify)
-            last_tokens.index_copy_(0, torch.where(run[1], slots, dummy).long(), tokens)
+            if record is None:
+                store_samples(tokens, slots, last_tokens, verify.draft_ids, verify.group_back)
         if record is not None:
-            record(tokens, run)
+            record(tokens, verify)
         return handle
 
     def _sample_store(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors,

@@ -27,6 +27,7 @@ import torch
 
 from nanoserve.kernels.ngram import propose_ngram
 from nanoserve.kernels.step_inputs import DEVICE_DRAFT
+from nanoserve.kernels.verify import store_samples
 
 
 @dataclass
@@ -36,16 +37,6 @@ class VerifyRows:
 
     draft_ids: torch.Tensor  # [n] int32
     group_back: torch.Tensor  # [n] int32
-
-
-def accepted_run(tokens: torch.Tensor, verify: VerifyRows) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sampled row: whether its sample is kept (no row of its sequence before it missed its draft) and whether it
-    ends its sequence's accepted run (kept, and its own sample is not its draft). Graph-capturable (no sync)."""
-    miss = (tokens.to(torch.int32) != verify.draft_ids).to(torch.int32)
-    before = torch.cumsum(miss, 0) - miss  # misses in the rows before each row
-    first = torch.arange(len(miss), device=miss.device) - verify.group_back.long()  # its sequence's first row
-    kept = (before - before[first]) == 0  # ... counted from there
-    return kept, kept & (miss == 1)
 
 
 class DraftState:
@@ -72,21 +63,12 @@ class DraftState:
         slots = torch.where(draft_slots >= 0, draft_slots, self.dummy)
         return propose_ngram(self.history, self.hist_len, slots, self.k, *self.lookup, out=out)
 
-    def record_samples(self, tokens: torch.Tensor, run: tuple[torch.Tensor, torch.Tensor] | None, slots: torch.Tensor,
-                       positions: torch.Tensor) -> None:
-        """The sampled rows' kept tokens into their slots' histories (row at position p samples the token at p + 1),
-        and each slot's count from the row that ends its run (run: accepted_run's (kept, ends); None: every row ends
-        its sequence's). Graph-capturable."""
-        pos = positions.long() + 1
-        col = pos.clamp(max=self.history.shape[1] - 1)
-        if run is None:
-            self.history.index_put_((slots.long(), col), tokens.to(torch.int32))
-            self.hist_len.index_put_((slots.long(),), (pos + 1).to(torch.int32))
-            return
-        kept, ends = run
-        trash = torch.full_like(pos, self.trash)
-        self.history.index_put_((torch.where(kept, slots.long(), trash), col), tokens.to(torch.int32))
-        self.hist_len.index_put_((torch.where(ends, slots.long(), trash),), (pos + 1).to(torch.int32))
+    def record_samples(self, tokens: torch.Tensor, verify: VerifyRows | None, slots: torch.Tensor,
+                       positions: torch.Tensor, last_tokens: torch.Tensor) -> None:
+        """The sampled rows' ending tokens into last_tokens and their kept tokens into their slots' histories (one
+        launch: kernels/verify.py). Graph-capturable."""
+        drafts, back = (None, None) if verify is None else (verify.draft_ids, verify.group_back)
+        store_samples(tokens, slots, last_tokens, drafts, back, positions, self.history, self.hist_len)
 
     def record_known(self, slots: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> None:
         """Prompt tokens a step makes known (its chunks' and cached prefixes' ids at their positions)."""
@@ -102,4 +84,4 @@ def accepted_count(samples: list[int], drafts: list[int]) -> int:
     return a
 
 
-__all__ = ["DEVICE_DRAFT", "VerifyRows", "DraftState", "accepted_run", "accepted_count"]
+__all__ = ["DEVICE_DRAFT", "VerifyRows", "DraftState", "accepted_count"]

@@ -141,7 +141,8 @@ class TokenForward:
                                              batch.prompt_logprob_k, self.logprob_chunk)
             prompt = prompt_logprobs.PromptLogprobsHandle(packed, len(batch.prompt_logprob_rows))
         verify = VerifyRows(tail.draft_ids, tail.group_back) if batch.sample_counts is not None else None
-        return SampledLogits(logits, params, tail.sampled_slots, prompt, verify, positions[rows])
+        sampled_positions = positions[rows] if self.state.drafting is not None else None  # (only histories read them)
+        return SampledLogits(logits, params, tail.sampled_slots, prompt, verify, sampled_positions)
 
 
 class SampledLogits(NamedTuple):
@@ -153,7 +154,7 @@ class SampledLogits(NamedTuple):
     slots: torch.Tensor
     prompt_logprobs: object | None
     verify: VerifyRows | None
-    positions: torch.Tensor  # the sampled rows' positions
+    positions: torch.Tensor | None  # the sampled rows' positions (drafting on the device only)
 
 
 __all__ = ["DecodeForward", "TokenForward", "SampledLogits"]

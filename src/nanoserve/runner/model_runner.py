@@ -40,7 +40,7 @@ class PendingSample:
     prompt_logprobs: object | None  # a PromptLogprobsHandle
     bucket: int | None  # the decode graph that made the logits (its sampler graph may follow)
     verify: VerifyRows | None  # the rows verify drafts (runner/speculative.py)
-    positions: torch.Tensor  # the sampled rows' positions (drafting on the device records their samples)
+    positions: torch.Tensor | None  # the sampled rows' positions (drafting on the device records their samples)
 
 
 class ModelRunner:

@@ -110,8 +110,9 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks_ptr, vs_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h, stride_s_slot, stride_s_h,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     stride_kb, stride_kc_t, stride_kc_h, stride_vb, stride_vc_t, stride_vc_h, stride_vc_d,
+                     stride_s_slot, stride_s_h, BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                     HEAD_DIM: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
                      USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
@@ -129,10 +130,11 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks_ptr, v
         head_ok = heads[:, None] < NUM_KV_HEADS
         k = quantize_rows(k, ks_ptr + scale_at, head_ok, TOKEN_SCALES)
         v = quantize_rows(v, vs_ptr + scale_at, head_ok, TOKEN_SCALES)
-    tl.store(k_cache_ptr + slot * stride_kc_slot + heads[:, None] * stride_kc_h + dims[None, :],
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    tl.store(k_cache_ptr + block * stride_kb + offset * stride_kc_t + heads[:, None] * stride_kc_h + dims[None, :],
              k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + slot * stride_vc_slot + heads[:, None] * stride_vc_h + dims[None, :],
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + block * stride_vb + offset * stride_vc_t + heads[:, None] * stride_vc_h
+             + dims[None, :] * stride_vc_d, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -152,16 +154,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
     if num_tokens == 0:
         return
-    _require_unit_last_stride(store_kv=(k, v, k_cache, v_cache))
-    _require_slot_layout(k_cache, v_cache, *(kv_scales if fmt["TOKEN_SCALES"] else ()))
+    _require_unit_last_stride(store_kv=(k, v, k_cache))
+    _require_v_layout(v_cache)
+    if fmt["TOKEN_SCALES"]:
+        _require_slot_layout(*kv_scales)
     block_d = next_power_of_2(head_dim)
     block_h = min(next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
     grid = (num_tokens, cdiv(num_kv_heads, block_h))
     _store_kv_kernel[grid](k, v, k_cache, v_cache, slot_mapping, scales[0], scales[1],
-                           k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
-                           scales[3], scales[4], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h,
-                           BLOCK_D=block_d, **fmt, num_warps=4, **pdl_args(k.device))
+                           k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3],
+                           *v_cache.stride(), scales[3], scales[4], BLOCK_SIZE=k_cache.shape[1],
+                           NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, **fmt,
+                           num_warps=4, **pdl_args(k.device))
 
 
 # --------------------------------------------------------------------------------------------- decode
@@ -170,7 +174,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 @jit
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin, end, first_key, last_key, kv_head,
                  dims, dim_ok, qk_scale, cap_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                 ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
+                 stride_vd, ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr = True):
     """Fold keys [start, start + BLOCK_N) ∩ [begin, end) of one paged context into the running (max, sum, acc) of
@@ -180,7 +184,7 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin
     MASKED=False: the caller knows every row sees every key of the tile (below the causal diagonal, inside every
     row's window), so neither the loads nor the scores are masked. FP8: the cache holds e4m3 codes, widened to q's
     dtype in registers; a key's scale multiplies its scores and its value's probabilities (kernels/kv_quant.py)."""
-    keys = start + tl.arange(0, BLOCK_N)
+    keys = tl.multiple_of(start, BLOCK_N) + tl.arange(0, BLOCK_N)  # every tile starts on a tile boundary
     offsets = keys % BLOCK_SIZE
     if MASKED:
         key_ok = (keys >= begin) & (keys < end)
@@ -211,12 +215,52 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
-                + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
-    if FP8:
+    if FP8:  # V token-major: load [blocks, block_size, dims] so each block's keys are one contiguous run
         p = p * v_scale[None, :]
+        v = _token_major_tile(v_cache_ptr, table, start, begin, end, kv_head, dims, dim_ok, stride_vb, stride_vt,
+                              stride_vh, stride_vd, BLOCK_SIZE, BLOCK_N, MASKED)
+    else:
+        v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
+                    + kv_head * stride_vh + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), DOT_PRECISION, DOT_UPCAST)
     return m_new, l_i, acc
+
+
+@jit
+def _token_major_tile(v_cache_ptr, table, start, begin, end, kv_head, dims, dim_ok, stride_vb, stride_vt, stride_vh,
+                      stride_vd, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """The V tile [BLOCK_N, dims] of keys [start, start + BLOCK_N) from a token-major cache, loaded as [blocks,
+    block_size, dims] so the compiler sees each block's keys as one contiguous run (vectorized loads)."""
+    NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
+    first = start // BLOCK_SIZE + tl.arange(0, NB)
+    offsets = tl.arange(0, BLOCK_SIZE)
+    keys = first[:, None] * BLOCK_SIZE + offsets[None, :]
+    ptrs_at = offsets[None, :, None] * stride_vt + kv_head * stride_vh + dims[None, None, :] * stride_vd
+    if MASKED:  # whole blocks are loaded (a mask constant along each run keeps the loads vectorized); keys outside
+        # [begin, end) are zeroed after the load (their slots may hold anything, NaN included)
+        key_ok = (keys >= begin) & (keys < end)
+        block_ok = (first * BLOCK_SIZE < end) & (first * BLOCK_SIZE + BLOCK_SIZE > begin)
+        block_ids = tl.load(table + first, mask=block_ok, other=0).to(tl.int64)
+        v = tl.load(v_cache_ptr + block_ids[:, None, None] * stride_vb + ptrs_at,
+                    mask=block_ok[:, None, None] & dim_ok[None, None, :], other=0.0)
+        v = tl.where(key_ok[:, :, None], v, 0.0)
+    else:
+        block_ids = tl.load(table + first).to(tl.int64)
+        v = tl.load(v_cache_ptr + block_ids[:, None, None] * stride_vb + ptrs_at, mask=dim_ok[None, None, :],
+                    other=0.0)
+    return tl.reshape(v, [BLOCK_N, v.shape[2]])
+
+
+@jit
+def _product_q(q, k_cache_ptr, FP8: tl.constexpr, Q_FP16: tl.constexpr):
+    """q in the dtype the products multiply in (_compute_dtype): the cache's; over an fp8 cache, fp16 for a 16-bit q
+    (e4m3 widens to fp16 in one conversion per two values, to bf16 through fp16; fp16 also keeps more of q's
+    mantissa; clamped to fp16's range) and q's own dtype otherwise."""
+    if not FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    elif Q_FP16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return q
 
 
 @jit
@@ -246,12 +290,12 @@ def _decode_partition(context_len, window, num_splits, BLOCK_N: tl.constexpr):
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                    part_acc_ptr, part_ml_ptr, qk_scale, cap_scale, window, num_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh,
-                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_bt,
                    ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-                   DOT_UPCAST: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr):
+                   DOT_UPCAST: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)  # q, the cache and the decode inputs all come from earlier kernels
     seq = tl.program_id(0)
@@ -271,8 +315,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         dim_ok = dims < HEAD_DIM
         q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        if not FP8:  # an fp8 cache is widened to q's dtype instead
-            q = q.to(k_cache_ptr.dtype.element_ty)
+        q = _product_q(q, k_cache_ptr, FP8, Q_FP16)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -283,7 +326,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, window_start,
                                          part_end, first_key, last_key, kv_head, dims, dim_ok, qk_scale, cap_scale,
                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                         ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
+                                         stride_vd, ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                                          BLOCK_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
         if not SPLIT:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -378,7 +421,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
     if num_seqs == 0:
         return out
-    _require_unit_last_stride(decode_attention=(q, k_cache, v_cache, block_tables))
+    _require_unit_last_stride(decode_attention=(q, k_cache, block_tables))
+    _require_v_layout(v_cache)
     group = num_heads // num_kv_heads
     window = NO_WINDOW if window is None else window
     max_keys = min(block_tables.shape[1] * block_size, window)  # static: the window is the layer's
@@ -399,11 +443,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, *_score_args(scale, softcap),
         window, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *scales,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(), block_tables.stride(0), *scales,
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=softcap is not None,
-        FP8=fmt["FP8"], **_dot_args(q.device, _compute_dtype(q, k_cache)), num_warps=DECODE_NUM_WARPS,
+        FP8=fmt["FP8"], **_product_args(q, k_cache), num_warps=DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES_FP8 if fmt["FP8"] else DECODE_NUM_STAGES,
         **pdl_args(q.device))
     if num_splits == 1:
@@ -429,12 +472,12 @@ def merge_partials(p: DecodePartials, out: torch.Tensor | None = None) -> torch.
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_rows_ptr, context_lens_ptr,
                     cu_seqlens_q_ptr, work_seq_ptr, work_start_ptr, out_ptr, qk_scale, cap_scale, window,
                     stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_bt,
                     ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     Q_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                    SOFTCAP: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr):
+                    SOFTCAP: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)
     kv_head = tl.program_id(0)  # the heads of one tile launch together, and the work list is longest first
@@ -455,8 +498,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
         q_rows = (q_begin + tokens).to(tl.int64)
         q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        if not FP8:  # an fp8 cache is widened to q's dtype instead
-            q = q.to(k_cache_ptr.dtype.element_ty)
+        q = _product_q(q, k_cache_ptr, FP8, Q_FP16)
         # Bottom-right causal alignment: new token i sits at position context_len - q_len + i; it sees keys
         # (q_pos - window, q_pos]. Padding rows take the tile's first position, which keeps their softmax finite;
         # they are never stored.
@@ -477,19 +519,22 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
         for start in range(kv_start, full_start, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
                                          first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr, vs_ptr,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, ks_ptr,
+                                         vs_ptr,
                                          stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
                                          DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
         for start in range(full_start, full_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
                                          first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr, vs_ptr,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, ks_ptr,
+                                         vs_ptr,
                                          stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
                                          DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8, MASKED=False)
         for start in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
                                          first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr, vs_ptr,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, ks_ptr,
+                                         vs_ptr,
                                          stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
                                          DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
         out = acc / l_i[:, None]
@@ -550,7 +595,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
     if num_tokens == 0:
         return out
-    _require_unit_last_stride(prefill_attention=(q, k_cache, v_cache, meta.block_tables))
+    _require_unit_last_stride(prefill_attention=(q, k_cache, meta.block_tables))
+    _require_v_layout(v_cache)
     tiles = tiles or prefill_tiles(num_heads // num_kv_heads, head_dim, _compute_dtype(q, k_cache).itemsize,
                                    fmt["FP8"])
     work_seq, work_start = meta.work_seq, meta.work_start
@@ -565,11 +611,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, meta.block_tables, rows, meta.context_lens, meta.cu_seqlens_q, work_seq, work_start,
         out, *_score_args(scale, softcap), NO_WINDOW if window is None else window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0), *scales,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(), meta.block_tables.stride(0),
+        *scales,
         BLOCK_SIZE=block_size, GROUP=tiles.group, HEAD_DIM=head_dim, Q_PER_TILE=tiles.q_per_tile,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, SOFTCAP=softcap is not None,
-        FP8=fmt["FP8"], **_dot_args(q.device, _compute_dtype(q, k_cache)),
+        FP8=fmt["FP8"], **_product_args(q, k_cache),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(q.device))
     return out
 
@@ -664,8 +710,17 @@ def prefill_tiles(group: int, head_dim: int, element_size: int, fp8: bool = Fals
 
 
 def _compute_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:
-    """The dtype K/V tiles are multiplied in: the cache's, or q's for an fp8 cache (widened in registers)."""
-    return q.dtype if kv_quant.is_fp8(cache.dtype) else cache.dtype
+    """The dtype K/V tiles are multiplied in: the cache's; for an fp8 cache (widened in registers) fp16 when q is
+    16-bit (_product_q), else q's."""
+    if not kv_quant.is_fp8(cache.dtype):
+        return cache.dtype
+    return torch.float16 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+
+
+def _product_args(q: torch.Tensor, cache: torch.Tensor) -> dict:
+    """The read kernels' product constexprs: Q_FP16 (_product_q) and _dot_args for the products' dtype."""
+    compute = _compute_dtype(q, cache)
+    return {"Q_FP16": compute != q.dtype, **_dot_args(q.device, compute)}
 
 
 def _dot_args(device: torch.device, dtype: torch.dtype) -> dict:
@@ -683,9 +738,16 @@ def _require_unit_last_stride(**groups: tuple[torch.Tensor, ...]) -> None:
                                  f"strides {t.stride()}")
 
 
-def _require_slot_layout(*caches: torch.Tensor) -> None:
-    """Slots index block * block_size + offset, so a block's stride must be block_size slots."""
-    for cache in caches:
-        if cache.stride(0) != cache.shape[1] * cache.stride(1):
-            raise ValueError(f"store_kv: cache strides {cache.stride()} do not allow flat slot indexing "
-                             f"(shape {tuple(cache.shape)})")
+def _require_slot_layout(*scales: torch.Tensor) -> None:
+    """Per-token scales index block * block_size + offset, so a block's stride must be block_size slots."""
+    for scale in scales:
+        if scale.stride(0) != scale.shape[1] * scale.stride(1):
+            raise ValueError(f"store_kv: scale strides {scale.stride()} do not allow flat slot indexing "
+                             f"(shape {tuple(scale.shape)})")
+
+
+def _require_v_layout(v_cache: torch.Tensor) -> None:
+    """A V cache [num_blocks, block_size, kv_heads, head_dim] is stored dim-major (head_dim contiguous) or, for an
+    fp8 cache, token-major within each block (block_size contiguous: kv_cache.KVCacheSpec)."""
+    if v_cache.stride(-1) != 1 and v_cache.stride(1) != 1:
+        raise ValueError(f"a V cache needs head_dim or block_size contiguous, got strides {v_cache.stride()}")

@@ -26,8 +26,9 @@ kernel profile and graph edges (benchmarks/graph_edges.py: every PDL kernel afte
 programmatic edge).
 
 `attention`: the decode attention kernel alone (+ its merge) over b = 1…32 rows and 1k–4k-token contexts, per
-split rule and pipeline depth: a graph of enough layers' calls that the KV cannot stay in L2, replayed back to
-back; GB/s against the copy bandwidth.
+split rule, pipeline depth, warps, key tile, product dtype and V layout of an fp8 cache (--waves, --stages,
+--warps, --block-n, --products, --v-layouts): a graph of enough layers' calls that the KV cannot stay in L2,
+replayed back to back; GB/s against the copy bandwidth.
 
 `products`: each decode product of a layer alone, bf16 (the table's variant, cuBLAS) against the fp8 candidates, per
 rows: distinct weights of the shape in turn in one graph (as the layers follow each other), µs and the weight bytes'
@@ -628,8 +629,10 @@ KV_FORMATS = ("bf16", "fp8-token", "fp8-layer")  # the cache formats (kernels/kv
 def attention_point(shape, b: int, context: int, rule: dict, bandwidth: float, table_tokens: int,
                     kv_format: str = "bf16") -> dict:
     """Per-layer µs and bandwidth of decode attention (+ merge) for b rows of `context` tokens under one rule:
-    {"waves": w} (the split rule with DECODE_WAVES = w) and {"stages": s} (DECODE_NUM_STAGES), over a cache of
-    kv_format (KV_FORMATS); bytes per token from the engine's KVCacheSpec."""
+    {"waves": w} (the split rule with DECODE_WAVES = w), {"stages": s} (the format's pipeline depth), {"warps": n},
+    {"block_n": n} (the key tile; 0: the kernel's rule), {"products": "fp16" | "bf16"} (an fp8 cache's product
+    dtype) and {"v_layout": "token" | "dim"} (an fp8 cache's V within each block; the engine's is "token"), over a
+    cache of kv_format (KV_FORMATS); bytes per token from the engine's KVCacheSpec."""
     from nanoserve.kernels import attention as A
     from nanoserve.kernels import kv_quant
     from nanoserve.runner.kv_cache import KVCacheSpec
@@ -649,14 +652,17 @@ def attention_point(shape, b: int, context: int, rule: dict, bandwidth: float, t
         layer_scale = None if spec.scales == "token" else torch.ones(1, device="cuda")
         (k, ks), (v, vs) = (kv_quant.quantize_ref(x, layer_scale) for x in (k, v))
         scales = (ks, vs)
+        if rule.get("v_layout", "token") == "token":  # block_size contiguous, as KVCacheSpec lays it out
+            v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     width = table_tokens // block
     tables = [torch.full((b, width), layers * blocks, dtype=torch.int32, device="cuda") for _ in range(layers)]
     for layer, t in enumerate(tables):
         t[:, :context // block] = (layer * blocks + torch.arange(blocks, device="cuda", dtype=torch.int32)).view(b, -1)
     lens = torch.full((b,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(b, heads, d, device="cuda", dtype=torch.bfloat16)
-    with mock.patch.object(A, "DECODE_WAVES", rule.get("waves", A.DECODE_WAVES)), \
-            mock.patch.object(A, "DECODE_NUM_STAGES", rule.get("stages", A.DECODE_NUM_STAGES)):
+    with contextlib.ExitStack() as patches:
+        for name, value in _attention_patches(A, rule).items():
+            patches.enter_context(mock.patch.object(A, name, value))
         run = lambda: [A.decode_attention(q, k, v, t, lens, d ** -0.5, kv_scales=scales)  # noqa: E731
                        for t in tables]
         run()
@@ -671,13 +677,32 @@ def attention_point(shape, b: int, context: int, rule: dict, bandwidth: float, t
             "bandwidth_fraction": per_layer / (us * 1e-6) / bandwidth}
 
 
+def _attention_patches(A, rule: dict) -> dict:
+    """The attention module's names that one rule (attention_point) replaces."""
+    patches = {"DECODE_WAVES": rule.get("waves", A.DECODE_WAVES)}
+    if "stages" in rule:
+        patches |= {"DECODE_NUM_STAGES": rule["stages"], "DECODE_NUM_STAGES_FP8": rule["stages"]}
+    if "warps" in rule:
+        patches["DECODE_NUM_WARPS"] = rule["warps"]
+    if rule.get("block_n"):
+        patches["_kv_tile_tokens"] = lambda block_d, element_size, n=rule["block_n"]: n
+    if rule.get("products") == "bf16":  # an fp8 cache widened to q's own dtype
+        compute = A._compute_dtype
+        patches["_compute_dtype"] = lambda q, cache: q.dtype if A.kv_quant.is_fp8(cache.dtype) else compute(q, cache)
+    return patches
+
+
 def attention_sweep(args, bandwidth: float) -> dict:
-    rules = [{"waves": w, "stages": s} for w in args.waves for s in args.stages]
+    rules = [{"waves": w, "stages": s, "warps": n, "block_n": bn, "products": pr, "v_layout": vl}
+             for w, s, n, bn, pr, vl in itertools.product(args.waves, args.stages, args.warps, args.block_n,
+                                                          args.products, args.v_layouts)]
     out = {}
     for name in args.attention_shapes:
         shape, points = ATTENTION_SHAPES[name], out.setdefault(name, [])
         for b, context, rule, kv in itertools.product(args.attention_rows, args.attention_contexts, rules,
                                                       args.kv_formats):
+            if kv == "bf16" and (rule["products"], rule["v_layout"]) != (args.products[0], args.v_layouts[0]):
+                continue  # the product dtype and V layout are an fp8 cache's
             try:
                 points.append(attention_point(shape, b, context, rule, bandwidth, max(args.max_model_len, context),
                                               kv))
@@ -714,6 +739,12 @@ def main() -> int:
     p.add_argument("--stages", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--attention-shapes", nargs="+", default=list(ATTENTION_SHAPES), choices=list(ATTENTION_SHAPES))
     p.add_argument("--kv-formats", nargs="+", default=["bf16"], choices=KV_FORMATS, help="attention: cache formats")
+    p.add_argument("--warps", nargs="+", type=int, default=[4], help="attention: the decode kernel's warps")
+    p.add_argument("--block-n", nargs="+", type=int, default=[0], help="attention: key tiles (0: the kernel's rule)")
+    p.add_argument("--products", nargs="+", default=["fp16"], choices=["fp16", "bf16"],
+                   help="attention: an fp8 cache's product dtype")
+    p.add_argument("--v-layouts", nargs="+", default=["token"], choices=["token", "dim"],
+                   help="attention: an fp8 cache's V layout within each block")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -26,8 +26,8 @@ kernel profile and graph edges (benchmarks/graph_edges.py: every PDL kernel afte
 programmatic edge).
 
 `attention`: the decode attention kernel alone (+ its merge) over b = 1…32 rows and 1k–4k-token contexts, per
-split rule, pipeline depth, warps, key tile, product dtype and V layout of an fp8 cache (--waves, --stages,
---warps, --block-n, --products, --v-layouts): a graph of enough layers' calls that the KV cannot stay in L2,
+split rule, pipeline depth, warps, key tile and an fp8 cache's product dtype (--waves, --stages, --warps,
+--block-n, --products): a graph of enough layers' calls that the KV cannot stay in L2,
 replayed back to back; GB/s against the copy bandwidth.
 
 `products`: each decode product of a layer alone, bf16 (the table's variant, cuBLAS) against the fp8 candidates, per
@@ -630,9 +630,8 @@ def attention_point(shape, b: int, context: int, rule: dict, bandwidth: float, t
                     kv_format: str = "bf16") -> dict:
     """Per-layer µs and bandwidth of decode attention (+ merge) for b rows of `context` tokens under one rule:
     {"waves": w} (the split rule with DECODE_WAVES = w), {"stages": s} (the format's pipeline depth), {"warps": n},
-    {"block_n": n} (the key tile; 0: the kernel's rule), {"products": "fp16" | "bf16"} (an fp8 cache's product
-    dtype) and {"v_layout": "token" | "dim"} (an fp8 cache's V within each block; the engine's is "token"), over a
-    cache of kv_format (KV_FORMATS); bytes per token from the engine's KVCacheSpec."""
+    {"block_n": n} (the key tile; 0: the kernel's rule), and {"products": "fp16" | "bf16"} (an fp8 cache's product
+    dtype), over a cache of kv_format (KV_FORMATS); bytes per token from the engine's KVCacheSpec."""
     from nanoserve.kernels import attention as A
     from nanoserve.kernels import kv_quant
     from nanoserve.runner.kv_cache import KVCacheSpec
@@ -652,8 +651,6 @@ def attention_point(shape, b: int, context: int, rule: dict, bandwidth: float, t
         layer_scale = None if spec.scales == "token" else torch.ones(1, device="cuda")
         (k, ks), (v, vs) = (kv_quant.quantize_ref(x, layer_scale) for x in (k, v))
         scales = (ks, vs)
-        if rule.get("v_layout", "token") == "token":  # block_size contiguous, as KVCacheSpec lays it out
-            v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     width = table_tokens // block
     tables = [torch.full((b, width), layers * blocks, dtype=torch.int32, device="cuda") for _ in range(layers)]
     for layer, t in enumerate(tables):
@@ -685,7 +682,7 @@ def _attention_patches(A, rule: dict) -> dict:
     if "warps" in rule:
         patches["DECODE_NUM_WARPS"] = rule["warps"]
     if rule.get("block_n"):
-        patches["_kv_tile_tokens"] = lambda block_d, element_size, n=rule["block_n"]: n
+        patches["_kv_tile_tokens"] = lambda *_, n=rule["block_n"]: n
     if rule.get("products") == "bf16":  # an fp8 cache widened to q's own dtype
         compute = A._compute_dtype
         patches["_compute_dtype"] = lambda q, cache: q.dtype if A.kv_quant.is_fp8(cache.dtype) else compute(q, cache)
@@ -693,16 +690,15 @@ def _attention_patches(A, rule: dict) -> dict:
 
 
 def attention_sweep(args, bandwidth: float) -> dict:
-    rules = [{"waves": w, "stages": s, "warps": n, "block_n": bn, "products": pr, "v_layout": vl}
-             for w, s, n, bn, pr, vl in itertools.product(args.waves, args.stages, args.warps, args.block_n,
-                                                          args.products, args.v_layouts)]
+    rules = [{"waves": w, "stages": s, "warps": n, "block_n": bn, "products": pr}
+             for w, s, n, bn, pr in itertools.product(args.waves, args.stages, args.warps, args.block_n, args.products)]
     out = {}
     for name in args.attention_shapes:
         shape, points = ATTENTION_SHAPES[name], out.setdefault(name, [])
         for b, context, rule, kv in itertools.product(args.attention_rows, args.attention_contexts, rules,
                                                       args.kv_formats):
-            if kv == "bf16" and (rule["products"], rule["v_layout"]) != (args.products[0], args.v_layouts[0]):
-                continue  # the product dtype and V layout are an fp8 cache's
+            if kv == "bf16" and rule["products"] != args.products[0]:
+                continue  # the product dtype is an fp8 cache's
             try:
                 points.append(attention_point(shape, b, context, rule, bandwidth, max(args.max_model_len, context),
                                               kv))
@@ -743,8 +739,6 @@ def main() -> int:
     p.add_argument("--block-n", nargs="+", type=int, default=[0], help="attention: key tiles (0: the kernel's rule)")
     p.add_argument("--products", nargs="+", default=["fp16"], choices=["fp16", "bf16"],
                    help="attention: an fp8 cache's product dtype")
-    p.add_argument("--v-layouts", nargs="+", default=["token"], choices=["token", "dim"],
-                   help="attention: an fp8 cache's V layout within each block")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():

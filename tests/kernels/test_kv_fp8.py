@@ -25,15 +25,9 @@ FP8 = kv_quant.FP8_DTYPE
 DESIGNS = ["token", "layer"]
 
 
-def token_major(v: torch.Tensor) -> torch.Tensor:
-    """v [num_blocks, block_size, heads, dim] as an fp8 cache stores V: block_size contiguous (KVCacheSpec)."""
-    return v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-
-
 def fp8_cache(shape, design, device=DEVICE):
-    """An empty fp8 cache [num_blocks, block_size, heads, dim] (V token-major, as the engine lays it out) and its
-    (k, v) scales of the given design."""
-    caches = [torch.zeros(shape, dtype=FP8, device=device), token_major(torch.zeros(shape, dtype=FP8, device=device))]
+    """An empty fp8 cache [num_blocks, block_size, heads, dim] and its (k, v) scales of the given design."""
+    caches = [torch.zeros(shape, dtype=FP8, device=device) for _ in range(2)]
     if design == "token":
         scales = tuple(torch.zeros(shape[:3], dtype=kv_quant.TOKEN_SCALE_DTYPE, device=device) for _ in range(2))
     else:
@@ -61,7 +55,7 @@ def quantized_batch(batch: PagedBatch, design: str):
             codes, _ = kv_quant.quantize_ref(cache, scale)
         out.append((codes, scale))
     (kc, ks), (vc, vs) = out
-    return kc, token_major(vc), (ks, vs)
+    return kc, vc, (ks, vs)
 
 
 @pytest.mark.parametrize("design", DESIGNS)

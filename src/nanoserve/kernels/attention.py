@@ -90,6 +90,9 @@ DECODE_NUM_STAGES_FP8 = 1
 # K/V tiles of at most this many bytes (64 tokens of bf16 at head_dim 128): larger ones spill registers.
 KV_TILE_BYTES = 16384
 MAX_BLOCK_N = 64
+# The decode kernel's key tile over an fp8 cache is as many bytes as bf16's (KV_TILE_BYTES, 128 keys at head_dim 128):
+# Qwen3-0.6B b=256 112.6 µs a layer against 151.6 with 64-key tiles (bf16 KV: 129.2; fp8_decode_sweep_*_h200.json).
+MAX_BLOCK_N_FP8 = 128
 PREFILL_NUM_STAGES = 3  # Triton's default on sm_90
 PREFILL_NUM_STAGES_FP8 = 1  # as decode's: an fp8 cache's tiles are widened in registers, not pipelined
 
@@ -110,9 +113,8 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks_ptr, vs_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_kb, stride_kc_t, stride_kc_h, stride_vb, stride_vc_t, stride_vc_h, stride_vc_d,
-                     stride_s_slot, stride_s_h, BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                     HEAD_DIM: tl.constexpr,
+                     stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h, stride_s_slot, stride_s_h,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
                      USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
@@ -130,11 +132,10 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks_ptr, v
         head_ok = heads[:, None] < NUM_KV_HEADS
         k = quantize_rows(k, ks_ptr + scale_at, head_ok, TOKEN_SCALES)
         v = quantize_rows(v, vs_ptr + scale_at, head_ok, TOKEN_SCALES)
-    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-    tl.store(k_cache_ptr + block * stride_kb + offset * stride_kc_t + heads[:, None] * stride_kc_h + dims[None, :],
+    tl.store(k_cache_ptr + slot * stride_kc_slot + heads[:, None] * stride_kc_h + dims[None, :],
              k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + block * stride_vb + offset * stride_vc_t + heads[:, None] * stride_vc_h
-             + dims[None, :] * stride_vc_d, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * stride_vc_slot + heads[:, None] * stride_vc_h + dims[None, :],
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -154,18 +155,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
     if num_tokens == 0:
         return
-    _require_unit_last_stride(store_kv=(k, v, k_cache))
-    _require_v_layout(v_cache)
-    if fmt["TOKEN_SCALES"]:
-        _require_slot_layout(*kv_scales)
+    _require_unit_last_stride(store_kv=(k, v, k_cache, v_cache))
+    _require_slot_layout(k_cache, v_cache, *(kv_scales if fmt["TOKEN_SCALES"] else ()))
     block_d = next_power_of_2(head_dim)
     block_h = min(next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
     grid = (num_tokens, cdiv(num_kv_heads, block_h))
     _store_kv_kernel[grid](k, v, k_cache, v_cache, slot_mapping, scales[0], scales[1],
-                           k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3],
-                           *v_cache.stride(), scales[3], scales[4], BLOCK_SIZE=k_cache.shape[1],
-                           NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, **fmt,
-                           num_warps=4, **pdl_args(k.device))
+                           k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                           k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+                           scales[3], scales[4], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h,
+                           BLOCK_D=block_d, **fmt, num_warps=4, **pdl_args(k.device))
 
 
 # --------------------------------------------------------------------------------------------- decode
@@ -174,7 +173,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 @jit
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin, end, first_key, last_key, kv_head,
                  dims, dim_ok, qk_scale, cap_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                 stride_vd, ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
+                 ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr = True):
     """Fold keys [start, start + BLOCK_N) ∩ [begin, end) of one paged context into the running (max, sum, acc) of
@@ -215,29 +214,30 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if FP8:  # V token-major: load [blocks, block_size, dims] so each block's keys are one contiguous run
+    if FP8:
         p = p * v_scale[None, :]
-        v = _token_major_tile(v_cache_ptr, table, start, begin, end, kv_head, dims, dim_ok, stride_vb, stride_vt,
-                              stride_vh, stride_vd, BLOCK_SIZE, BLOCK_N, MASKED)
+        v = _block_tile(v_cache_ptr, table, start, begin, end, kv_head, dims, dim_ok, stride_vb, stride_vt,
+                              stride_vh, BLOCK_SIZE, BLOCK_N, MASKED)
     else:
         v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
-                    + kv_head * stride_vh + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
+                    + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), DOT_PRECISION, DOT_UPCAST)
     return m_new, l_i, acc
 
 
 @jit
-def _token_major_tile(v_cache_ptr, table, start, begin, end, kv_head, dims, dim_ok, stride_vb, stride_vt, stride_vh,
-                      stride_vd, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """The V tile [BLOCK_N, dims] of keys [start, start + BLOCK_N) from a token-major cache, loaded as [blocks,
-    block_size, dims] so the compiler sees each block's keys as one contiguous run (vectorized loads)."""
+def _block_tile(v_cache_ptr, table, start, begin, end, kv_head, dims, dim_ok, stride_vb, stride_vt, stride_vh,
+                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """An fp8 cache's V tile [BLOCK_N, dims] of keys [start, start + BLOCK_N), loaded as [blocks, block_size, dims]
+    with one mask per block (whole blocks; keys outside [begin, end) zeroed after the load), which the compiler keeps
+    vectorized: 112.6 µs a layer against 151.6 for the per-key mask at Qwen3-0.6B b=256 (with 128-key tiles;
+    benchmarks/results/experiments/fp8_decode_sweep_*_h200.json)."""
     NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
     first = start // BLOCK_SIZE + tl.arange(0, NB)
     offsets = tl.arange(0, BLOCK_SIZE)
     keys = first[:, None] * BLOCK_SIZE + offsets[None, :]
-    ptrs_at = offsets[None, :, None] * stride_vt + kv_head * stride_vh + dims[None, None, :] * stride_vd
-    if MASKED:  # whole blocks are loaded (a mask constant along each run keeps the loads vectorized); keys outside
-        # [begin, end) are zeroed after the load (their slots may hold anything, NaN included)
+    ptrs_at = offsets[None, :, None] * stride_vt + kv_head * stride_vh + dims[None, None, :]
+    if MASKED:  # keys outside [begin, end) are zeroed after the load: their slots may hold anything, NaN included
         key_ok = (keys >= begin) & (keys < end)
         block_ok = (first * BLOCK_SIZE < end) & (first * BLOCK_SIZE + BLOCK_SIZE > begin)
         block_ids = tl.load(table + first, mask=block_ok, other=0).to(tl.int64)
@@ -290,7 +290,7 @@ def _decode_partition(context_len, window, num_splits, BLOCK_N: tl.constexpr):
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                    part_acc_ptr, part_ml_ptr, qk_scale, cap_scale, window, num_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh,
-                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_bt,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                    ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -326,7 +326,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, window_start,
                                          part_end, first_key, last_key, kv_head, dims, dim_ok, qk_scale, cap_scale,
                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                         stride_vd, ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
+                                         ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                                          BLOCK_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
         if not SPLIT:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -421,13 +421,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
     if num_seqs == 0:
         return out
-    _require_unit_last_stride(decode_attention=(q, k_cache, block_tables))
-    _require_v_layout(v_cache)
+    _require_unit_last_stride(decode_attention=(q, k_cache, v_cache, block_tables))
     group = num_heads // num_kv_heads
     window = NO_WINDOW if window is None else window
     max_keys = min(block_tables.shape[1] * block_size, window)  # static: the window is the layer's
     block_d = max(16, next_power_of_2(head_dim))
-    block_n = _kv_tile_tokens(block_d, _compute_dtype(q, k_cache).itemsize)
+    block_n = _kv_tile_tokens(block_d, 1, MAX_BLOCK_N_FP8) if fmt["FP8"] else \
+        _kv_tile_tokens(block_d, _compute_dtype(q, k_cache).itemsize)
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_keys, num_sms(q.device))
     num_splits = max(1, min(num_splits, cdiv(max_keys, block_n)))  # a split is at least one tile
@@ -443,7 +443,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, *_score_args(scale, softcap),
         window, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(), block_tables.stride(0), *scales,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride()[:3], block_tables.stride(0), *scales,
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=softcap is not None,
         FP8=fmt["FP8"], **_product_args(q, k_cache), num_warps=DECODE_NUM_WARPS,
@@ -472,7 +472,7 @@ def merge_partials(p: DecodePartials, out: torch.Tensor | None = None) -> torch.
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_rows_ptr, context_lens_ptr,
                     cu_seqlens_q_ptr, work_seq_ptr, work_start_ptr, out_ptr, qk_scale, cap_scale, window,
                     stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_bt,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                     ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     Q_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -519,23 +519,20 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
         for start in range(kv_start, full_start, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
                                          first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, ks_ptr,
-                                         vs_ptr,
-                                         stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr,
+                                         vs_ptr, stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
                                          DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
         for start in range(full_start, full_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
                                          first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, ks_ptr,
-                                         vs_ptr,
-                                         stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr,
+                                         vs_ptr, stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
                                          DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8, MASKED=False)
         for start in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
                                          first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, ks_ptr,
-                                         vs_ptr,
-                                         stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr,
+                                         vs_ptr, stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
                                          DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
         out = acc / l_i[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -595,8 +592,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
     if num_tokens == 0:
         return out
-    _require_unit_last_stride(prefill_attention=(q, k_cache, meta.block_tables))
-    _require_v_layout(v_cache)
+    _require_unit_last_stride(prefill_attention=(q, k_cache, v_cache, meta.block_tables))
     tiles = tiles or prefill_tiles(num_heads // num_kv_heads, head_dim, _compute_dtype(q, k_cache).itemsize,
                                    fmt["FP8"])
     work_seq, work_start = meta.work_seq, meta.work_start
@@ -611,7 +607,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, meta.block_tables, rows, meta.context_lens, meta.cu_seqlens_q, work_seq, work_start,
         out, *_score_args(scale, softcap), NO_WINDOW if window is None else window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(), meta.block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride()[:3], meta.block_tables.stride(0),
         *scales,
         BLOCK_SIZE=block_size, GROUP=tiles.group, HEAD_DIM=head_dim, Q_PER_TILE=tiles.q_per_tile,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, SOFTCAP=softcap is not None,
@@ -678,8 +674,8 @@ def _score_args(scale: float, softcap: float | None) -> tuple[float, float]:
     return 2.0 * scale * _LOG2E / softcap, softcap * _LOG2E
 
 
-def _kv_tile_tokens(block_d: int, element_size: int) -> int:
-    return max(16, min(MAX_BLOCK_N, KV_TILE_BYTES // (block_d * element_size)))
+def _kv_tile_tokens(block_d: int, element_size: int, max_tokens: int = MAX_BLOCK_N) -> int:
+    return max(16, min(max_tokens, KV_TILE_BYTES // (block_d * element_size)))
 
 
 @dataclass(frozen=True)
@@ -738,16 +734,9 @@ def _require_unit_last_stride(**groups: tuple[torch.Tensor, ...]) -> None:
                                  f"strides {t.stride()}")
 
 
-def _require_slot_layout(*scales: torch.Tensor) -> None:
-    """Per-token scales index block * block_size + offset, so a block's stride must be block_size slots."""
-    for scale in scales:
-        if scale.stride(0) != scale.shape[1] * scale.stride(1):
-            raise ValueError(f"store_kv: scale strides {scale.stride()} do not allow flat slot indexing "
-                             f"(shape {tuple(scale.shape)})")
-
-
-def _require_v_layout(v_cache: torch.Tensor) -> None:
-    """A V cache [num_blocks, block_size, kv_heads, head_dim] is stored dim-major (head_dim contiguous) or, for an
-    fp8 cache, token-major within each block (block_size contiguous: kv_cache.KVCacheSpec)."""
-    if v_cache.stride(-1) != 1 and v_cache.stride(1) != 1:
-        raise ValueError(f"a V cache needs head_dim or block_size contiguous, got strides {v_cache.stride()}")
+def _require_slot_layout(*caches: torch.Tensor) -> None:
+    """Slots index block * block_size + offset, so a block's stride must be block_size slots."""
+    for cache in caches:
+        if cache.stride(0) != cache.shape[1] * cache.stride(1):
+            raise ValueError(f"store_kv: cache strides {cache.stride()} do not allow flat slot indexing "
+                             f"(shape {tuple(cache.shape)})")

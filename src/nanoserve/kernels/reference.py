@@ -23,11 +23,9 @@ from nanoserve.kernels.paging import blocks_for
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Write k/v [num_tokens, num_kv_heads, head_dim] into their cache slots (through the caches' strides: an fp8
-    cache's V is stored token-major)."""
-    num_kv_heads = k_cache.shape[2]
+    """Write k/v [num_tokens, num_kv_heads, head_dim] into their cache slots."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
     slots = slot_mapping.long()
-    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
     for x, cache, scale in zip((k, v), (k_cache, v_cache), kv_scales or (None, None)):
         if scale is None:
             kv_quant.kernel_args(cache, None)  # a model-dtype cache
@@ -36,8 +34,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             value, row_scale = kv_quant.quantize_ref(x, None if kv_quant.per_token(scale) else scale)
             if kv_quant.per_token(scale):
                 scale.view(-1, num_kv_heads).index_copy_(0, slots, row_scale.to(scale.dtype))
-            cache, value = cache.view(torch.uint8), value.view(torch.uint8)  # no fp8 index_put_ on CPU: the bytes
-        cache[blocks, offsets] = value
+        if scale is not None:  # index_copy_ has no fp8 kernel on CPU: copy the codes' bytes
+            cache, value = cache.view(torch.uint8), value.view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int,

@@ -104,10 +104,8 @@ def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, e
     k_out = torch.empty(tokens, num_kv_heads, d, dtype=k.dtype, device=k.device)
     has_norm = q_norm_w is not None
     v, k_cache, v_cache, slots, kv_scales = kv_store if kv_store is not None else (k, k_out, k_out, positions, None)
-    if kv_store is not None and not k_cache.is_contiguous():
-        raise ValueError("the K cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
-    if kv_store is not None and v_cache.stride(-1) != 1 and v_cache.stride(1) != 1:
-        raise ValueError(f"a V cache needs head_dim or block_size contiguous, got strides {v_cache.stride()}")
+    if kv_store is not None and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
     scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
     if fmt["TOKEN_SCALES"] and not (kv_scales[0].is_contiguous() and kv_scales[1].is_contiguous()):
         raise ValueError("per-token KV scales must be contiguous [num_blocks, block_size, num_kv_heads]")
@@ -118,8 +116,7 @@ def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, e
         q, k, v, q_out, k_out, k_cache, v_cache, slots, cos_sin_cache, positions,
         q_norm_w if has_norm else cos_sin_cache, k_norm_w if has_norm else cos_sin_cache, scales[0], scales[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), tokens, num_heads,
-        num_kv_heads, eps, scales[3], scales[4], *(v_cache.stride() if kv_store is not None else (0,) * 4),
-        k_cache.shape[1] if kv_store is not None else 1, HEAD_DIM=d, ROTARY_DIM=rd, BLOCK_T=block_t, HAS_NORM=has_norm,
+        num_kv_heads, eps, scales[3], scales[4], HEAD_DIM=d, ROTARY_DIM=rd, BLOCK_T=block_t, HAS_NORM=has_norm,
         STORE_KV=kv_store is not None, **fmt, num_warps=4, **pdl_args(q.device))
     return q_out, k_out
 
@@ -128,8 +125,7 @@ def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, e
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                          cos_sin_ptr, pos_ptr, qw_ptr, kw_ptr, ks_ptr, vs_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_tokens, num_heads,
-                         num_kv_heads, eps, stride_s_slot, stride_s_h, stride_vb, stride_vc_t, stride_vc_h, stride_vc_d,
-                         block_size, HEAD_DIM: tl.constexpr,
+                         num_kv_heads, eps, stride_s_slot, stride_s_h, HEAD_DIM: tl.constexpr,
                          ROTARY_DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_NORM: tl.constexpr,
                          STORE_KV: tl.constexpr, FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
                          USE_PDL: tl.constexpr):
@@ -175,14 +171,12 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr,
     if STORE_KV:
         if kv_head >= 0:  # write these tokens' rotated k and their v into the paged cache
             slot = tl.load(slot_ptr + tokens, mask=token_ok, other=0).to(tl.int64)
-            k_at = (slot * num_kv_heads + kv_head) * HEAD_DIM + dims  # K: contiguous; V: its strides (token-major)
-            v_at = (slot // block_size) * stride_vb + (slot % block_size) * stride_vc_t + kv_head * stride_vc_h \
-                + dims * stride_vc_d
+            cache_at = (slot * num_kv_heads + kv_head) * HEAD_DIM + dims
             v = tl.load(v_ptr + tokens * stride_vt + kv_head * stride_vh + dims, mask=token_ok)
             k = out
             if FP8:  # e4m3 codes of the rounded k and of v, and their scales (kernels/kv_quant.py)
                 scale_at = slot * stride_s_slot + kv_head * stride_s_h
                 k = quantize_rows(k, ks_ptr + scale_at, token_ok, TOKEN_SCALES)
                 v = quantize_rows(v, vs_ptr + scale_at, token_ok, TOKEN_SCALES)
-            tl.store(k_cache_ptr + k_at, k.to(k_cache_ptr.dtype.element_ty), mask=token_ok)
-            tl.store(v_cache_ptr + v_at, v.to(v_cache_ptr.dtype.element_ty), mask=token_ok)
+            tl.store(k_cache_ptr + cache_at, k.to(k_cache_ptr.dtype.element_ty), mask=token_ok)
+            tl.store(v_cache_ptr + cache_at, v.to(v_cache_ptr.dtype.element_ty), mask=token_ok)

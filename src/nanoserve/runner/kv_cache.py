@@ -56,17 +56,13 @@ class KVCacheSpec:
         return blocks_for(num_tokens, self.block_size)
 
     def allocate(self, model, num_blocks: int, device: torch.device) -> torch.Tensor:
-        """One tensor [2, layers, num_blocks + 1, block_size * kv_heads * head_dim] (the extra block is the dummy that
-        padded decode rows write); each attention layer gets views of it, [num_blocks + 1, block_size, kv_heads,
-        head_dim]: K's dim-major, an fp8 cache's V token-major within each block (block_size contiguous: the decode
-        product p @ v then reads 8-bit tiles as the tensor cores take them, benchmarks/decode_ptx.py)."""
-        blocks, bs, heads, dim = num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim
-        cache = _zeros((2, self.num_layers, blocks, bs * heads * dim), self.dtype, device)
-        scales = self._scales(model, (2, self.num_layers, blocks, bs, heads), device)
+        """One tensor [2, layers, num_blocks + 1, block_size, kv_heads, head_dim] (the extra block is the dummy
+        that padded decode rows write); each attention layer gets views of it."""
+        shape = (2, self.num_layers, num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)
+        cache = _zeros(shape, self.dtype, device)
+        scales = self._scales(model, shape[:-1], device)
         for i, attn in enumerate(model.attention_layers()):
-            attn.k_cache = cache[0, i].view(blocks, bs, heads, dim)
-            attn.v_cache = cache[1, i].view(blocks, heads, dim, bs).permute(0, 3, 1, 2) if is_fp8(self.dtype) \
-                else cache[1, i].view(blocks, bs, heads, dim)
+            attn.k_cache, attn.v_cache = cache[0, i], cache[1, i]
             attn.k_scale, attn.v_scale = (None, None) if scales is None else (scales[0, i], scales[1, i])
         return cache
 

@@ -113,9 +113,11 @@ def test_fused_rotary_store_quantizes_the_rotated_k(design):
 
 
 @pytest.mark.parametrize("design", DESIGNS)
-@pytest.mark.parametrize("num_splits,window,softcap", [(None, None, None), (3, None, None), (2, 24, 30.0)])
-def test_decode_reads_fp8(design, num_splits, window, softcap):
-    batch = PagedBatch([1, 17, 70, 33], 16, 2, 64, torch.bfloat16, seed=3)
+@pytest.mark.parametrize("num_splits,window,softcap,block_size", [(None, None, None, 16), (3, None, None, 16),
+                                                                  (2, 24, 30.0, 16), (None, None, None, 12)])
+def test_decode_reads_fp8(design, num_splits, window, softcap, block_size):
+    """block_size 12: the key tile does not hold whole blocks, so V is loaded key by key."""
+    batch = PagedBatch([1, 17, 70, 33], block_size, 2, 64, torch.bfloat16, seed=3)
     kc, vc, scales = quantized_batch(batch, design)
     q = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(DEVICE)
     args = (q, kc, vc, batch.block_tables, batch.context_lens, 0.125)

@@ -194,23 +194,15 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin
         kv_mask = dim_ok[None, :]
     k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_kt
                 + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
-    if FP8:  # V and the scales are loaded with K, so their latencies overlap (an fp8 tile loop is not pipelined)
-        if (BLOCK_N % BLOCK_SIZE == 0) and ((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0):
-            v = _block_tile(v_cache_ptr, table, start, begin, end, kv_head, dims, dim_ok, stride_vb, stride_vt,
-                            stride_vh, BLOCK_SIZE, BLOCK_N, MASKED)
-        else:  # a tile that does not hold whole blocks
-            v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
-                        + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
-        scale_at = block_ids * stride_sb + offsets * stride_st + kv_head * stride_sh
-        if MASKED:
-            k_scale = tl.load(ks_ptr + scale_at, mask=key_ok, other=0.0).to(tl.float32)
-            v_scale = tl.load(vs_ptr + scale_at, mask=key_ok, other=0.0).to(tl.float32)
-        else:
-            k_scale = tl.load(ks_ptr + scale_at).to(tl.float32)
-            v_scale = tl.load(vs_ptr + scale_at).to(tl.float32)
     dots = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, DOT_UPCAST)
     if FP8:
-        dots = dots * k_scale[None, :]
+        scale_at = block_ids * stride_sb + offsets * stride_st + kv_head * stride_sh
+        if MASKED:
+            dots = dots * tl.load(ks_ptr + scale_at, mask=key_ok, other=0.0).to(tl.float32)[None, :]
+            v_scale = tl.load(vs_ptr + scale_at, mask=key_ok, other=0.0).to(tl.float32)
+        else:
+            dots = dots * tl.load(ks_ptr + scale_at).to(tl.float32)[None, :]
+            v_scale = tl.load(vs_ptr + scale_at).to(tl.float32)
     scores = _scores(dots, qk_scale, cap_scale, SOFTCAP)
     if MASKED:
         seen = key_ok[None, :] & (keys[None, :] >= first_key[:, None]) & (keys[None, :] <= last_key[:, None])
@@ -224,7 +216,10 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin
     l_i = l_i * alpha + tl.sum(p, 1)
     if FP8:
         p = p * v_scale[None, :]
-    else:
+    if FP8 and (BLOCK_N % BLOCK_SIZE == 0) and ((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0):
+        v = _block_tile(v_cache_ptr, table, start, begin, end, kv_head, dims, dim_ok, stride_vb, stride_vt,
+                        stride_vh, BLOCK_SIZE, BLOCK_N, MASKED)
+    else:  # bf16, or an fp8 tile that does not hold whole blocks
         v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
                     + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), DOT_PRECISION, DOT_UPCAST)
@@ -232,27 +227,29 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin
 
 
 @jit
-def _block_tile(cache_ptr, table, start, begin, end, kv_head, dims, dim_ok, stride_b, stride_t, stride_h,
+def _block_tile(v_cache_ptr, table, start, begin, end, kv_head, dims, dim_ok, stride_vb, stride_vt, stride_vh,
                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """An fp8 cache's tile [BLOCK_N, dims] of keys [start, start + BLOCK_N), loaded as [blocks, block_size, dims]
+    """An fp8 cache's V tile [BLOCK_N, dims] of keys [start, start + BLOCK_N), loaded as [blocks, block_size, dims]
     with one mask per block (whole blocks; keys outside [begin, end) zeroed after the load), so the loads stay
-    vectorized along each block's run of keys."""
+    vectorized along each block's run of keys. (Loading it, or K too, with K before the scores was slower:
+    benchmarks/results/experiments/fp8_decode_variants_*_h200.json.)"""
     NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
     first = start // BLOCK_SIZE + tl.arange(0, NB)
     offsets = tl.arange(0, BLOCK_SIZE)
     keys = first[:, None] * BLOCK_SIZE + offsets[None, :]
-    ptrs_at = offsets[None, :, None] * stride_t + kv_head * stride_h + dims[None, None, :]
+    ptrs_at = offsets[None, :, None] * stride_vt + kv_head * stride_vh + dims[None, None, :]
     if MASKED:  # keys outside [begin, end) are zeroed after the load: their slots may hold anything, NaN included
         key_ok = (keys >= begin) & (keys < end)
         block_ok = (first * BLOCK_SIZE < end) & (first * BLOCK_SIZE + BLOCK_SIZE > begin)
         block_ids = tl.load(table + first, mask=block_ok, other=0).to(tl.int64)
-        x = tl.load(cache_ptr + block_ids[:, None, None] * stride_b + ptrs_at,
+        v = tl.load(v_cache_ptr + block_ids[:, None, None] * stride_vb + ptrs_at,
                     mask=block_ok[:, None, None] & dim_ok[None, None, :], other=0.0)
-        x = tl.where(key_ok[:, :, None], x, 0.0)
+        v = tl.where(key_ok[:, :, None], v, 0.0)
     else:
         block_ids = tl.load(table + first).to(tl.int64)
-        x = tl.load(cache_ptr + block_ids[:, None, None] * stride_b + ptrs_at, mask=dim_ok[None, None, :], other=0.0)
-    return tl.reshape(x, [BLOCK_N, x.shape[2]])
+        v = tl.load(v_cache_ptr + block_ids[:, None, None] * stride_vb + ptrs_at, mask=dim_ok[None, None, :],
+                    other=0.0)
+    return tl.reshape(v, [BLOCK_N, v.shape[2]])
 
 
 @jit

@@ -82,10 +82,9 @@ DECODE_WAVES_SPARSE = 16
 DECODE_MAX_SPLITS = 128
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3  # software-pipeline depth of the key-tile loop (Triton's default on sm_90)
-# An fp8 cache's tiles are widened in registers: pipelining them through shared memory made the kernel slower (b=256
-# Qwen3-0.6B 219 µs a layer at 3 stages, 158 at 1; so were a register prefetch of the next tile, fp16 products, keys
-# as the products' rows, dequantizing before the products, K loaded transposed: benchmarks/results/experiments/
-# fp8_decode_tiles_*_h200.json).
+# An fp8 cache's tiles are widened in registers: pipelining them through shared memory makes the kernel slower (Qwen3-0.6B
+# b=256 with 128-key tiles: 112.6 µs a layer at 1 stage, 132.2 at 2, 139.2 at 3; 8 warps slower too:
+# benchmarks/results/experiments/fp8_decode_sweep_*_h200.json).
 DECODE_NUM_STAGES_FP8 = 1
 # K/V tiles of at most this many bytes (64 tokens of bf16 at head_dim 128): larger ones spill registers.
 KV_TILE_BYTES = 16384

@@ -8,12 +8,18 @@ per KV head, as the engine's cache holds them) by the active variant before eage
 trip is kv_quant.quantize_ref / dequantize_ref (e4m3, one bf16 scale amax/448 per token and KV head; dequantized to
 the model dtype, as the engine's CPU prefill reads its cache), or the same with float8_e5m2 and amax/57344. A variant
 keeps some (query i, key j) pairs exact: the first S tokens ("sinks-S"), or keys with i - j < R ("recent-R", a
-KIVI-style window: scores and the probability-weighted values selected per (i, j) between exact and round-tripped K/V).
+KIVI-style window: scores and the probability-weighted values selected per (i, j) between exact and round-tripped K/V;
+the two halves of the output summed in fp32 and rounded once, as a kernel would). "select-control" runs that select
+with nothing round-tripped: what its arithmetic alone moves (it differs from eager's one bf16 matmul in the last bit
+of a few outputs), the floor the sinks / recent rows are read against. `bf16_top1_ties`: the share of positions whose
+two largest bf16 logits are equal (a tie any perturbation may flip: what bounds every row's top-1 agreement).
 The bf16 variant (no change) generates greedy continuations (TOKENS tokens, EOS ignored) once; then every variant
 teacher-forces prompt + continuation in one forward and reads, at each continuation position, the top-1 token and
 the logprob of the continuation's token, compared with bf16 by kv_quality.compare. "fp32-model" (the bf16 weights
 in float32, no variant) is the scale to read against: what serving the model in bf16 already moves. Contexts: short,
 kv_quality's 16 chat prompts; long, kv_quality.text_prompts (LONG_CONTEXT tokens each).
+Run time on 2 shared CPU cores: 11-19 minutes (the long contexts dominate: 2 x 2176-token forwards per variant,
+~9 s each and ~45 s through the select); --long-prompts 0 leaves them out.
 """
 from __future__ import annotations
 
@@ -57,7 +63,8 @@ VARIANTS = {"bf16": Variant(), "e4m3-token": Variant(E4M3), "k-only": Variant(E4
             "v-only": Variant(E4M3, k=False),
             **{f"sinks-{s}": Variant(E4M3, sinks=s) for s in (1, 4, 16)},
             **{f"recent-{r}": Variant(E4M3, recent=r) for r in (16, 64, 128)},
-            "sinks-4+recent-64": Variant(E4M3, sinks=4, recent=64), "e5m2-token": Variant(E5M2)}
+            "sinks-4+recent-64": Variant(E4M3, sinks=4, recent=64), "e5m2-token": Variant(E5M2),
+            "select-control": Variant(recent=64)}  # no fp8: the (i, j) select's own arithmetic, recent-64's pattern
 _active = [VARIANTS["bf16"]]  # the variant kvq_attention applies
 
 
@@ -99,10 +106,10 @@ def kvq_attention(module, query, key, value, attention_mask, scaling, dropout=0.
     variant's K and V."""
     from transformers.models.llama.modeling_llama import repeat_kv
 
-    v = _active[-1]
-    k_far = round_trip(key, v.fmt) if v.fmt is not None and v.k else key
-    v_far = round_trip(value, v.fmt) if v.fmt is not None and v.v else value
-    near = exact_pairs(v, query.shape[2], key.shape[2], query.device)
+    var = _active[-1]
+    k_far = round_trip(key, var.fmt) if var.fmt is not None and var.k else key
+    v_far = round_trip(value, var.fmt) if var.fmt is not None and var.v else value
+    near = exact_pairs(var, query.shape[2], key.shape[2], query.device)
     groups = module.num_key_value_groups
     scores = torch.matmul(query, repeat_kv(k_far, groups).transpose(2, 3)) * scaling
     if near is not None:
@@ -161,6 +168,18 @@ def teacher_forced(model, prompt: list[int], continuation: list[int]) -> tuple[l
     return logits.argmax(dim=-1).tolist(), logprobs.tolist()
 
 
+@torch.no_grad()
+def top1_ties(model, prompts: list[list[int]], conts: list[list[int]]) -> float:
+    """The fraction of continuation positions whose two largest logits are equal (in the model's dtype): any
+    perturbation may flip those, so they bound the top-1 agreement any variant can show."""
+    ties = []
+    for prompt, cont in zip(prompts, conts):
+        logits = model(input_ids=torch.tensor([prompt + cont]), logits_to_keep=len(cont) + 1).logits[0, :-1]
+        top2 = logits.topk(2).values
+        ties += (top2[:, 0] == top2[:, 1]).tolist()
+    return sum(ties) / len(ties)
+
+
 def forced_all(model, prompts: list[list[int]], conts: list[list[int]]) -> Forced:
     return [teacher_forced(model, p, c) for p, c in zip(prompts, conts)]
 
@@ -170,7 +189,8 @@ def measure(model, prompts: dict[str, list[list[int]]], names: list[str], tokens
     seconds each took."""
     seconds, start = {}, time.perf_counter()
     conts = {c: [greedy(model, p, tokens) for p in ps] for c, ps in prompts.items()}
-    seconds["generate"] = time.perf_counter() - start
+    ties = {c: top1_ties(model, ps, conts[c]) for c, ps in prompts.items()}
+    seconds["generate"] = time.perf_counter() - start  # with the ties' forwards
     forced = {}
     for name in ["bf16"] + [n for n in names if n != "bf16"]:
         start = time.perf_counter()
@@ -184,7 +204,7 @@ def measure(model, prompts: dict[str, list[list[int]]], names: list[str], tokens
     seconds[FP32_REFERENCE] = time.perf_counter() - start
     compared = [n for n in forced if n != "bf16"]
     results = {c: {"prompts": len(ps), "prompt_tokens": [len(p) for p in ps], "continuation_tokens": tokens,
-                   "auto_vs_greedy": greedy_agreement(forced["bf16"][c], conts[c]),
+                   "auto_vs_greedy": greedy_agreement(forced["bf16"][c], conts[c]), "bf16_top1_ties": ties[c],
                    "settings": {n: compare(forced["bf16"][c], forced[n][c]) for n in compared}}
                for c, ps in prompts.items()}
     return results, {k: round(s, 1) for k, s in seconds.items()}
@@ -217,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                                         for n in args.variants}},
               "contexts": contexts, "seconds": seconds, "total_seconds": round(time.perf_counter() - start, 1)}
     print("\n".join(table_lines(contexts, {}, width=max(map(len, VARIANTS)))), flush=True)
+    print("bf16 top-1 exact ties (top-2 logits equal): " + ", ".join(f"{c} {row['bf16_top1_ties']:.4f}"
+                                                                    for c, row in contexts.items()), flush=True)
     print(f"wrote {write_json(args.out, report)} in {report['total_seconds']} s", flush=True)
     return 0
 

@@ -223,16 +223,16 @@ def _pm(mean: float, se: float | None, digits: int) -> str:
     return f"{mean:.{digits}f} ± {'-' if se is None else f'{se:.{digits}f}'}"
 
 
-def table_lines(contexts: dict, targets_: dict) -> list[str]:
-    """Per context and setting: tokens, top-1 agreement, mean and max |Δ logprob| (± standard errors over the
-    tokens); then the method check and the targets."""
-    lines = [f"{'context':8s} {'kv':10s} {'tokens':>6s} {'top-1 agreement':>18s} {'mean |dlogprob|':>20s} "
+def table_lines(contexts: dict, targets_: dict, width: int = 10) -> list[str]:
+    """Per context and setting (names `width` wide): tokens, top-1 agreement, mean and max |Δ logprob| (± standard
+    errors over the tokens); then the method check and the targets."""
+    lines = [f"{'context':8s} {'kv':{width}s} {'tokens':>6s} {'top-1 agreement':>18s} {'mean |dlogprob|':>20s} "
              f"{'max':>7s}"]
     for context, row in contexts.items():
         for kv, m in row["settings"].items():
             top1 = _pm(m["top1_agreement"], m["top1_agreement_se"], 4)
             delta = _pm(m["mean_abs_dlogprob"], m["mean_abs_dlogprob_se"], 5)
-            lines.append(f"{context:8s} {kv:10s} {m['tokens']:6d} {top1:>18s} {delta:>20s} {m['max_abs_dlogprob']:7.3f}")
+            lines.append(f"{context:8s} {kv:{width}s} {m['tokens']:6d} {top1:>18s} {delta:>20s} {m['max_abs_dlogprob']:7.3f}")
         lines.append(f"{context:8s} auto teacher-forced top-1 = greedy token: {row['auto_vs_greedy']:.4f}")
     for key, t in targets_.items():
         lines.append(f"  {key}: {t['value']:.4f} (limit >= {t['limit']}) {'met' if t['met'] else 'NOT met'}")

@@ -443,7 +443,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, *_score_args(scale, softcap),
         window, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride()[:3], block_tables.stride(0), *scales,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *scales,
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=softcap is not None,
         FP8=fmt["FP8"], **_product_args(q, k_cache), num_warps=DECODE_NUM_WARPS,
@@ -519,20 +520,20 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
         for start in range(kv_start, full_start, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
                                          first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr,
-                                         vs_ptr, stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr, vs_ptr,
+                                         stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
                                          DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
         for start in range(full_start, full_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
                                          first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr,
-                                         vs_ptr, stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr, vs_ptr,
+                                         stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
                                          DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8, MASKED=False)
         for start in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
                                          first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr,
-                                         vs_ptr, stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr, vs_ptr,
+                                         stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
                                          DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
         out = acc / l_i[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -607,8 +608,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, meta.block_tables, rows, meta.context_lens, meta.cu_seqlens_q, work_seq, work_start,
         out, *_score_args(scale, softcap), NO_WINDOW if window is None else window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride()[:3], meta.block_tables.stride(0),
-        *scales,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0), *scales,
         BLOCK_SIZE=block_size, GROUP=tiles.group, HEAD_DIM=head_dim, Q_PER_TILE=tiles.q_per_tile,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, SOFTCAP=softcap is not None,
         FP8=fmt["FP8"], **_product_args(q, k_cache),

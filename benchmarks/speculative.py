@@ -1,6 +1,6 @@
 """Speculative decoding (issue 38): output tok/s at b = 1 with and without drafting, through the public LLM API.
 
-    python benchmarks/speculative.py workload --model smollm2 --methods none,ngram,suffix [--workload copy,chat]
+    python benchmarks/speculative.py workload --model smollm2 --methods none,ngram,suffix,draft_model [--workload copy,chat]
         [--max-tokens 256] [--device cuda|cpu] [--limit N] [--speculative-config NAME=JSON ...] [--adaptive false]
         [--out FILE]
 
@@ -35,7 +35,10 @@ from benchmarks.spec_workloads import WORKLOADS_DIR  # noqa: E402
 BASELINE = "none"
 METHODS = {BASELINE: None,  # the issue's settings
            "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
-           "suffix": {"method": "suffix"}}
+           "suffix": {"method": "suffix"},
+           # the model drafting for itself unless --speculative-config draft_model='{"model": PATH}' names another:
+           # every draft is the target's own greedy choice (the exactness check), at the draft's full cost
+           "draft_model": {"method": "draft_model", "num_speculative_tokens": 4}}
 WORKLOADS = ("copy", "chat")
 MAX_TOKENS = 256
 MAX_MODEL_LEN = 2048  # the longest copy prompt (~760 tokens with the template) + MAX_TOKENS, with room
@@ -69,9 +72,11 @@ def _override(item: str) -> tuple[str, dict]:
     return name, value
 
 
-def method_configs(methods: list[str], overrides: list[str], adaptive: bool | None) -> dict[str, dict | None]:
+def method_configs(methods: list[str], overrides: list[str], adaptive: bool | None,
+                   model_path: str = "model") -> dict[str, dict | None]:
     """name → speculative_config (None: off): METHODS, each NAME=JSON override merged over its method's defaults,
-    and `adaptive` set in every speculative one when given. Checked here (one-line ValueErrors), before any engine."""
+    and `adaptive` set in every speculative one when given; a draft model without "model" is model_path itself.
+    Checked here (one-line ValueErrors), before any engine."""
     from nanoserve.speculative_config import SpeculativeConfig
 
     extra = dict(map(_override, overrides))
@@ -89,6 +94,8 @@ def method_configs(methods: list[str], overrides: list[str], adaptive: bool | No
         config = {**(METHODS.get(name) or METHODS.get(override["method"]) or {}), **override}
         if adaptive is not None:
             config["adaptive"] = adaptive
+        if config.get("method") == "draft_model":
+            config.setdefault("model", model_path)
         SpeculativeConfig.parse(config)
         configs[name] = config
     unused = sorted(set(extra) - set(methods))
@@ -289,11 +296,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("speculative.py on cuda needs a CUDA GPU")
         return 0
-    try:
-        configs = method_configs(args.methods, args.speculative_config, args.adaptive)
-        workloads = {name: load_workload(name, args.limit) for name in args.workload}
-    except ValueError as e:
-        raise SystemExit(f"speculative.py: {e}") from None
     if args.model == "smollm2":
         from benchmarks.fp8_quality import GGUF_FILE, GGUF_PACKAGE
         from benchmarks.kv_quality import smollm2_gguf
@@ -301,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         model_path, model_name = str(smollm2_gguf()), f"{GGUF_PACKAGE}/{GGUF_FILE}"
     else:
         model_path = model_name = args.model
+    try:
+        configs = method_configs(args.methods, args.speculative_config, args.adaptive, model_path)
+        workloads = {name: load_workload(name, args.limit) for name in args.workload}
+    except ValueError as e:
+        raise SystemExit(f"speculative.py: {e}") from None
     env = env_info()
     report = {"benchmark": "speculative", "env": env, "method": __doc__[__doc__.index("Method."):].strip(),
               "model": model_name, "settings": {"device": args.device, "max_tokens": args.max_tokens, "batch": 1,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ if not torch.cuda.is_available():  # CPU CI: Triton kernels run in the interpret
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from nanoserve.kernels.switches import switched
 from nanoserve.tiny import ARCHS, FAMILY_ARCHS, MOE_ARCHS, make_tiny_model
@@ -67,6 +69,23 @@ def tiny_family_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_family_models")
     variants = {arch: (arch, {}) for arch in FAMILY_ARCHS} | FAMILY_VARIANTS
     return {name: make_tiny_model(root / name, arch, **overrides) for name, (arch, overrides) in variants.items()}
+
+
+DRAFT_NOISE = 0.1  # the noisy draft: the target's MLPs perturbed by 10% of their spread (about half accepted)
+
+
+@pytest.fixture(scope="session")
+def drafts(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
+    """"target": the tiny Qwen3; "self": the same folder as its own draft; "noisy": a perturbed copy (partial
+    acceptance); "other": the tiny Llama (same tokenizer, unrelated weights: nothing accepted)."""
+    target = tiny_model_dirs["qwen3"]
+    noisy = tmp_path_factory.mktemp("drafts") / "noisy"
+    shutil.copytree(target, noisy)
+    file = noisy / "model.safetensors"
+    weights, g = load_file(file), torch.Generator().manual_seed(1)
+    save_file({k: v + DRAFT_NOISE * v.std() * torch.randn(v.shape, generator=g) if "mlp" in k else v
+               for k, v in weights.items()}, file)
+    return {"target": str(target), "self": str(target), "noisy": str(noisy), "other": str(tiny_model_dirs["llama"])}
 
 
 @pytest.fixture(params=ARCHS)

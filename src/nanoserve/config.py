@@ -207,7 +207,9 @@ class EngineConfig:
         None, help="speculative decoding, as a JSON object with vLLM's names: {\"method\": \"ngram\", "
                    "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": m} (drafts "
                    "copied from the request's own earlier tokens) or {\"method\": \"suffix\", ...} (drafts from "
-                   "suffix statistics over the request and recent requests' outputs); verification is exact (greedy "
+                   "suffix statistics over the request and recent requests' outputs) or {\"method\": \"draft_model\", "
+                   "\"model\": PATH, \"num_speculative_tokens\": k} (a smaller model with the same vocabulary "
+                   "drafts greedily, on the device); verification is exact (greedy "
                    "and sampled outputs keep the model's distribution); \"adaptive\": false keeps k drafts every step",
         unset="off")
     show_progress: bool = _field(True, help="show progress bars (CUDA-graph capture)")

@@ -71,8 +71,8 @@ def hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
 
 
 def resolve_config(config):
-    """The EngineConfig with `model` (and a hub-id `tokenizer`) replaced by local paths; local ones unchanged, a
-    missing one refused."""
+    """The EngineConfig with `model` (and a hub-id `tokenizer`, a draft model's hub id) replaced by local paths; local
+    ones unchanged, a missing one refused."""
     from nanoserve.model_files import check_model_exists
 
     changes = {}
@@ -80,6 +80,13 @@ def resolve_config(config):
         changes["model"] = resolve_model(config.model, config.revision, config.download_dir)
     else:
         check_model_exists(config.model)
+    spec = config.speculative
+    if spec is not None and spec.method == "draft_model":  # the draft model: the same rules as the model
+        if is_hub_id(spec.model):
+            draft = resolve_model(spec.model, None, config.download_dir)
+            changes["speculative_config"] = spec.as_dict() | {"model": draft}
+        else:
+            check_model_exists(spec.model)
     if config.tokenizer is not None and is_hub_id(config.tokenizer):
         changes["tokenizer"] = resolve_model(config.tokenizer, config.revision, config.download_dir,
                                              TOKENIZER_PATTERNS)

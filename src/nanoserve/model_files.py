@@ -88,6 +88,14 @@ def _check_spec(config, source: Path) -> None:
         raise ModelLoadError(f"{source}: {first_line(e)}") from None
 
 
+def load_draft_hf_config(path: str):
+    """A draft model's config (speculative_config "draft_model"), checked like the model's; its errors say whose."""
+    try:
+        return load_hf_config(path)
+    except (ModelLoadError, ValueError, OSError) as e:
+        raise ValueError(f"speculative_config: the draft model {path!r}: {e}") from None
+
+
 def model_max_len(hf_config) -> int:
     return int(text_config(hf_config).max_position_embeddings)
 

@@ -1,10 +1,10 @@
 """speculative_config: what a user may give (vLLM's names, a dict or its JSON text) and the checked, complete settings the
 engine runs (SpeculativeConfig). A ground module beside config (no torch): the CLI and the API process check it.
 
-Every method proposes drafts that are a deterministic function of what the host knows (the request's tokens, recent
-requests' outputs), i.e. one-hot draft distributions, so verification is exact by sampling the target at every draft
-position and accepting while the sample equals the draft (runner/speculative.py says why that is rejection
-sampling).
+Every method proposes drafts that are a deterministic function of what is known (the request's tokens, recent
+requests' outputs; a draft model's greedy choices), i.e. one-hot draft distributions, so verification is exact by
+sampling the target at every draft position and accepting while the sample equals the draft (runner/speculative.py
+says why that is rejection sampling).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 NGRAM_DEFAULT_LOOKUP = 5  # prompt_lookup_min / _max when neither is given (vLLM's default)
 SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
                    "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
@@ -31,6 +31,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int | None = None  # suffix: finished requests whose outputs are indexed
     suffix_decoding_max_spec_factor: float | None = None  # suffix: drafts ≤ factor × the matched length
     suffix_decoding_min_token_prob: float | None = None  # suffix: a draft token's least estimated probability
+    model: str | None = None  # draft_model: the draft's folder, GGUF file or hub id (the target's tokenizer)
     adaptive: bool = True  # per step, the number of drafts (0 included) from the measured step-cost curves
 
     @classmethod
@@ -52,13 +53,14 @@ class SpeculativeConfig:
         method = value.get("method")
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS}, got {method!r}")
-        return (_ngram if method == "ngram" else _suffix)(dict(value))
+        return {"ngram": _ngram, "suffix": _suffix, "draft_model": _draft_model}[method](dict(value))
 
     @property
     def drafts_on_device(self) -> bool:
-        """n-gram drafts are proposed on the device (kernels/ngram.py), so the asynchronous loop stays; suffix drafts
-        (a tree over many requests) are proposed on the host, which must read each step first."""
-        return self.method == "ngram"
+        """n-gram drafts (kernels/ngram.py) and a draft model's (runner/draft_model.py) are proposed on the device, so
+        the asynchronous loop stays; suffix drafts (a tree over many requests) are proposed on the host, which must
+        read each step first."""
+        return self.method in ("ngram", "draft_model")
 
     def as_dict(self) -> dict:
         """The settings the engine runs, without the other method's keys (what EngineConfig keeps)."""
@@ -97,6 +99,16 @@ def _ngram(s: dict) -> SpeculativeConfig:
     hi = _int_at_least(s, "prompt_lookup_max", 1)
     if lo > hi:
         raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
+    return SpeculativeConfig(**_common(s))
+
+
+def _draft_model(s: dict) -> SpeculativeConfig:
+    _only(s, "draft_model", ("model",))
+    if "num_speculative_tokens" not in s:
+        raise ValueError("speculative_config: method 'draft_model' needs num_speculative_tokens")
+    if not isinstance(s.get("model"), str) or not s["model"]:
+        raise ValueError("speculative_config: method 'draft_model' needs \"model\": the draft model's folder, GGUF "
+                         "file or hub id")
     return SpeculativeConfig(**_common(s))
 
 

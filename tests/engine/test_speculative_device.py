@@ -9,7 +9,7 @@ from tests.engine.test_speculative import LOOPING, NGRAM, OPTIONS
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 
-def _drive(llm, prompts, params) -> tuple[dict, int]:
+def _drive(llm, prompts, params, prefix: str = "") -> tuple[dict, int]:
     """Run the prompts through engine steps by hand: ({request id: token ids}, how many steps were scheduled while a
     step verifying drafts was in flight, unread)."""
     core, tokens, overlapped = llm.engine.core, {}, []
@@ -21,7 +21,7 @@ def _drive(llm, prompts, params) -> tuple[dict, int]:
 
     core.scheduler.schedule = watched
     for i, p in enumerate(prompts):
-        llm.engine.add_request(str(i), p, params)
+        llm.engine.add_request(f"{prefix}{i}", p, params)
     while core.has_unfinished_requests():
         for out in core.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)

@@ -11,6 +11,7 @@ from nanoserve.bench.decode_step import verify_batch
 from nanoserve.runner.batch import DecodeBatch
 from nanoserve.runner.dispatch import Kind
 from tests.engine.test_speculative import LOOPING, NGRAM, SUFFIX
+from tests.engine.test_speculative_draft_model import draft_spec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 OPTIONS = dict(device="cuda", dtype="float32", block_size=16, max_model_len=256, max_num_seqs=16,
@@ -30,6 +31,23 @@ def test_greedy_tokens_and_counters_on_gpu(tiny_model_dirs, spec):
     assert stats.spec_accepted_tokens > 0 and stats.prefill_steps_graph > 0
     assert stats.spec_accepted_tokens == sum(stats.spec_accepted_per_position) <= stats.spec_draft_tokens
     assert stats.generation_tokens == 2 * sum(len(t) for t in base)
+
+
+@pytest.mark.parametrize("draft", ["self", "noisy"])
+def test_draft_model_in_decode_graphs(drafts, draft):
+    """A draft model proposing inside the decode graphs (and mirroring the token-count graphs' steps): the tokens
+    without speculation; drafting for itself, every draft accepted (fp32)."""
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    prompts = LOOPING * 3
+    base = [o.token_ids for o in LLM(drafts["target"], **OPTIONS).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(drafts["target"], speculative_config=draft_spec(drafts[draft]), **OPTIONS)
+    for _ in range(2):  # (the second time over prefix-cache hits)
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == base
+    stats = llm.engine.stats
+    assert stats.decode_steps_graph > 0 and stats.decode_steps_eager == 0 and stats.prefill_steps_graph > 0
+    assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
+    if draft == "self":
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -84,7 +84,7 @@ class EngineCore:
             return None
         from nanoserve.engine.speculation import Speculator  # (the proposers load only when asked for)
         return Speculator(spec, self.config.max_model_len, self.config.max_num_seqs, self.info.step_curve,
-                          self.info.token_curve)
+                          self.info.token_curve, self.info.draft_curve)
 
     def _prompt_token_caps(self) -> list[int] | None:
         """chunk_time_ratio's caps from the runner's measured curves (batch-size and token-count: planned "auto"
@@ -186,7 +186,8 @@ class EngineCore:
             outputs += self._read_all()
         started = self._start_deferred() if self._pipeline.deferred is not None else None
         if spec is not None and not self._num_grammar_seqs:  # (a grammar's bitmask covers one row per sequence)
-            spec.offer(self.scheduler.running, on_device=overlap)
+            spec.offer(self.scheduler.running, on_device=overlap,
+                       decode_only=not self._num_penalty_seqs and self._decode_rows_only(admits=False))
         step = self.scheduler.schedule()
         batch = build_batch(step, self.config.block_size, self.eos_token_ids, self.config.max_num_seqs,
                             spec is not None and spec.on_device) if step else None
@@ -207,9 +208,14 @@ class EngineCore:
         """Speculating, the next step may be scheduled before the one in flight is read when its drafts come from the
         device and it is decode rows only (a prompt step's positions come from the host, which must know every
         token), with no min_tokens ban (whose rows the host counts from the tokens it knows)."""
+        return self._speculator.on_device and not self._num_min_tokens_seqs and self._decode_rows_only()
+
+    def _decode_rows_only(self, admits: bool = True) -> bool:
+        """Every running sequence decodes and nothing waits (admits=False: nothing waits that could be admitted now,
+        every slot being taken): the next step can be decode rows only."""
         s = self.scheduler
-        return (self._speculator.on_device and not self._num_min_tokens_seqs and not s.waiting
-                and all(seq.decoding for seq in s.running))
+        waits = bool(s.waiting) and (admits or len(s.running) < self.config.max_num_seqs)
+        return not waits and all(seq.decoding for seq in s.running)
 
     def _launch(self, step: ScheduledStep, batch, overlap: bool) -> list[SeqOutput]:
         """Launch a built step: whole, or (grammar rows still running) its forward only, its sampler deferred."""

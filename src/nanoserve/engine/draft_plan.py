@@ -23,10 +23,11 @@ def acceptance_rate(accepted: int, drafted: int) -> float:
 
 
 def plan_drafts(lengths: list[int], rates: list[float], decode_ms: StepTime, tokens_ms: StepTime,
-                max_decode_rows: int = 0) -> list[int]:
+                max_decode_rows: int = 0, verify_ms: StepTime | None = None) -> list[int]:
     """Per sequence, how many of its offered drafts (lengths[i]) to verify, given acceptance rates and the measured
     step times (decode_ms: rows → ms of a decode step; tokens_ms: tokens → ms of a token-count step): a step of up
-    to max_decode_rows tokens verifies as decode rows, a larger one as a token-count step."""
+    to max_decode_rows tokens verifies as decode rows, a larger one as a token-count step. verify_ms: rows → ms of a
+    decode step that verifies drafts, when that costs more than a plain one (a draft model's forwards: Kind.DRAFT)."""
     b = len(lengths)
     owner = np.repeat(np.arange(b), lengths)
     if not len(owner):
@@ -40,6 +41,9 @@ def plan_drafts(lengths: list[int], rates: list[float], decode_ms: StepTime, tok
     as_decode = rows <= max(max_decode_rows, b)
     cost = np.asarray(tokens_ms(rows), np.float64)
     cost[as_decode] = np.asarray(decode_ms(rows[as_decode]), np.float64)
+    if verify_ms is not None:
+        drafting = as_decode & (n > 0)
+        cost[drafting] = np.asarray(verify_ms(rows[drafting]), np.float64)
     best = int(np.argmax(expected / cost))
     return np.bincount(owner[order[:best]], minlength=b).tolist()
 

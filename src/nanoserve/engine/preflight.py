@@ -11,7 +11,7 @@ import torch
 
 from nanoserve.config import EngineConfig, hf_config_dtype
 from nanoserve.model_files import ModelSpec
-from nanoserve.model_files import load_hf_config, model_max_len
+from nanoserve.model_files import load_draft_hf_config, load_hf_config, model_max_len, text_config
 from nanoserve.model.communicator import check_sharding
 from nanoserve.runner.parallel.distributed import check_world
 
@@ -26,7 +26,27 @@ def check_engine_config(config: EngineConfig, hf_config=None):
     check_world(resolved)
     check_sharding(ModelSpec.from_hf_config(hf_config), resolved.tensor_parallel_size)
     check_dtype(resolved)
+    check_draft_model(resolved, hf_config)
     return resolved, hf_config
+
+
+def check_draft_model(config: EngineConfig, hf_config) -> None:
+    """A draft model (speculative_config "draft_model") must propose only the target's token ids, reach
+    max_model_len, and run where the target runs (one GPU: its KV cache shares the target's blocks)."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model":
+        return
+    draft = load_draft_hf_config(spec.model)
+    ours, theirs = text_config(hf_config).vocab_size, text_config(draft).vocab_size
+    if theirs > ours:  # (smaller is fine: Qwen2.5's small models pad their embedding to fewer rows than 7B's)
+        raise ValueError(f"speculative_config: the draft model's vocabulary ({theirs} tokens) is larger than the "
+                         f"model's ({ours}); a draft model must share the model's tokenizer")
+    if model_max_len(draft) < config.max_model_len:
+        raise ValueError(f"speculative_config: the draft model reaches {model_max_len(draft)} tokens, fewer than "
+                         f"max_model_len={config.max_model_len}; lower max_model_len")
+    if config.tensor_parallel_size != 1:
+        raise ValueError("speculative_config: a draft model runs with tensor_parallel_size=1 only")
+
 
 
 def check_dtype(config: EngineConfig) -> None:

@@ -2,6 +2,8 @@
 speculation), from the resolved config, the runner's info and the block manager."""
 from __future__ import annotations
 
+import os
+
 from nanoserve.config import EngineConfig
 from nanoserve.kernels.paging import blocks_for
 
@@ -13,8 +15,10 @@ def ready_line(config: EngineConfig, info, hf_config, window: int | None, second
     shown = f"CUDA graphs for {len(graphs)} batch sizes {graphs}" if graphs else \
         "no CUDA graphs (" + ("enforce_eager" if c.enforce_eager else "no CUDA device") + ")"
     spec = c.speculative
-    drafts = "" if spec is None else (f"; speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} "
-                                      f"drafts{' (planned per step)' if spec.adaptive else ''}")
+    drafter = f" {os.path.basename(spec.model.rstrip('/'))}" if spec is not None and spec.model else ""
+    drafts = "" if spec is None else (f"; speculative decoding: {spec.method}{drafter}, up to "
+                                      f"{spec.num_speculative_tokens} drafts"
+                                      f"{' (planned per step)' if spec.adaptive else ''}")
     return (f"engine ready in {seconds:.1f} s: {_architecture(hf_config)}, {c.dtype} on {c.device}"
             f"{f', tp={c.tensor_parallel_size}' if c.tensor_parallel_size > 1 else ''}, max_model_len "
             f"{c.max_model_len}, max_num_seqs {c.max_num_seqs}; KV cache {_kv_cache_kind(r)}: {gib:.2f} GiB = "

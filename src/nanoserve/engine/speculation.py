@@ -9,7 +9,8 @@ along or the rows outnumber the largest decode batch. After the step, the sequen
 (runner/speculative.py says why that is exact) and its computed-token count is rolled back over the rejected drafts:
 their KV slots are simply written again by later steps.
 
-n-gram drafts are proposed on the device (on_device: runner/speculative.DraftState), so the loop stays asynchronous:
+n-gram drafts and a draft model's are proposed on the device (on_device: runner/speculative.DraftState,
+runner/draft_model.py), so the loop stays asynchronous:
 the host schedules step N+1 while step N runs, counting N's drafts as kept; N+1's rows take their positions and drafts
 from the device, which knows N's outcome, and the host corrects its counts when it reads N. The host's own proposer,
 one step behind, only says how many drafts a sequence is offered (a match in what the host knows predicts one on the
@@ -30,37 +31,48 @@ from nanoserve.speculative_config import SpeculativeConfig
 
 class Speculator:
     def __init__(self, spec: SpeculativeConfig, max_model_len: int, max_decode_rows: int, step_curve=None,
-                 token_curve=None):
+                 token_curve=None, draft_curve=None):
         """step_curve / token_curve: the runner's measured step times (None when not measured: no planning);
-        max_decode_rows: the most rows a decode batch (and so a verification as decode rows) runs."""
+        draft_curve: a draft model's decode steps' (it proposes: they cost more); max_decode_rows: the most rows a
+        decode batch (and so a verification as decode rows) runs."""
         self.spec, self.max_model_len, self.max_decode_rows = spec, max_model_len, max_decode_rows
         self.on_device = spec.drafts_on_device
-        self.proposer = make_proposer(spec)
+        # a draft model proposes on the device only (runner/draft_model.py): the host just says how many
+        self.proposer = make_proposer(spec) if spec.method != "draft_model" else None
         planned = spec.adaptive and step_curve is not None and token_curve is not None
         self._curves = (step_curve, token_curve) if planned else None
+        self._verify_curve = draft_curve
         self.num_drafts = self.draft_tokens = self.accepted_tokens = 0  # rows that verified drafts; drafts; kept
         self.accepted_per_position = [0] * spec.num_speculative_tokens
 
     # -- a sequence's life --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.proposer.add(seq.request_id, seq.prompt_token_ids)
+        if self.proposer is not None:
+            self.proposer.add(seq.request_id, seq.prompt_token_ids)
 
     def remove(self, seq: Sequence, keep_outputs: bool) -> None:
-        self.proposer.remove(seq.request_id, keep_outputs)
+        if self.proposer is not None:
+            self.proposer.remove(seq.request_id, keep_outputs)
 
     # -- before a step ------------------------------------------------------------------------------
-    def offer(self, running: list[Sequence], on_device: bool = False) -> None:
+    def offer(self, running: list[Sequence], on_device: bool = False, decode_only: bool = True) -> None:
         """Set each decoding sequence's draft_token_ids for the next schedule (the scheduler may run fewer).
         on_device: the step is scheduled before the one in flight is read (drafts from the device, decode rows only);
-        otherwise the host knows every token and offers its own drafts."""
+        otherwise the host knows every token and offers its own drafts. A draft model's drafts always come from the
+        device, so they are offered only when decode_only: no prompt waits or runs (device drafts run as decode rows,
+        and prompts must not wait behind them) and no request has penalties (which read every draft on the host)."""
         rows = [s for s in running if s.decoding and not s.is_finished]
         k = self.spec.num_speculative_tokens
-        offered = [self._propose(s, min(k, s.draft_room(self.max_model_len))) for s in rows]
+        if self.proposer is None:
+            offered = [[DEVICE_DRAFT] * min(k, s.draft_room(self.max_model_len)) if decode_only else [] for s in rows]
+        else:
+            offered = [self._propose(s, min(k, s.draft_room(self.max_model_len))) for s in rows]
         if self._curves is not None and any(offered):
             rates = [acceptance_rate(s.num_accepted, s.num_drafted) for s in rows]
-            keep = plan_drafts([len(d) for d in offered], rates, *self._curves, self.max_decode_rows)
+            keep = plan_drafts([len(d) for d in offered], rates, *self._curves, self.max_decode_rows,
+                               self._verify_curve)
             offered = [d[:n] for d, n in zip(offered, keep)]
-        if on_device:
+        if on_device or self.proposer is None:
             offered = self._device_drafts(offered, self.max_decode_rows - len(rows))
         for seq, drafts in zip(rows, offered):
             seq.draft_token_ids = drafts
@@ -93,7 +105,8 @@ class Speculator:
         return samples[:a + 1]
 
     def extend(self, seq: Sequence, tokens: list[int]) -> None:
-        self.proposer.extend(seq.request_id, tokens)
+        if self.proposer is not None:
+            self.proposer.extend(seq.request_id, tokens)
 
     def stats(self) -> dict:
         """The EngineStats fields of speculation."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.runner.draft_model import DraftModel
 from nanoserve.runner.forward import DecodeForward, TokenForward
 from nanoserve.runner.inputs import DecodeInputs, PersistentState, StepPacker, TokenInputs
 from nanoserve.runner.kv_cache import KVCacheSpec
@@ -30,8 +31,9 @@ class StepBuffers:
 
     @classmethod
     def build(cls, model, config: EngineConfig, kv: KVCacheSpec, num_kv_blocks: int, device: torch.device,
-              rng: torch.Generator | None = None) -> "StepBuffers":
-        """rng: the sampler's noise for unseeded rows (None: torch's default RNG)."""
+              rng: torch.Generator | None = None, draft: tuple | None = None) -> "StepBuffers":
+        """rng: the sampler's noise for unseeded rows (None: torch's default RNG); draft: (a draft model, its
+        KVCacheSpec) when a draft model proposes drafts: its cache gets the same blocks (runner/draft_model.py)."""
         kv_cache = kv.allocate(model, num_kv_blocks, device)
         dummy_block = num_kv_blocks
         dummy_kv_slot = dummy_block * config.block_size
@@ -41,12 +43,19 @@ class StepBuffers:
             state.drafting = DraftState(config.max_num_seqs + 1, config.max_model_len, config.max_num_seqs,
                                         config.block_size, spec.num_speculative_tokens, spec.prompt_lookup_min,
                                         spec.prompt_lookup_max, device)
+        if draft is not None:
+            draft_model, draft_kv = draft
+            draft_kv.allocate(draft_model, num_kv_blocks, device)  # (its layers hold the views; released with them)
+            state.draft_model = DraftModel(draft_model, spec.num_speculative_tokens, config.max_num_seqs,
+                                           dummy_kv_slot, device)
         decode_inputs = DecodeInputs(config.max_num_seqs, state, dummy_kv_slot, device)
         tokens = config.prefill_graph_sizes.largest
-        token_inputs = TokenInputs(tokens, config.max_num_seqs, TokenForward.q_per_tile_of(model), state,
-                                   dummy_kv_slot, device) if tokens else None
+        models = (model,) if draft is None else (model, draft[0])
+        q_per_tile = TokenForward.q_per_tile_of(*models)
+        token_inputs = TokenInputs(tokens, config.max_num_seqs, q_per_tile, state, dummy_kv_slot,
+                                   device) if tokens else None
         token_forward = TokenForward(model, state, StepPacker(device), token_inputs,
-                                     logprob_chunk=config.max_num_seqs)
+                                     logprob_chunk=config.max_num_seqs, q_per_tile=q_per_tile)
         return cls(kv_cache, dummy_block, state, decode_inputs, DecodeForward(model, state, decode_inputs),
                    token_forward, Sampler(config.max_sampled_rows, device, rng, model.vocab_size, config.max_num_seqs))
 

@@ -4,8 +4,9 @@ mixed tokens, the rows a decode graph's sampler samples) → the captured size t
 Decode and token-count steps replay the smallest captured size of at least their rows / tokens (the rest is
 padding); the sampler's graphs are captured per decode bucket and replay exactly the bucket the decode graph
 replayed. A kind without graphs, a step over the largest size, or a step whose inputs do not fit the static buffers
-runs eagerly. The start-up self-check walks the same table (entries()), and a new graph kind (draft tokens,
-expert-routed steps) is one more Kind here.
+runs eagerly. The start-up self-check walks the same table (entries()), and a new graph kind is one more Kind here:
+a draft model's decode steps (DRAFT) record its k forwards too, so a step that proposes nothing replays DECODE and
+does not pay for them.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from nanoserve.runner.cuda_graph import GraphRunner
 
 class Kind(enum.Enum):
     DECODE = "decode"  # a decode step of b rows: batch-size graphs
+    DRAFT = "draft"  # a decode step whose drafts a draft model proposes (runner/draft_model.py): the same sizes
     TOKENS = "tokens"  # a prompt / mixed step of t tokens: token-count graphs
     SAMPLE = "sample"  # the plain sample of a decode bucket's logits (kernels/sampling.py), unmasked ...
     SAMPLE_MASKED = "sample_masked"  # ... and under a grammar's bitmask

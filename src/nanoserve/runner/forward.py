@@ -34,27 +34,35 @@ class DecodeForward:
         """The batch into the region of `rows` ≥ its size (the rest is padding)."""
         self.inputs.load(decode_values(batch), rows)
 
-    def captured(self, rows: int) -> torch.Tensor:
+    def captured(self, rows: int, propose: bool = False) -> torch.Tensor:
         if self.static_logits is None:
             self.static_logits = torch.empty(self.inputs.max_rows, self.model.vocab_size, dtype=self.model.dtype,
                                              device=self.state.block_tables.device)
         out = self.static_logits[:rows]
-        out.copy_(self(rows))
+        out.copy_(self(rows, propose=propose))
         return out
 
-    def __call__(self, rows: int, width: int | None = None) -> torch.Tensor:
-        """width: block-table columns to gather (eager callers pass the batch's widest table; graphs all)."""
+    def __call__(self, rows: int, width: int | None = None, propose: bool = False) -> torch.Tensor:
+        """width: block-table columns to gather (eager callers pass the batch's widest table; graphs all); propose:
+        the draft model proposes the drafts of the rows that ask for them (Kind.DRAFT)."""
         v = self.inputs.views(rows)
-        drafting, device = self.state.drafting, None
+        drafting, draft, device = self.state.drafting, self.state.draft_model, None
         if drafting is not None:  # positions and drafts from the device (runner/speculative.DraftState)
-            drafts, counts = drafting.propose(v.draft_slots)
+            # (a draft model proposes once the rows are resolved, below: none resolved here)
+            drafts, counts = drafting.propose(v.draft_slots) if draft is None else (draft.no_drafts[:rows],
+                                                                                    draft.no_counts[:rows])
             device = DeviceRows(v.from_device, drafting.hist_len, v.positions, v.slot_mapping, v.context_lens,
                                 v.draft_ids, drafts, counts, drafting.block_size)
         input_ids, tables = prepare_decode(v.slots, v.new_block_cols, v.new_block_ids, self.state.last_tokens,
                                            self.state.block_tables, width, v.token_ids, v.group_back, device)
+        if draft is not None and propose:
+            input_ids = draft.propose(input_ids, tables, v.positions, v.slot_mapping, v.context_lens, v.token_ids,
+                                      v.draft_ids, v.group_back, v.draft_slots)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=v.slot_mapping, context_lens=v.context_lens,
                                  block_tables=tables)
         hidden = self.model(input_ids, v.positions, meta)
+        if draft is not None:
+            draft.mirror(input_ids, v.positions, meta)
         return self.model.compute_logits(hidden)
 
     def prepare_padding(self, rows: int) -> None:
@@ -69,17 +77,22 @@ class TokenForward:
     rows are computed after the forward either way, eagerly: their count varies step to step."""
 
     def __init__(self, model, state: PersistentState, packer: StepPacker, inputs: TokenInputs | None = None,
-                 logprob_chunk: int = 256):
+                 logprob_chunk: int = 256, q_per_tile: int | None = None):
+        """q_per_tile: the work list's tile (q_per_tile_of), when a draft model shares it."""
         self.model, self.state, self.packer, self.inputs = model, state, packer, inputs
         self.logprob_chunk = logprob_chunk  # rows of prompt-logprob logits at once
-        self.q_per_tile = self.q_per_tile_of(model)
+        self.q_per_tile = q_per_tile or self.q_per_tile_of(model)
         self.static_hidden: torch.Tensor | None = None
 
     @staticmethod
-    def q_per_tile_of(model) -> int:
-        """The attention work list's tile (kernels.attention.prefill_q_per_tile) for this model's layers."""
-        attn = model.attention_layers()[0]
-        return prefill_q_per_tile(attn.num_heads, attn.num_kv_heads, attn.head_dim, model.dtype.itemsize)
+    def q_per_tile_of(*models) -> int:
+        """The attention work list's tile (kernels.attention.prefill_q_per_tile) for these models' layers: the
+        smallest, when a draft model mirrors the step (a kernel whose tiles hold more tokens than the list's step
+        computes the overlap twice, alike; one whose tiles hold fewer would skip tokens)."""
+        def tile(model) -> int:
+            attn = model.attention_layers()[0]
+            return prefill_q_per_tile(attn.num_heads, attn.num_kv_heads, attn.head_dim, model.dtype.itemsize)
+        return min(map(tile, models))
 
     def arrays(self, batch: PrefillBatch) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """The step's host arrays (inputs.token_values), for load() or the eager forward."""
@@ -127,7 +140,10 @@ class TokenForward:
 
     def _forward(self, v: TokenViews, meta: AttentionMetadata) -> torch.Tensor:
         ids = torch.where(v.ids >= 0, v.ids, self.state.last_tokens[v.token_slots.long()])
-        return self.model(ids, v.positions, meta)
+        hidden = self.model(ids, v.positions, meta)
+        if self.state.draft_model is not None:  # the draft's cache holds every token the target's does
+            self.state.draft_model.mirror(ids, v.positions, meta)
+        return hidden
 
     def sample_logits(self, hidden: torch.Tensor, tail: StepTail, batch: PrefillBatch,
                       positions: torch.Tensor) -> "SampledLogits":

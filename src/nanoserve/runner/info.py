@@ -12,13 +12,15 @@ class RunnerInfo:
     vocab_size: int
     device: str  # the (rank 0) device the runner samples on, e.g. "cuda:0"
     num_kv_blocks: int
-    kv_block_bytes: int  # one block's bytes over every layer (this rank's heads), an fp8 cache's scales included
+    kv_block_bytes: int  # one block's bytes over every layer (this rank's heads), an fp8 cache's scales and a draft
+    # model's cache (the same blocks: runner/draft_model.py) included
     kv_cache_dtype: str  # the cache's element type: "bfloat16", "float8_e4m3fn", ...
     kv_cache_scales: str | None  # an fp8 cache's scale design, "token" or "layer"; None for a serving-dtype cache
     decode_graph_sizes: tuple[int, ...]  # batch sizes with a CUDA graph ((): decode runs eagerly)
     token_graph_sizes: tuple[int, ...]  # token counts of prompt / mixed steps with a graph
     step_curve: StepCurve | None  # decode step ms against rows, measured at start-up ("auto" graphs)
     token_curve: StepCurve | None  # prompt / mixed step ms against tokens, likewise
+    draft_curve: StepCurve | None = None  # a draft model's decode step (it proposes) ms against rows, likewise
 
 
 @dataclass

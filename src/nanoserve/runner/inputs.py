@@ -176,6 +176,7 @@ class PersistentState:
         self.block_tables = torch.full((max_num_seqs + 1, max_blocks), dummy_block, dtype=torch.int32, device=device)
         self.last_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
         self.drafting = None  # a runner/speculative.DraftState when drafts are proposed on the device
+        self.draft_model = None  # a runner/draft_model.DraftModel when a draft model proposes them
 
     def apply(self, tail: StepTail) -> None:
         """A step's block-table updates on the device, and the prompt tokens it makes known (graph-capturable)."""

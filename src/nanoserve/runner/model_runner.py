@@ -54,17 +54,20 @@ class ModelRunner:
         self.rng = torch.Generator(device=self.device).manual_seed(config.seed)  # probes and unseeded sampling
         s = start(config, hf_config, self.tp, self.rng)
         self.model, self.kv, self.buffers, self.graphs = s.model, s.kv, s.buffers, s.graphs
-        self.info = RunnerInfo(self.model.vocab_size, str(self.device), s.num_kv_blocks, s.kv.block_bytes,
+        self.info = RunnerInfo(self.model.vocab_size, str(self.device), s.num_kv_blocks, s.block_bytes,
                                str(s.kv.dtype).removeprefix("torch."), s.kv.scales,
                                tuple(s.graphs.sizes(Kind.DECODE)), tuple(s.graphs.sizes(Kind.TOKENS)),
-                               s.step_curve, s.token_curve)
+                               s.step_curve, s.token_curve, s.draft_curve)
         self.counters = RunnerCounters()
         self.batch_histogram = BatchDistribution.empty(config.max_num_seqs)
 
     def close(self) -> None:
         """Drop the graphs and the KV cache; their memory is freed with the last reference."""
+        draft = self.buffers.state.draft_model if self.buffers is not None else None
         self.graphs = self.buffers = None
         KVCacheSpec.release(self.model)
+        if draft is not None:
+            KVCacheSpec.release(draft.model)
 
     def save_batch_histogram(self) -> None:
         """Write the decode batch sizes seen (cudagraph_plan), for the next start-up's plan."""
@@ -131,18 +134,21 @@ class ModelRunner:
         whose graph it replayed (None when eager)."""
         b, fwd = batch.size, self.buffers.decode_forward
         self.batch_histogram.record(b)
-        rows = self.graphs.route(Kind.DECODE, b)
+        propose = (self.buffers.state.draft_model is not None and batch.draft_slots is not None
+                   and bool((batch.draft_slots >= 0).any()))  # a draft model proposes some row's drafts
+        kind = Kind.DRAFT if propose else Kind.DECODE
+        rows = self.graphs.route(kind, b)
         if rows is not None:
             self.counters.decode_steps_graph += 1
             self.counters.padding_rows += rows - b
             fwd.load(batch, rows)
-            return self.graphs.replay(Kind.DECODE, rows)[:b], rows, rows
+            return self.graphs.replay(kind, rows)[:b], rows, rows
         self.counters.decode_steps_eager += 1
         if b > fwd.inputs.max_rows:
             raise ValueError(f"decode batch of {b} exceeds max_num_seqs={self.config.max_num_seqs}")
         fwd.load(batch, b)
         width = self.kv.blocks_for(int(batch.context_lens.max())) if b else 1  # read only the blocks in use
-        return fwd(b, width), b, None
+        return fwd(b, width, propose), b, None
 
 
 __all__ = ["ModelRunner", "PendingSample"]

@@ -16,6 +16,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.model.communicator import TensorParallel
 from nanoserve.model.loader import load_model
+from nanoserve.model_files import load_draft_hf_config
 from nanoserve.runner.buffers import StepBuffers
 from nanoserve.runner.dispatch import GraphTable, Kind
 from nanoserve.runner.kv_cache import KVCacheSpec
@@ -38,6 +39,8 @@ class Started:
     graphs: GraphTable
     step_curve: StepCurve | None
     token_curve: StepCurve | None
+    draft_curve: StepCurve | None  # a draft model's decode graphs (Kind.DRAFT) against rows, likewise
+    block_bytes: int  # one KV block's bytes, the draft model's share included
 
 
 def start(config: EngineConfig, hf_config, tp: TensorParallel, rng: torch.Generator) -> Started:
@@ -47,22 +50,38 @@ def start(config: EngineConfig, hf_config, tp: TensorParallel, rng: torch.Genera
                        quantization=config.quantization, quantize_lm_head=config.quantize_lm_head,
                        progress=config.show_progress and tp.rank == 0, max_model_len=config.max_model_len)
     kv = KVCacheSpec.of(model, config.block_size, config.kv_torch_dtype, resolve_kv_scales(config, model))
-    num_blocks = tp.min_int(plan_memory(model, config, kv).num_kv_blocks)  # every rank's cache holds it
+    draft = _load_draft(config, tp)
+    num_blocks = tp.min_int(plan_memory(model, config, kv, draft).num_kv_blocks)  # every rank's cache holds it
     if num_blocks * config.block_size < config.max_model_len:
         raise ValueError(
             f"the KV cache holds {num_blocks * config.block_size} tokens ({num_blocks} blocks), fewer than "
             f"max_model_len={config.max_model_len}; lower max_model_len or give the cache more memory")
-    buffers = StepBuffers.build(model, config, kv, num_blocks, config.torch_device, rng)
+    buffers = StepBuffers.build(model, config, kv, num_blocks, config.torch_device, rng, draft)
     _warm_up_logits(model, config)
     probes = Probes(buffers, config, kv, num_blocks, model.vocab_size, rng, host_rng)
-    table, step_curve, token_curve = GraphTable(), None, None
+    table, step_curve, token_curve, draft_curve = GraphTable(), None, None, None
     if config.cudagraph_capture_sizes:
         step_curve = graphs.capture_decode(table, buffers, probes, config, tp)
+        if draft is not None:
+            draft_curve = graphs.capture_draft(table, buffers, probes, step_curve is not None)
     if config.prefill_graph_sizes:
         token_curve = graphs.capture_tokens(table, buffers, probes, config, tp)
     check = None if config.skip_graph_check else self_check(table, buffers, probes, config.torch_dtype, tp.max_float)
     _log(config, table, num_blocks, check, planned=step_curve is not None)
-    return Started(model, kv, num_blocks, buffers, table, step_curve, token_curve)
+    block_bytes = kv.block_bytes + (draft[1].block_bytes if draft is not None else 0)
+    return Started(model, kv, num_blocks, buffers, table, step_curve, token_curve, draft_curve, block_bytes)
+
+
+def _load_draft(config: EngineConfig, tp: TensorParallel) -> tuple | None:
+    """(the draft model, its KVCacheSpec) when speculative_config names one (runner/draft_model.py), else None. It
+    loads like the model (dtype, device, load_format), with the model's KV cache dtype."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model":
+        return None
+    hf_config = load_draft_hf_config(spec.model)
+    draft = load_model(spec.model, hf_config, config.torch_dtype, config.torch_device, config.load_format, tp,
+                       progress=config.show_progress and tp.rank == 0, max_model_len=config.max_model_len)
+    return draft, KVCacheSpec.of(draft, config.block_size, config.kv_torch_dtype, resolve_kv_scales(config, draft))
 
 
 @torch.inference_mode()
@@ -95,7 +114,7 @@ def _log(config: EngineConfig, table: GraphTable, num_blocks: int, check: dict |
                     "sampler's %.2f s); pool %.0f MiB; %d KV blocks; self-check: %s", len(decode.capture_sizes),
                     decode.capture_sizes, "planned from measured replays" if planned else "as configured",
                     decode.capture_seconds, decode.wall_seconds, sampler, decode.pool_bytes / 2**20, num_blocks,
-                    checked((Kind.DECODE, Kind.SAMPLE, Kind.SAMPLE_MASKED)))
+                    checked((Kind.DECODE, Kind.DRAFT, Kind.SAMPLE, Kind.SAMPLE_MASKED)))
     tokens = table.runners.get(Kind.TOKENS)
     if tokens is not None:
         logger.info("CUDA graphs for prompt / mixed steps: %d token counts %s; capture %.2f s; pool %.0f MiB in all; "

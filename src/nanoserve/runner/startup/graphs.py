@@ -12,6 +12,7 @@ rank captures rank 0's plan.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -104,6 +105,18 @@ def capture_decode(table: GraphTable, buffers: StepBuffers, probes: Probes, conf
     if buffers.sampler.fuses:
         _capture_sampler(table, buffers, gr)
     return curve
+
+
+def capture_draft(table: GraphTable, buffers: StepBuffers, probes: Probes, planned: bool) -> StepCurve | None:
+    """A draft model's decode graphs (Kind.DRAFT: the decode sizes, into their pool), and when the decode sizes were
+    planned the step curve of their replays, which the draft plan weighs a verification by (engine/draft_plan.py)."""
+    fwd, decode = buffers.decode_forward, table.runners[Kind.DECODE]
+    gr = GraphRunner(functools.partial(fwd.captured, propose=True), fwd.prepare_padding, pool=table.pool)
+    gr.capture(decode.capture_sizes)
+    table.add(Kind.DRAFT, gr)
+    if not planned:
+        return None
+    return StepCurve.fit({rows: _replay_ms(gr, probes.load_decode, rows) for rows in gr.capture_sizes})
 
 
 def _capture_sampler(table: GraphTable, buffers: StepBuffers, decode: GraphRunner) -> None:

@@ -7,6 +7,7 @@ gpu_memory_utilization × total memory.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -32,29 +33,31 @@ class MemoryPlan:
     graph_bytes: int = 0
 
 
-def plan_memory(model, config: EngineConfig, kv: KVCacheSpec) -> MemoryPlan:
-    """Explicit num_kv_blocks, the CPU budget, or what the GPU has left after the probes."""
+def plan_memory(model, config: EngineConfig, kv: KVCacheSpec, draft: tuple | None = None) -> MemoryPlan:
+    """Explicit num_kv_blocks, the CPU budget, or what the GPU has left after the probes. draft: (a draft model, its
+    KVCacheSpec): a block holds its KV too, and its forwards run in the probes."""
     if config.num_kv_blocks is not None:
         return MemoryPlan(config.num_kv_blocks)
     max_blocks = kv.blocks_for(config.max_model_len)
+    block_bytes = kv.block_bytes + (draft[1].block_bytes if draft is not None else 0)
     if config.torch_device.type != "cuda":  # cpu_kv_cache_gb, but no more than max_num_seqs full sequences use
         most_needed = config.max_num_seqs * max_blocks
-        return MemoryPlan(max(min(int(config.cpu_kv_cache_gb * 2**30) // kv.block_bytes, most_needed), 1))
-    activation, graphs = _probe(model, config, kv)
+        return MemoryPlan(max(min(int(config.cpu_kv_cache_gb * 2**30) // block_bytes, most_needed), 1))
+    activation, graphs = _probe(model, config, kv, draft)
     free, total = torch.cuda.mem_get_info()
     in_use = total - free  # weights, CUDA context, allocator cache
     budget = total * config.gpu_memory_utilization - in_use - activation - graphs
-    num_blocks = int(budget // kv.block_bytes)
+    num_blocks = int(budget // block_bytes)
     if num_blocks <= 0:
         raise ValueError(f"no memory left for the KV cache: {total / 2**30:.1f} GiB × gpu_memory_utilization "
                          f"{config.gpu_memory_utilization} minus weights/activations/graphs is {budget / 2**30:.2f} GiB")
     logger.info("memory plan: activation peak %.0f MiB, graph pool %.0f MiB, KV cache %.0f MiB (%d blocks)",
-                activation / 2**20, graphs / 2**20, num_blocks * kv.block_bytes / 2**20, num_blocks)
+                activation / 2**20, graphs / 2**20, num_blocks * block_bytes / 2**20, num_blocks)
     return MemoryPlan(num_blocks, activation, graphs)
 
 
 @torch.inference_mode()
-def _probe(model, config: EngineConfig, kv: KVCacheSpec) -> tuple[int, int]:
+def _probe(model, config: EngineConfig, kv: KVCacheSpec, draft: tuple | None) -> tuple[int, int]:
     """(activation peak, graph pool + static buffers) in bytes, measured over the runner's own buffers
     (StepBuffers, as ModelRunner wires them) on a cache of one full token budget."""
     device = config.torch_device
@@ -62,7 +65,7 @@ def _probe(model, config: EngineConfig, kv: KVCacheSpec) -> tuple[int, int]:
     seq_len = min(config.max_model_len, budget)
     num_seqs = max(min(budget // seq_len, config.max_num_seqs), 1)
     per_seq = kv.blocks_for(seq_len)
-    buffers = StepBuffers.build(model, config, kv, num_seqs * per_seq, device)
+    buffers = StepBuffers.build(model, config, kv, num_seqs * per_seq, device, draft=draft)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -72,6 +75,8 @@ def _probe(model, config: EngineConfig, kv: KVCacheSpec) -> tuple[int, int]:
     activation = torch.cuda.max_memory_allocated() - base
     graphs = _probe_graphs(buffers, config) + buffers.static_bytes()
     kv.release(model)
+    if draft is not None:
+        kv.release(draft[0])
     del buffers
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -83,8 +88,9 @@ def _probe_graphs(buffers: StepBuffers, config: EngineConfig) -> int:
     probes = []
     largest = config.cudagraph_capture_sizes.largest
     if largest:
-        forward = buffers.decode_forward
-        probes.append(GraphRunner(forward.captured, forward.prepare_padding))
+        forward = buffers.decode_forward  # (with a draft model, its decode graphs: the larger)
+        captured = functools.partial(forward.captured, propose=buffers.state.draft_model is not None)
+        probes.append(GraphRunner(captured, forward.prepare_padding))
         probes[-1].capture([largest])
     tokens = config.prefill_graph_sizes.largest
     if tokens:

@@ -18,7 +18,8 @@ from nanoserve.runner.dispatch import GraphTable, Kind
 from nanoserve.runner.startup.probes import Probes
 
 CHECK_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}  # max |Δ logit| / max |logit|
-WHAT = {Kind.DECODE: "CUDA graph of {} rows", Kind.TOKENS: "CUDA graph of {} tokens (a mixed step)",
+WHAT = {Kind.DECODE: "CUDA graph of {} rows", Kind.DRAFT: "CUDA graph of {} rows (with the draft model)",
+        Kind.TOKENS: "CUDA graph of {} tokens (a mixed step)",
         Kind.SAMPLE: "sampler graph of {} rows", Kind.SAMPLE_MASKED: "masked sampler graph of {} rows"}
 
 
@@ -32,7 +33,7 @@ def self_check(table: GraphTable, buffers: StepBuffers, probes: Probes, dtype: t
     """The worst relative error per kind over every (kind, size) of the table. Raises GraphCheckError naming the
     first beyond the dtype's tolerance. agree: the worst over the tensor-parallel ranks, so they all fail (or pass)
     together."""
-    pairs = {Kind.DECODE: _decode_pair, Kind.TOKENS: _token_pair, Kind.SAMPLE: _sample_pair,
+    pairs = {Kind.DECODE: _decode_pair, Kind.DRAFT: _decode_pair, Kind.TOKENS: _token_pair, Kind.SAMPLE: _sample_pair,
              Kind.SAMPLE_MASKED: _sample_pair}
     worst: dict[Kind, float] = {}
     for kind, size in table.entries():
@@ -48,7 +49,7 @@ def self_check(table: GraphTable, buffers: StepBuffers, probes: Probes, dtype: t
 
 def _decode_pair(table: GraphTable, buffers: StepBuffers, probes: Probes, kind: Kind, rows: int):
     probes.load_decode_check(rows)
-    return table.replay(kind, rows).float().clone(), buffers.decode_forward(rows).float()
+    return table.replay(kind, rows).float().clone(), buffers.decode_forward(rows, propose=kind is Kind.DRAFT).float()
 
 
 def _token_pair(table: GraphTable, buffers: StepBuffers, probes: Probes, kind: Kind, tokens: int):

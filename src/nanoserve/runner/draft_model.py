@@ -1,0 +1,77 @@
+"""A draft model on the device (speculative_config "draft_model"): a smaller model with the target's token ids proposes
+each verifying sequence's drafts inside the target's own decode step, so the asynchronous loop and the decode graphs
+stay (the draft's k forwards are recorded in the same graph as the target's).
+
+Its KV cache mirrors the target's: the same blocks (the scheduler's block tables, slot mapping and prefix cache serve
+both), its own tensors. Every forward the target runs — prompt chunks, decode rows, verification rows — the draft runs
+too, over the same ids and metadata (mirror()), so wherever the target's cache holds a token the draft's holds it too:
+prefix-cache hits, preemption and rolled-back drafts need nothing of their own.
+
+Proposing (propose()), after the step's inputs are resolved (kernels/step_inputs.prepare_decode): a sequence whose
+first row r verifies c device drafts feeds its last token at its position p, then each draft it chose, for c steps;
+step j runs at row r + j - 1's position, KV slot and block table (the rows the target verifies), so its writes land
+where the target's mirror writes the same tokens again. The drafts are the draft model's greedy choices: one-hot draft
+distributions, so the target's verification (runner/speculative.py) is exact at any temperature. Each step runs over
+every row of the bucket (a static shape); rows that propose nothing write the dummy KV slot.
+"""
+from __future__ import annotations
+
+import torch
+
+from nanoserve.kernels.step_inputs import DEVICE_DRAFT
+from nanoserve.model.attention_metadata import AttentionMetadata
+
+
+class DraftModel:
+    def __init__(self, model, k: int, max_rows: int, dummy_kv_slot: int, device: torch.device):
+        """model: the draft (its KV cache bound); k: num_speculative_tokens; max_rows: the largest decode bucket."""
+        self.model, self.k, self.dummy_kv_slot = model, k, dummy_kv_slot
+        self.no_counts = torch.zeros(max_rows, dtype=torch.int32, device=device)  # prepare_decode resolves no draft
+        self.no_drafts = torch.zeros(max_rows, k, dtype=torch.int32, device=device)
+
+    def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        """The target's forward, run by the draft for its KV writes (its hidden states are not read)."""
+        self.model(input_ids, positions, meta)
+
+    def propose(self, input_ids: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                slot_mapping: torch.Tensor, context_lens: torch.Tensor, token_ids: torch.Tensor,
+                draft_ids: torch.Tensor, group_back: torch.Tensor, draft_slots: torch.Tensor) -> torch.Tensor:
+        """The rows' input ids with each proposing sequence's drafts filled in (its DEVICE_DRAFT rows), and draft_ids
+        (what each row's sample must equal) written in place. Graph-capturable (no host sync, static shapes)."""
+        rows = input_ids.shape[0]
+        r = torch.arange(rows, device=input_ids.device)
+        back = group_back.long()
+        first = r - back
+        is_draft = token_ids == DEVICE_DRAFT
+        proposing = draft_slots >= 0  # a sequence's first row, when its drafts come from the device
+        counts = torch.zeros(rows, dtype=torch.int32, device=r.device).index_add_(0, first, is_draft.int())
+        counts = torch.where(proposing, counts, 0)
+        drafts = self._chain(input_ids, tables, positions, slot_mapping, context_lens, counts)
+        ours = proposing[first] & (back < counts[first] + 1)  # rows of a proposing sequence's group
+        g = back.clamp(max=self.k)
+        at = drafts[first]  # [rows, k]: the group's drafts
+        filled = at.gather(1, (g - 1).clamp(min=0)[:, None])[:, 0]
+        ids = torch.where(ours & is_draft, filled, input_ids)
+        verified = at.gather(1, g.clamp(max=self.k - 1)[:, None])[:, 0]
+        draft_ids.copy_(torch.where(ours & (back < counts[first]), verified, draft_ids))
+        return ids
+
+    def _chain(self, input_ids, tables, positions, slot_mapping, context_lens, counts) -> torch.Tensor:
+        """[rows, k] int32: row r's greedy drafts, d_j from step j (only the first counts[r] mean anything)."""
+        rows = input_ids.shape[0]
+        r = torch.arange(rows, device=input_ids.device)
+        out = torch.empty(rows, self.k, dtype=torch.int32, device=input_ids.device)
+        token = input_ids
+        for j in range(self.k):  # step j + 1 feeds the token at row r + j's position
+            on = counts > j
+            src = torch.where(on, r + j, r).clamp(max=rows - 1)
+            meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.where(on, slot_mapping[src],
+                                                                                self.dummy_kv_slot),
+                                     context_lens=torch.where(on, context_lens[src], 1), block_tables=tables[src])
+            hidden = self.model(token, positions[src], meta)
+            token = self.model.compute_logits(hidden).argmax(dim=-1).to(torch.int32)
+            out[:, j] = token
+        return out
+
+
+__all__ = ["DraftModel"]

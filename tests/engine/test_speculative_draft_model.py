@@ -186,3 +186,25 @@ def test_a_step_that_proposes_nothing_skips_the_draft(drafts, monkeypatch):
     assert calls["propose"] == 0 and calls["mirror"] > 0 and llm.engine.stats.spec_draft_tokens == 0
     llm.generate(LOOPING, GREEDY, use_tqdm=False)
     assert calls["propose"] > 0
+
+
+def test_a_verification_step_on_its_own(drafts):
+    """bench/decode_step.verify_batch with device drafts, as speculative_verify.py times it: a model drafting for
+    itself proposes, at each draft row, the sample the target draws there (greedy); each run keeps every token (the
+    slots' device counts grow by k + 1) and the reset puts the counts back."""
+    from nanoserve.bench.decode_step import reset_device_tokens, verify_batch
+    llm = LLM(drafts["target"], speculative_config=draft_spec(drafts["self"]), **OPTIONS)
+    runner = llm.engine.core.runner
+    llm.generate(LOOPING, GREEDY, use_tqdm=False)  # (the cache holds real tokens; the batch reuses its blocks)
+    rows, context, k = 2, 20, 4  # (10 rows: one decode batch of max_num_seqs 12)
+    batch = verify_batch(runner, rows, context, k, on_device=True)
+    reset, hist_len = reset_device_tokens(runner, rows, context), runner.buffers.state.drafting.hist_len
+    for _ in range(2):
+        reset()
+        assert hist_len[:rows].tolist() == [context] * rows
+        result = runner.execute(batch).result()
+        for r in range(rows):
+            group = slice(r * (k + 1), (r + 1) * (k + 1))
+            samples, proposed = result.token_ids[group], result.draft_ids[group]
+            assert proposed[:k] == samples[:k] and proposed[k] == -1
+        assert hist_len[:rows].tolist() == [context + k + 1] * rows

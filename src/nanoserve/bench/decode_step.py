@@ -16,6 +16,7 @@ from nanoserve.engine.batching import build_batch
 from nanoserve.engine.scheduler import ScheduledStep
 from nanoserve.engine.sequence import Sequence
 from nanoserve.runner.batch import DecodeBatch, PrefillBatch, SamplingBatch, disjoint_decode_batch
+from nanoserve.runner.speculative import DEVICE_DRAFT
 from nanoserve.sampling import SamplingParams
 from nanoserve.runner.startup.timing import time_ms
 
@@ -45,12 +46,19 @@ def sampled_decode_batch(runner, rows: int, context_len: int) -> DecodeBatch:
     return dataclasses.replace(batch, sampling=greedy_sampling(batch.slots))
 
 
-def verify_batch(runner, rows: int, context_len: int, num_drafts: int, draft_id: int = 0) -> DecodeBatch | PrefillBatch:
+def verify_batch(runner, rows: int, context_len: int, num_drafts: int, draft_id: int = 0,
+                 on_device: bool = False) -> DecodeBatch | PrefillBatch:
     """The step that verifies num_drafts drafts on each of `rows` rows at context_len tokens a row, as the engine
     builds it (engine/batching.py: decode rows of each slot when they fit the largest decode batch, else a token-count
-    step), every row sampled greedily and checked against the drafts, over decode_batch's disjoint block tables."""
+    step), every row sampled greedily and checked against the drafts, over decode_batch's disjoint block tables.
+    on_device: the drafts are proposed on the device (a draft model, n-gram), which knows each slot's context_len
+    tokens (the rows must fit one decode batch; every run appends the kept tokens there, so time it with
+    before=reset_device_tokens(runner, rows, context_len))."""
     decode_batch(runner, rows, context_len + num_drafts)  # writes the tables
     per_row = runner.kv.blocks_for(context_len + num_drafts)
+    if on_device:
+        reset_device_tokens(runner, rows, context_len)()
+        draft_id = DEVICE_DRAFT
     step = ScheduledStep()
     for i in range(rows):
         seq = Sequence(f"verify-{i}", [draft_id] * context_len, SamplingParams(temperature=0.0))
@@ -58,7 +66,13 @@ def verify_batch(runner, rows: int, context_len: int, num_drafts: int, draft_id:
         seq.block_table = list(range(i * per_row, (i + 1) * per_row))
         seq.num_synced_blocks = per_row
         step.add(seq, 1 + num_drafts, True, [draft_id] * num_drafts)
-    return build_batch(step, runner.config.block_size, [], runner.config.max_num_seqs)
+    return build_batch(step, runner.config.block_size, [], runner.config.max_num_seqs, on_device)
+
+
+def reset_device_tokens(runner, rows: int, context_len: int):
+    """A callable that sets slots 0..rows-1 back to context_len tokens known on the device (one small fill)."""
+    hist_len = runner.buffers.state.drafting.hist_len
+    return lambda: hist_len[:rows].fill_(context_len)
 
 
 def _write_tables(runner, slots, tables) -> None:  # module level: RunnerGroup pickles it to the workers
@@ -75,9 +89,12 @@ def time_decode_step(runner, batch: DecodeBatch, warmup: int = 5, iters: int = 3
     return time_ms(lambda: runner.execute(batch), runner.info.device, warmup, iters)
 
 
-def time_step(runner, batch, warmup: int = 5, iters: int = 30) -> list[float]:
-    """ms per step (launch + sampled tokens read back) over iters calls after warmup (the package's timing loop)."""
+def time_step(runner, batch, warmup: int = 5, iters: int = 30, before=None) -> list[float]:
+    """ms per step (launch + sampled tokens read back) over iters calls after warmup (the package's timing loop);
+    before: called ahead of each step, inside the timing (reset_device_tokens)."""
     def step():
+        if before is not None:
+            before()
         handle = runner.execute(batch)
         if handle is not None:
             handle.result()
@@ -85,4 +102,4 @@ def time_step(runner, batch, warmup: int = 5, iters: int = 30) -> list[float]:
 
 
 __all__ = ["decode_batch", "run_decode_step", "time_decode_step", "sampled_decode_batch", "verify_batch", "time_step",
-           "greedy_sampling"]
+           "greedy_sampling", "reset_device_tokens"]

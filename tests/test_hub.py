@@ -79,6 +79,21 @@ def test_llm_by_hub_id(hub_cache, offline, tiny_model_dirs):
         assert llm.generate(["hello there"], params, use_tqdm=False)[0].token_ids == by_id
 
 
+def test_a_draft_model_by_hub_id(hub_cache, offline, tiny_model_dirs):
+    """speculative_config's draft "model" resolves like the model: a hub id from the cache, a missing one refused."""
+    from nanoserve import LLM, SamplingParams
+
+    opts = dict(device="cpu", max_model_len=64, max_num_seqs=4, show_progress=False, download_dir=str(hub_cache))
+    spec = {"method": "draft_model", "model": "tiny-org/tiny-qwen3", "num_speculative_tokens": 3}
+    with LLM(str(tiny_model_dirs["qwen3"]), speculative_config=spec, **opts) as llm:
+        assert llm.engine.core.config.speculative.model == str(
+            hub_cache / "models--tiny-org--tiny-qwen3" / "snapshots" / COMMIT)
+        llm.generate(["hello there"], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+        assert llm.engine.stats.spec_accepted_tokens == llm.engine.stats.spec_draft_tokens > 0
+    with pytest.raises(HubModelError, match="nobody/nothing-here"):
+        LLM(str(tiny_model_dirs["qwen3"]), speculative_config={**spec, "model": "nobody/nothing-here"}, **opts)
+
+
 def _cli(*args, env):
     return subprocess.run([sys.executable, "-m", "nanoserve", *args], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **env})

@@ -135,10 +135,12 @@ def test_bad_draft_models_are_one_line_errors(drafts, tmp_path):
              ({"method": "draft_model", "num_speculative_tokens": 2}, 'needs "model"'),
              ({"method": "draft_model", "model": drafts["self"]}, "needs num_speculative_tokens"),
              ({**draft_spec(drafts["self"]), "prompt_lookup_max": 2}, "do not apply")]
-    for spec, message in cases:
+    cases.append((draft_spec(drafts["self"]), "a draft model runs with tensor_parallel_size=1 only"))
+    for i, (spec, message) in enumerate(cases):
+        tp = 2 if i == len(cases) - 1 else 1
         with pytest.raises(ValueError, match=re.escape(message)) as e:
             check_engine_config(EngineConfig(model=drafts["target"], device="cpu", max_model_len=128,
-                                             speculative_config=spec))
+                                             speculative_config=spec, tensor_parallel_size=tp))
         assert "\n" not in str(e.value)
 
 

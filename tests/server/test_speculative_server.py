@@ -31,3 +31,23 @@ def test_stream_carries_the_greedy_text_and_metrics_the_acceptance(speculating, 
     drafted = speculating.metric(snapshot, "nanoserve_spec_decode_num_draft_tokens_total", method="ngram")
     accepted = speculating.metric(snapshot, "nanoserve_spec_decode_num_accepted_tokens_total", method="ngram")
     assert drafted > 0 and 0 < accepted <= drafted
+
+
+def test_a_draft_model_serves_the_same_stream(model_dir, serve_app, offline):
+    """A draft model (the served model drafting for itself) through the server: the stream's greedy text is the
+    offline engine's without drafts, and /metrics counts its drafts under method="draft_model", all accepted."""
+    spec = f'{{"method": "draft_model", "model": "{model_dir}", "num_speculative_tokens": 3}}'
+    server = serve_app(build_app(model_dir, api_key=API_KEY, served_model_name=MODEL, speculative_config=spec,
+                                 **ENGINE_OPTIONS))
+    client = server.client()
+    for prompt in PROMPTS:
+        want = offline.generate(prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+                                use_tqdm=False)[0].text
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0.0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want
+    server.wait_idle()
+    snapshot = server.metrics()
+    drafted = server.metric(snapshot, "nanoserve_spec_decode_num_draft_tokens_total", method="draft_model")
+    accepted = server.metric(snapshot, "nanoserve_spec_decode_num_accepted_tokens_total", method="draft_model")
+    assert drafted > 0 and accepted == drafted

@@ -44,14 +44,16 @@ def test_greedy_equals_no_speculation_under_churn(drafts, num_kv_blocks, chunk):
         assert stats.preemptions > 0
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-def test_a_model_drafting_for_itself_is_always_accepted(drafts, async_scheduling):
+@pytest.mark.parametrize("async_scheduling, kv", [(True, "auto"), (False, "auto"), (True, "fp8")],
+                         ids=["async", "sync", "fp8-kv"])
+def test_a_model_drafting_for_itself_is_always_accepted(drafts, async_scheduling, kv):
     """Every draft is accepted, prefix-cache hits included (the second pass), so the draft's mirrored cache holds the
-    target's tokens; the asynchronous loop schedules steps while drafts are verified; max_tokens and stop ids inside
-    an accepted run end it exactly there."""
-    base = [o.token_ids for o in LLM(drafts["target"], **OPTIONS).generate(LOOPING, GREEDY, use_tqdm=False)]
+    target's tokens (an fp8 cache too); the asynchronous loop schedules steps while drafts are verified; max_tokens
+    and stop ids inside an accepted run end it exactly there."""
+    opts = {**OPTIONS, "kv_cache_dtype": kv}
+    base = [o.token_ids for o in LLM(drafts["target"], **opts).generate(LOOPING, GREEDY, use_tqdm=False)]
     llm = LLM(drafts["target"], speculative_config=draft_spec(drafts["self"]), async_scheduling=async_scheduling,
-              **OPTIONS)
+              **opts)
     for round_ in range(2):
         tokens, overlapped = _drive(llm, LOOPING, GREEDY, prefix=f"{round_}-")
         assert list(tokens.values()) == base

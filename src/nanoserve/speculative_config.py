@@ -19,6 +19,8 @@ SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_ca
 MAX_SPECULATIVE_TOKENS = 32  # drafts per sequence per step: the verification rows of a step grow with it
 # A sequence's acceptance starts from this prior (accepted, proposed) until its own drafts are counted.
 ACCEPTANCE_PRIOR = (1.0, 2.0)
+# ... and the chance its host proposer finds a draft at all from this prior (found, asked).
+FOUND_PRIOR = (1.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -127,4 +129,4 @@ def _suffix(s: dict) -> SpeculativeConfig:
     return SpeculativeConfig(**_common(s))
 
 
-__all__ = ["SpeculativeConfig", "SPECULATIVE_METHODS", "MAX_SPECULATIVE_TOKENS", "ACCEPTANCE_PRIOR"]
+__all__ = ["SpeculativeConfig", "SPECULATIVE_METHODS", "MAX_SPECULATIVE_TOKENS", "ACCEPTANCE_PRIOR", "FOUND_PRIOR"]

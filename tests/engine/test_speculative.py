@@ -256,3 +256,67 @@ def test_plan_drafts_costs_decode_rows_up_to_the_largest_decode_batch():
     flat = lambda tokens: 1.0 + 0.0 * tokens  # noqa: E731
     assert plan_drafts([4], [0.5], steep, flat, max_decode_rows=1) == [4]  # verified as a (flat) token step
     assert plan_drafts([4], [0.5], steep, flat, max_decode_rows=8) == [0]  # as (steep) decode rows
+
+
+def test_plan_drafts_prices_the_hosts_wait_and_the_chance_of_a_draft():
+    """Host drafts make the loop wait for the host: a plain step costs max(device, host), a verifying one both; a
+    draft counts by the chance one is found at all."""
+    flat = lambda rows: 1.0 + 0.0 * rows  # noqa: E731
+    assert plan_drafts([4], [0.3], flat, flat, max_decode_rows=8) == [4]
+    assert plan_drafts([4], [0.3], flat, flat, max_decode_rows=8, host_ms=0.8) == [0]  # 1.4 tokens for 1.8 ms vs 1 for 1
+    assert plan_drafts([4], [0.9], flat, flat, max_decode_rows=8, host_ms=0.8) == [4]  # 4.1 tokens for 1.8 ms
+    assert plan_drafts([4], [0.9], flat, flat, max_decode_rows=8, host_ms=0.8, weights=[0.1]) == [0]
+    assert plan_drafts([4], [0.3], flat, flat, max_decode_rows=8, host_ms=3.0) == [4]  # host-bound: waiting is cheap
+
+
+def _drive_watched(llm, prompts, params, steps_before=None) -> tuple[list, int]:
+    """Run prompts by engine steps: (token ids per prompt, steps scheduled while another was in flight);
+    steps_before(i): called before step i."""
+    core, tokens, overlapped, i = llm.engine.core, {}, [], 0
+    schedule = core.scheduler.schedule
+
+    def watched():
+        overlapped.append(len(core._pipeline) > 0)
+        return schedule()
+
+    core.scheduler.schedule = watched
+    for n, p in enumerate(prompts):
+        llm.engine.add_request(str(n), p, params)
+    while core.has_unfinished_requests():
+        if steps_before is not None:
+            steps_before(i)
+        i += 1
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return [tokens[k] for k in sorted(tokens)], sum(overlapped)
+
+
+def test_host_drafts_back_off_when_waiting_does_not_pay(tiny_model_dirs):
+    """With step curves that make verification dear (as measured CUDA graphs would say), suffix speculation backs
+    off: the loop runs asynchronously, nothing is verified, and each sequence's acceptance is still measured against
+    shadow drafts; made cheap again, drafting resumes. The tokens are those without speculation throughout."""
+    path = str(tiny_model_dirs["qwen3"])
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    base = [o.token_ids for o in LLM(path, **OPTIONS).generate(LOOPING, params, use_tqdm=False)]
+    dear = lambda rows: 1.0 + 100.0 * (rows - 1)  # noqa: E731
+    flat = lambda rows: 1.0 + 0.0 * rows  # noqa: E731
+    llm = LLM(path, speculative_config=SUFFIX, **OPTIONS)
+    spec = llm.engine.core._speculator
+    spec._curves = (dear, dear)
+    tokens, overlapped = _drive_watched(llm, LOOPING, params)
+    assert tokens == base and overlapped > 0
+    stats = llm.engine.stats
+    assert stats.spec_draft_tokens == 0 and spec.backed_off
+
+    def cheapen(i):
+        if i == 12:
+            spec._curves = (flat, flat)
+    llm2 = LLM(path, speculative_config=SUFFIX, **OPTIONS)
+    spec = llm2.engine.core._speculator
+    spec._curves = (dear, dear)
+    shadowed = []
+    original = spec._check_shadow
+    spec._check_shadow = lambda seq, toks: (shadowed.append(seq.request_id), original(seq, toks))
+    tokens, _ = _drive_watched(llm2, LOOPING, params, cheapen)
+    assert tokens == base
+    assert shadowed and llm2.engine.stats.spec_accepted_tokens > 0  # measured while backed off, then drafted

@@ -53,6 +53,7 @@ from nanoserve.runner.parallel.group import WorkerError, create_runner
 logger = logging.getLogger("nanoserve")
 
 GRAMMAR_WAIT_S = 0.01  # an idle loop with only grammars compiling waits this long for one, not spinning
+HOST_MS_WEIGHT = 0.2  # the host's time a step: an exponential average, each step's this much of it
 
 
 class EngineCore:
@@ -75,6 +76,8 @@ class EngineCore:
         self._compiling: dict[str, Future] = {}  # request id → its grammar, compiling; the sequence waits for it
         self._prompt_tokens = self._generation_tokens = self._mixed_steps = 0
         self._speculator = self._make_speculator()
+        self._host_ms: float | None = None  # the host's own time a step (not waiting for the device), averaged
+        self._waited_s = 0.0  # this step's wait for sampled tokens
         logger.info("%s", ready_line(self.config, self.info, hf_config, self.block_manager.window,
                                       time.perf_counter() - start))
 
@@ -179,13 +182,18 @@ class EngineCore:
         produced. With overlap the step is scheduled and built before the host waits for any token, except that a
         constrained step before it (its forward running) first has the step before that read and its own masks
         started: they fill while this one is scheduled and built; then its sampler and this step are launched."""
+        began, self._waited_s = time.perf_counter(), 0.0
         outputs: list[SeqOutput] = self._admit_compiled() if self._compiling else []
         spec = self._speculator
-        overlap = self.config.async_scheduling and self._num_penalty_seqs == 0 and (spec is None or self._spec_overlaps())
+        may_overlap = self.config.async_scheduling and self._num_penalty_seqs == 0
+        if spec is not None and not may_overlap:
+            spec.loop_waits()
+        overlap = may_overlap and (spec is None or self._spec_overlaps())
         if not overlap:  # every token known before scheduling
             outputs += self._read_all()
         started = self._start_deferred() if self._pipeline.deferred is not None else None
-        if spec is not None and not self._num_grammar_seqs:  # (a grammar's bitmask covers one row per sequence)
+        # (a grammar's bitmask covers one row per sequence; host drafts need every token: not while overlapping)
+        if spec is not None and not self._num_grammar_seqs and (spec.on_device or not overlap):
             spec.offer(self.scheduler.running, on_device=overlap,
                        decode_only=not self._num_penalty_seqs and self._decode_rows_only(admits=False))
         step = self.scheduler.schedule()
@@ -202,13 +210,21 @@ class EngineCore:
         keep = 1 if step and (overlap or spec is not None) else 0  # speculating: the front end's work overlaps it
         while len(self._pipeline) > keep:
             outputs += self._complete(*self._read(self._pipeline.oldest()))
+        if step:
+            host_ms = (time.perf_counter() - began - self._waited_s) * 1e3
+            self._host_ms = host_ms if self._host_ms is None else (
+                (1 - HOST_MS_WEIGHT) * self._host_ms + HOST_MS_WEIGHT * host_ms)
         return outputs
 
     def _spec_overlaps(self) -> bool:
         """Speculating, the next step may be scheduled before the one in flight is read when its drafts come from the
         device and it is decode rows only (a prompt step's positions come from the host, which must know every
-        token), with no min_tokens ban (whose rows the host counts from the tokens it knows)."""
-        return self._speculator.on_device and not self._num_min_tokens_seqs and self._decode_rows_only()
+        token), with no min_tokens ban (whose rows the host counts from the tokens it knows); with host drafts, when
+        waiting for the step in flight would not pay for itself (Speculator.worth_waiting: the step drafts nothing)."""
+        spec = self._speculator
+        if not spec.on_device:  # (host positions: not past a step whose drafts are not read yet)
+            return not spec.worth_waiting(self.scheduler.running, self._host_ms) and not self._pipeline.verifying
+        return not self._num_min_tokens_seqs and self._decode_rows_only()
 
     def _decode_rows_only(self, admits: bool = True) -> bool:
         """Every running sequence decodes and nothing waits (admits=False: nothing waits that could be admitted now,
@@ -266,7 +282,9 @@ class EngineCore:
         whether the token fitted its grammar (None without grammar rows)."""
         if done.handle is None:
             return done, None, None
+        waiting = time.perf_counter()
         result = done.handle.result()
+        self._waited_s += time.perf_counter() - waiting
         grammar = self._num_grammar_seqs and not done.step.has_drafts
         accepted = self._grammars.accept(done.sampled, result.token_ids) if grammar else None
         return done, result, accepted

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from nanoserve.runner.startup.bucket_plan import StepTime
-from nanoserve.speculative_config import ACCEPTANCE_PRIOR
+from nanoserve.speculative_config import ACCEPTANCE_PRIOR, FOUND_PRIOR
 
 
 def acceptance_rate(accepted: int, drafted: int) -> float:
@@ -22,18 +22,30 @@ def acceptance_rate(accepted: int, drafted: int) -> float:
     return (accepted + prior_accepted) / (drafted + prior_drafted)
 
 
+def found_rate(found: int, asked: int) -> float:
+    """How often a sequence's host proposer finds a draft, from the prior until its own proposals are counted."""
+    prior_found, prior_asked = FOUND_PRIOR
+    return (found + prior_found) / (asked + prior_asked)
+
+
 def plan_drafts(lengths: list[int], rates: list[float], decode_ms: StepTime, tokens_ms: StepTime,
-                max_decode_rows: int = 0, verify_ms: StepTime | None = None) -> list[int]:
+                max_decode_rows: int = 0, verify_ms: StepTime | None = None, host_ms: float | None = None,
+                weights: list[float] | None = None) -> list[int]:
     """Per sequence, how many of its offered drafts (lengths[i]) to verify, given acceptance rates and the measured
     step times (decode_ms: rows → ms of a decode step; tokens_ms: tokens → ms of a token-count step): a step of up
     to max_decode_rows tokens verifies as decode rows, a larger one as a token-count step. verify_ms: rows → ms of a
-    decode step that verifies drafts, when that costs more than a plain one (a draft model's forwards: Kind.DRAFT)."""
+    decode step that verifies drafts, when that costs more than a plain one (a draft model's forwards: Kind.DRAFT).
+    host_ms: the host's time a step, when drafting means waiting for it (host drafts need every token first): a plain
+    step then costs max(device, host) (the loop overlaps them), a verifying one device + host. weights: per sequence,
+    the chance its proposer finds a draft at all (each draft's worth is scaled by it)."""
     b = len(lengths)
     owner = np.repeat(np.arange(b), lengths)
     if not len(owner):
         return [0] * b
     position = np.arange(len(owner)) - np.repeat(np.cumsum(lengths) - lengths, lengths) + 1
     value = np.asarray(rates, np.float64)[owner] ** position
+    if weights is not None:
+        value = value * np.asarray(weights, np.float64)[owner]
     order = np.lexsort((position, owner, -value))  # best first; ties: earlier sequence, earlier position
     expected = b + np.concatenate([[0.0], np.cumsum(value[order])])
     n = np.arange(len(order) + 1)
@@ -44,8 +56,11 @@ def plan_drafts(lengths: list[int], rates: list[float], decode_ms: StepTime, tok
     if verify_ms is not None:
         drafting = as_decode & (n > 0)
         cost[drafting] = np.asarray(verify_ms(rows[drafting]), np.float64)
+    if host_ms is not None:
+        cost[0] = max(cost[0], host_ms)
+        cost[1:] += host_ms
     best = int(np.argmax(expected / cost))
     return np.bincount(owner[order[:best]], minlength=b).tolist()
 
 
-__all__ = ["acceptance_rate", "plan_drafts"]
+__all__ = ["acceptance_rate", "found_rate", "plan_drafts"]

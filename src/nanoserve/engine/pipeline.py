@@ -53,6 +53,11 @@ class StepPipeline:
     def busy(self) -> bool:
         return bool(self._inflight) or self.deferred is not None
 
+    @property
+    def verifying(self) -> bool:
+        """A step in flight verifies drafts (its sequences' lengths are known only once it is read)."""
+        return any(any(entry.step.drafts) for entry in self._inflight)
+
     def launched(self, entry: InFlight) -> None:
         """A step launched whole."""
         assert self.deferred is None, "a step launched while a deferred step's sampler waits (it reads its tokens)"

@@ -22,7 +22,7 @@ the outputs of the one before).
 """
 from __future__ import annotations
 
-from nanoserve.engine.draft_plan import acceptance_rate, plan_drafts
+from nanoserve.engine.draft_plan import acceptance_rate, found_rate, plan_drafts
 from nanoserve.engine.drafts import make_proposer
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.runner.speculative import DEVICE_DRAFT, accepted_count
@@ -42,6 +42,11 @@ class Speculator:
         planned = spec.adaptive and step_curve is not None and token_curve is not None
         self._curves = (step_curve, token_curve) if planned else None
         self._verify_curve = draft_curve
+        # host drafts' back-off (worth_waiting): per request, its proposer's (found, asked) counts, and the shadow
+        # draft proposed while backed off that its next tokens are checked against ([drafts, matched so far])
+        self.backed_off = False
+        self._found: dict[str, list[int]] = {}
+        self._shadow: dict[str, list] = {}
         self.num_drafts = self.draft_tokens = self.accepted_tokens = 0  # rows that verified drafts; drafts; kept
         self.accepted_per_position = [0] * spec.num_speculative_tokens
 
@@ -53,8 +58,32 @@ class Speculator:
     def remove(self, seq: Sequence, keep_outputs: bool) -> None:
         if self.proposer is not None:
             self.proposer.remove(seq.request_id, keep_outputs)
+        self._found.pop(seq.request_id, None)
+        self._shadow.pop(seq.request_id, None)
 
     # -- before a step ------------------------------------------------------------------------------
+    def worth_waiting(self, running: list[Sequence], host_ms: float | None) -> bool:
+        """Host drafts (suffix) need every token before drafting: the loop waits for the step in flight, so a verifying
+        step costs the host's time on top of the device's, while a plain one overlaps them. True when the plan at that
+        price keeps any draft (always, without measured curves or host time). While it says no, the sequences are
+        backed off: they decode in the asynchronous loop and their acceptance keeps being measured against shadow
+        drafts (extend), so drafting resumes when it pays again."""
+        if self.on_device or self._curves is None or host_ms is None:
+            self.backed_off = False
+            return True
+        rows = [s for s in running if s.decoding and not s.is_finished]
+        k = self.spec.num_speculative_tokens
+        lengths = [min(k, s.draft_room(self.max_model_len)) for s in rows]
+        rates = [acceptance_rate(s.num_accepted, s.num_drafted) for s in rows]
+        found = [found_rate(*self._found.get(s.request_id, (0, 0))) for s in rows]
+        keep = plan_drafts(lengths, rates, *self._curves, self.max_decode_rows, host_ms=host_ms, weights=found)
+        self.backed_off = not any(keep)
+        return not self.backed_off
+
+    def loop_waits(self) -> None:
+        """The loop reads every step anyway (penalties, synchronous scheduling): host drafts cost no extra wait."""
+        self.backed_off = False
+
     def offer(self, running: list[Sequence], on_device: bool = False, decode_only: bool = True) -> None:
         """Set each decoding sequence's draft_token_ids for the next schedule (the scheduler may run fewer).
         on_device: the step is scheduled before the one in flight is read (drafts from the device, decode rows only);
@@ -63,6 +92,8 @@ class Speculator:
         and prompts must not wait behind them) and no request has penalties (which read every draft on the host)."""
         rows = [s for s in running if s.decoding and not s.is_finished]
         k = self.spec.num_speculative_tokens
+        if self.backed_off:  # (host drafts the plan found not worth waiting for: see worth_waiting)
+            k = 0
         if self.proposer is None:
             offered = [[DEVICE_DRAFT] * min(k, s.draft_room(self.max_model_len)) if decode_only else [] for s in rows]
         else:
@@ -86,7 +117,13 @@ class Speculator:
         return [[DEVICE_DRAFT] * min(len(d), share) for d in offered]
 
     def _propose(self, seq: Sequence, k: int) -> list[int]:
-        return self.proposer.propose(seq.request_id, k) if k > 0 else []
+        if k <= 0:
+            return []
+        drafts = self.proposer.propose(seq.request_id, k)
+        counts = self._found.setdefault(seq.request_id, [0, 0])
+        counts[0] += bool(drafts)
+        counts[1] += 1
+        return drafts
 
     # -- after a step -------------------------------------------------------------------------------
     def verified(self, seq: Sequence, drafts: list[int], samples: list[int]) -> list[int]:
@@ -105,8 +142,36 @@ class Speculator:
         return samples[:a + 1]
 
     def extend(self, seq: Sequence, tokens: list[int]) -> None:
-        if self.proposer is not None:
-            self.proposer.extend(seq.request_id, tokens)
+        """Tokens seq appended: they settle its shadow draft, join its proposer's index, and (backed off) a new
+        shadow draft follows them."""
+        if self.proposer is None:
+            return
+        rid = seq.request_id
+        if rid in self._shadow:
+            self._check_shadow(seq, tokens)
+        self.proposer.extend(rid, tokens)
+        if self.backed_off and rid not in self._shadow:
+            drafts = self._propose(seq, min(self.spec.num_speculative_tokens, seq.draft_room(self.max_model_len)))
+            if drafts:
+                self._shadow[rid] = [drafts, 0]
+
+    def _check_shadow(self, seq: Sequence, tokens: list[int]) -> None:
+        """Count a shadow draft like a verified one (drafted, accepted) once its tokens settle it: at the first
+        token that differs, or when every draft matched."""
+        shadow = self._shadow[seq.request_id]
+        drafts, matched = shadow
+        for token in tokens:
+            if token != drafts[matched]:
+                break
+            matched += 1
+            if matched == len(drafts):
+                break
+        else:
+            shadow[1] = matched  # (every new token matched: the rest is still to come)
+            return
+        del self._shadow[seq.request_id]
+        seq.num_drafted += len(drafts)
+        seq.num_accepted += matched
 
     def stats(self) -> dict:
         """The EngineStats fields of speculation."""

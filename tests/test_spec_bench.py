@@ -1,6 +1,7 @@
 """benchmarks/speculative.py (issue 38's offline benchmark) on a tiny random model with two short prompts: the JSON's
 fields, greedy outputs identical across methods, the method settings and overrides; and the committed workloads'
-shape. The real SmolLM2 run is `python benchmarks/speculative.py workload --device cpu --limit N`."""
+shape; benchmarks/speculative_serve.py through real `nanoserve serve` processes. The real SmolLM2 run is
+`python benchmarks/speculative.py workload --device cpu --limit N`."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import spec_workloads, speculative  # noqa: E402
+from benchmarks import spec_workloads, speculative, speculative_serve  # noqa: E402
 
 PROMPTS = [{"source": "test", "messages": [{"role": "user", "content": "Repeat: the cat sat on the mat, the cat."}]},
            {"source": "test", "messages": [{"role": "user", "content": "Tell me a story."}]}]
@@ -89,3 +90,22 @@ def test_compare_lists_mismatches_and_ratios():
     assert t["copy / ngram / prompts whose output differs from none's"]["met"] is False
     assert "copy / ngram / tok/s vs none" not in speculative.targets(runs, "cpu")
     assert speculative.first_difference([1, 2, 3], [1, 5]) == 1 and speculative.first_difference([1], [1, 2]) == 1
+
+
+def test_served_streams_carry_the_same_tokens_and_their_latencies(tmp_path, tiny_model_dirs, monkeypatch):
+    """speculative_serve.py: a server per method, one stream at a time; token ids equal none's, per-token latency
+    and chunk sizes recorded (the model drafting for itself: several tokens a chunk), offline ratios set beside."""
+    monkeypatch.setattr(speculative, "load_workload", lambda name, limit=None: PROMPTS[:limit])
+    offline = tmp_path / "offline.json"
+    offline.write_text(json.dumps({"runs": {"draft_model": {"workloads": {"copy": {"tok_s_vs_none": 1.5}}}}}))
+    out = tmp_path / "serve.json"
+    assert speculative_serve.main(["--model", str(tiny_model_dirs["qwen3"]), "--methods", "none,draft_model",
+                                   "--workload", "copy", "--max-tokens", "16", "--device", "cpu",
+                                   "--offline", str(offline), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    none, drafted = (report["runs"][m]["workloads"]["copy"] for m in ("none", "draft_model"))
+    assert none["requests"] == drafted["requests"] == 2 and none["output_tokens"] == drafted["output_tokens"] > 0
+    assert drafted["tokens_per_chunk"] > 1.0 <= none["tokens_per_chunk"]
+    assert drafted["prompts_differing_from_none"] == 0 and drafted["tpot_ms"]["p50"] > 0
+    assert drafted["offline_tok_s_vs_none"] == 1.5 and "served_over_offline" in drafted
+    assert report["targets"]["copy / draft_model / prompts whose output differs from none's"]["met"]

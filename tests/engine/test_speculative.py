@@ -71,14 +71,20 @@ def test_looping_prompts_accept_drafts_and_stop_exactly(tiny_model_dirs, method)
         again = spec_llm.engine.stats
         assert again.spec_accepted_tokens - stats.spec_accepted_tokens >= 0.8 * (
             again.spec_draft_tokens - stats.spec_draft_tokens) > 0
-    for cut in (3, 7, 13):  # ends mid-run: max_tokens, then the token at `cut` as a stop id
+    assert_ends_mid_run(spec_llm, base)
+    assert spec_llm.engine.core.block_manager.num_used_blocks == 0
+
+
+def assert_ends_mid_run(llm, base: list[list[int]]) -> None:
+    """max_tokens, then the token at `cut` as a stop id, inside accepted runs: each output ends exactly there, with
+    the tokens of `base` (LOOPING's greedy outputs without speculation)."""
+    for cut in (3, 7, 13):
         capped = SamplingParams(max_tokens=cut, temperature=0.0, ignore_eos=True)
-        assert [o.token_ids for o in spec_llm.generate(LOOPING, capped, use_tqdm=False)] == [t[:cut] for t in base]
+        assert [o.token_ids for o in llm.generate(LOOPING, capped, use_tqdm=False)] == [t[:cut] for t in base]
         for prompt, want in zip(LOOPING, base):
             stop = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True, stop_token_ids=[want[cut]])
-            out = spec_llm.generate(prompt, stop, use_tqdm=False)[0]
+            out = llm.generate(prompt, stop, use_tqdm=False)[0]
             assert out.token_ids == want[:want.index(want[cut]) + 1] and out.finish_reason == "stop"
-    assert spec_llm.engine.core.block_manager.num_used_blocks == 0
 
 
 def test_prefix_hits_windows_and_penalties_keep_tokens(tiny_model_dirs, tiny_family_dirs):

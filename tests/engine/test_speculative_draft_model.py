@@ -15,7 +15,8 @@ from nanoserve.engine.draft_plan import plan_drafts
 from nanoserve.engine.preflight import check_engine_config
 from nanoserve.tiny import make_tiny_model
 from tests.engine.churn import check_blocks, run_churn
-from tests.engine.test_speculative import LOOPING, OPTIONS, _chi_square_p, _pooled, greedy_params
+from tests.engine.test_speculative import (LOOPING, OPTIONS, _chi_square_p, _pooled, assert_ends_mid_run,
+                                          greedy_params)
 from tests.engine.test_speculative_device import _drive
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -61,13 +62,7 @@ def test_a_model_drafting_for_itself_is_always_accepted(drafts, async_scheduling
     stats = llm.engine.stats
     assert stats.prefix_cache_hit_tokens > 0
     assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
-    for cut in (3, 7, 13):
-        capped = SamplingParams(max_tokens=cut, temperature=0.0, ignore_eos=True)
-        assert [o.token_ids for o in llm.generate(LOOPING, capped, use_tqdm=False)] == [t[:cut] for t in base]
-        for prompt, want in zip(LOOPING, base):
-            stop = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True, stop_token_ids=[want[cut]])
-            out = llm.generate(prompt, stop, use_tqdm=False)[0]
-            assert out.token_ids == want[:want.index(want[cut]) + 1] and out.finish_reason == "stop"
+    assert_ends_mid_run(llm, base)
     check_blocks(llm.engine)
     assert llm.engine.core.block_manager.num_used_blocks == 0
 

@@ -18,14 +18,19 @@ def speculating(model_dir, serve_app):
                                **ENGINE_OPTIONS))
 
 
-def test_stream_carries_the_greedy_text_and_metrics_the_acceptance(speculating, offline):
-    client = speculating.client()
+def assert_streams_greedy_text(server, offline, max_tokens: int) -> None:
+    """Each prompt streamed greedily carries the offline engine's text without drafts."""
+    client = server.client()
     for prompt in PROMPTS:
-        want = offline.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+        want = offline.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                                 use_tqdm=False)[0].text
-        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0.0, stream=True,
-                                           extra_body={"ignore_eos": True})
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                           stream=True, extra_body={"ignore_eos": True})
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want
+
+
+def test_stream_carries_the_greedy_text_and_metrics_the_acceptance(speculating, offline):
+    assert_streams_greedy_text(speculating, offline, 40)
     speculating.wait_idle()
     snapshot = speculating.metrics()
     drafted = speculating.metric(snapshot, "nanoserve_spec_decode_num_draft_tokens_total", method="ngram")
@@ -39,13 +44,7 @@ def test_a_draft_model_serves_the_same_stream(model_dir, serve_app, offline):
     spec = f'{{"method": "draft_model", "model": "{model_dir}", "num_speculative_tokens": 3}}'
     server = serve_app(build_app(model_dir, api_key=API_KEY, served_model_name=MODEL, speculative_config=spec,
                                  **ENGINE_OPTIONS))
-    client = server.client()
-    for prompt in PROMPTS:
-        want = offline.generate(prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
-                                use_tqdm=False)[0].text
-        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0.0, stream=True,
-                                           extra_body={"ignore_eos": True})
-        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want
+    assert_streams_greedy_text(server, offline, 30)
     server.wait_idle()
     snapshot = server.metrics()
     drafted = server.metric(snapshot, "nanoserve_spec_decode_num_draft_tokens_total", method="draft_model")

@@ -10,15 +10,17 @@ along or the rows outnumber the largest decode batch. After the step, the sequen
 their KV slots are simply written again by later steps.
 
 n-gram drafts and a draft model's are proposed on the device (on_device: runner/speculative.DraftState,
-runner/draft_model.py), so the loop stays asynchronous:
-the host schedules step N+1 while step N runs, counting N's drafts as kept; N+1's rows take their positions and drafts
-from the device, which knows N's outcome, and the host corrects its counts when it reads N. The host's own proposer,
-one step behind, only says how many drafts a sequence is offered (a match in what the host knows predicts one on the
-device). Such drafts run as decode rows only, so the loop waits for the step in flight whenever a prompt waits or runs
-(or a request has penalties or min_tokens, which read the tokens on the host): the host then offers its own drafts,
-which equal the device's. Suffix drafts always come from the host, which must know every token before it drafts: that
-loop reads each step before scheduling the next (the step just launched is left running while the front end handles
-the outputs of the one before).
+runner/draft_model.py), so the loop stays asynchronous: the host schedules step N+1 while step N runs, counting N's
+drafts as kept; N+1's rows take their positions and drafts from the device, which knows N's outcome, and the host
+corrects its counts when it reads N. The host's own n-gram proposer, one step behind, only says how many drafts a
+sequence is offered (a match in what the host knows predicts one on the device); a draft model is offered k, as the
+plan allows. Such drafts run as decode rows only, so the n-gram loop waits for the step in flight whenever a prompt
+waits or runs (or a request has penalties or min_tokens, which read the tokens on the host): the host then offers its
+own drafts, which equal the device's; a draft model then drafts only in steps of decode rows (offer's decode_only).
+Suffix drafts always come from the host, which must know every token before it drafts: that loop reads each step
+before scheduling the next (the step just launched is left running while the front end handles the outputs of the
+one before) — unless the plan, pricing that wait at the host's measured time a step, finds no draft worth it: then
+the step runs asynchronously without drafts, and shadow drafts keep measuring acceptance (worth_waiting).
 """
 from __future__ import annotations
 

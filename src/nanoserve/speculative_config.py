@@ -64,6 +64,12 @@ class SpeculativeConfig:
         read each step first."""
         return self.method in ("ngram", "draft_model")
 
+    @property
+    def drafts_in_token_steps(self) -> bool:
+        """A draft model also proposes for decode rows that ride in a token-count step beside prompts (the runner
+        proposes before that step's forward); n-gram device drafts run as decode rows only."""
+        return self.method == "draft_model"
+
     def as_dict(self) -> dict:
         """The settings the engine runs, without the other method's keys (what EngineConfig keeps)."""
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}

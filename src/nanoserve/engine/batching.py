@@ -23,8 +23,7 @@ def build_batch(step: ScheduledStep, block_size: int, eos_token_ids: list[int], 
         batch = _decode_batch(step, block_size, sampling)
     elif all(step.decode_rows) and sum(step.num_new_tokens) <= max_decode_rows:
         batch = _verify_batch(step, block_size, sampling)
-    else:
-        assert not any(DEVICE_DRAFT in d for d in step.drafts), "device drafts run as decode rows only"
+    else:  # (device drafts here only from a draft model: the scheduler's rule)
         batch = _prefill_batch(step, block_size, block_updates(step.seqs), sampling)
     if on_device:
         _from_device(batch, step)
@@ -192,8 +191,8 @@ def _verify_sampling_batch(seqs: list[Sequence], eos_token_ids: list[int], draft
     if any(s.params.min_tokens for s in seqs):
         batch.banned_rows = batch.banned_tokens = np.zeros(0, np.int32)  # (the pending count has all c rows)
         _ban_stop_tokens(batch, [seq for seq, _, _ in rows], [j + 1 - c for _, j, c in rows], eos_token_ids)
-    if batch.penalties is not None:
-        history = {id(seq): d for seq, d in zip(seqs, drafts)}
+    if batch.penalties is not None:  # (only a request with penalties reads its drafts: it never has device drafts)
+        history = {id(seq): d if seq.params.uses_penalties else [] for seq, d in zip(seqs, drafts)}
         batch.penalties.output_token_ids = [seq.output_token_ids + history[id(seq)][:j] for seq, j, _ in rows]
     return batch
 

@@ -194,8 +194,7 @@ class EngineCore:
         started = self._start_deferred() if self._pipeline.deferred is not None else None
         # (a grammar's bitmask covers one row per sequence; host drafts need every token: not while overlapping)
         if spec is not None and not self._num_grammar_seqs and (spec.on_device or not overlap):
-            spec.offer(self.scheduler.running, on_device=overlap,
-                       decode_only=not self._num_penalty_seqs and self._decode_rows_only(admits=False))
+            spec.offer(self.scheduler.running, on_device=overlap)
         step = self.scheduler.schedule()
         batch = build_batch(step, self.config.block_size, self.eos_token_ids, self.config.max_num_seqs,
                             spec is not None and spec.on_device) if step else None
@@ -226,12 +225,10 @@ class EngineCore:
             return not spec.worth_waiting(self.scheduler.running, self._host_ms) and not self._pipeline.verifying
         return not self._num_min_tokens_seqs and self._decode_rows_only()
 
-    def _decode_rows_only(self, admits: bool = True) -> bool:
-        """Every running sequence decodes and nothing waits (admits=False: nothing waits that could be admitted now,
-        every slot being taken): the next step can be decode rows only."""
+    def _decode_rows_only(self) -> bool:
+        """Nothing waits and every running sequence decodes: the next step can be decode rows only."""
         s = self.scheduler
-        waits = bool(s.waiting) and (admits or len(s.running) < self.config.max_num_seqs)
-        return not waits and all(seq.decoding for seq in s.running)
+        return not s.waiting and all(seq.decoding for seq in s.running)
 
     def _launch(self, step: ScheduledStep, batch, overlap: bool) -> list[SeqOutput]:
         """Launch a built step: whole, or (grammar rows still running) its forward only, its sampler deferred."""

@@ -75,6 +75,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
         self.prompt_token_caps = prompt_token_caps
+        spec = config.speculative  # device drafts beside prompts: only a draft model proposes them there
+        self.drafts_beside_prompts = spec is not None and spec.drafts_in_token_steps
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -130,8 +132,8 @@ class Scheduler:
 
     def _schedule_waiting(self, step: ScheduledStep, budget: int) -> None:
         bm = self.block_manager
-        if any(DEVICE_DRAFT in d for d in step.drafts):  # device drafts run as decode rows only (engine/speculation.py)
-            return
+        if not self.drafts_beside_prompts and any(DEVICE_DRAFT in d for d in step.drafts):
+            return  # n-gram device drafts run as decode rows only (engine/speculation.py)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:  # just preempted: its last step's token is still on the device

@@ -16,7 +16,8 @@ corrects its counts when it reads N. The host's own n-gram proposer, one step be
 sequence is offered (a match in what the host knows predicts one on the device); a draft model is offered k, as the
 plan allows. Such drafts run as decode rows only, so the n-gram loop waits for the step in flight whenever a prompt
 waits or runs (or a request has penalties or min_tokens, which read the tokens on the host): the host then offers its
-own drafts, which equal the device's; a draft model then drafts only in steps of decode rows (offer's decode_only).
+own drafts, which equal the device's; a draft model's drafts also ride beside prompts (the runner proposes them
+before a token-count step's forward).
 Suffix drafts always come from the host, which must know every token before it drafts: that loop reads each step
 before scheduling the next (the step just launched is left running while the front end handles the outputs of the
 one before) — unless the plan, pricing that wait at the host's measured time a step, finds no draft worth it: then
@@ -86,18 +87,18 @@ class Speculator:
         """The loop reads every step anyway (penalties, synchronous scheduling): host drafts cost no extra wait."""
         self.backed_off = False
 
-    def offer(self, running: list[Sequence], on_device: bool = False, decode_only: bool = True) -> None:
+    def offer(self, running: list[Sequence], on_device: bool = False) -> None:
         """Set each decoding sequence's draft_token_ids for the next schedule (the scheduler may run fewer).
         on_device: the step is scheduled before the one in flight is read (drafts from the device, decode rows only);
         otherwise the host knows every token and offers its own drafts. A draft model's drafts always come from the
-        device, so they are offered only when decode_only: no prompt waits or runs (device drafts run as decode rows,
-        and prompts must not wait behind them) and no request has penalties (which read every draft on the host)."""
+        device, so a request with penalties (which read its drafts on the host) is offered none."""
         rows = [s for s in running if s.decoding and not s.is_finished]
         k = self.spec.num_speculative_tokens
         if self.backed_off:  # (host drafts the plan found not worth waiting for: see worth_waiting)
             k = 0
         if self.proposer is None:
-            offered = [[DEVICE_DRAFT] * min(k, s.draft_room(self.max_model_len)) if decode_only else [] for s in rows]
+            offered = [[] if s.params.uses_penalties else [DEVICE_DRAFT] * min(k, s.draft_room(self.max_model_len))
+                       for s in rows]
         else:
             offered = [self._propose(s, min(k, s.draft_room(self.max_model_len))) for s in rows]
         if self._curves is not None and any(offered):

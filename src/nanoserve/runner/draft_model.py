@@ -34,16 +34,16 @@ class DraftModel:
         self.model(input_ids, positions, meta)
 
     def propose(self, input_ids: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
-                slot_mapping: torch.Tensor, context_lens: torch.Tensor, token_ids: torch.Tensor,
-                draft_ids: torch.Tensor, group_back: torch.Tensor, draft_slots: torch.Tensor) -> torch.Tensor:
-        """The rows' input ids with each proposing sequence's drafts filled in (its DEVICE_DRAFT rows), and draft_ids
-        (what each row's sample must equal) written in place. Graph-capturable (no host sync, static shapes)."""
+                slot_mapping: torch.Tensor, context_lens: torch.Tensor, is_draft: torch.Tensor,
+                draft_ids: torch.Tensor, group_back: torch.Tensor, proposing: torch.Tensor) -> torch.Tensor:
+        """Over verification rows (a sequence's last token, then its drafts: consecutive rows, group_back[r] of its
+        rows before r): the input ids with each proposing sequence's drafts filled in at its is_draft rows, and
+        draft_ids (what each row's sample must equal) written in place. proposing[r]: r is the first row of a
+        sequence whose drafts come from the device. Graph-capturable (no host sync, static shapes)."""
         rows = input_ids.shape[0]
         r = torch.arange(rows, device=input_ids.device)
         back = group_back.long()
         first = r - back
-        is_draft = token_ids == DEVICE_DRAFT
-        proposing = draft_slots >= 0  # a sequence's first row, when its drafts come from the device
         counts = torch.zeros(rows, dtype=torch.int32, device=r.device).index_add_(0, first, is_draft.int())
         counts = torch.where(proposing, counts, 0)
         drafts = self._chain(input_ids, tables, positions, slot_mapping, context_lens, counts)
@@ -72,6 +72,23 @@ class DraftModel:
             token = self.model.compute_logits(hidden).argmax(dim=-1).to(torch.int32)
             out[:, j] = token
         return out
+
+
+    def propose_tokens(self, v, tail, block_tables: torch.Tensor, last_tokens: torch.Tensor) -> None:
+        """A token-count step's verifying sequences (decode rows beside prompts: TokenViews v, StepTail tail): their
+        drafts into v.ids and tail.draft_ids, in place, before the step's forward runs (eagerly: their count
+        varies)."""
+        rows = tail.sample_token_rows.long()
+        if not rows.shape[0]:
+            return
+        slots = v.token_slots[rows].long()
+        given = v.ids[rows]
+        ids = torch.where(given >= 0, given, last_tokens[slots])
+        proposing = (tail.group_back == 0) & (tail.draft_ids == DEVICE_DRAFT)
+        positions = v.positions[rows]
+        filled = self.propose(ids, block_tables[slots], positions, v.slot_mapping[rows], positions + 1,
+                              given == DEVICE_DRAFT, tail.draft_ids, tail.group_back, proposing)
+        v.ids[rows] = filled
 
 
 __all__ = ["DraftModel"]

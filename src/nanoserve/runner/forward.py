@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from nanoserve.kernels.attention import prefill_q_per_tile
-from nanoserve.kernels.step_inputs import DeviceRows, prepare_decode
+from nanoserve.kernels.step_inputs import DEVICE_DRAFT, DeviceRows, prepare_decode
 from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.runner import prompt_logprobs
 from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch
@@ -56,8 +56,8 @@ class DecodeForward:
         input_ids, tables = prepare_decode(v.slots, v.new_block_cols, v.new_block_ids, self.state.last_tokens,
                                            self.state.block_tables, width, v.token_ids, v.group_back, device)
         if draft is not None and propose:
-            input_ids = draft.propose(input_ids, tables, v.positions, v.slot_mapping, v.context_lens, v.token_ids,
-                                      v.draft_ids, v.group_back, v.draft_slots)
+            input_ids = draft.propose(input_ids, tables, v.positions, v.slot_mapping, v.context_lens,
+                                      v.token_ids == DEVICE_DRAFT, v.draft_ids, v.group_back, v.draft_slots >= 0)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=v.slot_mapping, context_lens=v.context_lens,
                                  block_tables=tables)
         hidden = self.model(input_ids, v.positions, meta)
@@ -101,8 +101,10 @@ class TokenForward:
     def __call__(self, batch: PrefillBatch, arrays=None):
         """The eager forward: (logits [n, vocab], the sampled rows' parameters on the device, their slots on the
         device, the prompt logprobs asked for, on their way to the host)."""
-        static, tail = self.packer.pack(*(arrays or self.arrays(batch)))
+        arrays = arrays or self.arrays(batch)
+        static, tail = self.packer.pack(*arrays)
         self.state.apply(tail)
+        self._device_drafts(static, tail, arrays[1]["draft_ids"])
         meta = AttentionMetadata(
             is_prefill=True, slot_mapping=static.slot_mapping, context_lens=static.context_lens,
             block_tables=self.state.block_tables, table_rows=static.slots, cu_seqlens_q=static.cu_seqlens_q,
@@ -116,7 +118,17 @@ class TokenForward:
         views for sample_logits (the caller checked inputs.fits)."""
         tail = self.inputs.load(*arrays, tokens)
         self.state.apply(tail)
+        self._device_drafts(self.inputs.views(tokens), tail, arrays[1]["draft_ids"])
         return tail
+
+    def _device_drafts(self, v: TokenViews, tail: StepTail, draft_ids: np.ndarray) -> None:
+        """Decode rows verifying device drafts beside prompts: a draft model proposes them into the step's inputs
+        (runner/draft_model.py); n-gram device drafts run as decode rows only (engine/scheduler.py)."""
+        if not (draft_ids == DEVICE_DRAFT).any():
+            return
+        if self.state.draft_model is None:
+            raise ValueError("a token-count step verifies device drafts, which only a draft model proposes here")
+        self.state.draft_model.propose_tokens(v, tail, self.state.block_tables, self.state.last_tokens)
 
     def captured(self, tokens: int) -> torch.Tensor:
         """The forward over the static inputs of `tokens` tokens, into the static hidden states (graph-capturable:

@@ -297,10 +297,16 @@ def _drive_watched(llm, prompts, params, steps_before=None) -> tuple[list, int]:
     return [tokens[k] for k in sorted(tokens)], sum(overlapped)
 
 
+def _pin_host_ms(spec, host_ms: float) -> None:
+    worth_waiting = spec.worth_waiting
+    spec.worth_waiting = lambda running, _measured: worth_waiting(running, host_ms)
+
+
 def test_host_drafts_back_off_when_waiting_does_not_pay(tiny_model_dirs):
     """With step curves that make verification dear (as measured CUDA graphs would say), suffix speculation backs
     off: the loop runs asynchronously, nothing is verified, and each sequence's acceptance is still measured against
-    shadow drafts; made cheap again, drafting resumes. The tokens are those without speculation throughout."""
+    shadow drafts; made cheap again, drafting resumes. The tokens are those without speculation throughout. (The
+    host's time a step is pinned: the measured one varies from machine to machine, and so would the plan.)"""
     path = str(tiny_model_dirs["qwen3"])
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     base = [o.token_ids for o in LLM(path, **OPTIONS).generate(LOOPING, params, use_tqdm=False)]
@@ -309,6 +315,7 @@ def test_host_drafts_back_off_when_waiting_does_not_pay(tiny_model_dirs):
     llm = LLM(path, speculative_config=SUFFIX, **OPTIONS)
     spec = llm.engine.core._speculator
     spec._curves = (dear, dear)
+    _pin_host_ms(spec, 0.01)
     tokens, overlapped = _drive_watched(llm, LOOPING, params)
     assert tokens == base and overlapped > 0
     stats = llm.engine.stats
@@ -320,6 +327,7 @@ def test_host_drafts_back_off_when_waiting_does_not_pay(tiny_model_dirs):
     llm2 = LLM(path, speculative_config=SUFFIX, **OPTIONS)
     spec = llm2.engine.core._speculator
     spec._curves = (dear, dear)
+    _pin_host_ms(spec, 0.01)
     shadowed = []
     original = spec._check_shadow
     spec._check_shadow = lambda seq, toks: (shadowed.append(seq.request_id), original(seq, toks))

@@ -136,6 +136,17 @@ def _prompt_logprob_rows(batch: PrefillBatch, step: ScheduledStep) -> None:
         batch.prompt_logprob_k = k
 
 
+def distribute_prompt_logprobs(step: ScheduledStep, results: list) -> None:
+    """A step's prompt logprobs, in the order batching listed their rows, to their sequences."""
+    at = 0
+    for seq, start, n, decode in zip(step.seqs, step.starts, step.num_new_tokens, step.decode_rows):
+        if seq.params.prompt_logprobs is not None and not decode:
+            count = min(start + n, seq.num_prompt_tokens - 1) - max(start, len(seq.prompt_logprobs))
+            if count > 0:
+                seq.prompt_logprobs += results[at:at + count]
+                at += count
+
+
 def block_updates(seqs: list[Sequence]) -> BlockUpdates:
     """The block-table entries the device does not have yet (a joining sequence's whole table, else new blocks)."""
     slots, cols, ids = [], [], []

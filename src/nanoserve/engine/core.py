@@ -36,13 +36,13 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.batching import build_batch
+from nanoserve.engine.batching import build_batch, distribute_prompt_logprobs
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.grammar import Grammars
 from nanoserve.engine.messages import EngineRequest, EngineStats, SeqOutput
 from nanoserve.engine.preflight import check_engine_config
 from nanoserve.engine.ready_line import ready_line
-from nanoserve.engine.pipeline import InFlight, StepPipeline
+from nanoserve.engine.pipeline import HostClock, InFlight, StepPipeline
 from nanoserve.engine.prompts import check_params_token_ids, check_prompt_ids
 from nanoserve.engine.scheduler import ScheduledStep, Scheduler, chunk_caps
 from nanoserve.engine.sequence import Sequence, SequenceStatus
@@ -53,7 +53,6 @@ from nanoserve.runner.parallel.group import WorkerError, create_runner
 logger = logging.getLogger("nanoserve")
 
 GRAMMAR_WAIT_S = 0.01  # an idle loop with only grammars compiling waits this long for one, not spinning
-HOST_MS_WEIGHT = 0.2  # the host's time a step: an exponential average, each step's this much of it
 
 
 class EngineCore:
@@ -76,8 +75,7 @@ class EngineCore:
         self._compiling: dict[str, Future] = {}  # request id → its grammar, compiling; the sequence waits for it
         self._prompt_tokens = self._generation_tokens = self._mixed_steps = 0
         self._speculator = self._make_speculator()
-        self._host_ms: float | None = None  # the host's own time a step (not waiting for the device), averaged
-        self._waited_s = 0.0  # this step's wait for sampled tokens
+        self._host = HostClock()  # the host's own time a step (host drafts' back-off prices it)
         logger.info("%s", ready_line(self.config, self.info, hf_config, self.block_manager.window,
                                       time.perf_counter() - start))
 
@@ -182,7 +180,7 @@ class EngineCore:
         produced. With overlap the step is scheduled and built before the host waits for any token, except that a
         constrained step before it (its forward running) first has the step before that read and its own masks
         started: they fill while this one is scheduled and built; then its sampler and this step are launched."""
-        began, self._waited_s = time.perf_counter(), 0.0
+        self._host.begin()
         outputs: list[SeqOutput] = self._admit_compiled() if self._compiling else []
         spec = self._speculator
         may_overlap = self.config.async_scheduling and self._num_penalty_seqs == 0
@@ -210,9 +208,7 @@ class EngineCore:
         while len(self._pipeline) > keep:
             outputs += self._complete(*self._read(self._pipeline.oldest()))
         if step:
-            host_ms = (time.perf_counter() - began - self._waited_s) * 1e3
-            self._host_ms = host_ms if self._host_ms is None else (
-                (1 - HOST_MS_WEIGHT) * self._host_ms + HOST_MS_WEIGHT * host_ms)
+            self._host.end()
         return outputs
 
     def _spec_overlaps(self) -> bool:
@@ -222,13 +218,9 @@ class EngineCore:
         waiting for the step in flight would not pay for itself (Speculator.worth_waiting: the step drafts nothing)."""
         spec = self._speculator
         if not spec.on_device:  # (host positions: not past a step whose drafts are not read yet)
-            return not spec.worth_waiting(self.scheduler.running, self._host_ms) and not self._pipeline.verifying
-        return not self._num_min_tokens_seqs and self._decode_rows_only()
-
-    def _decode_rows_only(self) -> bool:
-        """Nothing waits and every running sequence decodes: the next step can be decode rows only."""
+            return not spec.worth_waiting(self.scheduler.running, self._host.ms) and not self._pipeline.verifying
         s = self.scheduler
-        return not s.waiting and all(seq.decoding for seq in s.running)
+        return not self._num_min_tokens_seqs and not s.waiting and all(seq.decoding for seq in s.running)
 
     def _launch(self, step: ScheduledStep, batch, overlap: bool) -> list[SeqOutput]:
         """Launch a built step: whole, or (grammar rows still running) its forward only, its sampler deferred."""
@@ -279,9 +271,8 @@ class EngineCore:
         whether the token fitted its grammar (None without grammar rows)."""
         if done.handle is None:
             return done, None, None
-        waiting = time.perf_counter()
-        result = done.handle.result()
-        self._waited_s += time.perf_counter() - waiting
+        with self._host.waiting():
+            result = done.handle.result()
         grammar = self._num_grammar_seqs and not done.step.has_drafts
         accepted = self._grammars.accept(done.sampled, result.token_ids) if grammar else None
         return done, result, accepted
@@ -291,7 +282,7 @@ class EngineCore:
         if result is None:
             return []
         if result.prompt_logprobs is not None:
-            _distribute_prompt_logprobs(done.step, result.prompt_logprobs)
+            distribute_prompt_logprobs(done.step, result.prompt_logprobs)
         outputs, row = [], 0
         drafts = [d for d, samples in zip(done.step.drafts, done.step.samples) if samples]
         for i, (seq, seq_drafts) in enumerate(zip(done.sampled, drafts)):
@@ -404,14 +395,3 @@ class EngineCore:
             kv_block_bytes=self.info.kv_block_bytes,
             **(self._speculator.stats() if self._speculator is not None else {}),
             **vars(self.counters))  # the runner's steps by how they ran, its padding (RunnerCounters)
-
-
-def _distribute_prompt_logprobs(step: ScheduledStep, results: list) -> None:
-    """A step's prompt logprobs, in the order batching listed their rows, to their sequences."""
-    at = 0
-    for seq, start, n, decode in zip(step.seqs, step.starts, step.num_new_tokens, step.decode_rows):
-        if seq.params.prompt_logprobs is not None and not decode:
-            count = min(start + n, seq.num_prompt_tokens - 1) - max(start, len(seq.prompt_logprobs))
-            if count > 0:
-                seq.prompt_logprobs += results[at:at + count]
-                at += count

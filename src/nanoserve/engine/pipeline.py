@@ -7,10 +7,13 @@ The rules that keep the loop correct (engine/core.py's docstring tells why) are 
   * its sampler launches only once every earlier step has been read (their tokens advance the matchers whose masks
     it samples under), and before any later forward (which reads the tokens it samples);
   * with overlap at most two steps are in flight at once (the one running and the one just launched).
+HostClock times the host's own share of a step, what the device waits for whenever the loop does not overlap.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from nanoserve.engine.scheduler import ScheduledStep
@@ -98,4 +101,32 @@ class StepPipeline:
         self.deferred = None
 
 
-__all__ = ["StepPipeline", "InFlight", "Deferred"]
+
+
+class HostClock:
+    """The host's own time a step (step() minus its waits for sampled tokens), as an exponential average: what the
+    device idles for when the loop waits for the host (engine/speculation.Speculator.worth_waiting)."""
+
+    WEIGHT = 0.2  # each step's share of the average
+
+    def __init__(self):
+        self.ms: float | None = None
+        self._began = self._waited = 0.0
+
+    def begin(self) -> None:
+        self._began, self._waited = time.perf_counter(), 0.0
+
+    @contextmanager
+    def waiting(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._waited += time.perf_counter() - start
+
+    def end(self) -> None:
+        ms = (time.perf_counter() - self._began - self._waited) * 1e3
+        self.ms = ms if self.ms is None else (1 - self.WEIGHT) * self.ms + self.WEIGHT * ms
+
+
+__all__ = ["StepPipeline", "InFlight", "Deferred", "HostClock"]

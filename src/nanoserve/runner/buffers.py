@@ -42,7 +42,7 @@ class StepBuffers:
         if spec is not None and spec.drafts_on_device:
             state.drafting = DraftState(config.max_num_seqs + 1, config.max_model_len, config.max_num_seqs,
                                         config.block_size, spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                        spec.prompt_lookup_max, device)
+                                        spec.prompt_lookup_max, device, history=draft is None)
         if draft is not None:
             draft_model, draft_kv = draft
             draft_kv.allocate(draft_model, num_kv_blocks, device)  # (its layers hold the views; released with them)

@@ -44,13 +44,14 @@ class DraftState:
     the proposer's output for a decode bucket's rows. Row `trash` of history takes the writes of rows whose token is
     not kept; the dummy slot's count stays 0, so a padded row proposes nothing."""
 
-    def __init__(self, num_slots: int, max_len: int, max_rows: int, block_size: int, k: int, lookup_min: int,
-                 lookup_max: int, device: torch.device):
+    def __init__(self, num_slots: int, max_len: int, max_rows: int, block_size: int, k: int, lookup_min: int | None,
+                 lookup_max: int | None, device: torch.device, history: bool = True):
         """num_slots: the slots with the dummy one (the last); max_len: max_model_len; max_rows: the largest decode
-        batch; k: num_speculative_tokens."""
+        batch; k: num_speculative_tokens. history=False (a draft model proposes): only the counts are kept (the
+        token histories, which only the n-gram proposer reads, shrink to one column the stores clamp into)."""
         self.dummy, self.trash, self.block_size = num_slots - 1, num_slots, block_size
-        self.k, self.lookup = k, (lookup_min, lookup_max)
-        self.history = torch.zeros(num_slots + 1, max_len, dtype=torch.int32, device=device)
+        self.k, self.lookup, self.keeps_history = k, (lookup_min, lookup_max), history
+        self.history = torch.zeros(num_slots + 1, max_len if history else 1, dtype=torch.int32, device=device)
         self.hist_len = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
         self.drafts = torch.full((max_rows, k), -1, dtype=torch.int32, device=device)
         self.counts = torch.zeros(max_rows, dtype=torch.int32, device=device)
@@ -72,7 +73,7 @@ class DraftState:
 
     def record_known(self, slots: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> None:
         """Prompt tokens a step makes known (its chunks' and cached prefixes' ids at their positions)."""
-        if ids.shape[0]:
+        if ids.shape[0] and self.keeps_history:
             self.history.index_put_((slots.long(), positions.long()), ids)
 
 

@@ -21,6 +21,9 @@ MAX_SPECULATIVE_TOKENS = 32  # drafts per sequence per step: the verification ro
 ACCEPTANCE_PRIOR = (1.0, 2.0)
 # ... and the chance its host proposer finds a draft at all from this prior (found, asked).
 FOUND_PRIOR = (1.0, 1.0)
+# Backed off, about this many sequences a step get a shadow draft (each in turn): the proposer's host time stays small
+# at large batches, where backing off is the common case.
+SHADOW_DRAFTS_PER_STEP = 4
 
 
 @dataclass(frozen=True)
@@ -135,4 +138,5 @@ def _suffix(s: dict) -> SpeculativeConfig:
     return SpeculativeConfig(**_common(s))
 
 
-__all__ = ["SpeculativeConfig", "SPECULATIVE_METHODS", "MAX_SPECULATIVE_TOKENS", "ACCEPTANCE_PRIOR", "FOUND_PRIOR"]
+__all__ = ["SpeculativeConfig", "SPECULATIVE_METHODS", "MAX_SPECULATIVE_TOKENS", "ACCEPTANCE_PRIOR", "FOUND_PRIOR",
+           "SHADOW_DRAFTS_PER_STEP"]

@@ -334,3 +334,33 @@ def test_host_drafts_back_off_when_waiting_does_not_pay(tiny_model_dirs):
     tokens, _ = _drive_watched(llm2, LOOPING, params, cheapen)
     assert tokens == base
     assert shadowed and llm2.engine.stats.spec_accepted_tokens > 0  # measured while backed off, then drafted
+
+
+def test_backed_off_shadow_drafts_are_spread_over_steps():
+    """Backed off at 8 sequences, about SHADOW_DRAFTS_PER_STEP of them get a shadow draft a step, each in turn, and a
+    shadow draft settles like a verified one (drafted, accepted) once its tokens arrive."""
+    from nanoserve.engine.sequence import Sequence
+    from nanoserve.engine.speculation import Speculator
+    from nanoserve.speculative_config import SHADOW_DRAFTS_PER_STEP, SpeculativeConfig
+
+    dear = lambda rows: 1.0 + 100.0 * (rows - 1)  # noqa: E731
+    spec = Speculator(SpeculativeConfig.parse(SUFFIX), 128, 12, dear, dear)
+    seqs = [Sequence(str(i), [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=50)) for i in range(8)]
+    for slot, seq in enumerate(seqs):
+        seq.slot, seq.decoding = slot, True
+        spec.add(seq)
+    proposed = set()
+    for step in range(2):
+        assert not spec.worth_waiting(seqs, 0.01) and spec.backed_off
+        before = set(spec._shadow)
+        for seq in seqs:
+            spec.extend(seq, [7])  # (the loop's next token: a pending shadow draft of 5, 6, 7, ... matches on)
+        new = set(spec._shadow) - before
+        assert 0 < len(new) <= SHADOW_DRAFTS_PER_STEP
+        proposed |= new
+    assert proposed == {s.request_id for s in seqs}  # every sequence had its turn
+    seq = seqs[0]
+    drafts = list(spec._shadow[seq.request_id][0])
+    spec.backed_off = False  # (no new shadow after it settles)
+    spec.extend(seq, [drafts[0], -1])  # one match, then a miss (or the draft's end): settled
+    assert seq.request_id not in spec._shadow and seq.num_accepted >= 1 and seq.num_drafted >= len(drafts)

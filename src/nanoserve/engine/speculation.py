@@ -29,7 +29,7 @@ from nanoserve.engine.draft_plan import acceptance_rate, found_rate, plan_drafts
 from nanoserve.engine.drafts import make_proposer
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.runner.speculative import DEVICE_DRAFT, accepted_count
-from nanoserve.speculative_config import SpeculativeConfig
+from nanoserve.speculative_config import SHADOW_DRAFTS_PER_STEP, SpeculativeConfig
 
 
 class Speculator:
@@ -48,6 +48,7 @@ class Speculator:
         # host drafts' back-off (worth_waiting): per request, its proposer's (found, asked) counts, and the shadow
         # draft proposed while backed off that its next tokens are checked against ([drafts, matched so far])
         self.backed_off = False
+        self._turn, self._shadow_every = 0, 1  # (a sequence gets a shadow draft when its slot's turn comes)
         self._found: dict[str, list[int]] = {}
         self._shadow: dict[str, list] = {}
         self.num_drafts = self.draft_tokens = self.accepted_tokens = 0  # rows that verified drafts; drafts; kept
@@ -81,6 +82,8 @@ class Speculator:
         found = [found_rate(*self._found.get(s.request_id, (0, 0))) for s in rows]
         keep = plan_drafts(lengths, rates, *self._curves, self.max_decode_rows, host_ms=host_ms, weights=found)
         self.backed_off = not any(keep)
+        self._turn += 1
+        self._shadow_every = -(-len(rows) // SHADOW_DRAFTS_PER_STEP) or 1
         return not self.backed_off
 
     def loop_waits(self) -> None:
@@ -153,7 +156,7 @@ class Speculator:
         if rid in self._shadow:
             self._check_shadow(seq, tokens)
         self.proposer.extend(rid, tokens)
-        if self.backed_off and rid not in self._shadow:
+        if self.backed_off and rid not in self._shadow and ((seq.slot or 0) + self._turn) % self._shadow_every == 0:
             drafts = self._propose(seq, min(self.spec.num_speculative_tokens, seq.draft_room(self.max_model_len)))
             if drafts:
                 self._shadow[rid] = [drafts, 0]

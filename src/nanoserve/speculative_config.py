@@ -1,10 +1,11 @@
 """speculative_config: what a user may give (vLLM's names, a dict or its JSON text) and the checked, complete settings the
 engine runs (SpeculativeConfig). A ground module beside config (no torch): the CLI and the API process check it.
 
-Every method proposes drafts that are a deterministic function of what is known (the request's tokens, recent
-requests' outputs; a draft model's greedy choices), i.e. one-hot draft distributions, so verification is exact by
-sampling the target at every draft position and accepting while the sample equals the draft (runner/speculative.py
-says why that is rejection sampling).
+n-gram and suffix drafts are a deterministic function of what is known (the request's tokens, recent requests'
+outputs), i.e. one-hot draft distributions, so verification is exact by sampling the target at every draft position
+and accepting while the sample equals the draft (runner/speculative.py says why that is rejection sampling); a draft
+model's drafts are its greedy choices too, except for unseeded sampled requests, whose drafts it samples and the
+sampler verifies against its distribution (runner/sampler.against_draft).
 """
 from __future__ import annotations
 
@@ -71,6 +72,12 @@ class SpeculativeConfig:
     def drafts_in_token_steps(self) -> bool:
         """A draft model also proposes for decode rows that ride in a token-count step beside prompts (the runner
         proposes before that step's forward); n-gram device drafts run as decode rows only."""
+        return self.method == "draft_model"
+
+    @property
+    def samples_drafts(self) -> bool:
+        """A draft model draws a sampled request's drafts from its own distribution (kept on the device for the
+        rejection test); the other methods' drafts are deterministic."""
         return self.method == "draft_model"
 
     def as_dict(self) -> dict:

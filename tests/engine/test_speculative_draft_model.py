@@ -211,3 +211,21 @@ def test_a_verification_step_on_its_own(drafts):
             samples, proposed = result.token_ids[group], result.draft_ids[group]
             assert proposed[:k] == samples[:k] and proposed[k] == -1
         assert hist_len[:rows].tolist() == [context + k + 1] * rows
+
+
+def test_sampled_requests_draw_their_drafts_from_the_draft(drafts):
+    """At temperature 1 a model drafting for itself draws each draft from the distribution the model samples, so
+    rejection sampling against it keeps nearly all of them (greedy drafts keep only the samples that hit the argmax);
+    seeded requests keep greedy drafts (their draws stay their own, reproducible)."""
+    llm = LLM(drafts["target"], speculative_config=draft_spec(drafts["self"], adaptive=False), **OPTIONS)
+
+    def acceptance(params) -> float:
+        before = llm.engine.stats
+        llm.generate(LOOPING * 2, params, use_tqdm=False)
+        after = llm.engine.stats
+        return ((after.spec_accepted_tokens - before.spec_accepted_tokens)
+                / (after.spec_draft_tokens - before.spec_draft_tokens))
+
+    sampled = acceptance(SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True))
+    seeded = acceptance(SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True, seed=3))
+    assert sampled > 0.9 > seeded

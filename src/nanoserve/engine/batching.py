@@ -12,22 +12,35 @@ from nanoserve.runner.speculative import DEVICE_DRAFT
 
 
 def build_batch(step: ScheduledStep, block_size: int, eos_token_ids: list[int], max_decode_rows: int = 0,
-                on_device: bool = False) -> DecodeBatch | PrefillBatch:
+                on_device: bool = False, sampled_drafts: bool = False) -> DecodeBatch | PrefillBatch:
     """Call right after scheduling: the sequences' block tables, slots and pending counts are this step's. A step
     whose every row decodes, some verifying drafts, runs as a decode batch of one row per token when those fit
     max_decode_rows (the batch-size graphs), else as a token-count step. on_device: drafts are proposed on the device
-    (runner/speculative.DraftState): decode rows take their positions from it, prompt tokens are recorded there."""
+    (runner/speculative.DraftState): decode rows take their positions from it, prompt tokens are recorded there.
+    sampled_drafts: a draft model samples the device drafts of requests at temperature > 0 in decode batches (the
+    rows that check them are marked: SamplingBatch.draft_sampled)."""
     rows = [(s, d) for s, samples, d in zip(step.seqs, step.samples, step.drafts) if samples]
     sampling = sampling_batch([s for s, _ in rows], eos_token_ids, [d for _, d in rows]) if rows else None
     if step.is_decode:
         batch = _decode_batch(step, block_size, sampling)
     elif all(step.decode_rows) and sum(step.num_new_tokens) <= max_decode_rows:
         batch = _verify_batch(step, block_size, sampling)
+        if sampled_drafts:
+            _mark_sampled_drafts(sampling, step)
     else:  # (device drafts here only from a draft model: the scheduler's rule)
         batch = _prefill_batch(step, block_size, block_updates(step.seqs), sampling)
     if on_device:
         _from_device(batch, step)
     return batch
+
+
+def _mark_sampled_drafts(sampling: SamplingBatch, step: ScheduledStep) -> None:
+    """The rows that check a device draft of an unseeded request at temperature > 0 (its draft comes from the draft
+    model's distribution; a seeded request's drafts stay greedy, so its draws are all its own)."""
+    flags = [int(j < len(d) and d[0] == DEVICE_DRAFT and not seq.params.greedy and seq.generator is None)
+             for seq, d in zip(step.seqs, step.drafts) for j in range(1 + len(d))]
+    if any(flags):
+        sampling.draft_sampled = np.array(flags, np.int32)
 
 
 def _from_device(batch: DecodeBatch | PrefillBatch, step: ScheduledStep) -> None:

@@ -195,7 +195,7 @@ class EngineCore:
             spec.offer(self.scheduler.running, on_device=overlap)
         step = self.scheduler.schedule()
         batch = build_batch(step, self.config.block_size, self.eos_token_ids, self.config.max_num_seqs,
-                            spec is not None and spec.on_device) if step else None
+                            *((spec.on_device, spec.spec.samples_drafts) if spec is not None else ())) if step else None
         if started is not None:  # (overlap only) the step before it read, masked and sampled: see the docstring
             outputs += self._sample_deferred(started)
             if step and all(s.is_finished for s in step.seqs):  # every row ended in that read: nothing to run

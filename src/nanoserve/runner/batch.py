@@ -52,6 +52,9 @@ class SamplingBatch:
     grammar_rows: np.ndarray | None = None  # structured outputs: these rows may only sample what ...
     grammar_bitmask: torch.Tensor | None = None  # ... this [n, ceil(V / 32)] int32 xgrammar bitmask allows (host;
     # the other rows' masks allow every token)
+    # a draft model's verification: per row, 1 when its draft was sampled from the draft's distribution q (kept on the
+    # device: VerifyRows.q), so the row verifies it by rejection sampling against q; None: no such row
+    draft_sampled: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -66,6 +69,7 @@ class SamplingBatch:
         nothing else: no top-k, top-p, min-p, logprobs, bans, biases, penalties or seeded rows (the sampler's one
         kernel)."""
         return (self.generators is None and self.num_logprobs is None and self.penalties is None
+                and self.draft_sampled is None
                 and not len(self.banned_rows) and not len(self.bias_rows) and not (self.top_k > 0).any()
                 and not (self.top_p < 1).any() and not (self.min_p > 0).any())
 

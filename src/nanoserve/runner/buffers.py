@@ -47,7 +47,7 @@ class StepBuffers:
             draft_model, draft_kv = draft
             draft_kv.allocate(draft_model, num_kv_blocks, device)  # (its layers hold the views; released with them)
             state.draft_model = DraftModel(draft_model, spec.num_speculative_tokens, config.max_num_seqs,
-                                           dummy_kv_slot, device)
+                                           dummy_kv_slot, model.vocab_size, device)
         decode_inputs = DecodeInputs(config.max_num_seqs, state, dummy_kv_slot, device)
         tokens = config.prefill_graph_sizes.largest
         models = (model,) if draft is None else (model, draft[0])
@@ -64,6 +64,8 @@ class StepBuffers:
         tensors = [self.state.block_tables, self.decode_inputs.device_buf, self.decode_forward.static_logits]
         if self.state.drafting is not None:
             tensors.append(self.state.drafting.history)
+        if self.state.draft_model is not None:
+            tensors.append(self.state.draft_model.q)
         if self.token_forward.inputs is not None:
             tensors += [self.token_forward.inputs.device_buf, self.token_forward.static_hidden]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -10,9 +10,11 @@ prefix-cache hits, preemption and rolled-back drafts need nothing of their own.
 Proposing (propose()), after the step's inputs are resolved (kernels/step_inputs.prepare_decode): a sequence whose
 first row r verifies c device drafts feeds its last token at its position p, then each draft it chose, for c steps;
 step j runs at row r + j - 1's position, KV slot and block table (the rows the target verifies), so its writes land
-where the target's mirror writes the same tokens again. The drafts are the draft model's greedy choices: one-hot draft
-distributions, so the target's verification (runner/speculative.py) is exact at any temperature. Each step runs over
-every row of the bucket (a static shape); rows that propose nothing write the dummy KV slot.
+where the target's mirror writes the same tokens again. A greedy or seeded request's drafts are the draft's greedy
+choices (one-hot: runner/speculative.py's rule is exact); an unseeded sampled request's are drawn from the draft's
+distribution q at its temperature, q kept at the row that checks the draft (self.q), and the sampler verifies them by
+rejection sampling against it (runner/sampler.against_draft). Each step runs over every row of the bucket (a static
+shape); rows that propose nothing write the dummy KV slot. Beside prompts (token-count steps) drafts stay greedy.
 """
 from __future__ import annotations
 
@@ -23,11 +25,14 @@ from nanoserve.model.attention_metadata import AttentionMetadata
 
 
 class DraftModel:
-    def __init__(self, model, k: int, max_rows: int, dummy_kv_slot: int, device: torch.device):
-        """model: the draft (its KV cache bound); k: num_speculative_tokens; max_rows: the largest decode bucket."""
-        self.model, self.k, self.dummy_kv_slot = model, k, dummy_kv_slot
+    def __init__(self, model, k: int, max_rows: int, dummy_kv_slot: int, vocab: int, device: torch.device):
+        """model: the draft (its KV cache bound); k: num_speculative_tokens; max_rows: the largest decode bucket;
+        vocab: the target's (q's width: the draft's own may be smaller)."""
+        self.model, self.k, self.dummy_kv_slot, self.trash = model, k, dummy_kv_slot, max_rows
         self.no_counts = torch.zeros(max_rows, dtype=torch.int32, device=device)  # prepare_decode resolves no draft
         self.no_drafts = torch.zeros(max_rows, k, dtype=torch.int32, device=device)
+        # per decode row, the distribution its draft was sampled from (row `trash` takes the other rows' writes)
+        self.q = torch.zeros(max_rows + 1, vocab, dtype=torch.float32, device=device)
 
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """The target's forward, run by the draft for its KV writes (its hidden states are not read)."""
@@ -35,18 +40,22 @@ class DraftModel:
 
     def propose(self, input_ids: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, context_lens: torch.Tensor, is_draft: torch.Tensor,
-                draft_ids: torch.Tensor, group_back: torch.Tensor, proposing: torch.Tensor) -> torch.Tensor:
+                draft_ids: torch.Tensor, group_back: torch.Tensor, proposing: torch.Tensor,
+                temperature: torch.Tensor | None = None, sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Over verification rows (a sequence's last token, then its drafts: consecutive rows, group_back[r] of its
         rows before r): the input ids with each proposing sequence's drafts filled in at its is_draft rows, and
         draft_ids (what each row's sample must equal) written in place. proposing[r]: r is the first row of a
-        sequence whose drafts come from the device. Graph-capturable (no host sync, static shapes)."""
+        sequence whose drafts come from the device; sampled[r] (with temperature): its drafts are drawn from q =
+        softmax(draft logits / temperature), each q kept at the row that checks its draft (self.q), else greedy.
+        Graph-capturable (no host sync, static shapes)."""
         rows = input_ids.shape[0]
         r = torch.arange(rows, device=input_ids.device)
         back = group_back.long()
         first = r - back
         counts = torch.zeros(rows, dtype=torch.int32, device=r.device).index_add_(0, first, is_draft.int())
         counts = torch.where(proposing, counts, 0)
-        drafts = self._chain(input_ids, tables, positions, slot_mapping, context_lens, counts)
+        sampling = None if sampled is None else (sampled & proposing, temperature)
+        drafts = self._chain(input_ids, tables, positions, slot_mapping, context_lens, counts, sampling)
         ours = proposing[first] & (back < counts[first] + 1)  # rows of a proposing sequence's group
         g = back.clamp(max=self.k)
         at = drafts[first]  # [rows, k]: the group's drafts
@@ -56,8 +65,9 @@ class DraftModel:
         draft_ids.copy_(torch.where(ours & (back < counts[first]), verified, draft_ids))
         return ids
 
-    def _chain(self, input_ids, tables, positions, slot_mapping, context_lens, counts) -> torch.Tensor:
-        """[rows, k] int32: row r's greedy drafts, d_j from step j (only the first counts[r] mean anything)."""
+    def _chain(self, input_ids, tables, positions, slot_mapping, context_lens, counts, sampling) -> torch.Tensor:
+        """[rows, k] int32: row r's drafts, d_j from step j (only the first counts[r] mean anything): greedy, or
+        (sampling: (rows, temperature)) drawn from q, which goes to self.q at the row that checks the draft."""
         rows = input_ids.shape[0]
         r = torch.arange(rows, device=input_ids.device)
         out = torch.empty(rows, self.k, dtype=torch.int32, device=input_ids.device)
@@ -68,11 +78,22 @@ class DraftModel:
             meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.where(on, slot_mapping[src],
                                                                                 self.dummy_kv_slot),
                                      context_lens=torch.where(on, context_lens[src], 1), block_tables=tables[src])
-            hidden = self.model(token, positions[src], meta)
-            token = self.model.compute_logits(hidden).argmax(dim=-1).to(torch.int32)
+            logits = self.model.compute_logits(self.model(token, positions[src], meta))
+            token = logits.argmax(dim=-1).to(torch.int32)
+            if sampling is not None:
+                token = self._sampled(logits, token, on & sampling[0], sampling[1], r + j)
             out[:, j] = token
         return out
 
+
+    def _sampled(self, logits: torch.Tensor, greedy: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
+                 checked_at: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` draw their draft from q = softmax(logits / temperature) (an exponential race) and keep q at
+        row checked_at (the verifying row whose sample is tested against it); the others keep `greedy`."""
+        q = (logits.float() / temperature.clamp_min(1e-5)[:, None]).softmax(dim=-1)
+        drawn = (q / torch.empty_like(q).exponential_().clamp_min_(1e-10)).argmax(dim=-1).to(torch.int32)
+        self.q[:, :q.shape[1]].index_copy_(0, torch.where(rows, checked_at, self.trash), q)
+        return torch.where(rows, drawn, greedy)
 
     def propose_tokens(self, v, tail, block_tables: torch.Tensor, last_tokens: torch.Tensor) -> None:
         """A token-count step's verifying sequences (decode rows beside prompts: TokenViews v, StepTail tail): their

@@ -57,7 +57,8 @@ class DecodeForward:
                                            self.state.block_tables, width, v.token_ids, v.group_back, device)
         if draft is not None and propose:
             input_ids = draft.propose(input_ids, tables, v.positions, v.slot_mapping, v.context_lens,
-                                      v.token_ids == DEVICE_DRAFT, v.draft_ids, v.group_back, v.draft_slots >= 0)
+                                      v.token_ids == DEVICE_DRAFT, v.draft_ids, v.group_back, v.draft_slots >= 0,
+                                      v.temperature, v.draft_sampled > 0)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=v.slot_mapping, context_lens=v.context_lens,
                                  block_tables=tables)
         hidden = self.model(input_ids, v.positions, meta)

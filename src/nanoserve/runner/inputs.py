@@ -68,6 +68,7 @@ class DecodeViews:
     # from its slot's device token count; a sequence's first row's slot when its drafts come from the device, else -1
     from_device: torch.Tensor = region(ROWS, 0)
     draft_slots: torch.Tensor = region(ROWS, -1)
+    draft_sampled: torch.Tensor = region(ROWS, 0)  # 1: its sequence samples its drafts from the draft model's q
     temperature: torch.Tensor = region(ROWS, 0.0, np.float32)
     top_p: torch.Tensor = region(ROWS, 1.0, np.float32)
     top_k: torch.Tensor = region(ROWS, 0)
@@ -253,6 +254,8 @@ def decode_values(batch: DecodeBatch) -> dict[str, np.ndarray]:
         values |= {"token_ids": batch.token_ids, "draft_ids": batch.draft_ids, "group_back": batch.group_back}
     if batch.from_device is not None:
         values |= {"from_device": batch.from_device, "draft_slots": batch.draft_slots}
+    if batch.sampling is not None and batch.sampling.draft_sampled is not None:
+        values["draft_sampled"] = batch.sampling.draft_sampled
     return values | sampling_values(batch.sampling)
 
 

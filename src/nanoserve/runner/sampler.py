@@ -166,7 +166,7 @@ class Sampler:
         else:
             dummy = len(last_tokens) - 1  # every row stores there first; the accepted run's last row then to its slot
             tokens, handle = self._sample_store(logits, batch, params, last_tokens, torch.full_like(slots, dummy), None,
-                                                verify.draft_ids)
+                                                verify)
             if record is None:
                 store_samples(tokens, slots, last_tokens, verify.draft_ids, verify.group_back)
         if record is not None:
@@ -175,10 +175,11 @@ class Sampler:
 
     def _sample_store(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors,
                       last_tokens: torch.Tensor, slots: torch.Tensor, replay,
-                      drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, SampleHandle]:
-        """The sampled ids [n] int32, stored at last_tokens[slots], and their handle (drafts: the rows' draft ids,
+                      verify: VerifyRows | None = None) -> tuple[torch.Tensor, SampleHandle]:
+        """The sampled ids [n] int32, stored at last_tokens[slots], and their handle (verify: the rows' draft ids are
         copied to the host with them)."""
         n = len(batch)
+        drafts = verify.draft_ids if verify is not None else None
         path = self.path(batch)
         if path is SamplingPath.FUSED:
             masked = batch.grammar_rows is not None
@@ -198,12 +199,13 @@ class Sampler:
                 logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
             if top_k is not None:
                 raw_logprobs = torch.log_softmax(logits, dim=-1)
-            tokens = self._sample(logits, batch, params)
+            tokens = self._sample(logits, batch, params, verify)
         tokens = tokens.to(torch.int32)
         last_tokens.index_copy_(0, slots.long(), tokens)
         return tokens, self._to_host(tokens, raw_logprobs, top_k, batch.num_logprobs, drafts)
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors,
+                verify: VerifyRows | None = None) -> torch.Tensor:
         if len(batch.bias_rows):  # before the bans: a banned token stays banned whatever its bias
             self._add_logit_bias(logits, batch)
         if len(batch.banned_rows):
@@ -216,7 +218,10 @@ class Sampler:
         greedy_rows = batch.temperature <= 0
         tokens = logits.argmax(dim=-1) if greedy_rows.any() else None
         if not greedy_rows.all():
-            sampled = sample_rows(logits, batch, params, self.generator)
+            probs = target_probs(logits, batch, params)
+            sampled = race(probs, batch, self.generator)
+            if batch.draft_sampled is not None and verify is not None and verify.q is not None:
+                sampled = against_draft(probs, sampled, verify, batch.draft_sampled, self.generator)
             tokens = sampled if tokens is None else torch.where(params.temperature <= 0, tokens, sampled)
         return tokens
 
@@ -262,6 +267,39 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch, params: SamplingTens
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then an exponential race (argmax of probs / E, E ~ Exp(1)); unseeded
     rows draw E from `generator`, seeded rows from their own."""
+    return race(target_probs(logits, batch, params), batch, generator)
+
+
+def race(probs: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A draw per row from (unnormalized) probs: the argmax of probs / E, E ~ Exp(1) (seeded rows: their own)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for i, g in enumerate(batch.generators or ()):
+        if g is not None and batch.temperature[i] > 0:
+            noise[i].exponential_(generator=g)
+    return (probs / noise.clamp_min_(1e-10)).argmax(dim=-1)
+
+
+def against_draft(probs: torch.Tensor, sampled: torch.Tensor, verify: VerifyRows, flags: np.ndarray,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """Rejection sampling of the drafts a draft model sampled from q (flags[r]: row r checks one; unseeded rows
+    only): keep draft d with probability min(1, p(d) / q(d)), else draw from max(p − q, 0). The output is then
+    distributed as p, and a rejected row's draw is never d (there p(d) < q(d)), so "kept while the sample equals the
+    draft" (kernels/verify.py) holds as for one-hot drafts. Other rows keep `sampled`."""
+    n = probs.shape[0]
+    p = probs / probs.sum(dim=-1, keepdim=True)
+    q = verify.q[:n]
+    d = verify.draft_ids[:n].long().clamp(min=0)[:, None]
+    accept = torch.rand(n, device=p.device, generator=generator) * q.gather(1, d)[:, 0] <= p.gather(1, d)[:, 0]
+    residual = (p - q).clamp_min_(0)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
+    drawn = torch.where(accept, d[:, 0], (residual / torch.empty_like(residual).exponential_(
+        generator=generator).clamp_min_(1e-10)).argmax(dim=-1))
+    on = torch.from_numpy(flags).to(p.device).bool()
+    return torch.where(on, drawn, sampled)
+
+
+def target_probs(logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors) -> torch.Tensor:
+    """Each row's distribution after temperature, top-k, top-p and min-p (rows at temperature 0: at 1)."""
     n, vocab = logits.shape
     temperature = torch.where(params.temperature > 0, params.temperature, 1.0)
     logits = logits / temperature[:, None]
@@ -285,12 +323,7 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch, params: SamplingTens
         log_min_p = torch.where(params.min_p > 0, params.min_p.clamp_min(1e-30).log(), -math.inf)
         floor = logits.max(dim=-1, keepdim=True).values + log_min_p[:, None]
         logits = logits.masked_fill(logits < floor, -math.inf)
-    probs = logits.softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    for i, g in enumerate(batch.generators or ()):
-        if g is not None and batch.temperature[i] > 0:
-            noise[i].exponential_(generator=g)
-    return probs.div_(noise.clamp_min_(1e-10)).argmax(dim=-1)
+    return logits.softmax(dim=-1)
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:

@@ -5,8 +5,9 @@ sampled exactly as a lone decode row would be (same parameters; row j sees the d
 Row j's draft is accepted when row j's sample equals it; the sequence keeps the samples of rows 0..a, where row a is
 the first whose sample differs from its draft (the last row has none, so a ≤ d).
 
-That is exact, greedy or not. Every proposer here drafts deterministically from what the host knows, so a draft is a
-one-hot distribution q = δ(x). Rejection sampling accepts x with probability min(1, p(x) / q(x)) = p(x) and on
+That is exact, greedy or not, for a draft that is a deterministic function of the context, a one-hot distribution
+q = δ(x): n-gram, suffix, and a draft model's greedy drafts (its sampled drafts verify against their q instead:
+runner/sampler.against_draft, with the same kept-run rule). Rejection sampling accepts x with probability min(1, p(x) / q(x)) = p(x) and on
 rejection draws from max(p − q, 0) normalized, which is p without x. Drawing y ~ p and accepting when y = x does both at
 once: y = x with probability p(x), and a y ≠ x is distributed as p conditioned on not x. When every draft is accepted
 the last row's sample is the bonus token, drawn from p as usual. Greedy is the temperature → 0 case of the same rule.
@@ -37,6 +38,7 @@ class VerifyRows:
 
     draft_ids: torch.Tensor  # [n] int32
     group_back: torch.Tensor  # [n] int32
+    q: torch.Tensor | None = None  # [n, vocab] float32: a sampled draft's distribution at the row that checks it
 
 
 class DraftState:

@@ -90,7 +90,8 @@ class ModelRunner:
             params, slots, positions = views.sampling(b), views.slots[:b], views.positions[:b]
             if batch.draft_ids is not None:
                 draft = self.buffers.state.draft_model
-                verify = VerifyRows(views.draft_ids[:b], views.group_back[:b], draft.q[:b] if draft else None)
+                verify = VerifyRows(views.draft_ids[:b], views.group_back[:b], *(
+                    (draft.q[:b], views.draft_sampled[:b]) if draft is not None else ()))
         if batch.sampling is None or not len(batch.sampling):
             return None if prompt is None else SampleHandle.empty(prompt)
         pending = PendingSample(logits, params, slots, prompt, bucket, verify, positions)

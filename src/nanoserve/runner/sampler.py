@@ -221,7 +221,7 @@ class Sampler:
             probs = target_probs(logits, batch, params)
             sampled = race(probs, batch, self.generator)
             if batch.draft_sampled is not None and verify is not None and verify.q is not None:
-                sampled = against_draft(probs, sampled, verify, batch.draft_sampled, self.generator)
+                sampled = against_draft(probs, sampled, verify, self.generator)
             tokens = sampled if tokens is None else torch.where(params.temperature <= 0, tokens, sampled)
         return tokens
 
@@ -279,10 +279,10 @@ def race(probs: torch.Tensor, batch: SamplingBatch, generator: torch.Generator |
     return (probs / noise.clamp_min_(1e-10)).argmax(dim=-1)
 
 
-def against_draft(probs: torch.Tensor, sampled: torch.Tensor, verify: VerifyRows, flags: np.ndarray,
+def against_draft(probs: torch.Tensor, sampled: torch.Tensor, verify: VerifyRows,
                   generator: torch.Generator | None = None) -> torch.Tensor:
-    """Rejection sampling of the drafts a draft model sampled from q (flags[r]: row r checks one; unseeded rows
-    only): keep draft d with probability min(1, p(d) / q(d)), else draw from max(p − q, 0). The output is then
+    """Rejection sampling of the drafts a draft model sampled from q (verify.sampled[r]: row r checks one; unseeded
+    rows only): keep draft d with probability min(1, p(d) / q(d)), else draw from max(p − q, 0). The output is then
     distributed as p, and a rejected row's draw is never d (there p(d) < q(d)), so "kept while the sample equals the
     draft" (kernels/verify.py) holds as for one-hot drafts. Other rows keep `sampled`."""
     n = probs.shape[0]
@@ -294,8 +294,7 @@ def against_draft(probs: torch.Tensor, sampled: torch.Tensor, verify: VerifyRows
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
     drawn = torch.where(accept, d[:, 0], (residual / torch.empty_like(residual).exponential_(
         generator=generator).clamp_min_(1e-10)).argmax(dim=-1))
-    on = torch.from_numpy(flags).to(p.device).bool()
-    return torch.where(on, drawn, sampled)
+    return torch.where(verify.sampled[:n] > 0, drawn, sampled)
 
 
 def target_probs(logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors) -> torch.Tensor:

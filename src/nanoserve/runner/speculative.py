@@ -39,6 +39,7 @@ class VerifyRows:
     draft_ids: torch.Tensor  # [n] int32
     group_back: torch.Tensor  # [n] int32
     q: torch.Tensor | None = None  # [n, vocab] float32: a sampled draft's distribution at the row that checks it
+    sampled: torch.Tensor | None = None  # [n] int32: 1 where the row's draft was sampled from q
 
 
 class DraftState:

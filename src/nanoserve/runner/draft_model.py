@@ -56,7 +56,7 @@ class DraftModel:
         counts = torch.where(proposing, counts, 0)
         sampling = None if sampled is None else (sampled & proposing, temperature)
         drafts = self._chain(input_ids, tables, positions, slot_mapping, context_lens, counts, sampling)
-        ours = proposing[first] & (back < counts[first] + 1)  # rows of a proposing sequence's group
+        ours = proposing[first]  # rows of a proposing sequence's group
         g = back.clamp(max=self.k)
         at = drafts[first]  # [rows, k]: the group's drafts
         filled = at.gather(1, (g - 1).clamp(min=0)[:, None])[:, 0]
@@ -84,7 +84,6 @@ class DraftModel:
                 token = self._sampled(logits, token, on & sampling[0], sampling[1], r + j)
             out[:, j] = token
         return out
-
 
     def _sampled(self, logits: torch.Tensor, greedy: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
                  checked_at: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,10 @@ trip is kv_quant.quantize_ref / dequantize_ref (e4m3, one bf16 scale amax/448 pe
 the model dtype, as the engine's CPU prefill reads its cache), or the same with float8_e5m2 and amax/57344. A variant
 keeps some (query i, key j) pairs exact: the first S tokens ("sinks-S"), or keys with i - j < R ("recent-R", a
 KIVI-style window: scores and the probability-weighted values selected per (i, j) between exact and round-tripped K/V;
-the two halves of the output summed in fp32 and rounded once, as a kernel would). "select-control" runs that select
+the two halves of the output summed in fp32 and rounded once, as a kernel would), or keys in the query's own block
+of 16 and the blocks-1 before it ("block-N": what a bf16 copy of each sequence's newest block(s) would keep).
+"hadamard-k" / "hadamard-kv" rotate q and K (and V, the output rotated back) by an orthonormal Hadamard matrix before
+the round trip (q . k is unchanged; outliers spread over the head's dims). "select-control" runs that select
 with nothing round-tripped: what its arithmetic alone moves (it differs from eager's one bf16 matmul in the last bit
 of a few outputs), the floor the sinks / recent rows are read against. `bf16_top1_ties`: the share of positions whose
 two largest bf16 logits are equal (a tie any perturbation may flip: what bounds every row's top-1 agreement).
@@ -57,14 +60,19 @@ class Variant:
     v: bool = True
     sinks: int = 0
     recent: int | None = None
+    rotate: bool = False  # K (and V) rotated by an orthonormal Hadamard matrix before the round trip
+    blocks: int | None = None  # keys in the query's block of 16 or the blocks-1 before it exact
 
 
 VARIANTS = {"bf16": Variant(), "e4m3-token": Variant(E4M3), "k-only": Variant(E4M3, v=False),
             "v-only": Variant(E4M3, k=False),
             **{f"sinks-{s}": Variant(E4M3, sinks=s) for s in (1, 4, 16)},
-            **{f"recent-{r}": Variant(E4M3, recent=r) for r in (16, 64, 128)},
+            **{f"recent-{r}": Variant(E4M3, recent=r) for r in (1, 4, 16, 64, 128)},
             "sinks-4+recent-64": Variant(E4M3, sinks=4, recent=64), "e5m2-token": Variant(E5M2),
-            "select-control": Variant(recent=64)}  # no fp8: the (i, j) select's own arithmetic, recent-64's pattern
+            "select-control": Variant(recent=64),
+            **{f"block-{n}": Variant(E4M3, blocks=n) for n in (1, 2)},
+            "block-1-k": Variant(E4M3, blocks=1, v=False), "recent-32": Variant(E4M3, recent=32),
+            "hadamard-k": Variant(E4M3, v=False, rotate=True), "hadamard-kv": Variant(E4M3, rotate=True)}  # no fp8: the (i, j) select's own arithmetic, recent-64's pattern
 _active = [VARIANTS["bf16"]]  # the variant kvq_attention applies
 
 
@@ -89,15 +97,26 @@ def round_trip(x: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
     return kv_quant.dequantize_ref(codes, scale, dtype=x.dtype)
 
 
+def hadamard(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The n x n Sylvester Hadamard matrix over sqrt(n) (orthonormal and symmetric); n a power of two."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    assert h.shape[0] == n, n
+    return (h / n ** 0.5).to(dtype)
+
+
 def exact_pairs(v: Variant, q_len: int, k_len: int, device: torch.device) -> torch.Tensor | None:
     """[q_len, k_len] bool: the (query, key) pairs read exactly (queries are the last q_len of the k_len positions);
     None when none are."""
-    if not v.sinks and v.recent is None:
+    if not v.sinks and v.recent is None and v.blocks is None:
         return None
     j = torch.arange(k_len, device=device)
     near = (j < v.sinks).expand(q_len, k_len)
     if v.recent is not None:
         near = near | (torch.arange(k_len - q_len, k_len, device=device)[:, None] - j < v.recent)
+    if v.blocks is not None:
+        near = near | (torch.arange(k_len - q_len, k_len, device=device)[:, None] // 16 - j // 16 < v.blocks)
     return near
 
 
@@ -107,6 +126,10 @@ def kvq_attention(module, query, key, value, attention_mask, scaling, dropout=0.
     from transformers.models.llama.modeling_llama import repeat_kv
 
     var = _active[-1]
+    if var.rotate:  # q . k = (qH) . (kH); V's rotation undone on the output
+        h = hadamard(query.shape[-1], query.dtype)
+        query, key = query @ h, key @ h
+        value = value @ h if var.v else value
     k_far = round_trip(key, var.fmt) if var.fmt is not None and var.k else key
     v_far = round_trip(value, var.fmt) if var.fmt is not None and var.v else value
     near = exact_pairs(var, query.shape[2], key.shape[2], query.device)
@@ -122,6 +145,8 @@ def kvq_attention(module, query, key, value, attention_mask, scaling, dropout=0.
     else:  # the two halves summed in fp32, rounded once
         out = (torch.matmul(torch.where(near, probs, 0).float(), repeat_kv(value, groups).float())
                + torch.matmul(torch.where(near, 0, probs).float(), repeat_kv(v_far, groups).float())).to(query.dtype)
+    if var.rotate and var.v:
+        out = out @ hadamard(query.shape[-1], query.dtype)  # H is its own inverse
     return out.transpose(1, 2).contiguous(), probs
 
 

@@ -1,6 +1,7 @@
 """benchmarks/kv_quality_variants.py's attention on a tiny random Llama (transformers' own classes, fp32): the bf16
-variant is transformers' eager attention bit for bit, and the recent-window select reaches both of its ends (a window
-over the whole sequence is bf16, an empty one is e4m3-token)."""
+variant is transformers' eager attention bit for bit, the recent-window and block-window selects reach both of their
+ends (a window over the whole sequence is bf16, an empty one is e4m3-token), and the Hadamard rotation alone changes
+nothing but rounding."""
 from __future__ import annotations
 
 import sys
@@ -47,3 +48,13 @@ def test_recent_window_ends_are_bf16_and_e4m3(models):
     assert not torch.equal(e4m3, _logits(model))  # the round trip does change the logits
     assert torch.equal(_logits(model, kvq.Variant(kvq.E4M3, recent=SEQ)), _logits(model))
     assert torch.equal(_logits(model, kvq.Variant(kvq.E4M3, recent=0)), e4m3)
+
+
+def test_block_window_ends_and_rotation(models):
+    model = models[kvq.ATTENTION]
+    exact, e4m3 = _logits(model), _logits(model, kvq.VARIANTS["e4m3-token"])
+    assert torch.equal(_logits(model, kvq.Variant(kvq.E4M3, blocks=SEQ)), exact)
+    assert torch.equal(_logits(model, kvq.Variant(kvq.E4M3, blocks=0)), e4m3)
+    h = kvq.hadamard(8, torch.float32)
+    assert torch.allclose(h @ h, torch.eye(8), atol=1e-6)
+    assert torch.allclose(_logits(model, kvq.Variant(rotate=True)), exact, atol=1e-4)

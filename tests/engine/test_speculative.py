@@ -299,7 +299,7 @@ def _drive_watched(llm, prompts, params, steps_before=None) -> tuple[list, int]:
 
 def _pin_host_ms(spec, host_ms: float) -> None:
     worth_waiting = spec.worth_waiting
-    spec.worth_waiting = lambda running, _measured: worth_waiting(running, host_ms)
+    spec.worth_waiting = lambda running, _measured, host=False: worth_waiting(running, host_ms, host)
 
 
 def test_host_drafts_back_off_when_waiting_does_not_pay(tiny_model_dirs):

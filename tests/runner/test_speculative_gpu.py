@@ -33,6 +33,18 @@ def test_greedy_tokens_and_counters_on_gpu(tiny_model_dirs, spec):
     assert stats.generation_tokens == 2 * sum(len(t) for t in base)
 
 
+def test_constrained_rows_verify_under_their_masks_on_gpu(tiny_model_dirs):
+    """Structured outputs beside n-gram drafts, with the fused sampler's static bitmask covering every verified row:
+    the greedy tokens of decoding without speculation, and the constrained sequence verified drafts."""
+    from tests.engine.test_speculative_structured import GREEDY, PROMPTS
+
+    path = str(tiny_model_dirs["qwen3"])
+    base = [o.token_ids for o in LLM(path, **OPTIONS).generate(PROMPTS, GREEDY, use_tqdm=False)]
+    llm = LLM(path, speculative_config=NGRAM, **OPTIONS)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == base
+    assert llm.engine.stats.spec_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("draft", ["self", "noisy"])
 def test_draft_model_in_decode_graphs(drafts, draft):
     """A draft model proposing inside the decode graphs (and mirroring the token-count graphs' steps): the tokens

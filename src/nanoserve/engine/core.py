@@ -44,7 +44,7 @@ from nanoserve.engine.preflight import check_engine_config
 from nanoserve.engine.ready_line import ready_line
 from nanoserve.engine.pipeline import HostClock, InFlight, StepPipeline
 from nanoserve.engine.prompts import check_params_token_ids, check_prompt_ids
-from nanoserve.engine.scheduler import ScheduledStep, Scheduler, chunk_caps
+from nanoserve.engine.scheduler import ScheduledStep, Scheduler, prompt_token_caps
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.model_files import ModelSpec, eos_token_ids, load_tokenizer
 from nanoserve.runner.batch import PrefillBatch, SampledTokens
@@ -67,7 +67,7 @@ class EngineCore:
         self.block_manager = BlockManager(self.info.num_kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching,
                                           ModelSpec.from_hf_config(hf_config).uniform_window)
-        self.scheduler = Scheduler(self.config, self.block_manager, self._prompt_token_caps())
+        self.scheduler = Scheduler(self.config, self.block_manager, prompt_token_caps(self.config, self.info))
         self.sequences: dict[str, Sequence] = {}
         self._pipeline = StepPipeline()
         self._num_penalty_seqs = self._num_grammar_seqs = self._num_min_tokens_seqs = 0
@@ -86,20 +86,6 @@ class EngineCore:
         from nanoserve.engine.speculation import Speculator  # (the proposers load only when asked for)
         return Speculator(spec, self.config.max_model_len, self.config.max_num_seqs, self.info.step_curve,
                           self.info.token_curve, self.info.draft_curve)
-
-    def _prompt_token_caps(self) -> list[int] | None:
-        """chunk_time_ratio's caps from the runner's measured curves (batch-size and token-count: planned "auto"
-        graphs); None when off or not measured (then only max_num_batched_tokens bounds a step)."""
-        ratio, runner = self.config.chunk_time_ratio, self.info
-        if not ratio or runner.step_curve is None or runner.token_curve is None:
-            if ratio:
-                logger.info("chunk_time_ratio %.1f is off: it needs measured step curves (planned CUDA graphs)", ratio)
-            return None
-        caps = chunk_caps(runner.token_curve, runner.step_curve, self.config.max_num_seqs,
-                          self.config.max_num_batched_tokens, ratio)
-        shown = ", ".join(f"{d} rows: {caps[d]}" for d in sorted({1, 16, 64, len(caps) - 1}) if d < len(caps))
-        logger.info("prompt tokens beside decode rows (step time <= %.1f decode steps): %s", ratio, shown)
-        return caps
 
     def _eos_ids(self, hf_config) -> list[int]:
         ids = eos_token_ids(self.config.model, hf_config)
@@ -139,7 +125,7 @@ class EngineCore:
                                  "(skip_tokenizer_init)")
             c = self.config
             self._grammars = Grammars(lambda: load_tokenizer(c.tokenizer or c.model), self.vocab_size,
-                                      self.eos_token_ids, c.max_num_seqs, self.info.device.startswith("cuda"))
+                                      self.eos_token_ids, c.max_sampled_rows, self.info.device.startswith("cuda"))
         return self._grammars
 
     def _admit_compiled(self) -> list[SeqOutput]:
@@ -190,9 +176,10 @@ class EngineCore:
         if not overlap:  # every token known before scheduling
             outputs += self._read_all()
         started = self._start_deferred() if self._pipeline.deferred is not None else None
-        # (a grammar's bitmask covers one row per sequence; host drafts need every token: not while overlapping)
-        if spec is not None and not self._num_grammar_seqs and (spec.on_device or not overlap):
-            spec.offer(self.scheduler.running, on_device=overlap)
+        if spec is not None and self._drafts_host(spec) is not None and (spec.on_device or not overlap):
+            spec.offer(self.scheduler.running, on_device=overlap)  # (host drafts need every token: not overlapping)
+            if self._num_grammar_seqs:
+                self._grammars.trim_drafts(self.scheduler.running)
         step = self.scheduler.schedule()
         batch = build_batch(step, self.config.block_size, self.eos_token_ids, self.config.max_num_seqs,
                             *((spec.on_device, spec.spec.samples_drafts) if spec is not None else ())) if step else None
@@ -212,15 +199,23 @@ class EngineCore:
         return outputs
 
     def _spec_overlaps(self) -> bool:
-        """Speculating, the next step may be scheduled before the one in flight is read when its drafts come from the
-        device and it is decode rows only (a prompt step's positions come from the host, which must know every
-        token), with no min_tokens ban (whose rows the host counts from the tokens it knows); with host drafts, when
-        waiting for the step in flight would not pay for itself (Speculator.worth_waiting: the step drafts nothing)."""
+        """Speculating, the next step may be scheduled before the one in flight is read: with device drafts, when it is
+        decode rows only (prompt positions, min_tokens bans: the host must know every token); with host drafts, when
+        waiting for the step in flight would not pay for itself (Speculator.worth_waiting: then it drafts nothing)."""
         spec = self._speculator
-        if not spec.on_device:  # (host positions: not past a step whose drafts are not read yet)
-            return not spec.worth_waiting(self.scheduler.running, self._host.ms) and not self._pipeline.verifying
+        host = bool(self._drafts_host(spec))
+        waits = spec.worth_waiting(self.scheduler.running, self._host.ms, host=host)
+        if host:  # (host positions: not past a step whose drafts are not read yet)
+            return not waits and not self._pipeline.verifying
         s = self.scheduler
         return not self._num_min_tokens_seqs and not s.waiting and all(seq.decoding for seq in s.running)
+
+    def _drafts_host(self, spec) -> bool | None:
+        """Whether drafts come from the host: a host method's, or, while a constrained sequence runs, any with a host
+        proposer (masks follow drafts: the host must know them); None: none (a draft model's, beside those)."""
+        if not self._num_grammar_seqs:
+            return not spec.on_device
+        return True if spec.proposer is not None else None
 
     def _launch(self, step: ScheduledStep, batch, overlap: bool) -> list[SeqOutput]:
         """Launch a built step: whole, or (grammar rows still running) its forward only, its sampler deferred."""
@@ -247,8 +242,9 @@ class EngineCore:
         reads = [self._read(done) for done in self._pipeline.take_all()]
         ending = {id(done.sampled[i]) for done, result, accepted in reads if accepted is not None
                   for i, ok in enumerate(accepted) if not ok or self._grammars.ends(result.token_ids[i])}
-        rows = [None if id(s) in ending else s.grammar for s in self._pipeline.deferred.launched.sampled]
-        return reads, self._grammars.start_fill(rows)
+        launched = self._pipeline.deferred.launched
+        rows = [None if id(s) in ending else s.grammar for s in launched.sampled]
+        return reads, self._grammars.start_fill(rows, launched.step.sampled_drafts)
 
     def _sample_deferred(self, started=None) -> list[SeqOutput]:
         """Launch the sampler of the step whose forward runs, once its masks are filled (started: _start_deferred's
@@ -284,8 +280,7 @@ class EngineCore:
         if result.prompt_logprobs is not None:
             distribute_prompt_logprobs(done.step, result.prompt_logprobs)
         outputs, row = [], 0
-        drafts = [d for d, samples in zip(done.step.drafts, done.step.samples) if samples]
-        for i, (seq, seq_drafts) in enumerate(zip(done.sampled, drafts)):
+        for i, (seq, seq_drafts) in enumerate(zip(done.sampled, done.step.sampled_drafts)):
             rows = range(row, row + 1 + len(seq_drafts))  # its sampled rows: one, or one per draft and one more
             row = rows.stop
             seq.num_pending -= len(rows)
@@ -298,6 +293,11 @@ class EngineCore:
                 drafts = result.draft_ids[rows.start:rows.stop - 1]
                 tokens = self._speculator.verified(seq, drafts, result.token_ids[rows.start:rows.stop])
                 rows = rows[:len(tokens)]
+            if accepted is None and seq.grammar is not None:  # (a verifying step's: its matchers advance here)
+                fit = self._grammars.accept_run(seq.grammar, [result.token_ids[r] for r in rows])
+                if fit < len(rows):
+                    outputs.append(self._grammar_dead_end(seq, result.token_ids[rows[fit]], rows[:fit], result))
+                    continue
             outputs.append(self._append_tokens(seq, rows, result))
         return outputs
 
@@ -329,14 +329,17 @@ class EngineCore:
             self._speculator.extend(seq, out.new_token_ids)
         return out
 
-    def _grammar_dead_end(self, seq: Sequence, token: int) -> SeqOutput:
+    def _grammar_dead_end(self, seq: Sequence, token: int, fits: range = range(0), result=None) -> SeqOutput:
         """The grammar allowed no token the sampler could take (min_tokens banned the stop tokens the grammar
-        ended with): the sequence ends where its grammar did, without the token."""
+        ended with): the sequence ends where its grammar did (after the rows `fits` of result), without the token."""
         logger.warning("request %s: token %d does not fit its grammar (min_tokens=%d outlasts it); it ends here",
                        seq.request_id, token, seq.params.min_tokens)
-        self.sequences.pop(seq.request_id, None)
-        self._finish(seq, "stop")
-        return SeqOutput(seq.request_id, [], finish_reason="stop")
+        out = self._append_tokens(seq, fits, result) if fits else SeqOutput(seq.request_id, [])
+        if not seq.is_finished:
+            self.sequences.pop(seq.request_id, None)
+            self._finish(seq, "stop")
+            out.finish_reason = "stop"
+        return out
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

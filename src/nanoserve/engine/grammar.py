@@ -38,6 +38,13 @@ matching and the fill outlast a forward. Unconstrained batches carry no mask and
 The bitmask buffer is refilled only after the step that copied it was read. benchmarks/structured_overhead.py
 measures the cost.
 
+Beside speculative decoding a constrained sequence verifies drafts the host knows (engine/core.py: while one runs,
+drafts come from the host's proposer and each step waits for the one before, unless the plan finds waiting not worth
+it; a draft model's, which only the device knows, are then not offered). trim_drafts keeps the drafts its grammar
+accepts; the verification's rows are each masked as the matcher stands after the drafts before them (accepted, filled,
+rolled back: _fill_drafted), so every verified position obeys the grammar; reading the step advances the matcher by
+the run the verification kept (accept_run).
+
 Validation: `check()` builds the constraint's grammar without a tokenizer (fast), so front ends refuse a bad
 schema, regex or grammar with a ValueError naming the problem before anything reaches the core.
 """
@@ -243,9 +250,36 @@ class Grammars:
             return None
         return [s.grammar is None or s.grammar.accept_token(t) for s, t in zip(seqs, tokens)]
 
-    def start_fill(self, matchers: list) -> "MaskFill | None":
+    def trim_drafts(self, seqs: list) -> None:
+        """Speculation beside structured outputs: a constrained sequence keeps the drafts its grammar accepts, in order,
+        up to the first it refuses or a stop token (which would end it: a sample may still be one); its matcher is
+        rolled back to where it stood. (Drafts the host does not know, DEVICE_DRAFT, are never offered to these.)"""
+        for seq in seqs:
+            matcher, drafts = seq.grammar, seq.draft_token_ids
+            if matcher is None or not drafts:
+                continue
+            n = 0
+            while n < len(drafts) and drafts[n] >= 0 and not self.ends(drafts[n]) and matcher.accept_token(drafts[n]):
+                n += 1
+            if n:
+                matcher.rollback(n)
+            seq.draft_token_ids = drafts[:n]
+
+    def accept_run(self, matcher, tokens: list[int]) -> int:
+        """Advance a matcher by the tokens a verification kept: how many it took before one it refused (all of them
+        once a stop token ends it: the sequence ends there)."""
+        for i, token in enumerate(tokens):
+            if not matcher.accept_token(token):
+                return i
+            if self.ends(token):
+                break
+        return len(tokens)
+
+    def start_fill(self, matchers: list, drafts: list[list[int]] | None = None) -> "MaskFill | None":
         """Start filling the bitmask of a step's sampled rows, given each row's matcher or None: the rows with one by
-        xgrammar (its threads), the others with every token allowed; None when no row has a matcher. From
+        xgrammar (its threads), the others with every token allowed; None when no row has a matcher. drafts: per
+        entry, the drafts its rows verify (trim_drafts kept them): the entry then has a row per draft and one more,
+        row j masked as its matcher stands after the first j drafts (_fill_drafted). From
         GRAMMAR_FILL_THREAD_MIN_ROWS rows the fill runs on the mask thread while the caller goes on: the caller waits
         only until that thread is inside xgrammar, which releases the GIL (else the thread would wait for the GIL
         until the caller blocks). The buffer is reused by the next constrained step, which fills it only after
@@ -253,6 +287,8 @@ class Grammars:
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
+        if drafts is not None and any(drafts):  # (rows past an entry's first are the next entries')
+            return self._fill_drafted(matchers, drafts)
         if len(rows) < len(matchers):  # so the kernel masks all rows and needs no row indices (a pageable copy)
             self._bitmask[[i for i, m in enumerate(matchers) if m is None]] = -1
         fill = MaskFill(np.array(rows, np.int32), self._bitmask[:len(matchers)])
@@ -265,6 +301,24 @@ class Grammars:
         self._mask_jobs.put((fill, matchers, rows, inside))
         inside.wait()
         return fill
+
+    def _fill_drafted(self, matchers: list, drafts: list[list[int]]) -> "MaskFill":
+        """A verification's masks, on the caller's thread: each constrained entry's rows in turn, its matcher advanced
+        by one draft between them and rolled back after; the other rows allow every token."""
+        n = sum(1 + len(d) for d in drafts)
+        self._bitmask[:n] = -1
+        rows, first = [], 0
+        for matcher, entry in zip(matchers, drafts):
+            if matcher is not None:
+                for j in range(len(entry) + 1):
+                    matcher.fill_next_token_bitmask(self._bitmask, first + j)
+                    if j < len(entry) and not matcher.accept_token(entry[j]):
+                        raise RuntimeError(f"a draft its grammar accepted before ({entry[j]}) is refused")
+                if entry:
+                    matcher.rollback(len(entry))
+                rows += range(first, first + len(entry) + 1)
+            first += 1 + len(entry)
+        return MaskFill(np.array(rows, np.int32), self._bitmask[:n])
 
     def _fill(self, matchers: list, rows: list[int]) -> None:
         if len(rows) == 1:

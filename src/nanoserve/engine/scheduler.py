@@ -20,6 +20,7 @@ preempted: its blocks are freed and it goes back to the front of the queue, to b
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -30,6 +31,8 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.runner.speculative import DEVICE_DRAFT
 from nanoserve.runner.startup.bucket_plan import StepTime
+
+logger = logging.getLogger("nanoserve")
 
 
 @dataclass
@@ -60,6 +63,11 @@ class ScheduledStep:
     @property
     def has_drafts(self) -> bool:
         return not self.is_decode and any(self.drafts)
+
+    @property
+    def sampled_drafts(self) -> list[list[int]]:
+        """Each sampling sequence's drafts, in the order of its sampled rows (a row, and one more per draft)."""
+        return [d for d, samples in zip(self.drafts, self.samples) if samples]
 
 
 class Scheduler:
@@ -184,6 +192,20 @@ class Scheduler:
             self.free_slots.append(seq.slot)
             seq.slot = None
         seq.decoding = False
+
+
+def prompt_token_caps(config: EngineConfig, runner) -> list[int] | None:
+    """chunk_time_ratio's caps from the runner's measured curves (RunnerInfo's batch-size and token-count: planned
+    "auto" graphs); None when off or not measured (then only max_num_batched_tokens bounds a step)."""
+    ratio = config.chunk_time_ratio
+    if not ratio or runner.step_curve is None or runner.token_curve is None:
+        if ratio:
+            logger.info("chunk_time_ratio %.1f is off: it needs measured step curves (planned CUDA graphs)", ratio)
+        return None
+    caps = chunk_caps(runner.token_curve, runner.step_curve, config.max_num_seqs, config.max_num_batched_tokens, ratio)
+    shown = ", ".join(f"{d} rows: {caps[d]}" for d in sorted({1, 16, 64, len(caps) - 1}) if d < len(caps))
+    logger.info("prompt tokens beside decode rows (step time <= %.1f decode steps): %s", ratio, shown)
+    return caps
 
 
 def chunk_caps(token_curve: StepTime, decode_curve: StepTime, max_rows: int, max_tokens: int, ratio: float,

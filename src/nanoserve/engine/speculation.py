@@ -21,7 +21,9 @@ before a token-count step's forward).
 Suffix drafts always come from the host, which must know every token before it drafts: that loop reads each step
 before scheduling the next (the step just launched is left running while the front end handles the outputs of the
 one before) — unless the plan, pricing that wait at the host's measured time a step, finds no draft worth it: then
-the step runs asynchronously without drafts, and shadow drafts keep measuring acceptance (worth_waiting).
+the step runs asynchronously without drafts, and shadow drafts keep measuring acceptance (worth_waiting). While a
+structured-output sequence runs, every method with a host proposer drafts like suffix (its masks follow its drafts:
+engine/grammar.py); a draft model then drafts for nobody.
 """
 from __future__ import annotations
 
@@ -66,13 +68,14 @@ class Speculator:
         self._shadow.pop(seq.request_id, None)
 
     # -- before a step ------------------------------------------------------------------------------
-    def worth_waiting(self, running: list[Sequence], host_ms: float | None) -> bool:
-        """Host drafts (suffix) need every token before drafting: the loop waits for the step in flight, so a verifying
-        step costs the host's time on top of the device's, while a plain one overlaps them. True when the plan at that
-        price keeps any draft (always, without measured curves or host time). While it says no, the sequences are
-        backed off: they decode in the asynchronous loop and their acceptance keeps being measured against shadow
-        drafts (extend), so drafting resumes when it pays again."""
-        if self.on_device or self._curves is None or host_ms is None:
+    def worth_waiting(self, running: list[Sequence], host_ms: float | None, host: bool = False) -> bool:
+        """Host drafts (suffix; any method's proposer while a constrained sequence runs: host=True) need every token
+        before drafting: the loop waits for the step in flight, so a verifying step costs the host's time on top of
+        the device's, while a plain one overlaps them. True when the plan at that price keeps any draft (always,
+        without measured curves or host time). While it says no, the sequences are backed off: they decode in the
+        asynchronous loop and their acceptance keeps being measured against shadow drafts (extend), so drafting
+        resumes when it pays again."""
+        if (self.on_device and not host) or self._curves is None or host_ms is None:
             self.backed_off = False
             return True
         rows = [s for s in running if s.decoding and not s.is_finished]

@@ -57,7 +57,7 @@ class StepBuffers:
         token_forward = TokenForward(model, state, StepPacker(device), token_inputs,
                                      logprob_chunk=config.max_num_seqs, q_per_tile=q_per_tile)
         return cls(kv_cache, dummy_block, state, decode_inputs, DecodeForward(model, state, decode_inputs),
-                   token_forward, Sampler(config.max_sampled_rows, device, rng, model.vocab_size, config.max_num_seqs))
+                   token_forward, Sampler(config.max_sampled_rows, device, rng, model.vocab_size))
 
     def static_bytes(self) -> int:
         """Device bytes of the static buffers besides the KV cache (block tables, the forwards' inputs and outputs)."""

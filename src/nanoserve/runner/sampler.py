@@ -100,10 +100,10 @@ class Sampler:
     """logits [n, V] + a SamplingBatch → sampled ids in the slots' last-token cells, and a SampleHandle."""
 
     def __init__(self, max_rows: int, device: torch.device, generator: torch.Generator | None = None,
-                 vocab_size: int = 0, max_masked_rows: int | None = None):
+                 vocab_size: int = 0):
         """generator: the noise of unseeded rows (None: torch's default RNG). Plain batches take the one kernel
-        where the kernels run Triton (kernels/_triton.use_triton). max_masked_rows: the most rows a grammar's bitmask
-        covers (a step verifying drafts has no grammar rows), max_rows by default."""
+        where the kernels run Triton (kernels/_triton.use_triton). A grammar's bitmask may cover every row (a
+        verification's rows each have the mask of their position)."""
         self.device, self.generator = device, generator
         self.on_cuda = device.type == "cuda"
         words = max_rows * (3 + 2 * MAX_LOGPROBS)  # ids, logprobs, top pairs, draft ids
@@ -112,7 +112,7 @@ class Sampler:
         self._events = [torch.cuda.Event() if self.on_cuda else None for _ in range(2)]
         self._turn = 0
         self._fused = SampleScratch(max_rows, device) if use_triton(device) else None
-        self._bitmask = torch.full((max_masked_rows or max_rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device) \
+        self._bitmask = torch.full((max_rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device) \
             if self._fused is not None else None  # the plain sample's mask: static, so its graphs read it
         # the plain sample's noise key, on the device: read by the kernel and advanced after it, so a graph of the
         # call draws anew each replay; seeded like the runner's generator (the same on every tensor-parallel rank)

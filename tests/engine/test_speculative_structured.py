@@ -1,0 +1,130 @@
+"""Speculative decoding beside structured outputs (issue 38, item 3): a constrained sequence verifies host drafts its
+grammar accepts, each verified row under the mask of its own position (its matcher advanced by the drafts before it,
+then rolled back), and its matcher advances by the run the verification kept; unconstrained sequences beside it keep
+drafting. Greedy tokens equal decoding without speculation, in the asynchronous and the synchronous loop; sampled
+constrained output still fits its grammar (CPU, the tiny Qwen3 and its tokenizer)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.engine.speculation import Speculator
+from nanoserve.sampling import StructuredOutputsParams as Constraint
+from tests.engine.test_speculative import NGRAM
+
+OPTIONS = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8, num_kv_blocks=64,
+               show_progress=False)
+PROMPTS = ["a", "b b b b", "c"]
+GREEDY = [SamplingParams(temperature=0.0, max_tokens=30, structured_outputs={"regex": "(xyz|xy)+w"}),  # loops
+          SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+          SamplingParams(temperature=0.0, max_tokens=20, structured_outputs={"regex": "(ab)+"})]
+
+
+def _run(path: str, prompts, params, **options) -> tuple[list, dict]:
+    """Token ids per prompt, and per request id how many drafts its verified rows checked."""
+    drafted: dict[str, int] = {}
+    original = Speculator.verified
+
+    def verified(self, seq, drafts, samples):
+        drafted[seq.request_id] = drafted.get(seq.request_id, 0) + len(drafts)
+        return original(self, seq, drafts, samples)
+
+    Speculator.verified = verified
+    try:
+        with LLM(path, **OPTIONS, **options) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            accepted = llm.engine.stats.spec_accepted_tokens if "speculative_config" in options else 0
+    finally:
+        Speculator.verified = original
+    return [o.outputs[0].token_ids for o in outs], {"accepted": accepted, **drafted}
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_constrained_greedy_equals_no_speculation(tiny_model_dirs, async_scheduling):
+    path = str(tiny_model_dirs["qwen3"])
+    want, _ = _run(path, PROMPTS, GREEDY, async_scheduling=async_scheduling)
+    got, drafted = _run(path, PROMPTS, GREEDY, speculative_config=NGRAM, async_scheduling=async_scheduling)
+    assert got == want
+    assert drafted["accepted"] > 0
+    assert drafted.get("gen-0/0", 0) > 0 and drafted.get("gen-1/0", 0) > 0  # a constrained one, the free one beside
+
+
+def test_sampled_constrained_output_fits_its_grammar(tiny_model_dirs):
+    params = [SamplingParams(temperature=1.0, max_tokens=40, structured_outputs={"regex": "(ab|c)+d"}),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=30, structured_outputs={"choice": ["xy", "xyz"]}),
+              SamplingParams(temperature=0.7, max_tokens=30, structured_outputs={"regex": "[a-c]{5,30}"}),
+              SamplingParams(temperature=0.0, max_tokens=6, presence_penalty=0.5)]  # the loop waits a while
+    with LLM(str(tiny_model_dirs["qwen3"]), speculative_config=NGRAM, **OPTIONS) as llm:
+        for _ in range(3):
+            outs = llm.generate(PROMPTS + ["d"], params, use_tqdm=False)
+            texts = [o.outputs[0] for o in outs]
+            assert re.fullmatch("(ab|c)+d", texts[0].text) or texts[0].finish_reason == "length"
+            assert texts[1].text in ("xy", "xyz") and re.fullmatch("[a-c]{5,30}", texts[2].text)
+        assert llm.engine.stats.spec_accepted_tokens > 0
+
+
+def test_a_draft_model_drafts_nothing_beside_constrained_sequences(drafts):
+    """A draft model's drafts exist only on the device, where no mask can follow them: while a constrained sequence
+    runs nobody drafts (the tokens stay those of decoding without speculation)."""
+    want, _ = _run(drafts["target"], PROMPTS, GREEDY)
+    got, drafted = _run(drafts["target"], PROMPTS, GREEDY,
+                        speculative_config={"method": "draft_model", "model": drafts["self"],
+                                            "num_speculative_tokens": 3})
+    assert got == want
+
+
+@pytest.fixture(scope="module")
+def grammar(tiny_model_dirs):
+    """The engine's Grammars for the tiny tokenizer, a compiled "(ab)+" and the ids of "a", "b", "c"."""
+    with LLM(str(tiny_model_dirs["qwen3"]), **OPTIONS) as llm:
+        store = llm.engine.core._grammar_store()
+        compiled = store.compile(Constraint(regex="(ab)+")).result()
+        ids = [llm.tokenizer.convert_tokens_to_ids(t) for t in "abc"]
+        yield store, compiled, ids
+
+
+class _Seq:
+    def __init__(self, matcher, drafts):
+        self.grammar, self.draft_token_ids = matcher, drafts
+
+
+def _mask(store, matcher) -> torch.Tensor:
+    matcher.fill_next_token_bitmask(store._bitmask, 0)
+    return store._bitmask[0].clone()
+
+
+def test_trim_keeps_what_the_grammar_accepts_and_rolls_back(grammar):
+    store, compiled, (a, b, c) = grammar
+    matcher = store.matcher(compiled)
+    assert matcher.accept_token(a)
+    before = _mask(store, matcher)
+    seq = _Seq(matcher, [b, a, b, b, a])
+    store.trim_drafts([seq])
+    assert seq.draft_token_ids == [b, a, b]  # cut at the second b in a row
+    assert torch.equal(_mask(store, matcher), before)  # rolled back to after "a"
+    seq = _Seq(matcher, [c, b])
+    store.trim_drafts([seq])
+    assert seq.draft_token_ids == []
+
+
+def test_a_verifications_rows_are_masked_at_their_own_positions(grammar):
+    """Row j of an entry is masked as its matcher stands after its first j drafts; rows without a matcher allow
+    everything; the matchers end where they began."""
+    store, compiled, (a, b, _c) = grammar
+    matcher, fresh = store.matcher(compiled), store.matcher(compiled)
+    expected = []
+    for token in (a, b, a):
+        expected.append(_mask(store, fresh))
+        assert fresh.accept_token(token)
+    expected.append(_mask(store, fresh))
+    start = _mask(store, matcher)
+    fill = store.start_fill([None, matcher], [[7, 8], [a, b, a]])
+    rows, bitmask = fill.result()
+    assert rows.tolist() == [3, 4, 5, 6] and bitmask.shape[0] == 7
+    assert (bitmask[:3] == -1).all()
+    for j in range(4):
+        assert torch.equal(bitmask[3 + j], expected[j])
+    assert torch.equal(_mask(store, matcher), start)

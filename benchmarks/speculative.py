@@ -9,7 +9,7 @@ one short request, then runs each workload's prompts ONE AT A TIME (b = 1: gener
 time.perf_counter around it; greedy, max_tokens, EOS honoured). Per workload: output tokens, seconds, output tok/s
 (sum of tokens / sum of seconds), per-prompt tok/s, on the GPU the idle time per step while the first prompt runs
 under the profiler in another fresh engine after every method's timed pass (gpu_idle), and the engine's speculative counters over the workload (the
-EngineStats deltas, nanoserve.bench.offline.speculation_delta): mean accepted length (accepted / verifying rows + 1),
+EngineStats deltas, EngineStats.speculation_since): mean accepted length (accepted / verifying rows + 1),
 acceptance rate (accepted / drafted) and acceptances per draft position. Every method's greedy outputs are compared token by token with method none's:
 speculation must not change them, so a mismatch is a bug, listed by prompt index with its first differing position.
 Ratios: each method's output tok/s over none's. Workloads: benchmarks/workloads/spec_<name>.json (chat messages
@@ -126,8 +126,6 @@ def counters_delta(before, after) -> dict:
 
 def run_workload(llm, prompts: list[list[int]], params) -> tuple[dict, list[list[int]]]:
     """The prompts one at a time, each timed: the workload's record and its outputs' token ids."""
-    from nanoserve.bench.offline import speculation_delta
-
     before, outputs, seconds = llm.engine.stats, [], []
     for prompt in prompts:
         start = time.perf_counter()
@@ -140,7 +138,7 @@ def run_workload(llm, prompts: list[list[int]], params) -> tuple[dict, list[list
               "seconds": sum(seconds), "output_tok_s": sum(tokens) / sum(seconds),
               "per_prompt": {"output_tokens": tokens, "seconds": seconds,
                              "tok_s": [n / s for n, s in zip(tokens, seconds)]},
-              "stats": counters_delta(before, after), "speculation": speculation_delta(before, after)}
+              "stats": counters_delta(before, after), "speculation": after.speculation_since(before)}
     return record, outputs
 
 

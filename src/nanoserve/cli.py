@@ -14,8 +14,9 @@ import socket
 import sys
 
 from nanoserve import __version__
-from nanoserve.config import (FIELD_HELP, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, REQUEST_BODY_TIMEOUT_S, SERVE_DEFAULTS,
-                              SHUTDOWN_TIMEOUT_S, TOOL_CALL_PARSER_CHOICES, EngineConfig)
+from nanoserve.config import (FIELD_HELP, LOG_STATS_INTERVAL_S, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS,
+                              REQUEST_BODY_TIMEOUT_S, SERVE_DEFAULTS, SHUTDOWN_TIMEOUT_S, TOOL_CALL_PARSER_CHOICES,
+                              EngineConfig)
 from nanoserve.tiny import ALL_ARCHS
 
 _ENGINE_FIELDS = [f for f in dataclasses.fields(EngineConfig) if f.name != "model"]
@@ -110,6 +111,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("--responses-store-bytes", type=int, default=64 * 2**20, metavar="BYTES",
                        help="memory for the conversations of /v1/responses answers, read by previous_response_id; "
                             "the oldest go first (0: none kept; default: %(default)s)")
+    serve.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic stats lines (throughput, requests, KV cache, prefix hits, speculation; every "
+                            f"{LOG_STATS_INTERVAL_S:g} s while the engine works)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM command lines: tool_choice \"auto\" is always on here")
     _add_engine_flags(serve, SERVE_DEFAULTS)
@@ -217,7 +221,8 @@ def _cmd_serve(args) -> int:
                  shutdown_timeout=args.shutdown_timeout, request_body_timeout=args.request_body_timeout,
                  max_stop_strings=args.max_stop_strings, max_stop_string_len=args.max_stop_string_len,
                  tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins,
-                 chat_template=args.chat_template, responses_store_bytes=args.responses_store_bytes)
+                 chat_template=args.chat_template, responses_store_bytes=args.responses_store_bytes,
+                 log_stats=not args.disable_log_stats)
 
 
 def check_port_free(host: str, port: int) -> None:

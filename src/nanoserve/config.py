@@ -59,6 +59,7 @@ FP8_BLOCK = 128
 # closed; more or longer stop strings than this are answered 400 (the API's stop matching is linear in the text
 # either way: this bounds building it)
 SHUTDOWN_TIMEOUT_S = 30.0
+LOG_STATS_INTERVAL_S = 10.0  # the server's stats line (throughput, queue, KV cache, speculation), as vLLM's interval
 REQUEST_BODY_TIMEOUT_S = 30.0
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024

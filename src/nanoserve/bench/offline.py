@@ -82,7 +82,7 @@ def run_throughput(llm, requests: list[BenchRequest], params=None, warmup: bool 
     start = time.perf_counter()
     outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    speculation = speculation_delta(before, llm.engine.stats)
+    speculation = llm.engine.stats.speculation_since(before)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     result = {"elapsed_time": seconds, "num_requests": len(requests), "total_input_tokens": prompt_tokens,
@@ -100,20 +100,4 @@ def run_throughput(llm, requests: list[BenchRequest], params=None, warmup: bool 
     return result
 
 
-def speculation_delta(before, after) -> dict | None:
-    """Speculative decoding's counters between two EngineStats (None when it is off): drafts, acceptance, mean
-    accepted length (accepted drafts + 1 per verifying sequence step), acceptances by draft position."""
-    if after.spec_method is None:
-        return None
-    drafts = after.spec_num_drafts - before.spec_num_drafts
-    proposed = after.spec_draft_tokens - before.spec_draft_tokens
-    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-    per_position = [a - b for a, b in zip(after.spec_accepted_per_position,
-                                          before.spec_accepted_per_position + [0] * len(after.spec_accepted_per_position))]
-    return {"method": after.spec_method, "num_drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
-            "acceptance_rate": accepted / proposed if proposed else 0.0,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0, "accepted_per_position": per_position}
-
-
-__all__ = ["profile_batch", "run_latency", "run_throughput", "throughput_requests", "sampling", "vocab_size",
-           "speculation_delta"]
+__all__ = ["profile_batch", "run_latency", "run_throughput", "throughput_requests", "sampling", "vocab_size"]

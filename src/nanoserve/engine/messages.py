@@ -70,6 +70,21 @@ class EngineStats(msgspec.Struct):
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
 
+    def speculation_since(self, before: "EngineStats") -> dict | None:
+        """Speculative decoding's counters since `before` (None when it is off): drafts, acceptance, mean accepted
+        length (accepted drafts + 1 per verifying sequence step), acceptances by draft position (read by `nanoserve
+        bench` and the server's stats log)."""
+        if self.spec_method is None:
+            return None
+        drafts = self.spec_num_drafts - before.spec_num_drafts
+        proposed = self.spec_draft_tokens - before.spec_draft_tokens
+        accepted = self.spec_accepted_tokens - before.spec_accepted_tokens
+        earlier = before.spec_accepted_per_position + [0] * len(self.spec_accepted_per_position)
+        return {"method": self.spec_method, "num_drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+                "acceptance_rate": accepted / proposed if proposed else 0.0,
+                "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
+                "accepted_per_position": [a - b for a, b in zip(self.spec_accepted_per_position, earlier)]}
+
 
 # -- envelopes: API process → core process ---------------------------------------------------------
 class AddRequests(msgspec.Struct, tag=True, array_like=True):

@@ -15,6 +15,7 @@ that goes away has its request aborted. If the engine core dies, requests in fli
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -44,6 +45,7 @@ from nanoserve.server.request_body import APIError, error_body, validation_messa
 from nanoserve.server.responses import ResponsesAPI
 from nanoserve.server.responses_protocol import RESPONSES_STORE_BYTES, ResponseStore
 from nanoserve.server.shutdown import DrainingServer
+from nanoserve.server.stat_log import StatLogger
 from nanoserve.server.template_sandbox import DEFAULT_TIMEOUT_S, TemplateSandbox
 from nanoserve.server.tokenize_routes import add_tokenize_routes
 
@@ -101,10 +103,12 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
               request_body_timeout: float = REQUEST_BODY_TIMEOUT_S, max_stop_strings: int = MAX_STOP_STRINGS,
               max_stop_string_len: int = MAX_STOP_STRING_LEN, tool_call_parser: str = "auto",
               allowed_origins: list[str] | None = None, chat_template: str | None = None,
-              responses_store_bytes: int = RESPONSES_STORE_BYTES, **engine_options) -> FastAPI:
+              responses_store_bytes: int = RESPONSES_STORE_BYTES, log_stats: bool = True,
+              **engine_options) -> FastAPI:
     """The FastAPI app. `model` is a model folder (+ EngineConfig options as keywords), an EngineConfig, or
     a started EngineClient. The engine core process is started here (EngineStartError if it cannot start),
-    connected when the app's lifespan starts and stopped when it ends."""
+    connected when the app's lifespan starts and stopped when it ends. log_stats: the periodic stats lines
+    (server/stat_log.py)."""
     _check_server_limits(request_body_timeout=request_body_timeout, max_stop_strings=max_stop_strings,
                          max_stop_string_len=max_stop_string_len)
     _check_app_options(tool_call_parser, responses_store_bytes)
@@ -131,9 +135,12 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
 
     async def lifespan(app: FastAPI):
         await client.start()
+        stat_log = asyncio.create_task(StatLogger(client).run()) if log_stats else None
         try:
             yield
         finally:
+            if stat_log is not None:
+                stat_log.cancel()
             await client.shutdown()
             preprocessor.close()
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ class Variant:
     recent: int | None = None
     rotate: bool = False  # K (and V) rotated by an orthonormal Hadamard matrix before the round trip
     blocks: int | None = None  # keys in the query's block of 16 or the blocks-1 before it exact
+    window_v: bool = True  # the exact pairs read V exactly too (False: only K; V round-tripped everywhere)
 
 
 VARIANTS = {"bf16": Variant(), "e4m3-token": Variant(E4M3), "k-only": Variant(E4M3, v=False),
@@ -71,7 +73,9 @@ VARIANTS = {"bf16": Variant(), "e4m3-token": Variant(E4M3), "k-only": Variant(E4
             "sinks-4+recent-64": Variant(E4M3, sinks=4, recent=64), "e5m2-token": Variant(E5M2),
             "select-control": Variant(recent=64),
             **{f"block-{n}": Variant(E4M3, blocks=n) for n in (1, 2)},
-            "block-1-k": Variant(E4M3, blocks=1, v=False), "recent-32": Variant(E4M3, recent=32),
+            "recent-32": Variant(E4M3, recent=32),
+            "block-1-window-k": Variant(E4M3, blocks=1, window_v=False),
+            "recent-4-window-k": Variant(E4M3, recent=4, window_v=False),
             "hadamard-k": Variant(E4M3, v=False, rotate=True), "hadamard-kv": Variant(E4M3, rotate=True)}  # no fp8: the (i, j) select's own arithmetic, recent-64's pattern
 _active = [VARIANTS["bf16"]]  # the variant kvq_attention applies
 
@@ -140,7 +144,7 @@ def kvq_attention(module, query, key, value, attention_mask, scaling, dropout=0.
     if attention_mask is not None:
         scores = scores + attention_mask
     probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    if near is None:
+    if near is None or not var.window_v:
         out = torch.matmul(probs, repeat_kv(v_far, groups))
     else:  # the two halves summed in fp32, rounded once
         out = (torch.matmul(torch.where(near, probs, 0).float(), repeat_kv(value, groups).float())
@@ -257,8 +261,7 @@ def main(argv: list[str] | None = None) -> int:
               "settings": {"device": "cpu", "dtype": "bfloat16", "threads": torch.get_num_threads(),
                            "tokens": args.tokens, "short_prompts": args.short_prompts,
                            "long_prompts": args.long_prompts, "long_context": args.long_context,
-                           "variants": {n: {"format": str(VARIANTS[n].fmt), "k": VARIANTS[n].k, "v": VARIANTS[n].v,
-                                            "sinks": VARIANTS[n].sinks, "recent": VARIANTS[n].recent}
+                           "variants": {n: {**dataclasses.asdict(VARIANTS[n]), "fmt": str(VARIANTS[n].fmt)}
                                         for n in args.variants}},
               "contexts": contexts, "seconds": seconds, "total_seconds": round(time.perf_counter() - start, 1)}
     print("\n".join(table_lines(contexts, {}, width=max(map(len, VARIANTS)))), flush=True)

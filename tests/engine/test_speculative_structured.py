@@ -128,3 +128,28 @@ def test_a_verifications_rows_are_masked_at_their_own_positions(grammar):
     for j in range(4):
         assert torch.equal(bitmask[3 + j], expected[j])
     assert torch.equal(_mask(store, matcher), start)
+
+
+def test_prompts_arriving_beside_constrained_verifications(tiny_model_dirs):
+    """Requests added while constrained sequences verify drafts: the mixed steps' rows (a prompt's, and each verifying
+    sequence's drafts) keep their masks in order; every sequence's tokens equal decoding without speculation."""
+    from nanoserve.engine.messages import EngineRequest
+
+    path = str(tiny_model_dirs["qwen3"])
+    prompts, params = PROMPTS * 2, GREEDY * 2
+    want, _ = _run(path, prompts, params)
+    with LLM(path, speculative_config=NGRAM, **OPTIONS) as llm:
+        core, tokens = llm.engine.core, {}
+        ids = [llm.tokenizer.encode(p) for p in prompts]
+        for i in range(3):
+            core.add_request(EngineRequest(str(i), ids[i], params[i]))
+        steps = 0
+        while core.has_unfinished_requests() or steps < 6:
+            steps += 1
+            if steps in (4, 6, 8):  # one more each time, while the others verify
+                i = 3 + (steps - 4) // 2
+                core.add_request(EngineRequest(str(i), ids[i], params[i]))
+            for out in core.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert core._mixed_steps > 3 and llm.engine.stats.spec_accepted_tokens > 0
+    assert [tokens[str(i)] for i in range(6)] == want

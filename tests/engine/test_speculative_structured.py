@@ -153,3 +153,31 @@ def test_prompts_arriving_beside_constrained_verifications(tiny_model_dirs):
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         assert core._mixed_steps > 3 and llm.engine.stats.spec_accepted_tokens > 0
     assert [tokens[str(i)] for i in range(6)] == want
+
+
+def _constrained_churn_params(rng, vocab: int) -> SamplingParams:
+    """The speculation churn's greedy variety, and as often a constrained request (min_tokens with one of them)."""
+    from tests.engine.test_speculative import greedy_params
+
+    kind = rng.choice(["free", "loop", "choice", "letters", "long_choice"])
+    if kind == "free":
+        return greedy_params(rng, vocab)
+    common = dict(max_tokens=rng.randrange(13, 40), temperature=0.0)
+    constraint = {"loop": {"regex": "(xyz|xy)+w"}, "choice": {"choice": ["xy", "xyz", "z"]},
+                  "letters": {"regex": "[a-c]{5,30}"}, "long_choice": {"choice": ["xyxyxyxy"]}}[kind]
+    return SamplingParams(**common, structured_outputs=constraint, min_tokens=4 if kind == "long_choice" else 0)
+
+
+@pytest.mark.parametrize("num_kv_blocks, chunk", [(400, 2048), (70, 12)], ids=["roomy", "preempting-chunked"])
+def test_constrained_churn_equals_no_speculation(tiny_model_dirs, num_kv_blocks, chunk):
+    from tests.engine.churn import run_churn
+
+    runs = {}
+    for spec in (None, NGRAM):
+        with LLM(str(tiny_model_dirs["qwen3"]), **{**OPTIONS, "num_kv_blocks": num_kv_blocks},
+                 max_num_batched_tokens=chunk, speculative_config=spec) as llm:
+            runs[spec is not None] = run_churn(llm.engine, steps=100, seed=num_kv_blocks + chunk,
+                                               params=_constrained_churn_params)
+    (got, stats), (want, _) = runs[True], runs[False]
+    assert got == want
+    assert stats.spec_num_drafts > 0

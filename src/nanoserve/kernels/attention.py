@@ -38,24 +38,29 @@ def select_backend(device: torch.device) -> str:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionInputs, scale: float, backend: str,
                     kv_stored: bool = False, *, window: int | None = None,
-                    softcap: float | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                    ) -> torch.Tensor:
+                    softcap: float | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    kv_tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for the T new tokens → attention output [T, H, D].
 
     kv_stored: the caller already wrote k/v into the cache (fused into its rotary kernel); k and v may then be
-    None. window / softcap: the layer's sliding window and logit soft-cap (reference.py says what they mean; None:
-    off), fixed per layer, so a captured graph records them. kv_scales: (k_scale, v_scale) of an fp8 cache
-    (kernels/kv_quant.py); None for a cache in the model's dtype."""
+    None (not with a tail: a prompt step reads its own tokens' exact values from them). window / softcap: the
+    layer's sliding window and logit soft-cap (reference.py says what they mean; None: off), fixed per layer, so a
+    captured graph records them. kv_scales: (k_scale, v_scale) of an fp8 cache (kernels/kv_quant.py); None for a
+    cache in the model's dtype. kv_tail: an fp8 cache's tail (kv_quant.TAIL_BANKS; written at meta.tail_rows, read
+    at each sequence's slot, meta.table_rows)."""
     if backend == "triton":
         store, prefill, decode = store_kv, prefill_attention, decode_attention
     else:
         store, prefill, decode = reference.store_kv, reference.prefill_attention, reference.decode_attention
+    tail = {} if kv_tail is None else {"kv_tail": kv_tail}
     if not kv_stored:
-        store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, **tail, **(
+            {"tail_rows": meta.tail_rows} if tail else {}))
     if meta.is_prefill:
-        return prefill(q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap, kv_scales=kv_scales)
+        return prefill(q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap, kv_scales=kv_scales,
+                       **tail)
     return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window=window, softcap=softcap,
-                  kv_scales=kv_scales)
+                  kv_scales=kv_scales, **tail, **({"slots": meta.table_rows} if tail else {}))
 
 
 def check_window_softcap(window: int | None, softcap: float | None) -> None:

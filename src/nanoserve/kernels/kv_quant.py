@@ -21,6 +21,22 @@ TOKEN_SCALE_DTYPE = torch.bfloat16  # 2 bytes per head row: 1.6% of an fp8 head_
 _INV_FP8_MAX = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32).item()  # the fp32 constant both sides multiply by
 
 
+# The tail: an fp8 cache keeps each sequence's newest two blocks in the model's dtype too, [slots, TAIL_BANKS,
+# block_size, num_kv_heads, head_dim] per layer for K and for V (bank = block index mod 2), and a query reads the keys of
+# its own block from there, exact (SmolLM2's top-1 agreement with bf16 KV: 0.962 → 0.975, measured in emulation:
+# benchmarks/results/kv_quality_windows_smollm2_cpu.json). Key j is exact for the query at position p iff
+# j // block_size == p // block_size; the value read is the token's K/V in the model's dtype: from the step's own k/v
+# when the token is one of the step's, else from its tail row. Two banks, so a step whose tokens cross a block
+# boundary (a verification) does not overwrite the keys its first rows read.
+TAIL_BANKS = 2
+
+
+def tail_row(slots, positions, block_size: int):
+    """The tail row (of the flattened [slots * TAIL_BANKS * block_size] rows) of the token at `positions` of the
+    sequence in slot `slots`: numpy or torch integers alike."""
+    return (slots * TAIL_BANKS + (positions // block_size) % TAIL_BANKS) * block_size + positions % block_size
+
+
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype == FP8_DTYPE
 

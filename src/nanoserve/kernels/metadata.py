@@ -25,6 +25,7 @@ class AttentionInputs(Protocol):
     work_seq: torch.Tensor | None
     work_start: torch.Tensor | None
     table_rows: torch.Tensor | None
+    tail_rows: torch.Tensor | None
 
     @property
     def num_seqs(self) -> int: ...

@@ -9,7 +9,9 @@ itself included; None: all of them); softcap c replaces the scaled logits s by c
 the softmax (None: no capping).
 
 An fp8 cache (kv_scales = (k_scale, v_scale): kernels/kv_quant.py) stores e4m3 codes, and per-token scales beside them;
-reads dequantize what was stored.
+reads dequantize what was stored. With its tail (kv_tail = (k_tail, v_tail), [rows, num_kv_heads, head_dim] in the
+model's dtype: kv_quant.tail_row) the store also writes each token whose tail_rows entry is >= 0 there, and a query
+reads the keys of its own block exact: the step's own k/v for the step's tokens, the tail rows for earlier ones.
 """
 from __future__ import annotations
 
@@ -22,8 +24,11 @@ from nanoserve.kernels.paging import blocks_for
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Write k/v [num_tokens, num_kv_heads, head_dim] into their cache slots."""
+             slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+             kv_tail: tuple[torch.Tensor, torch.Tensor] | None = None, tail_rows: torch.Tensor | None = None) -> None:
+    """Write k/v [num_tokens, num_kv_heads, head_dim] into their cache slots (and, with a tail, into their tail rows)."""
+    if kv_tail is not None:
+        store_tail(k, v, kv_tail, tail_rows)
     num_kv_heads, head_dim = k_cache.shape[-2:]
     slots = slot_mapping.long()
     for x, cache, scale in zip((k, v), (k_cache, v_cache), kv_scales or (None, None)):
@@ -37,6 +42,20 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         if scale is not None:  # index_copy_ has no fp8 kernel on CPU: copy the codes' bytes
             cache, value = cache.view(torch.uint8), value.view(torch.uint8)
         cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+
+def store_tail(k: torch.Tensor, v: torch.Tensor, kv_tail: tuple[torch.Tensor, torch.Tensor],
+               tail_rows: torch.Tensor) -> None:
+    """k/v of the tokens whose tail row is >= 0 into the tail, in its dtype."""
+    rows = tail_rows.long()
+    keep = rows >= 0
+    for x, tail in zip((k, v), kv_tail):
+        tail.index_copy_(0, rows[keep], x[keep].to(tail.dtype))
+
+
+def exact_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[len(q_pos), len(k_pos)] bool: the keys a query reads exact with a tail (those of its own block)."""
+    return (q_pos[:, None] // block_size) == (k_pos[None, :] // block_size)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int,
@@ -76,12 +95,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, meta: AttentionInputs, scale: float, *, window: int | None = None,
-                      softcap: float | None = None,
-                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      softcap: float | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      kv_tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context (the last `window` keys of it).
 
-    q: [num_new_tokens, num_heads, head_dim]; k/v (this step's, already stored) are unused here: keys and
-    values are read back from the cache, so cached prefix blocks are covered. Returns [num_new_tokens, num_heads, head_dim].
+    q: [num_new_tokens, num_heads, head_dim]; keys and values are read back from the cache (this step's are stored),
+    so cached prefix blocks are covered; k/v (this step's) are read only with a tail, for each query's own block.
+    Returns [num_new_tokens, num_heads, head_dim].
     """
     out = torch.zeros_like(q)  # rows of no sequence (graph padding) stay zero
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
@@ -94,35 +114,79 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             continue
         qi = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
         ks, vs = kv_scales or (None, None)
-        ki = gather_context(k_cache, meta.block_tables[row], ctx_len, ks).transpose(0, 1)
-        vi = gather_context(v_cache, meta.block_tables[row], ctx_len, vs).transpose(0, 1)
-        ki = ki.repeat_interleave(num_heads // num_kv_heads, dim=0).to(q.dtype)
-        vi = vi.repeat_interleave(num_heads // num_kv_heads, dim=0).to(q.dtype)
+        kv = [gather_context(c, meta.block_tables[row], ctx_len, s) for c, s in ((k_cache, ks), (v_cache, vs))]
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-        mask = visible_keys(q_pos, torch.arange(ctx_len, device=q.device), window)
-        out[start:start + q_len] = _attend(qi, ki, vi, mask, scale, softcap).transpose(0, 1)
+        k_pos = torch.arange(ctx_len, device=q.device)
+        mask = visible_keys(q_pos, k_pos, window)
+        if kv_tail is None:
+            ki, vi = (x.transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0).to(q.dtype) for x in kv)
+            out[start:start + q_len] = _attend(qi, ki, vi, mask, scale, softcap).transpose(0, 1)
+        else:
+            exact = _exact_context(kv, (k[start:start + q_len], v[start:start + q_len]), kv_tail, row, ctx_len,
+                                   k_cache.shape[1])
+            near = exact_keys(q_pos, k_pos, k_cache.shape[1])
+            out[start:start + q_len] = _attend_split(qi, kv, exact, near, mask, scale, softcap).transpose(0, 1)
         start += q_len
     return out
 
 
+def _exact_context(far: list[torch.Tensor], fresh: tuple[torch.Tensor, torch.Tensor],
+                   kv_tail: tuple[torch.Tensor, torch.Tensor], slot: int, ctx_len: int,
+                   block_size: int) -> list[torch.Tensor]:
+    """K and V [ctx_len, Hkv, D] fp32 as the keys of a query's own block are read: the step's own tokens (fresh, the
+    last len(fresh) positions) and the tail rows of the earlier ones of the first query's block; the other
+    positions are the dequantized cache's (never read exact)."""
+    q_len = fresh[0].shape[0]
+    first = (ctx_len - q_len) // block_size * block_size  # no query's block starts earlier
+    pos = torch.arange(first, ctx_len - q_len, device=far[0].device)
+    tail_rows = kv_quant.tail_row(slot, pos, block_size)
+    out = []
+    for x, new, tail in zip(far, fresh, kv_tail):
+        x = x.clone()
+        x[first:ctx_len - q_len] = tail[tail_rows].float()
+        x[ctx_len - q_len:] = new.float()
+        out.append(x)
+    return out
+
+
+def _attend_split(q: torch.Tensor, far: list[torch.Tensor], exact: list[torch.Tensor], near: torch.Tensor,
+                  mask: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """q [H, n, D] over keys read exact where `near` ([n, L]) and from the fp8 cache elsewhere (far / exact: K and V
+    [L, Hkv, D] fp32): fp32 scores selected per pair, one softmax, the two halves of the output summed in fp32."""
+    group = q.shape[0] // far[0].shape[1]
+    k_far, v_far, k_ex, v_ex = (x.transpose(0, 1).repeat_interleave(group, dim=0) for x in (*far, *exact))
+    qf = q.float()
+    scores = torch.where(near, qf @ k_ex.transpose(-1, -2), qf @ k_far.transpose(-1, -2))
+    scores = soft_cap(scores * scale, softcap).masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return (torch.where(near, probs, 0.0) @ v_ex + torch.where(near, 0.0, probs) @ v_far).to(q.dtype)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, *, window: int | None = None,
-                     softcap: float | None = None,
-                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     softcap: float | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     kv_tail: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     slots: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context (its last `window` keys); fixed shapes, so it is
     graph-capturable.
 
     q: [num_seqs, num_heads, head_dim]; returns the same shape. Reads every block in block_tables
-    (masked beyond context_lens): simple and correct, not fast.
+    (masked beyond context_lens): simple and correct, not fast. With a tail (slots: each row's), the keys of the
+    query's own block come from the tail rows (the step's token was stored there first).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     tables = block_tables.long()
     k, v = (_paged_rows(cache, tables, scale) for cache, scale in zip((k_cache, v_cache), kv_scales or (None, None)))
+    positions = torch.arange(k.shape[1], device=q.device)
+    if kv_tail is not None:
+        bs = k_cache.shape[1]
+        own = (positions[None, :] // bs == ((context_lens.long() - 1) // bs)[:, None])  # [S, L]
+        rows = kv_quant.tail_row(slots.long()[:, None], positions[None, :], bs).clamp(max=kv_tail[0].shape[0] - 1)
+        k, v = (torch.where(own[..., None, None], tail[rows].float(), x) for x, tail in zip((k, v), kv_tail))
     qg = q.to(torch.float32).view(num_seqs, num_kv_heads, group, head_dim)
     scores = soft_cap(torch.einsum("skgd,slkd->skgl", qg, k) * scale, softcap)
-    positions = torch.arange(k.shape[1], device=q.device)
     valid = visible_keys(context_lens.long() - 1, positions, window)  # [S, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)

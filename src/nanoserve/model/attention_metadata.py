@@ -31,6 +31,9 @@ class AttentionMetadata:
     work_seq: torch.Tensor | None = None  # [num_tiles] int32
     work_start: torch.Tensor | None = None  # [num_tiles] int32
     table_rows: torch.Tensor | None = None  # [num_seqs] int32: block_tables row of sequence i (None: row i)
+    # An fp8 cache's tail (kernels/kv_quant.py): per new token its tail row (-1: none), and table_rows then holds
+    # each sequence's slot in decode steps too (decode block tables are gathered per row).
+    tail_rows: torch.Tensor | None = None  # [num_new_tokens] int32
 
     @property
     def num_seqs(self) -> int:

@@ -251,6 +251,10 @@ class EngineConfig:
         self._check_kv_cache()
         spec = SpeculativeConfig.parse(self.speculative_config)
         self.speculative_config = spec.as_dict() if spec is not None else None
+        if spec is not None and self.kv_cache_dtype == "fp8" and spec.num_speculative_tokens > self.block_size:
+            raise ValueError(f"num_speculative_tokens={spec.num_speculative_tokens} with kv_cache_dtype='fp8' must be "
+                             f"<= block_size={self.block_size} (a verification spans at most two blocks of the "
+                             "cache's exact tail)")
         self.cudagraph_capture_sizes = capture_sizes(self.cudagraph_capture_sizes, self.max_num_seqs)
         self.prefill_graph_sizes = prefill_graph_sizes(self.prefill_graph_sizes)
         if not self.cudagraph_capture_budget_s > 0:

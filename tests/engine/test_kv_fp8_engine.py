@@ -4,6 +4,7 @@ cost about half. (Preemption and prefix-cache hits with fp8 are test_engine's ow
 dtype.)"""
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 
@@ -56,18 +57,25 @@ def calm_dirs(tmp_path_factory):
 @pytest.mark.parametrize("scales", ["token", "layer"])
 def test_fp8_kv_is_the_e4m3_round_trip_of_the_cache(tiny_model_dirs, monkeypatch, scales):
     """Every path that stores or reads K/V (fused rotary store, prefill over the cache, decode) sees exactly the
-    values an fp32 cache would hold after quantizing each stored K/V row the fp8 way and back."""
+    values an fp32 cache would hold after quantizing each stored K/V row the fp8 way and back — except the keys of a
+    query's own block, which it reads exact from the tail: the fp32 run keeps a tail of the exact values too."""
     path = str(tiny_model_dirs["qwen3"])
     sequences = prompts_of_lengths([40, 75, 9], 500, seed=21)
     got = teacher_forced(path, sequences, kv_cache_dtype="fp8", kv_cache_scales=scales)
-    store = reference.store_kv
+    store, of = reference.store_kv, KVCacheSpec.of.__func__
 
-    def round_trip(k, v, k_cache, v_cache, slots, kv_scales=None):
+    def round_trip(k, v, k_cache, v_cache, slots, kv_scales=None, kv_tail=None, tail_rows=None):
+        reference.store_tail(k, v, kv_tail, tail_rows)
         layer = None if scales == "token" else torch.ones(1)
         k, v = (kv_quant.dequantize_ref(*kv_quant.quantize_ref(x, layer)).to(x.dtype) for x in (k, v))
         store(k, v, k_cache, v_cache, slots, kv_scales)
 
+    def with_tail(cls, model, block_size, dtype, scales=None, max_num_seqs=0):
+        spec = of(cls, model, block_size, dtype, scales, max_num_seqs)
+        return dataclasses.replace(spec, tail_slots=max_num_seqs + 1, tail_dtype=model.dtype)
+
     monkeypatch.setattr(reference, "store_kv", round_trip)
+    monkeypatch.setattr(KVCacheSpec, "of", classmethod(with_tail))
     want = teacher_forced(path, sequences)
     got, want = [p for row in got for p in row], [p for row in want for p in row]
     assert [t for t, _ in got] == [t for t, _ in want]
@@ -127,3 +135,53 @@ def test_a_checkpoints_kv_scales_serve_as_stored(tiny_model_dirs, tmp_path):
         out = llm.generate(prompts_of_lengths([12], 500, seed=24), SamplingParams(max_tokens=6, **GREEDY),
                            use_tqdm=False)
         assert len(out[0].token_ids) == 6
+
+
+def test_the_tail_costs_little_beside_the_blocks():
+    """The exact tail of each slot's newest two blocks (kernels/kv_quant.py) is a fixed size: at Qwen3-0.6B's shape
+    and 256 slots, under 1% of a 100 GiB cache; it exists only for an fp8 cache."""
+    qwen3 = type("Shape", (), {"num_layers": 28, "num_kv_heads": 8, "head_dim": 128, "dtype": torch.bfloat16})
+    spec = KVCacheSpec.of(qwen3, 16, torch.float8_e4m3fn, "token", max_num_seqs=256)
+    assert spec.tail_slots == 257 and spec.tail_bytes == 2 * 28 * 257 * 2 * 16 * 8 * 128 * 2
+    assert spec.tail_bytes < 0.01 * 100 * 2**30
+    assert KVCacheSpec.of(qwen3, 16, torch.bfloat16, max_num_seqs=256).tail_bytes == 0
+
+
+def test_prompt_chunks_inside_a_block_stop_at_its_end(tiny_model_dirs):
+    """With the tail, a chunk that starts inside a block ends with it (a chunk of several blocks starts on a
+    boundary); the tokens equal those of the prompt in one chunk."""
+    path = str(tiny_model_dirs["qwen3"])
+    prompts = prompts_of_lengths([37, 23], 500, seed=31)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    with LLM(path, kv_cache_dtype="fp8", **CPU) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    chunks = []
+    with LLM(path, kv_cache_dtype="fp8", max_num_batched_tokens=6, **CPU) as llm:
+        schedule = llm.engine.core.scheduler.schedule
+
+        def watched():
+            step = schedule()
+            chunks.extend((s, n) for s, n, d in zip(step.starts, step.num_new_tokens, step.decode_rows) if not d)
+            return step
+
+        llm.engine.core.scheduler.schedule = watched
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    bs = CPU["block_size"]
+    assert any(start % bs for start, _ in chunks)
+    assert all(start % bs + n <= bs for start, n in chunks if start % bs)
+
+
+def test_speculation_over_the_tail(tiny_model_dirs):
+    """n-gram verifications cross block boundaries (the tail's two banks): the tokens of decoding without drafts;
+    more drafts than a block holds are refused in one line."""
+    from tests.engine.test_speculative import LOOPING, NGRAM
+
+    path = str(tiny_model_dirs["qwen3"])
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    with LLM(path, kv_cache_dtype="fp8", **CPU) as llm:
+        want = [o.token_ids for o in llm.generate(LOOPING, params, use_tqdm=False)]
+    with LLM(path, kv_cache_dtype="fp8", speculative_config=NGRAM, **CPU) as llm:
+        assert [o.token_ids for o in llm.generate(LOOPING, params, use_tqdm=False)] == want
+        assert llm.engine.stats.spec_accepted_tokens > 0
+    with pytest.raises(ValueError, match="num_speculative_tokens=5 with kv_cache_dtype='fp8' must be <= block_size=4"):
+        LLM(path, kv_cache_dtype="fp8", speculative_config={**NGRAM, "num_speculative_tokens": 5}, **CPU)

@@ -85,6 +85,7 @@ class Scheduler:
         self.prompt_token_caps = prompt_token_caps
         spec = config.speculative  # device drafts beside prompts: only a draft model proposes them there
         self.drafts_beside_prompts = spec is not None and spec.drafts_in_token_steps
+        self.tail_blocks = config.kv_cache_dtype == "fp8"  # its cache keeps a tail (chunk_tokens)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -111,11 +112,19 @@ class Scheduler:
             if budget <= 0:
                 break
             if not seq.decoding:
-                n = min(seq.num_uncomputed_tokens, budget)
+                n = self.chunk_tokens(seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
                 if self.block_manager.allocate(seq, seq.num_computed_tokens + n):  # else it waits for blocks
                     self._add_to_step(step, seq, n, decoding=False)
                     budget -= n
         return budget
+
+    def chunk_tokens(self, start: int, n: int) -> int:
+        """A prompt chunk's tokens from `start`: n, except that over an fp8 cache (its tail: kernels/kv_quant.py) a
+        chunk that starts inside a block stops at that block's end, so a chunk that reads earlier tokens of its first
+        block from the tail spans one block, and a longer one starts on a block boundary (its tail writes, to the
+        last two blocks' banks, cannot overwrite what it reads). Prefix hits start on a boundary already."""
+        inside = start % self.block_manager.block_size
+        return min(n, self.block_manager.block_size - inside) if self.tail_blocks and inside else n
 
     def _schedule_decodes(self, step: ScheduledStep, budget: int) -> int:
         i = 0

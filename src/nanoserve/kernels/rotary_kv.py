@@ -32,6 +32,8 @@ class QKVRope:
     k_norm_weight: torch.Tensor | None = None
     eps: float = 1e-6
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # an fp8 cache's (kernels/kv_quant.py)
+    kv_tail: tuple[torch.Tensor, torch.Tensor] | None = None  # an fp8 cache's tail, and each token's row in it
+    tail_rows: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -48,7 +50,11 @@ class QKVRope:
     def apply(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """The separate kernel: (q, k) normalised and rotated; k and v stored in the cache."""
         return qk_norm_rope(q, k, self.cos_sin_cache, self.positions, self.q_norm_weight, self.k_norm_weight,
-                            self.eps, kv_store=(v, self.k_cache, self.v_cache, self.slot_mapping, self.kv_scales))
+                            self.eps, kv_store=self.kv_store(v))
+
+    def kv_store(self, v: torch.Tensor) -> tuple:
+        """qk_norm_rope's kv_store for these v."""
+        return v, self.k_cache, self.v_cache, self.slot_mapping, self.kv_scales, self.kv_tail, self.tail_rows
 
 
 def rotary_dim(cos_sin_cache: torch.Tensor, head_dim: int) -> int:
@@ -67,8 +73,8 @@ def qk_norm_rope_ref(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=Non
 
     cos_sin_cache rows are [cos, cos, -sin, sin] (each rotary_dim / 2), neox rotate-half as in HF Llama/Qwen over the
     first rotary_dim dims of each head (HF Phi-3's partial rotary), the rest unrotated.
-    kv_store = (v, k_cache, v_cache, slot_mapping, kv_scales): also write the rotated k and v into the paged cache
-    (kv_scales: an fp8 cache's, else None).
+    kv_store = (v, k_cache, v_cache, slot_mapping, kv_scales[, kv_tail, tail_rows]): also write the rotated k and v
+    into the paged cache (kv_scales: an fp8 cache's, else None; kv_tail: its tail, written at tail_rows >= 0).
     """
     rd = rotary_dim(cos_sin_cache, q.shape[-1])
     cs = F.embedding(positions, cos_sin_cache).unsqueeze(1)
@@ -81,8 +87,8 @@ def qk_norm_rope_ref(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=Non
         x1, x2 = x_rot.chunk(2, dim=-1)
         out.append(torch.cat((torch.addcmul(x_rot * cos, torch.cat((x2, x1), dim=-1), sin), x_pass), dim=-1))
     if kv_store is not None:
-        v, k_cache, v_cache, slot_mapping, kv_scales = kv_store
-        reference.store_kv(out[1], v, k_cache, v_cache, slot_mapping, kv_scales)
+        v, k_cache, v_cache, slot_mapping, kv_scales, kv_tail, tail_rows = (*kv_store, None, None)[:7]
+        reference.store_kv(out[1], v, k_cache, v_cache, slot_mapping, kv_scales, kv_tail, tail_rows)
     return out[0], out[1]
 
 
@@ -103,7 +109,9 @@ def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, e
     q_out = torch.empty(tokens, num_heads, d, dtype=q.dtype, device=q.device)
     k_out = torch.empty(tokens, num_kv_heads, d, dtype=k.dtype, device=k.device)
     has_norm = q_norm_w is not None
-    v, k_cache, v_cache, slots, kv_scales = kv_store if kv_store is not None else (k, k_out, k_out, positions, None)
+    v, k_cache, v_cache, slots, kv_scales, kv_tail, tail_rows = (*kv_store, None, None)[:7] \
+        if kv_store is not None else (k, k_out, k_out, positions, None, None, None)
+    k_tail, v_tail = kv_tail if kv_tail is not None else (k_out, k_out)
     if kv_store is not None and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
     scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
@@ -113,21 +121,22 @@ def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, e
         raise ValueError("the cos/sin table must be contiguous [max_position, 2 * rotary_dim]")
     block_t = ROPE_BLOCK_T if tokens >= ROPE_MIN_TOKENS_PER_BLOCK else 1
     _qk_norm_rope_kernel[(cdiv(tokens, block_t), num_heads + num_kv_heads)](
-        q, k, v, q_out, k_out, k_cache, v_cache, slots, cos_sin_cache, positions,
+        q, k, v, q_out, k_out, k_cache, v_cache, slots, k_tail, v_tail, tail_rows if kv_tail is not None else slots,
+        cos_sin_cache, positions,
         q_norm_w if has_norm else cos_sin_cache, k_norm_w if has_norm else cos_sin_cache, scales[0], scales[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), tokens, num_heads,
         num_kv_heads, eps, scales[3], scales[4], HEAD_DIM=d, ROTARY_DIM=rd, BLOCK_T=block_t, HAS_NORM=has_norm,
-        STORE_KV=kv_store is not None, **fmt, num_warps=4, **pdl_args(q.device))
+        STORE_KV=kv_store is not None, TAIL=kv_tail is not None, **fmt, num_warps=4, **pdl_args(q.device))
     return q_out, k_out
 
 
 @jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                         cos_sin_ptr, pos_ptr, qw_ptr, kw_ptr, ks_ptr, vs_ptr,
+                         k_tail_ptr, v_tail_ptr, tail_row_ptr, cos_sin_ptr, pos_ptr, qw_ptr, kw_ptr, ks_ptr, vs_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_tokens, num_heads,
                          num_kv_heads, eps, stride_s_slot, stride_s_h, HEAD_DIM: tl.constexpr,
                          ROTARY_DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_NORM: tl.constexpr,
-                         STORE_KV: tl.constexpr, FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
+                         STORE_KV: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
                          USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)  # everything below reads the previous kernels' outputs
@@ -174,6 +183,11 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr,
             cache_at = (slot * num_kv_heads + kv_head) * HEAD_DIM + dims
             v = tl.load(v_ptr + tokens * stride_vt + kv_head * stride_vh + dims, mask=token_ok)
             k = out
+            if TAIL:  # the token's K/V in the model's dtype too, where its tail row says (kernels/kv_quant.py)
+                row = tl.load(tail_row_ptr + tokens, mask=token_ok, other=-1).to(tl.int64)
+                tail_at = (row * num_kv_heads + kv_head) * HEAD_DIM + dims
+                tl.store(k_tail_ptr + tail_at, k.to(k_tail_ptr.dtype.element_ty), mask=token_ok & (row >= 0))
+                tl.store(v_tail_ptr + tail_at, v.to(v_tail_ptr.dtype.element_ty), mask=token_ok & (row >= 0))
             if FP8:  # e4m3 codes of the rounded k and of v, and their scales (kernels/kv_quant.py)
                 scale_at = slot * stride_s_slot + kv_head * stride_s_h
                 k = quantize_rows(k, ks_ptr + scale_at, token_ok, TOKEN_SCALES)

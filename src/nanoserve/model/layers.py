@@ -228,6 +228,8 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.k_scale: torch.Tensor | None = None  # an fp8 cache's scales (kernels/kv_quant.py), set with the cache
         self.v_scale: torch.Tensor | None = None
+        self.k_tail: torch.Tensor | None = None  # an fp8 cache's tail (kernels/kv_quant.TAIL_BANKS), set with it
+        self.v_tail: torch.Tensor | None = None
         self.backend = "torch"  # "torch" | "triton", see nanoserve.kernels.attention.select_backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, meta: AttentionMetadata,
@@ -237,12 +239,21 @@ class Attention(nn.Module):
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention layer has no KV cache: the model runner must set k_cache/v_cache first")
         return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.backend, kv_stored,
-                               window=self.sliding_window, softcap=self.logit_softcap, kv_scales=self.kv_scales)
+                               window=self.sliding_window, softcap=self.logit_softcap, kv_scales=self.kv_scales,
+                               kv_tail=self.tail_for(meta))
 
     @property
     def kv_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(k_scale, v_scale) of an fp8 cache; None for a cache in the model's dtype."""
         return None if self.k_scale is None else (self.k_scale, self.v_scale)
+
+    def tail_for(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k_tail, v_tail) of an fp8 cache that keeps one; a step over it must say where its tokens go."""
+        if self.k_tail is None:
+            return None
+        if meta.tail_rows is None or meta.table_rows is None:
+            raise RuntimeError("an fp8 KV cache with a tail needs the step's tail_rows and table_rows (slots)")
+        return self.k_tail, self.v_tail
 
     def extra_repr(self) -> str:
         options = "".join(f", {name}={value}" for name, value in (("sliding_window", self.sliding_window),

@@ -80,7 +80,8 @@ class LlamaAttentionBlock(nn.Module):
         if attn.k_cache is None:
             raise RuntimeError("attention layer has no KV cache: the model runner must set k_cache/v_cache first")
         rope = QKVRope(self.num_heads, self.num_kv_heads, self.head_dim, cos_sin_cache, positions, attn.k_cache,
-                       attn.v_cache, meta.slot_mapping, kv_scales=attn.kv_scales)
+                       attn.v_cache, meta.slot_mapping, kv_scales=attn.kv_scales, kv_tail=attn.tail_for(meta),
+                       tail_rows=meta.tail_rows)
         qkv, o = self.qkv_proj, self.o_proj
         if norm is not None and self.qk_norm != "projection":  # the fused path: every family but OLMo-2
             if self.q_norm is not None:

@@ -38,6 +38,7 @@ class StepBuffers:
         dummy_block = num_kv_blocks
         dummy_kv_slot = dummy_block * config.block_size
         state = PersistentState(config.max_num_seqs, kv.blocks_for(config.max_model_len), dummy_block, device)
+        state.tail_block_size = kv.block_size if kv.tail_slots else None
         spec = config.speculative
         if spec is not None and spec.drafts_on_device:
             state.drafting = DraftState(config.max_num_seqs + 1, config.max_model_len, config.max_num_seqs,
@@ -48,6 +49,7 @@ class StepBuffers:
             draft_kv.allocate(draft_model, num_kv_blocks, device)  # (its layers hold the views; released with them)
             state.draft_model = DraftModel(draft_model, spec.num_speculative_tokens, config.max_num_seqs,
                                            dummy_kv_slot, model.vocab_size, device)
+            state.draft_model.tail_block_size = draft_kv.block_size if draft_kv.tail_slots else None
         decode_inputs = DecodeInputs(config.max_num_seqs, state, dummy_kv_slot, device)
         tokens = config.prefill_graph_sizes.largest
         models = (model,) if draft is None else (model, draft[0])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from nanoserve.kernels.kv_quant import tail_row
 from nanoserve.kernels.step_inputs import DEVICE_DRAFT
 from nanoserve.model.attention_metadata import AttentionMetadata
 
@@ -29,6 +30,7 @@ class DraftModel:
         """model: the draft (its KV cache bound); k: num_speculative_tokens; max_rows: the largest decode bucket;
         vocab: the target's (q's width: the draft's own may be smaller)."""
         self.model, self.k, self.dummy_kv_slot, self.trash = model, k, dummy_kv_slot, max_rows
+        self.tail_block_size: int | None = None  # its fp8 cache's tail (kernels/kv_quant.py), set with the cache
         self.no_counts = torch.zeros(max_rows, dtype=torch.int32, device=device)  # prepare_decode resolves no draft
         self.no_drafts = torch.zeros(max_rows, k, dtype=torch.int32, device=device)
         # per decode row, the distribution its draft was sampled from (row `trash` takes the other rows' writes)
@@ -38,7 +40,7 @@ class DraftModel:
         """The target's forward, run by the draft for its KV writes (its hidden states are not read)."""
         self.model(input_ids, positions, meta)
 
-    def propose(self, input_ids: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+    def propose(self, input_ids: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, context_lens: torch.Tensor, is_draft: torch.Tensor,
                 draft_ids: torch.Tensor, group_back: torch.Tensor, proposing: torch.Tensor,
                 temperature: torch.Tensor | None = None, sampled: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,7 +57,7 @@ class DraftModel:
         counts = torch.zeros(rows, dtype=torch.int32, device=r.device).index_add_(0, first, is_draft.int())
         counts = torch.where(proposing, counts, 0)
         sampling = None if sampled is None else (sampled & proposing, temperature)
-        drafts = self._chain(input_ids, tables, positions, slot_mapping, context_lens, counts, sampling)
+        drafts = self._chain(input_ids, tables, slots, positions, slot_mapping, context_lens, counts, sampling)
         ours = proposing[first]  # rows of a proposing sequence's group
         g = back.clamp(max=self.k)
         at = drafts[first]  # [rows, k]: the group's drafts
@@ -65,7 +67,7 @@ class DraftModel:
         draft_ids.copy_(torch.where(ours & (back < counts[first]), verified, draft_ids))
         return ids
 
-    def _chain(self, input_ids, tables, positions, slot_mapping, context_lens, counts, sampling) -> torch.Tensor:
+    def _chain(self, input_ids, tables, slots, positions, slot_mapping, context_lens, counts, sampling) -> torch.Tensor:
         """[rows, k] int32: row r's drafts, d_j from step j (only the first counts[r] mean anything): greedy, or
         (sampling: (rows, temperature)) drawn from q, which goes to self.q at the row that checks the draft."""
         rows = input_ids.shape[0]
@@ -77,13 +79,21 @@ class DraftModel:
             src = torch.where(on, r + j, r).clamp(max=rows - 1)
             meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.where(on, slot_mapping[src],
                                                                                 self.dummy_kv_slot),
-                                     context_lens=torch.where(on, context_lens[src], 1), block_tables=tables[src])
+                                     context_lens=torch.where(on, context_lens[src], 1), block_tables=tables[src],
+                                     **self._tail(on, slots[src], positions[src]))
             logits = self.model.compute_logits(self.model(token, positions[src], meta))
             token = logits.argmax(dim=-1).to(torch.int32)
             if sampling is not None:
                 token = self._sampled(logits, token, on & sampling[0], sampling[1], r + j)
             out[:, j] = token
         return out
+
+    def _tail(self, on: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> dict:
+        """A chain step's tail metadata over an fp8 cache that keeps one (the rows that propose nothing write none)."""
+        if self.tail_block_size is None:
+            return {}
+        rows = tail_row(slots, positions, self.tail_block_size).to(torch.int32)
+        return {"table_rows": slots, "tail_rows": torch.where(on, rows, -1)}
 
     def _sampled(self, logits: torch.Tensor, greedy: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
                  checked_at: torch.Tensor) -> torch.Tensor:
@@ -106,7 +116,8 @@ class DraftModel:
         ids = torch.where(given >= 0, given, last_tokens[slots])
         proposing = (tail.group_back == 0) & (tail.draft_ids == DEVICE_DRAFT)
         positions = v.positions[rows]
-        filled = self.propose(ids, block_tables[slots], positions, v.slot_mapping[rows], positions + 1,
+        filled = self.propose(ids, block_tables[slots], slots.to(torch.int32), positions, v.slot_mapping[rows],
+                              positions + 1,
                               given == DEVICE_DRAFT, tail.draft_ids, tail.group_back, proposing)
         v.ids[rows] = filled
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from nanoserve.kernels.attention import prefill_q_per_tile
+from nanoserve.kernels.kv_quant import tail_row
 from nanoserve.kernels.step_inputs import DEVICE_DRAFT, DeviceRows, prepare_decode
 from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.runner import prompt_logprobs
@@ -56,11 +57,11 @@ class DecodeForward:
         input_ids, tables = prepare_decode(v.slots, v.new_block_cols, v.new_block_ids, self.state.last_tokens,
                                            self.state.block_tables, width, v.token_ids, v.group_back, device)
         if draft is not None and propose:
-            input_ids = draft.propose(input_ids, tables, v.positions, v.slot_mapping, v.context_lens,
+            input_ids = draft.propose(input_ids, tables, v.slots, v.positions, v.slot_mapping, v.context_lens,
                                       v.token_ids == DEVICE_DRAFT, v.draft_ids, v.group_back, v.draft_slots >= 0,
                                       v.temperature, v.draft_sampled > 0)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=v.slot_mapping, context_lens=v.context_lens,
-                                 block_tables=tables)
+                                 block_tables=tables, **decode_tail(self.state, v.slots, v.positions))
         hidden = self.model(input_ids, v.positions, meta)
         if draft is not None:
             draft.mirror(input_ids, v.positions, meta)
@@ -69,6 +70,13 @@ class DecodeForward:
     def prepare_padding(self, rows: int) -> None:
         """Load an all-padding batch of `rows` rows (warm-up and capture)."""
         self.inputs.load({}, rows)
+
+
+def decode_tail(state: PersistentState, slots: torch.Tensor, positions: torch.Tensor) -> dict:
+    """Decode rows' tail metadata over an fp8 cache that keeps one (kernels/kv_quant.py): each row's slot (its reads)
+    and tail row (its token's write; a decode row always writes); {} without a tail."""
+    bs = state.tail_block_size
+    return {} if bs is None else {"table_rows": slots, "tail_rows": tail_row(slots, positions, bs).to(torch.int32)}
 
 
 class TokenForward:
@@ -97,7 +105,7 @@ class TokenForward:
 
     def arrays(self, batch: PrefillBatch) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """The step's host arrays (inputs.token_values), for load() or the eager forward."""
-        return token_values(batch, self.q_per_tile)
+        return token_values(batch, self.q_per_tile, self.state.tail_block_size)
 
     def __call__(self, batch: PrefillBatch, arrays=None):
         """The eager forward: (logits [n, vocab], the sampled rows' parameters on the device, their slots on the
@@ -111,7 +119,7 @@ class TokenForward:
             block_tables=self.state.block_tables, table_rows=static.slots, cu_seqlens_q=static.cu_seqlens_q,
             max_seqlen_q=int(batch.query_lens.max()), has_cached_prefix=batch.has_cached_context,
             query_lens_host=batch.query_lens.tolist(), context_lens_host=(batch.starts + batch.query_lens).tolist(),
-            work_seq=static.work_seq, work_start=static.work_start)
+            work_seq=static.work_seq, work_start=static.work_start, tail_rows=static.tail_rows)
         return self.sample_logits(self._forward(static, meta), tail, batch, static.positions)
 
     def load(self, arrays, tokens: int) -> StepTail:
@@ -141,7 +149,8 @@ class TokenForward:
         meta = AttentionMetadata(
             is_prefill=True, slot_mapping=v.slot_mapping, context_lens=v.context_lens,
             block_tables=self.state.block_tables, table_rows=v.slots, cu_seqlens_q=v.cu_seqlens_q,
-            max_seqlen_q=tokens, has_cached_prefix=True, work_seq=v.work_seq, work_start=v.work_start)
+            max_seqlen_q=tokens, has_cached_prefix=True, work_seq=v.work_seq, work_start=v.work_start,
+            tail_rows=v.tail_rows)
         out = self.static_hidden[:tokens]
         out.copy_(self._forward(v, meta))
         return out

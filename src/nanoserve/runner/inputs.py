@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from nanoserve.kernels.attention import prefill_work, prefill_work_capacity
+from nanoserve.kernels.kv_quant import tail_row
 from nanoserve.runner.batch import DecodeBatch, PrefillBatch, SamplingBatch
 from nanoserve.runner.sampler import SamplingTensors
 
@@ -91,6 +92,7 @@ class TokenViews:
     cu_seqlens_q: torch.Tensor = region(SEQS_PLUS_1, TOTAL)
     work_seq: torch.Tensor = region(WORK, -1)  # the paged prefill kernel's work list (kernels.attention)
     work_start: torch.Tensor = region(WORK, -1)
+    tail_rows: torch.Tensor = region(TOKENS, -1)  # an fp8 cache's tail row of each token (-1: none; tail_rows())
 
 
 @dataclass
@@ -178,6 +180,7 @@ class PersistentState:
         self.last_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
         self.drafting = None  # a runner/speculative.DraftState when drafts are proposed on the device
         self.draft_model = None  # a runner/draft_model.DraftModel when a draft model proposes them
+        self.tail_block_size: int | None = None  # an fp8 KV cache's tail (kernels/kv_quant.py): its blocks' size
 
     def apply(self, tail: StepTail) -> None:
         """A step's block-table updates on the device, and the prompt tokens it makes known (graph-capturable)."""
@@ -265,9 +268,10 @@ def sampling_values(sb: SamplingBatch | None) -> dict[str, np.ndarray]:
     return {"temperature": sb.temperature, "top_p": sb.top_p, "top_k": sb.top_k, "min_p": sb.min_p}
 
 
-def token_values(batch: PrefillBatch, q_per_tile: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def token_values(batch: PrefillBatch, q_per_tile: int,
+                 tail_block_size: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """A prompt / mixed step's host arrays by TokenViews and by StepTail field, shared by its eager and graph
-    forms."""
+    forms. tail_block_size: the KV cache keeps a tail (fp8) of blocks of that size."""
     total = int(batch.query_lens.sum())
     offsets = np.repeat(np.cumsum(batch.query_lens) - batch.query_lens, batch.query_lens)
     positions = np.arange(total, dtype=np.int64) - offsets + np.repeat(batch.starts, batch.query_lens)
@@ -275,9 +279,12 @@ def token_values(batch: PrefillBatch, q_per_tile: int) -> tuple[dict[str, np.nda
     np.cumsum(batch.query_lens, out=cu_q[1:])
     context_lens = (batch.starts + batch.query_lens).astype(np.int32)
     work_seq, work_start = prefill_work(batch.query_lens, q_per_tile, context_lens)
+    token_slots = np.repeat(batch.slots, batch.query_lens)
     static = {"ids": batch.token_ids, "positions": positions.astype(np.int32), "slot_mapping": batch.slot_mapping,
-              "token_slots": np.repeat(batch.slots, batch.query_lens), "slots": batch.slots,
-              "context_lens": context_lens, "cu_seqlens_q": cu_q, "work_seq": work_seq, "work_start": work_start}
+              "token_slots": token_slots, "slots": batch.slots, "context_lens": context_lens, "cu_seqlens_q": cu_q,
+              "work_seq": work_seq, "work_start": work_start,
+              "tail_rows": tail_rows(token_slots, positions, np.repeat(context_lens, batch.query_lens),
+                                     tail_block_size)}
     u = batch.block_updates
     tail = _sampled_rows(batch, cu_q) | {
         "update_slots": u.slots, "update_cols": u.cols, "update_ids": u.block_ids,
@@ -286,6 +293,16 @@ def token_values(batch: PrefillBatch, q_per_tile: int) -> tuple[dict[str, np.nda
     empty_f, empty_i = np.zeros(0, np.float32), np.zeros(0, np.int32)
     tail |= {"temperature": empty_f, "top_p": empty_f, "top_k": empty_i, "min_p": empty_f}
     return static, tail | sampling_values(batch.sampling)
+
+
+def tail_rows(token_slots: np.ndarray, positions: np.ndarray, ends: np.ndarray, block_size: int | None) -> np.ndarray:
+    """Each token's tail row (kernels/kv_quant.tail_row), -1 for those before its sequence's last two blocks of the
+    step (ends: its sequence's length after the step): a long chunk's earlier tokens would race for the two banks,
+    and no later step reads them from the tail. All -1 without a tail."""
+    if block_size is None:
+        return np.full(len(positions), -1, np.int32)
+    keep = positions // block_size >= (ends - 1) // block_size - 1
+    return np.where(keep, tail_row(token_slots.astype(np.int64), positions, block_size), -1).astype(np.int32)
 
 
 def _sampled_rows(batch: PrefillBatch, cu_q: np.ndarray) -> dict[str, np.ndarray]:

@@ -3,7 +3,9 @@ benchmarks both ask it).
 
 An fp8 cache (kernels/kv_quant.py) holds e4m3 codes and its scales: per token ("token": one bf16 value per token and
 kv head, K and V each, laid out like the cache without head_dim, so the per-token bytes count them) or per layer
-("layer": one fp32 value for K and one for V, the checkpoint's or 1.0).
+("layer": one fp32 value for K and one for V, the checkpoint's or 1.0), and its tail: each slot's newest two blocks
+in the model's dtype, which a query reads its own block from (kernels/kv_quant.TAIL_BANKS; a fixed size, beside the
+blocks).
 
 On CPU the cache lives in an anonymous memory map: its pages read as zeros and cost memory only once a
 block is written, so the process's footprint follows the tokens actually cached, not the cache's size
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.config import KV_CACHE_SCALES
-from nanoserve.kernels.kv_quant import TOKEN_SCALE_DTYPE, is_fp8
+from nanoserve.kernels.kv_quant import TAIL_BANKS, TOKEN_SCALE_DTYPE, is_fp8
 from nanoserve.kernels.paging import blocks_for
 
 KV_SCALE_DESIGNS = tuple(s for s in KV_CACHE_SCALES if s != "auto")  # what "auto" resolves to at start-up
@@ -33,6 +35,8 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
     scales: str | None = None  # an fp8 cache's scale design (KV_SCALE_DESIGNS); None for a model-dtype cache
+    tail_slots: int = 0  # an fp8 cache's tail: the slots it holds (max_num_seqs and the dummy one); 0: none
+    tail_dtype: torch.dtype | None = None  # the model's
 
     def __post_init__(self):
         if is_fp8(self.dtype) != (self.scales is not None) or self.scales not in (None,) + KV_SCALE_DESIGNS:
@@ -40,8 +44,22 @@ class KVCacheSpec:
                              f"{' or '.join(KV_SCALE_DESIGNS)} scales, another none")
 
     @classmethod
-    def of(cls, model, block_size: int, dtype: torch.dtype, scales: str | None = None) -> "KVCacheSpec":
-        return cls(model.num_layers, model.num_kv_heads, model.head_dim, block_size, dtype, scales)
+    def of(cls, model, block_size: int, dtype: torch.dtype, scales: str | None = None,
+           max_num_seqs: int = 0) -> "KVCacheSpec":
+        """max_num_seqs: an fp8 cache keeps a tail for that many slots (and the dummy one)."""
+        tail = max_num_seqs + 1 if is_fp8(dtype) and max_num_seqs else 0
+        return cls(model.num_layers, model.num_kv_heads, model.head_dim, block_size, dtype, scales, tail,
+                   model.dtype if tail else None)
+
+    @property
+    def tail_bytes(self) -> int:
+        """The tail's bytes over every layer, K and V (fixed: it does not grow with the blocks)."""
+        return 2 * self.num_layers * self._tail_rows * self.num_kv_heads * self.head_dim * self.tail_dtype.itemsize \
+            if self.tail_slots else 0
+
+    @property
+    def _tail_rows(self) -> int:
+        return self.tail_slots * TAIL_BANKS * self.block_size
 
     @property
     def bytes_per_token(self) -> int:
@@ -61,9 +79,12 @@ class KVCacheSpec:
         shape = (2, self.num_layers, num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)
         cache = _zeros(shape, self.dtype, device)
         scales = self._scales(model, shape[:-1], device)
+        tail = _zeros((2, self.num_layers, self._tail_rows, self.num_kv_heads, self.head_dim), self.tail_dtype,
+                      device) if self.tail_slots else None
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = cache[0, i], cache[1, i]
             attn.k_scale, attn.v_scale = (None, None) if scales is None else (scales[0, i], scales[1, i])
+            attn.k_tail, attn.v_tail = (None, None) if tail is None else (tail[0, i], tail[1, i])
         return cache
 
     def _scales(self, model, shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
@@ -80,7 +101,7 @@ class KVCacheSpec:
     @staticmethod
     def release(model) -> None:
         for attn in model.attention_layers():
-            attn.k_cache = attn.v_cache = attn.k_scale = attn.v_scale = None
+            attn.k_cache = attn.v_cache = attn.k_scale = attn.v_scale = attn.k_tail = attn.v_tail = None
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

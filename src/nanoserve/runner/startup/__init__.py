@@ -49,7 +49,8 @@ def start(config: EngineConfig, hf_config, tp: TensorParallel, rng: torch.Genera
     model = load_model(config.model, hf_config, config.torch_dtype, config.torch_device, config.load_format, tp,
                        quantization=config.quantization, quantize_lm_head=config.quantize_lm_head,
                        progress=config.show_progress and tp.rank == 0, max_model_len=config.max_model_len)
-    kv = KVCacheSpec.of(model, config.block_size, config.kv_torch_dtype, resolve_kv_scales(config, model))
+    kv = KVCacheSpec.of(model, config.block_size, config.kv_torch_dtype, resolve_kv_scales(config, model),
+                        config.max_num_seqs)
     draft = _load_draft(config, tp)
     num_blocks = tp.min_int(plan_memory(model, config, kv, draft).num_kv_blocks)  # every rank's cache holds it
     if num_blocks * config.block_size < config.max_model_len:
@@ -81,7 +82,8 @@ def _load_draft(config: EngineConfig, tp: TensorParallel) -> tuple | None:
     hf_config = load_draft_hf_config(spec.model)
     draft = load_model(spec.model, hf_config, config.torch_dtype, config.torch_device, config.load_format, tp,
                        progress=config.show_progress and tp.rank == 0, max_model_len=config.max_model_len)
-    return draft, KVCacheSpec.of(draft, config.block_size, config.kv_torch_dtype, resolve_kv_scales(config, draft))
+    return draft, KVCacheSpec.of(draft, config.block_size, config.kv_torch_dtype, resolve_kv_scales(config, draft),
+                                 config.max_num_seqs)
 
 
 @torch.inference_mode()

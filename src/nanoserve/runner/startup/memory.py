@@ -40,13 +40,14 @@ def plan_memory(model, config: EngineConfig, kv: KVCacheSpec, draft: tuple | Non
         return MemoryPlan(config.num_kv_blocks)
     max_blocks = kv.blocks_for(config.max_model_len)
     block_bytes = kv.block_bytes + (draft[1].block_bytes if draft is not None else 0)
+    tails = kv.tail_bytes + (draft[1].tail_bytes if draft is not None else 0)  # fixed, beside the blocks
     if config.torch_device.type != "cuda":  # cpu_kv_cache_gb, but no more than max_num_seqs full sequences use
         most_needed = config.max_num_seqs * max_blocks
-        return MemoryPlan(max(min(int(config.cpu_kv_cache_gb * 2**30) // block_bytes, most_needed), 1))
+        return MemoryPlan(max(min(int(config.cpu_kv_cache_gb * 2**30 - tails) // block_bytes, most_needed), 1))
     activation, graphs = _probe(model, config, kv, draft)
     free, total = torch.cuda.mem_get_info()
     in_use = total - free  # weights, CUDA context, allocator cache
-    budget = total * config.gpu_memory_utilization - in_use - activation - graphs
+    budget = total * config.gpu_memory_utilization - in_use - activation - graphs - tails
     num_blocks = int(budget // block_bytes)
     if num_blocks <= 0:
         raise ValueError(f"no memory left for the KV cache: {total / 2**30:.1f} GiB × gpu_memory_utilization "

@@ -112,6 +112,27 @@ def test_fused_rotary_store_quantizes_the_rotated_k(design):
     assert all(torch.equal(s, r) for s, r in zip(scales, rscales))
 
 
+def test_fused_rotary_store_writes_the_tail_rows():
+    """The rotary kernel also writes each token's rotated k and its v, in the model's dtype, at its tail row (-1:
+    none), as the oracle's store_tail does; the rest of the tail is left as it was."""
+    gen = torch.Generator().manual_seed(2)
+    tokens, heads, kv_heads, dim, block_size = 6, 4, 2, 32, 4
+    q = torch.randn(tokens, heads, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    k = torch.randn(tokens, kv_heads, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    v = torch.randn(tokens, kv_heads, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    cos_sin = torch.randn(64, 2 * dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    positions = torch.tensor([3, 4, 5, 9, 10, 2], device=DEVICE)
+    slots = torch.arange(tokens, device=DEVICE) + 8
+    rows = torch.tensor([-1, 5, 6, 20, -1, 2], dtype=torch.int32, device=DEVICE)
+    (kc, vc), scales = fp8_cache((4, block_size, kv_heads, dim), "token")
+    tails = [torch.full((3 * kv_quant.TAIL_BANKS * block_size, kv_heads, dim), 7.0, dtype=torch.bfloat16,
+                        device=DEVICE) for _ in range(2)]
+    _q, k_out = rotary_kv.qk_norm_rope(q, k, cos_sin, positions, kv_store=(v, kc, vc, slots, scales, tails, rows))
+    want = [torch.full_like(t, 7.0) for t in tails]
+    torch_ref.store_tail(k_out, v, want, rows)
+    assert all(torch.equal(t, w) for t, w in zip(tails, want))
+
+
 @pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("num_splits,window,softcap,block_size", [(None, None, None, 16), (3, None, None, 16),
                                                                   (2, 24, 30.0, 16), (None, None, None, 12)])

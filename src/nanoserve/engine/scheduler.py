@@ -112,19 +112,26 @@ class Scheduler:
             if budget <= 0:
                 break
             if not seq.decoding:
-                n = self.chunk_tokens(seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
+                n = self.chunk_tokens(seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget),
+                                      seq.num_uncomputed_tokens)
                 if self.block_manager.allocate(seq, seq.num_computed_tokens + n):  # else it waits for blocks
                     self._add_to_step(step, seq, n, decoding=False)
                     budget -= n
         return budget
 
-    def chunk_tokens(self, start: int, n: int) -> int:
-        """A prompt chunk's tokens from `start`: n, except that over an fp8 cache (its tail: kernels/kv_quant.py) a
-        chunk that starts inside a block stops at that block's end, so a chunk that reads earlier tokens of its first
-        block from the tail spans one block, and a longer one starts on a block boundary (its tail writes, to the
-        last two blocks' banks, cannot overwrite what it reads). Prefix hits start on a boundary already."""
-        inside = start % self.block_manager.block_size
-        return min(n, self.block_manager.block_size - inside) if self.tail_blocks and inside else n
+    def chunk_tokens(self, start: int, n: int, remaining: int) -> int:
+        """A prompt chunk's tokens from `start` (n of the remaining ones): n, except over an fp8 cache (its tail:
+        kernels/kv_quant.py), where a chunk that starts inside a block stops at that block's end, so a chunk that
+        reads earlier tokens of its first block from the tail spans one block, and a longer one starts on a block
+        boundary (its tail writes, to the last two blocks' banks, cannot overwrite what it reads); a chunk of a block
+        or more that does not end the prompt ends on a boundary, so the next starts on one. Prefix hits start on a
+        boundary already."""
+        bs = self.block_manager.block_size
+        if not self.tail_blocks:
+            return n
+        if start % bs:
+            return min(n, bs - start % bs)
+        return n // bs * bs if bs <= n < remaining else n
 
     def _schedule_decodes(self, step: ScheduledStep, budget: int) -> int:
         i = 0

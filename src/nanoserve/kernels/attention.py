@@ -118,9 +118,10 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks_ptr, vs_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h, stride_s_slot, stride_s_h,
+                     k_tail_ptr, v_tail_ptr, tail_rows_ptr, stride_tail_row, stride_tail_h,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     USE_PDL: tl.constexpr, TAIL: tl.constexpr = False):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)
     token = tl.program_id(0)
@@ -131,6 +132,13 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks_ptr, v
     src = token.to(tl.int64)
     k = tl.load(k_ptr + src * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(v_ptr + src * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    if TAIL:  # the token's exact copy, before quantization (kv_quant.TAIL_BANKS); row -1: none
+        row = tl.load(tail_rows_ptr + token).to(tl.int64)
+        rows = tl.zeros([BLOCK_H], tl.int64) + row
+        tail_at = rows[:, None] * stride_tail_row + heads[:, None] * stride_tail_h + dims[None, :]
+        tail_mask = mask & (rows[:, None] >= 0)
+        tl.store(k_tail_ptr + tail_at, k.to(k_tail_ptr.dtype.element_ty), mask=tail_mask)
+        tl.store(v_tail_ptr + tail_at, v.to(v_tail_ptr.dtype.element_ty), mask=tail_mask)
     if FP8:
         scale_at = slot * stride_s_slot + heads[:, None] * stride_s_h
         head_ok = heads[:, None] < NUM_KV_HEADS
@@ -143,9 +151,11 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks_ptr, v
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+             slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+             kv_tail: tuple[torch.Tensor, torch.Tensor] | None = None, tail_rows: torch.Tensor | None = None) -> None:
     """Write k/v [num_tokens, num_kv_heads, head_dim] into their cache slots: one launch, no sync. An fp8 cache
-    (kv_scales given) stores e4m3 codes, and per-token scales beside them (kernels/kv_quant.py)."""
+    (kv_scales given) stores e4m3 codes, and per-token scales beside them (kernels/kv_quant.py); with its tail
+    (kv_tail), each token whose tail_rows entry is >= 0 is also written there, in the tail's dtype."""
     num_tokens = k.shape[0]
     num_kv_heads, head_dim = k_cache.shape[-2:]
     if k.shape != v.shape or tuple(k.shape[1:]) != (num_kv_heads, head_dim):
@@ -161,14 +171,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     _require_unit_last_stride(store_kv=(k, v, k_cache, v_cache))
     _require_slot_layout(k_cache, v_cache, *(kv_scales if fmt["TOKEN_SCALES"] else ()))
+    if kv_tail is not None and (tail_rows is None or tail_rows.shape != (num_tokens,)):
+        raise ValueError(f"store_kv: a tail needs tail_rows [{num_tokens}]")
+    tail = _tail_args(kv_tail, k_cache, fmt, tail_rows, "store_kv")
     block_d = next_power_of_2(head_dim)
     block_h = min(next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
     grid = (num_tokens, cdiv(num_kv_heads, block_h))
     _store_kv_kernel[grid](k, v, k_cache, v_cache, slot_mapping, scales[0], scales[1],
                            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
-                           scales[3], scales[4], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h,
-                           BLOCK_D=block_d, **fmt, num_warps=4, **pdl_args(k.device))
+                           scales[3], scales[4], *tail, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                           BLOCK_H=block_h, BLOCK_D=block_d, **fmt, num_warps=4, **pdl_args(k.device),
+                           TAIL=kv_tail is not None)
 
 
 # --------------------------------------------------------------------------------------------- decode
@@ -279,16 +293,47 @@ def _scores(dots, qk_scale, cap_scale, SOFTCAP: tl.constexpr):
 
 
 @jit
-def _decode_partition(context_len, window, num_splits, BLOCK_N: tl.constexpr):
-    """(first key, first tile, tokens per split) of this sequence's decode: the keys [max(0, context_len - window),
-    context_len) spread over all splits in whole tiles, from the tile that holds the window's first key (tile-aligned
-    partitions keep the key-tile loads vectorised; the keys before the window in that tile are masked, not loaded),
-    so blocks that slid out of the window are never read. Sized on the device from context_len, so a short context
-    in an engine built for long ones still uses every split."""
+def _decode_partition(context_len, window, num_splits, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr = 1,
+                      TAIL: tl.constexpr = False):
+    """(first key, first tile, tokens per split, end of the split keys) of this sequence's decode: the keys
+    [max(0, context_len - window), end) spread over all splits in whole tiles, from the tile that holds the window's
+    first key (tile-aligned partitions keep the key-tile loads vectorised; the keys before the window in that tile
+    are masked, not loaded), so blocks that slid out of the window are never read. Sized on the device from
+    context_len, so a short context in an engine built for long ones still uses every split. end: context_len; with
+    TAIL the start of the query's own block, whose keys split 0 reads exact from the tail — possibly before the
+    first tile, when no fp8 key is left to split."""
     window_start = tl.maximum(context_len - window, 0)
     first_tile = window_start // BLOCK_N * BLOCK_N
-    span = context_len - first_tile
-    return window_start, first_tile, tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N), 1) * BLOCK_N
+    if TAIL:
+        end = tl.maximum(context_len - 1, 0) // BLOCK_SIZE * BLOCK_SIZE
+        span = tl.maximum(end - first_tile, 0)
+    else:
+        end = context_len
+        span = context_len - first_tile
+    return window_start, first_tile, tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N), 1) * BLOCK_N, end
+
+
+@jit
+def _attend_exact(q, m_i, l_i, acc, k, v, seen, qk_scale, cap_scale, DOT_PRECISION: tl.constexpr,
+                  DOT_UPCAST: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Fold exact keys k / values v [BLOCK_T, dims] (in q's dtype, zero where not loaded) into the running (max, sum,
+    acc) of the rows of q, row r seeing key t where seen[r, t]: the tail's part of _attend_tile (no scales, products
+    in the model's dtype)."""
+    scores = _scores(_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST), qk_scale, cap_scale, SOFTCAP)
+    scores = tl.where(seen, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+    return m_new, l_i, acc
+
+
+@jit
+def _tail_rows(slot, keys, BLOCK_SIZE: tl.constexpr):
+    """kv_quant.tail_row of positions `keys` of the sequence in `slot` (int64)."""
+    return (slot * 2 + (keys // BLOCK_SIZE) % 2) * BLOCK_SIZE + keys % BLOCK_SIZE
 
 
 @jit
@@ -297,30 +342,37 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                    ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
+                   k_tail_ptr, v_tail_ptr, slots_ptr, stride_tail_row, stride_tail_h,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-                   DOT_UPCAST: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr, USE_PDL: tl.constexpr):
+                   DOT_UPCAST: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr, USE_PDL: tl.constexpr,
+                   TAIL: tl.constexpr = False, BLOCK_T: tl.constexpr = 16):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)  # q, the cache and the decode inputs all come from earlier kernels
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    window_start, first_tile, partition_size = _decode_partition(context_len, window, num_splits, BLOCK_N)
+    window_start, first_tile, partition_size, split_end = _decode_partition(context_len, window, num_splits,
+                                                                            BLOCK_N, BLOCK_SIZE, TAIL)
     part_start = first_tile + split * partition_size
-    # Partitions past the context exit at once. "<=" lets an empty context (padding rows) write
-    # zeros from split 0; the reduce ignores the empty partial that this also writes for split > 0.
-    if part_start <= context_len:
-        part_end = tl.minimum(part_start + partition_size, context_len)
+    if TAIL:  # split 0 always runs: it reads the own block's exact keys, even when no fp8 key is left to split
+        runs = (split == 0) | (part_start < split_end)
+    else:
+        # Partitions past the context exit at once. "<=" lets an empty context (padding rows) write
+        # zeros from split 0; the reduce ignores the empty partial that this also writes for split > 0.
+        runs = part_start <= context_len
+    if runs:
+        part_end = tl.minimum(part_start + partition_size, split_end)
         rows = tl.arange(0, BLOCK_G)
         dims = tl.arange(0, BLOCK_D)
         heads = kv_head * GROUP + rows
         row_ok = rows < GROUP
         dim_ok = dims < HEAD_DIM
-        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        q = _product_q(q, k_cache_ptr, FP8, Q_FP16)
+        q_exact = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                          mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        q = _product_q(q_exact, k_cache_ptr, FP8, Q_FP16)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -333,6 +385,18 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                          ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                                          BLOCK_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
+        if TAIL:
+            if split == 0:
+                # The own block's keys [split_end, context_len) (those in the window), from the tail rows.
+                keys = split_end + tl.arange(0, BLOCK_T)
+                key_ok = (keys >= window_start) & (keys < context_len)
+                at = (_tail_rows(tl.load(slots_ptr + seq).to(tl.int64), keys, BLOCK_SIZE)[:, None] * stride_tail_row
+                      + kv_head * stride_tail_h + dims[None, :])
+                kv_mask = key_ok[:, None] & dim_ok[None, :]
+                k = tl.load(k_tail_ptr + at, mask=kv_mask, other=0.0).to(q_exact.dtype)
+                v = tl.load(v_tail_ptr + at, mask=kv_mask, other=0.0).to(q_exact.dtype)
+                m_i, l_i, acc = _attend_exact(q_exact, m_i, l_i, acc, k, v, key_ok[None, :], qk_scale, cap_scale,
+                                              DOT_PRECISION, DOT_UPCAST, SOFTCAP)
         if not SPLIT:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
@@ -350,14 +414,18 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
 def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, window, num_splits,
                           stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                          USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr = 1, TAIL: tl.constexpr = False):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
-    _window_start, first_tile, partition_size = _decode_partition(context_len, window, num_splits, BLOCK_N)
-    num_valid = tl.cdiv(context_len - first_tile, partition_size)  # splits that saw tokens; later ones are ignored
+    _window_start, first_tile, partition_size, split_end = _decode_partition(context_len, window, num_splits,
+                                                                             BLOCK_N, BLOCK_SIZE, TAIL)
+    if TAIL:  # split 0 (the exact keys) and those that saw fp8 keys
+        num_valid = tl.maximum(tl.cdiv(tl.maximum(split_end - first_tile, 0), partition_size), 1)
+    else:
+        num_valid = tl.cdiv(context_len - first_tile, partition_size)  # splits that saw tokens; later ones ignored
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
     split_ok = splits < num_valid
@@ -401,17 +469,23 @@ class DecodePartials:
     num_splits: int
     block_n: int  # the decode kernel's key tile, which sizes the partitions
     dtype: torch.dtype  # of the attention output
+    block_size: int = 1  # of the cache: with a tail, the splits cover the keys before the query's own block
+    tail: bool = False  # read with a tail (split 0 also holds the own block's exact keys)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, *, window: int | None = None,
                      softcap: float | None = None, num_splits: int | None = None,
-                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     kv_tail: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     slots: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context → [num_seqs, num_heads, head_dim].
 
     q [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] int32; context_lens
     [num_seqs] int32 (0 gives a zero output row). window / softcap: paged_attention's; the splits cover only the
-    window's keys. num_splits overrides the shape heuristic (tests, benchmarks).
+    window's keys. num_splits overrides the shape heuristic (tests, benchmarks). kv_tail: an fp8 cache's tail, read
+    at each row's slot (slots [num_seqs]) for the keys of the query's own block (already holding the step's token);
+    the splits then cover the keys before that block, and split 0 adds the block's.
     No host sync: safe inside CUDA-graph capture.
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -424,6 +498,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"{tuple(context_lens.shape)} must be [{num_seqs}, max_blocks] / [{num_seqs}]")
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
+    if kv_tail is not None and (slots is None or slots.shape != (num_seqs,)):
+        raise ValueError(f"decode_attention: a tail needs each row's slot (slots [{num_seqs}])")
+    tail = _tail_args(kv_tail, k_cache, fmt, slots, "decode_attention")
     if num_seqs == 0:
         return out
     _require_unit_last_stride(decode_attention=(q, k_cache, v_cache, block_tables))
@@ -440,7 +517,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         parts = torch.empty(num_seqs * num_heads * num_splits * (head_dim + 2), dtype=torch.float32, device=q.device)
         partials = DecodePartials(parts[:num_seqs * num_heads * num_splits * head_dim],
                                   parts[num_seqs * num_heads * num_splits * head_dim:], context_lens,
-                                  window, num_seqs, num_heads, head_dim, num_splits, block_n, q.dtype)
+                                  window, num_seqs, num_heads, head_dim, num_splits, block_n, q.dtype,
+                                  block_size, kv_tail is not None)
         part_acc, part_ml = partials.acc, partials.ml
     else:
         part_acc = part_ml = out  # unused by the single-split kernel
@@ -449,12 +527,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         window, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *scales,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *scales, *tail,
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=softcap is not None,
         FP8=fmt["FP8"], **_product_args(q, k_cache), num_warps=DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES_FP8 if fmt["FP8"] else DECODE_NUM_STAGES,
-        **pdl_args(q.device))
+        **pdl_args(q.device), TAIL=kv_tail is not None,
+        BLOCK_T=max(16, next_power_of_2(block_size)) if kv_tail is not None else 16)  # the own block: one tile
     if num_splits == 1:
         return out
     return merge_partials(partials, out)
@@ -467,7 +546,8 @@ def merge_partials(p: DecodePartials, out: torch.Tensor | None = None) -> torch.
     _decode_reduce_kernel[(p.num_seqs, p.num_heads)](
         p.acc, p.ml, p.context_lens, out, p.window, p.num_splits, out.stride(0), out.stride(1),
         HEAD_DIM=p.head_dim, BLOCK_S=next_power_of_2(p.num_splits), BLOCK_D=next_power_of_2(p.head_dim),
-        BLOCK_N=p.block_n, num_warps=4, **pdl_args(p.acc.device))
+        BLOCK_N=p.block_n, num_warps=4, **pdl_args(p.acc.device),
+        BLOCK_SIZE=p.block_size if p.tail else 1, TAIL=p.tail)  # no tail: the one compiled reduce of every cache
     return out
 
 
@@ -480,10 +560,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                     ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
+                    k_tail_ptr, v_tail_ptr, stride_tail_row, stride_tail_h,
+                    k_ptr, v_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
                     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     Q_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                    SOFTCAP: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr, USE_PDL: tl.constexpr):
+                    SOFTCAP: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr, USE_PDL: tl.constexpr,
+                    TAIL: tl.constexpr = False):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)
     kv_head = tl.program_id(0)  # the heads of one tile launch together, and the work list is longest first
@@ -502,9 +585,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
         dims = tl.arange(0, BLOCK_D)
         dim_ok = dims < HEAD_DIM
         q_rows = (q_begin + tokens).to(tl.int64)
-        q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        q = _product_q(q, k_cache_ptr, FP8, Q_FP16)
+        q_exact = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                          mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        q = _product_q(q_exact, k_cache_ptr, FP8, Q_FP16)
         # Bottom-right causal alignment: new token i sits at position context_len - q_len + i; it sees keys
         # (q_pos - window, q_pos]. Padding rows take the tile's first position, which keeps their softmax finite;
         # they are never stored.
@@ -515,7 +598,17 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
         # first row's position are seen by every row: whole tiles of them go unmasked.
         kv_begin = tl.maximum(q_first - window + 1, 0)
         kv_start = kv_begin // BLOCK_N * BLOCK_N
-        full_end = (q_first + 1) // BLOCK_N * BLOCK_N
+        if TAIL:
+            # Each row reads its own block exact (the pass after the fp8 ones), the cache's keys before it: the fp8
+            # keys end at the last row's own block, and the unmasked tiles before the first row's.
+            own_first = q_first // BLOCK_SIZE * BLOCK_SIZE
+            far_end = (kv_end - 1) // BLOCK_SIZE * BLOCK_SIZE
+            full_end = tl.maximum(own_first // BLOCK_N * BLOCK_N, kv_start)
+            last_far = tl.minimum(q_pos, q_pos // BLOCK_SIZE * BLOCK_SIZE - 1)
+        else:
+            far_end = kv_end
+            full_end = (q_first + 1) // BLOCK_N * BLOCK_N
+            last_far = q_pos
         full_start = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, full_end)
         first_key = q_pos - window + 1
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -523,23 +616,48 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         table = block_tables_ptr + tl.load(table_rows_ptr + seq).to(tl.int64) * stride_bt
         for start in range(kv_start, full_start, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
-                                         first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, far_end,
+                                         first_key, last_far, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
                                          stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr, vs_ptr,
                                          stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
                                          DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
         for start in range(full_start, full_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
-                                         first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, far_end,
+                                         first_key, last_far, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
                                          stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr, vs_ptr,
                                          stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
                                          DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8, MASKED=False)
-        for start in range(full_end, kv_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, kv_end,
-                                         first_key, q_pos, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
+        for start in range(full_end, far_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, far_end,
+                                         first_key, last_far, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
                                          stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr, vs_ptr,
                                          stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
                                          DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
+        if TAIL:
+            # Keys [own_first, kv_end), exact: the step's own k/v from its first position (context_len - q_len) on,
+            # the tail rows before it; row r sees those of its own block up to itself (and in its window).
+            slot = tl.load(table_rows_ptr + seq).to(tl.int64)
+            q_block = q_pos // BLOCK_SIZE
+            for start in range(tl.maximum(own_first, kv_begin), kv_end, BLOCK_N):
+                keys = start + tl.arange(0, BLOCK_N)
+                key_ok = keys < kv_end
+                fresh = keys >= context_len - q_len
+                new_rows = (q_begin + keys - (context_len - q_len)).to(tl.int64)
+                tail_at = _tail_rows(slot, keys, BLOCK_SIZE)[:, None] * stride_tail_row + kv_head * stride_tail_h
+                fresh_mask = (key_ok & fresh)[:, None] & dim_ok[None, :]
+                tail_mask = (key_ok & ~fresh)[:, None] & dim_ok[None, :]
+                k = tl.where(fresh[:, None],
+                             tl.load(k_ptr + new_rows[:, None] * stride_knt + kv_head * stride_knh + dims[None, :],
+                                     mask=fresh_mask, other=0.0).to(q_exact.dtype),
+                             tl.load(k_tail_ptr + tail_at + dims[None, :], mask=tail_mask, other=0.0).to(q_exact.dtype))
+                v = tl.where(fresh[:, None],
+                             tl.load(v_ptr + new_rows[:, None] * stride_vnt + kv_head * stride_vnh + dims[None, :],
+                                     mask=fresh_mask, other=0.0).to(q_exact.dtype),
+                             tl.load(v_tail_ptr + tail_at + dims[None, :], mask=tail_mask, other=0.0).to(q_exact.dtype))
+                seen = (key_ok[None, :] & (keys[None, :] // BLOCK_SIZE == q_block[:, None])
+                        & (keys[None, :] <= q_pos[:, None]) & (keys[None, :] >= first_key[:, None]))
+                m_i, l_i, acc = _attend_exact(q_exact, m_i, l_i, acc, k, v, seen, qk_scale, cap_scale,
+                                              DOT_PRECISION, DOT_UPCAST, SOFTCAP)
         out = acc / l_i[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -575,7 +693,9 @@ def prefill_work_capacity(num_tokens: int, max_seqs: int, q_per_tile: int) -> in
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: AttentionInputs, scale: float, tiles: PrefillTiles | None = None, *,
                             window: int | None = None, softcap: float | None = None,
-                            kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                            kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            kv_tail: tuple[torch.Tensor, torch.Tensor] | None = None, k: torch.Tensor | None = None,
+                            v: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context (cached prefix included), each token
     over the last `window` keys (paged_attention's window / softcap; a tile reads no key tile that lies wholly
     before its first token's window).
@@ -586,6 +706,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     on no sequence length and the launch can be captured; meta.table_rows maps sequences to block-table rows.
     tiles: another tiling than prefill_tiles' (benchmarks/prefill_attention_tiles.py; a given work list must have
     been built with its q_per_tile).
+    kv_tail: an fp8 cache's tail, read at each sequence's slot (meta.table_rows); each token then reads its own
+    block's keys exact, the step's own from k / v [num_new_tokens, num_kv_heads, head_dim] (views allowed), the
+    earlier ones from the tail.
     """
     num_tokens, num_heads, head_dim = q.shape
     _num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -596,6 +719,17 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError("prefill_attention needs meta.cu_seqlens_q")
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
+    rows = meta.table_rows
+    if rows is None:
+        rows = torch.arange(meta.num_seqs, dtype=torch.int32, device=q.device)
+    k_tail, v_tail, _rows, *tail_strides = _tail_args(kv_tail, k_cache, fmt, rows, "prefill_attention")
+    fresh = (q, q, 0, 0, 0, 0)  # unused without a tail
+    if kv_tail is not None:
+        if k is None or v is None or k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
+            raise ValueError(f"prefill_attention: a tail needs the step's k and v [{num_tokens}, {num_kv_heads}, "
+                             f"{head_dim}]")
+        _require_unit_last_stride(prefill_attention=(k, v))
+        fresh = (k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1))
     if num_tokens == 0:
         return out
     _require_unit_last_stride(prefill_attention=(q, k_cache, v_cache, meta.block_tables))
@@ -606,40 +740,39 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         lens = meta.query_lens_host or torch.diff(meta.cu_seqlens_q).tolist()
         ctx = meta.context_lens_host or meta.context_lens.tolist()
         work_seq, work_start = (torch.from_numpy(a).to(q.device) for a in prefill_work(lens, tiles.q_per_tile, ctx))
-    rows = meta.table_rows
-    if rows is None:
-        rows = torch.arange(meta.num_seqs, dtype=torch.int32, device=q.device)
     _prefill_kernel[(num_kv_heads, work_seq.shape[0])](
         q, k_cache, v_cache, meta.block_tables, rows, meta.context_lens, meta.cu_seqlens_q, work_seq, work_start,
         out, *_score_args(scale, softcap), NO_WINDOW if window is None else window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0), *scales,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0), *scales, k_tail, v_tail,
+        *tail_strides, *fresh,
         BLOCK_SIZE=block_size, GROUP=tiles.group, HEAD_DIM=head_dim, Q_PER_TILE=tiles.q_per_tile,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, SOFTCAP=softcap is not None,
         FP8=fmt["FP8"], **_product_args(q, k_cache),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(q.device))
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(q.device), TAIL=kv_tail is not None)
     return out
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, meta: AttentionInputs, scale: float, *, window: int | None = None,
-                      softcap: float | None = None,
-                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      softcap: float | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      kv_tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal varlen prefill → [num_new_tokens, num_heads, head_dim].
 
     Without a cached prefix every sequence's keys are exactly its new k/v (q_len == k_len), which is
     what torch's flash varlen forward computes (CUDA, fp16/bf16; a sliding window W is its window_size_left W - 1,
     as transformers passes it to flash-attn). Everything else (prefix-cache hits, a softcap, which it lacks, fp32,
     older torch, k/v only in the cache, an fp8 cache: the fresh tokens then see their keys as later steps will, in
-    fp8) takes the paged Triton kernel over the cache.
+    fp8, except those of their own block with its tail, kv_tail) takes the paged Triton kernel over the cache.
     """
-    if kv_scales is None and _can_use_varlen(q, k, v, meta, window, softcap):
+    if kv_scales is None and kv_tail is None and _can_use_varlen(q, k, v, meta, window, softcap):
         cu, longest = meta.cu_seqlens_q, meta.max_seqlen_q
         sliding = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
         return _FLASH_VARLEN(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale, **sliding)[0]
+    tail = {} if kv_tail is None else {"kv_tail": kv_tail, "k": k, "v": v}
     return paged_prefill_attention(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
-                                   kv_scales=kv_scales)
+                                   kv_scales=kv_scales, **tail)
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -738,6 +871,26 @@ def _require_unit_last_stride(**groups: tuple[torch.Tensor, ...]) -> None:
             if t.stride(-1) != 1:
                 raise ValueError(f"{name}: tensors need a contiguous last dimension, got shape {tuple(t.shape)} "
                                  f"strides {t.stride()}")
+
+
+def _tail_args(kv_tail: tuple[torch.Tensor, torch.Tensor] | None, cache: torch.Tensor, fmt: dict,
+               index: torch.Tensor | None, name: str) -> tuple:
+    """The kernels' tail arguments (k_tail, v_tail, index, row stride, head stride): an fp8 cache's tail
+    ([rows, num_kv_heads, head_dim], K and V alike) and its per-token rows or per-sequence slots (index). Without a
+    tail, unused pointers (the cache) and zero strides."""
+    if kv_tail is None:
+        return cache, cache, cache, 0, 0
+    k_tail, v_tail = kv_tail
+    if not fmt["FP8"]:
+        raise ValueError(f"{name}: a KV tail belongs to an fp8 cache (kv_scales)")
+    if index is None:
+        raise ValueError(f"{name}: a KV tail needs each token's tail row / each sequence's slot")
+    if (k_tail.dim() != 3 or tuple(k_tail.shape[1:]) != tuple(cache.shape[2:]) or v_tail.shape != k_tail.shape
+            or v_tail.stride() != k_tail.stride() or v_tail.dtype != k_tail.dtype):
+        raise ValueError(f"{name}: tails {tuple(k_tail.shape)} / {tuple(v_tail.shape)} must both be [rows, "
+                         f"{cache.shape[2]}, {cache.shape[3]}], with the same strides and dtype")
+    _require_unit_last_stride(**{name: (k_tail, v_tail)})
+    return k_tail, v_tail, index, k_tail.stride(0), k_tail.stride(1)
 
 
 def _require_slot_layout(*caches: torch.Tensor) -> None:

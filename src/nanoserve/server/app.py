@@ -97,6 +97,21 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(APIError(500, f"Internal server error: {type(exc).__name__}", "server_error"))
 
 
+def _lifespan(client: EngineClient, preprocessor: Preprocessor, log_stats: bool):
+    """The app's lifespan: the engine client connected (and the stats lines running) while it serves."""
+    async def lifespan(app: FastAPI):
+        await client.start()
+        stat_log = asyncio.create_task(StatLogger(client).run()) if log_stats else None
+        try:
+            yield
+        finally:
+            if stat_log is not None:
+                stat_log.cancel()
+            await client.shutdown()
+            preprocessor.close()
+    return lifespan
+
+
 def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None = None,
               served_model_name: str | None = None, trust_request_chat_template: bool = False,
               chat_template_timeout_s: float = DEFAULT_TIMEOUT_S, log_level: str = "info",
@@ -133,18 +148,7 @@ def build_app(model: str | EngineConfig | EngineClient, *, api_key: str | None =
                           trust_request_chat_template,
                           stop_limits=(max_stop_strings, max_stop_string_len), tool_call_parser=tool_call_parser)
 
-    async def lifespan(app: FastAPI):
-        await client.start()
-        stat_log = asyncio.create_task(StatLogger(client).run()) if log_stats else None
-        try:
-            yield
-        finally:
-            if stat_log is not None:
-                stat_log.cancel()
-            await client.shutdown()
-            preprocessor.close()
-
-    app = FastAPI(title="nanoserve", lifespan=lifespan)
+    app = FastAPI(title="nanoserve", lifespan=_lifespan(client, preprocessor, log_stats))
     app.state.engine_client, app.state.metrics, app.state.server, app.state.sandbox = client, metrics, server, sandbox
     app.state.body_timeout = request_body_timeout
     app.add_middleware(RequestGuard, api_key=api_key, metrics=metrics, body_timeout=request_body_timeout,

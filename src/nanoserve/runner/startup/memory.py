@@ -52,8 +52,9 @@ def plan_memory(model, config: EngineConfig, kv: KVCacheSpec, draft: tuple | Non
     if num_blocks <= 0:
         raise ValueError(f"no memory left for the KV cache: {total / 2**30:.1f} GiB × gpu_memory_utilization "
                          f"{config.gpu_memory_utilization} minus weights/activations/graphs is {budget / 2**30:.2f} GiB")
-    logger.info("memory plan: activation peak %.0f MiB, graph pool %.0f MiB, KV cache %.0f MiB (%d blocks)",
-                activation / 2**20, graphs / 2**20, num_blocks * block_bytes / 2**20, num_blocks)
+    logger.info("memory plan: activation peak %.0f MiB, graph pool %.0f MiB, KV cache %.0f MiB (%d blocks)%s",
+                activation / 2**20, graphs / 2**20, num_blocks * block_bytes / 2**20, num_blocks,
+                f" and its exact tail {tails / 2**20:.0f} MiB" if tails else "")
     return MemoryPlan(num_blocks, activation, graphs)
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from nanoserve.kernels._triton import HAS_TRITON
-from nanoserve.kernels.step_inputs import DEVICE_DRAFT, DeviceRows, prepare_decode, prepare_decode_ref
+from nanoserve.kernels import kv_quant
+from nanoserve.kernels.step_inputs import DEVICE_DRAFT, DecodeTail, DeviceRows, prepare_decode, prepare_decode_ref
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # Triton on CPU tensors needs the interpreter
 
@@ -114,10 +115,14 @@ def test_device_rows_match_reference(device, block_size, width, gathered, seed):
     want_rows, got_rows = _on(rows, device), _on(rows, device)
     want_tables, got_tables = args[4].clone().to(device), args[4].clone().to(device)
     common = [t.to(device) for t in args[:4]]
-    want = prepare_decode_ref(*common, want_tables, gathered, tokens.to(device), back.to(device), want_rows)
-    got = prepare_decode(*common, got_tables, gathered, tokens.to(device), back.to(device), got_rows)
+    tails = [DecodeTail(r.positions, torch.full_like(r.positions, -7), 4) for r in (want_rows, got_rows)]
+    want = prepare_decode_ref(*common, want_tables, gathered, tokens.to(device), back.to(device), want_rows, tails[0])
+    got = prepare_decode(*common, got_tables, gathered, tokens.to(device), back.to(device), got_rows, tails[1])
     assert torch.equal(got[0], want[0])
     assert torch.equal(got_tables, want_tables)
+    # each row's tail row (an fp8 cache's: kernels/kv_quant.py) from its slot and its position as resolved
+    assert torch.equal(tails[1].tail_rows, tails[0].tail_rows)
+    assert torch.equal(tails[0].tail_rows, kv_quant.tail_row(common[0], want_rows.positions, 4))
     for r, c in unspecified:  # an earlier row's entry at a column a later row of its slot brings
         got[1][r, c] = want[1][r, c]
     assert torch.equal(got[1], want[1])

@@ -27,7 +27,7 @@ import torch
 from nanoserve.kernels import kv_quant, reference
 from nanoserve.kernels._triton import (cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_start, pdl_wait, tl,
                                        use_triton)
-from nanoserve.kernels.kv_quant import quantize_rows
+from nanoserve.kernels.kv_quant import quantize_rows, tail_row_tl
 from nanoserve.kernels.metadata import AttentionInputs
 
 
@@ -331,12 +331,6 @@ def _attend_exact(q, m_i, l_i, acc, k, v, seen, qk_scale, cap_scale, DOT_PRECISI
 
 
 @jit
-def _tail_rows(slot, keys, BLOCK_SIZE: tl.constexpr):
-    """kv_quant.tail_row of positions `keys` of the sequence in `slot` (int64)."""
-    return (slot * 2 + (keys // BLOCK_SIZE) % 2) * BLOCK_SIZE + keys % BLOCK_SIZE
-
-
-@jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                    part_acc_ptr, part_ml_ptr, qk_scale, cap_scale, window, num_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh,
@@ -390,7 +384,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                 # The own block's keys [split_end, context_len) (those in the window), from the tail rows.
                 keys = split_end + tl.arange(0, BLOCK_T)
                 key_ok = (keys >= window_start) & (keys < context_len)
-                at = (_tail_rows(tl.load(slots_ptr + seq).to(tl.int64), keys, BLOCK_SIZE)[:, None] * stride_tail_row
+                at = (tail_row_tl(tl.load(slots_ptr + seq).to(tl.int64), keys, BLOCK_SIZE)[:, None] * stride_tail_row
                       + kv_head * stride_tail_h + dims[None, :])
                 kv_mask = key_ok[:, None] & dim_ok[None, :]
                 k = tl.load(k_tail_ptr + at, mask=kv_mask, other=0.0).to(q_exact.dtype)
@@ -643,7 +637,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
                 key_ok = keys < kv_end
                 fresh = keys >= context_len - q_len
                 new_rows = (q_begin + keys - (context_len - q_len)).to(tl.int64)
-                tail_at = _tail_rows(slot, keys, BLOCK_SIZE)[:, None] * stride_tail_row + kv_head * stride_tail_h
+                tail_at = tail_row_tl(slot, keys, BLOCK_SIZE)[:, None] * stride_tail_row + kv_head * stride_tail_h
                 fresh_mask = (key_ok & fresh)[:, None] & dim_ok[None, :]
                 tail_mask = (key_ok & ~fresh)[:, None] & dim_ok[None, :]
                 k = tl.where(fresh[:, None],

@@ -37,6 +37,12 @@ def tail_row(slots, positions, block_size: int):
     return (slots * TAIL_BANKS + (positions // block_size) % TAIL_BANKS) * block_size + positions % block_size
 
 
+@jit
+def tail_row_tl(slot, positions, BLOCK_SIZE: tl.constexpr):
+    """tail_row inside a kernel (2: TAIL_BANKS)."""
+    return (slot * 2 + (positions // BLOCK_SIZE) % 2) * BLOCK_SIZE + positions % BLOCK_SIZE
+
+
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype == FP8_DTYPE
 

@@ -15,6 +15,9 @@ Device rows (DeviceRows): speculative decoding keeps the asynchronous loop, so t
 knows how many drafts step N accepted. Such a row takes its position from the device's per-slot token count
 (hist_len[slot] - 1 + group_back[r]) and its slot mapping and context length from that position, and its input and
 draft ids (DEVICE_DRAFT entries) from the n-gram proposer's drafts of its sequence's first row.
+
+Tail rows (DecodeTail): over an fp8 cache that keeps an exact tail (kernels/kv_quant.py), each row's tail row from its
+slot and (resolved) position, written here rather than by a handful of torch ops in every decode graph.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from nanoserve.kernels._triton import HAS_TRITON, jit, next_power_of_2, tl, use_triton
+from nanoserve.kernels.kv_quant import tail_row, tail_row_tl
 
 DEVICE_DRAFT = -2  # a token_ids / draft_ids entry the device fills from the proposer's drafts
 _DEVICE_DRAFT = tl.constexpr(DEVICE_DRAFT) if HAS_TRITON else DEVICE_DRAFT  # the kernel reads it
@@ -39,6 +43,14 @@ class DeviceRows(NamedTuple):
     draft_ids: torch.Tensor     # [rows] in/out: DEVICE_DRAFT entries resolved (see prepare_decode)
     drafts: torch.Tensor        # [rows, K]: propose_ngram's drafts, row r's group read at row r - group_back[r]
     counts: torch.Tensor        # [rows]
+    block_size: int
+
+
+class DecodeTail(NamedTuple):
+    """Where a decode batch's tail rows go (kv_quant.tail_row of each row's slot and position)."""
+
+    positions: torch.Tensor  # [rows] int32: the rows' positions (device rows: as resolved here)
+    tail_rows: torch.Tensor  # [rows] int32 out
     block_size: int
 
 
@@ -79,10 +91,11 @@ def _device_rows_ref(slots: torch.Tensor, ids: torch.Tensor, tables: torch.Tenso
 def prepare_decode_ref(slots: torch.Tensor, new_block_cols: torch.Tensor, new_block_ids: torch.Tensor,
                        last_tokens: torch.Tensor, block_tables: torch.Tensor, width: int | None = None,
                        token_ids: torch.Tensor | None = None, group_back: torch.Tensor | None = None,
-                       device: DeviceRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       device: DeviceRows | None = None,
+                       tail: DecodeTail | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain PyTorch (the CPU path and the oracle): (input_ids [r] int32, tables [r, width] int32); patches
     block_tables in place. (group_back only orders the Triton kernel's reads: every write lands before the gather
-    here.) See prepare_decode for device rows."""
+    here.) See prepare_decode for device rows and tail rows."""
     _check_device(device, token_ids, group_back)
     rows = slots.long()
     has = new_block_cols >= 0
@@ -90,17 +103,22 @@ def prepare_decode_ref(slots: torch.Tensor, new_block_cols: torch.Tensor, new_bl
     width = block_tables.shape[1] if width is None else width
     ids, tables = last_tokens[rows], block_tables[rows, :width]
     if device is not None:
-        return _device_rows_ref(slots, ids, tables, token_ids, group_back, device), tables
-    if token_ids is not None:
+        ids = _device_rows_ref(slots, ids, tables, token_ids, group_back, device)
+    elif token_ids is not None:
         ids = torch.where(token_ids >= 0, token_ids, ids)
+    if tail is not None:
+        tail.tail_rows.copy_(tail_row(slots, tail.positions, tail.block_size))
     return ids, tables
 
 
 def prepare_decode(slots: torch.Tensor, new_block_cols: torch.Tensor, new_block_ids: torch.Tensor,
                    last_tokens: torch.Tensor, block_tables: torch.Tensor, width: int | None = None,
                    token_ids: torch.Tensor | None = None, group_back: torch.Tensor | None = None,
-                   device: DeviceRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   device: DeviceRows | None = None, tail: DecodeTail | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Graph-capturable on CUDA (no host sync); see prepare_decode_ref for the contract.
+
+    tail: each row's tail row (kv_quant.tail_row of its slot and its position, a device row's as resolved here)
+    written to tail.tail_rows.
 
     device (needs token_ids and group_back): for row r with g = group_back[r], first = r - g, c = counts[first]:
     token_ids[r] == DEVICE_DRAFT → input drafts[first, g - 1] if 0 ≤ g - 1 < c else 0 (a valid id; the row's outcome
@@ -110,7 +128,7 @@ def prepare_decode(slots: torch.Tensor, new_block_cols: torch.Tensor, new_block_
     _check_device(device, token_ids, group_back)
     if not use_triton(slots):
         return prepare_decode_ref(slots, new_block_cols, new_block_ids, last_tokens, block_tables, width, token_ids,
-                                  group_back, device)
+                                  group_back, device, tail)
     rows = slots.shape[0]
     width = block_tables.shape[1] if width is None else width
     ids = torch.empty(rows, dtype=torch.int32, device=slots.device)
@@ -118,20 +136,23 @@ def prepare_decode(slots: torch.Tensor, new_block_cols: torch.Tensor, new_block_
     if rows:
         verify, on = token_ids is not None, device is not None
         dev = device if on else DeviceRows(*[slots] * 8, block_size=1)  # unread stand-ins without device rows
+        tl_ = tail if tail is not None else DecodeTail(slots, slots, 1)
         _prepare_decode_kernel[(rows,)](
             slots, new_block_cols, new_block_ids, last_tokens, block_tables, ids, tables,
             token_ids if verify else slots, group_back if verify else slots, dev.from_device, dev.hist_len,
-            dev.positions, dev.slot_mapping, dev.context_lens, dev.draft_ids, dev.drafts, dev.counts, width,
-            block_tables.stride(0), dev.drafts.stride(0), BLOCK=min(next_power_of_2(width), 1024), VERIFY=verify,
-            DEVICE=on, KV_BLOCK=dev.block_size)
+            dev.positions, dev.slot_mapping, dev.context_lens, dev.draft_ids, dev.drafts, dev.counts,
+            tl_.positions, tl_.tail_rows, width, block_tables.stride(0), dev.drafts.stride(0),
+            BLOCK=min(next_power_of_2(width), 1024), VERIFY=verify, DEVICE=on, KV_BLOCK=dev.block_size,
+            TAIL=tail is not None, TAIL_BLOCK=tl_.block_size)
     return ids, tables
 
 
 @jit
 def _prepare_decode_kernel(slots_ptr, cols_ptr, blocks_ptr, last_ptr, table_ptr, ids_ptr, out_ptr, tokens_ptr,
                            back_ptr, from_ptr, hist_ptr, pos_ptr, kv_ptr, ctx_ptr, draft_ids_ptr, drafts_ptr,
-                           counts_ptr, width, stride_table, stride_drafts, BLOCK: tl.constexpr, VERIFY: tl.constexpr,
-                           DEVICE: tl.constexpr, KV_BLOCK: tl.constexpr):
+                           counts_ptr, tail_pos_ptr, tail_ptr, width, stride_table, stride_drafts, BLOCK: tl.constexpr,
+                           VERIFY: tl.constexpr, DEVICE: tl.constexpr, KV_BLOCK: tl.constexpr, TAIL: tl.constexpr,
+                           TAIL_BLOCK: tl.constexpr):
     r = tl.program_id(0)
     slot = tl.load(slots_ptr + r).to(tl.int64)
     col = tl.load(cols_ptr + r)
@@ -174,3 +195,8 @@ def _prepare_decode_kernel(slots_ptr, cols_ptr, blocks_ptr, last_ptr, table_ptr,
             tl.store(pos_ptr + r, pos)
             tl.store(ctx_ptr + r, pos + 1)
             tl.store(kv_ptr + r, entry * KV_BLOCK + pos % KV_BLOCK)
+    if TAIL:  # kv_quant.tail_row of the row's slot and position (a device row's as just resolved)
+        at = tl.load(tail_pos_ptr + r).to(tl.int64)
+        if DEVICE:
+            at = tl.where(on, pos, at)
+        tl.store(tail_ptr + r, tail_row_tl(slot, at, TAIL_BLOCK).to(tl.int32))

@@ -10,8 +10,7 @@ import numpy as np
 import torch
 
 from nanoserve.kernels.attention import prefill_q_per_tile
-from nanoserve.kernels.kv_quant import tail_row
-from nanoserve.kernels.step_inputs import DEVICE_DRAFT, DeviceRows, prepare_decode
+from nanoserve.kernels.step_inputs import DEVICE_DRAFT, DecodeTail, DeviceRows, prepare_decode
 from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.runner import prompt_logprobs
 from nanoserve.runner.batch import BlockUpdates, DecodeBatch, PrefillBatch
@@ -54,14 +53,17 @@ class DecodeForward:
                                                                                     draft.no_counts[:rows])
             device = DeviceRows(v.from_device, drafting.hist_len, v.positions, v.slot_mapping, v.context_lens,
                                 v.draft_ids, drafts, counts, drafting.block_size)
+        bs = self.state.tail_block_size  # an fp8 cache's tail: prepare_decode writes each row's tail row
+        tail = DecodeTail(v.positions, v.tail_rows, bs) if bs is not None else None
         input_ids, tables = prepare_decode(v.slots, v.new_block_cols, v.new_block_ids, self.state.last_tokens,
-                                           self.state.block_tables, width, v.token_ids, v.group_back, device)
+                                           self.state.block_tables, width, v.token_ids, v.group_back, device, tail)
         if draft is not None and propose:
             input_ids = draft.propose(input_ids, tables, v.slots, v.positions, v.slot_mapping, v.context_lens,
                                       v.token_ids == DEVICE_DRAFT, v.draft_ids, v.group_back, v.draft_slots >= 0,
                                       v.temperature, v.draft_sampled > 0)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=v.slot_mapping, context_lens=v.context_lens,
-                                 block_tables=tables, **decode_tail(self.state, v.slots, v.positions))
+                                 block_tables=tables, **({} if tail is None else
+                                                         {"table_rows": v.slots, "tail_rows": v.tail_rows}))
         hidden = self.model(input_ids, v.positions, meta)
         if draft is not None:
             draft.mirror(input_ids, v.positions, meta)
@@ -71,12 +73,6 @@ class DecodeForward:
         """Load an all-padding batch of `rows` rows (warm-up and capture)."""
         self.inputs.load({}, rows)
 
-
-def decode_tail(state: PersistentState, slots: torch.Tensor, positions: torch.Tensor) -> dict:
-    """Decode rows' tail metadata over an fp8 cache that keeps one (kernels/kv_quant.py): each row's slot (its reads)
-    and tail row (its token's write; a decode row always writes); {} without a tail."""
-    bs = state.tail_block_size
-    return {} if bs is None else {"table_rows": slots, "tail_rows": tail_row(slots, positions, bs).to(torch.int32)}
 
 
 class TokenForward:

@@ -70,6 +70,7 @@ class DecodeViews:
     from_device: torch.Tensor = region(ROWS, 0)
     draft_slots: torch.Tensor = region(ROWS, -1)
     draft_sampled: torch.Tensor = region(ROWS, 0)  # 1: its sequence samples its drafts from the draft model's q
+    tail_rows: torch.Tensor = region(ROWS, -1)  # an fp8 cache's tail row of each row's token (prepare_decode writes it)
     temperature: torch.Tensor = region(ROWS, 0.0, np.float32)
     top_p: torch.Tensor = region(ROWS, 1.0, np.float32)
     top_k: torch.Tensor = region(ROWS, 0)

@@ -71,6 +71,7 @@ class TailState:
         self.context_lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
 
     def slot_of(self, slot: int, pos: torch.Tensor) -> torch.Tensor:
+        pos = pos.to(self.tables.device)  # (the tables move to the kernels' device once the cache is built)
         return self.tables[slot, pos // self.block_size].long() * self.block_size + pos % self.block_size
 
     def poison_cache(self, slot: int, positions: torch.Tensor) -> None:

@@ -50,14 +50,15 @@ def test_draft_model_in_decode_graphs(drafts, draft):
     """A draft model proposing inside the decode graphs (and mirroring the token-count graphs' steps): the tokens
     without speculation; drafting for itself, (nearly) every draft accepted (fp32)."""
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    prompts = LOOPING * 3
+    prompts = LOOPING  # (3 sequences and 4 drafts each fit one 16-row decode batch; 9 would leave no room for drafts)
     base = [o.token_ids for o in LLM(drafts["target"], **OPTIONS).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(drafts["target"], speculative_config=draft_spec(drafts[draft]), **OPTIONS)
+    # adaptive off: with measured step curves the plan may find a draft as large as the target not worth running
+    llm = LLM(drafts["target"], speculative_config={**draft_spec(drafts[draft]), "adaptive": False}, **OPTIONS)
     for _ in range(2):  # (the second time over prefix-cache hits)
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == base
     stats = llm.engine.stats
     assert stats.decode_steps_graph > 0 and stats.decode_steps_eager == 0 and stats.prefill_steps_graph > 0
-    assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
+    assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens, (stats.spec_num_drafts, stats.spec_draft_tokens)
     if draft == "self":  # (the draft's steps and the verification run different kernels: a near-tie may differ)
         assert stats.spec_accepted_tokens >= 0.95 * stats.spec_draft_tokens
 

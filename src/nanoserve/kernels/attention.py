@@ -52,15 +52,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         store, prefill, decode = store_kv, prefill_attention, decode_attention
     else:
         store, prefill, decode = reference.store_kv, reference.prefill_attention, reference.decode_attention
-    tail = {} if kv_tail is None else {"kv_tail": kv_tail}
     if not kv_stored:
-        store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, **tail, **(
-            {"tail_rows": meta.tail_rows} if tail else {}))
+        store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales, kv_tail, meta.tail_rows)
     if meta.is_prefill:
         return prefill(q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap, kv_scales=kv_scales,
-                       **tail)
+                       kv_tail=kv_tail)
     return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window=window, softcap=softcap,
-                  kv_scales=kv_scales, **tail, **({"slots": meta.table_rows} if tail else {}))
+                  kv_scales=kv_scales, kv_tail=kv_tail, slots=meta.table_rows)
 
 
 def check_window_softcap(window: int | None, softcap: float | None) -> None:

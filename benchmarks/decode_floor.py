@@ -398,7 +398,10 @@ GEMV_CANDIDATES = {  # (tiles of 512 or 256 along K divide hidden 2560 and 3072;
         "fma 4x512 w2 st4 p0", "fma 2x512 w2 st4 p0", "fma 8x512 w2 st3 p0", "fma 4x256 w2 st4 p0",
         "fma 8x256 w4 st4 p0", "fma 2x1024 w2 st3 p0", "fma 2x2048 w4 st2 p0", "fma 1x1024 w2 st3 p0"],
     8: ["dot 64x128 w4 st4 p0", "dot 32x256 w4 st3 p1", "dot 16x512 w4 st3 p1", "dot 64x256 w4 st3 p1",
-        "dot 128x128 w8 st3 p0", "dot 32x128 w4 st4 p2", "dot 16x256 w4 st4 p2", "dot 64x64 w4 st4 p2"],
+        "dot 128x128 w8 st3 p0", "dot 32x128 w4 st4 p2", "dot 16x256 w4 st4 p2", "dot 64x64 w4 st4 p2",
+        # verification's 5-8 rows (issue 38): the one-row kernels' tiles, rows unrolled on CUDA cores, and narrow dots
+        "fma 4x1024 w4 st3 p0", "fma 8x512 w4 st3 p0", "fma 4x512 w4 st4 p0", "fma 2x1024 w4 st3 p0",
+        "dot 16x512 w4 st3 p0", "dot 16x256 w4 st4 p1", "dot 32x256 w4 st3 p0", "cublas"],
     16: ["dot 64x128 w4 st4 p0", "dot 64x128 w4 st4 p1", "dot 64x128 w4 st4 p2", "dot 32x256 w4 st3 p1",
          "dot 32x256 w4 st3 p2", "dot 16x512 w4 st3 p2", "dot 32x128 w4 st4 p2", "dot 64x64 w4 st4 p2",
          "dot 128x128 w8 st3 p1", "dot 64x256 w4 st3 p1", "cublas", "dot 32x128 w4 st4 p1",

@@ -16,6 +16,8 @@ Targets (H200, Llama-3.1-8B): k = 4 at b = 1 <= 1.10x the decode step, at b = 32
 on the device: its decode step (the draft mirrors every target step: Kind.DECODE) and its verification step (the
 draft's k forwards, then the target's: Kind.DRAFT, up to 256 rows), each against the engine without a draft's decode
 step ("<target>+<draft>" in the results).
+--plain: also an engine without speculative_config per model, whose decode steps show what configuring speculation
+costs a plain step (its graphs read each sequence's rows as one attention group: AttentionMetadata.seq_rows).
 --workload: a benchmarks/speculative.py result (the real SmolLM2 on the copy-heavy workload); its measured mean
 accepted length per verification gives the projected Llama-3.1-8B b = 1 tok/s: tokens per step / verify ms, against
 a decode step's 1 token / decode ms (target >= 1.8x today's 248 tok/s).
@@ -85,6 +87,22 @@ def measure(name: str, batch_sizes: list[int], drafts: list[int], draft: str | N
     return rec
 
 
+def plain_decode(name: str, batch_sizes: list[int]) -> dict:
+    """The decode step of an engine without speculation, per batch size (ms)."""
+    from nanoserve.bench.decode_step import sampled_decode_batch, time_step
+
+    with tempfile.TemporaryDirectory() as tmp:
+        llm, _startup = start_engine(str(write_model_dir(model_config(name), Path(tmp) / "target")), MAX_NUM_SEQS,
+                                     4096)
+        runner = llm.engine.core.runner
+        out = {str(b): statistics.median(time_step(runner, sampled_decode_batch(runner, b, CONTEXT)))
+               for b in batch_sizes}
+        llm.close()
+    release_cuda_memory()
+    print(f"{name} without speculation: " + ", ".join(f"b={b} {ms:.3f} ms" for b, ms in out.items()), flush=True)
+    return out
+
+
 def project(results: dict, workload: dict) -> dict:
     """Llama-3.1-8B b = 1 tok/s on a benchmarks/speculative.py run's copy workload: its steps at b = 1 (the
     verifying ones: num_drafts, yielding accepted + 1 tokens each; every other output token took a plain decode step)
@@ -118,9 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-models", nargs="*", default=[], metavar="TARGET=DRAFT",
                     help="also time TARGET with DRAFT (a shape name) proposing its drafts, e.g. llama-3.1-8b=llama-3.2-1b")
     ap.add_argument("--workload", help="a benchmarks/speculative.py JSON, for the projection")
+    ap.add_argument("--plain", action="store_true", help="also each model's decode step without speculation")
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
     results = {name: measure(name, args.batch_sizes, args.drafts) for name in args.models}
+    for name in args.models if args.plain else []:
+        plain = results[name]["no_speculation_decode_ms"] = plain_decode(name, args.batch_sizes)
+        for b, ms in plain.items():
+            results[name]["steps"][b]["vs_no_speculation"] = results[name]["steps"][b]["decode_ms"] / ms
     for pair in args.draft_models:
         target, _, draft = pair.partition("=")
         if target not in results:

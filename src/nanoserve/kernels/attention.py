@@ -58,7 +58,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         return prefill(q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap, kv_scales=kv_scales,
                        kv_tail=kv_tail)
     return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window=window, softcap=softcap,
-                  kv_scales=kv_scales, kv_tail=kv_tail, slots=meta.table_rows)
+                  kv_scales=kv_scales, kv_tail=kv_tail, slots=meta.table_rows, seq_rows=meta.seq_rows)
 
 
 def check_window_softcap(window: int | None, softcap: float | None) -> None:
@@ -329,6 +329,30 @@ def _attend_exact(q, m_i, l_i, acc, k, v, seen, qk_scale, cap_scale, DOT_PRECISI
 
 
 @jit
+def _row_group(slots_ptr, context_lens_ptr, row, num_rows, SEQ_ROWS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(first, last) row of `row`'s group: the consecutive rows of its slot whose context lengths rise by one (a
+    sequence verifying drafts; a group has at most SEQ_ROWS rows, which the runner checks). Padding rows (context
+    0) are groups of one."""
+    if SEQ_ROWS == 1:
+        return row, row
+    slot = tl.load(slots_ptr + row)
+    ctx = tl.load(context_lens_ptr + row)
+    d = tl.arange(0, BLOCK_R)
+    near = d < SEQ_ROWS - 1
+    after = row + 1 + d
+    ok = near & (after < num_rows)
+    member = ok & (tl.load(slots_ptr + after, mask=ok, other=-1) == slot) & \
+        (tl.load(context_lens_ptr + after, mask=ok, other=-1) == ctx + 1 + d)
+    last = row + tl.min(tl.where(member, BLOCK_R, d), 0)  # leading members only
+    before = row - 1 - d
+    ok = near & (before >= 0)
+    member = ok & (tl.load(slots_ptr + before, mask=ok, other=-1) == slot) & \
+        (tl.load(context_lens_ptr + before, mask=ok, other=-1) == ctx - 1 - d)
+    first = row - tl.min(tl.where(member, BLOCK_R, d), 0)
+    return first, last
+
+
+@jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                    part_acc_ptr, part_ml_ptr, qk_scale, cap_scale, window, num_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh,
@@ -339,45 +363,54 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
                    DOT_UPCAST: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr, USE_PDL: tl.constexpr,
-                   TAIL: tl.constexpr = False, BLOCK_T: tl.constexpr = 16):
+                   TAIL: tl.constexpr = False, BLOCK_T: tl.constexpr = 16, SEQ_ROWS: tl.constexpr = 1,
+                   BLOCK_R: tl.constexpr = 1):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)  # q, the cache and the decode inputs all come from earlier kernels
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # A group's last row (the longest context, the fullest table) reads the keys once for every row of it.
+    first, last = _row_group(slots_ptr, context_lens_ptr, seq, tl.num_programs(0), SEQ_ROWS, BLOCK_R)
     context_len = tl.load(context_lens_ptr + seq)
-    window_start, first_tile, partition_size, split_end = _decode_partition(context_len, window, num_splits,
-                                                                            BLOCK_N, BLOCK_SIZE, TAIL)
+    window_start, first_tile, partition_size, split_end = _decode_partition(context_len, window + (last - first),
+                                                                            num_splits, BLOCK_N, BLOCK_SIZE, TAIL)
     part_start = first_tile + split * partition_size
     if TAIL:  # split 0 always runs: it reads the own block's exact keys, even when no fp8 key is left to split
         runs = (split == 0) | (part_start < split_end)
     else:
         # Partitions past the context exit at once. "<=" lets an empty context (padding rows) write
         # zeros from split 0; the reduce ignores the empty partial that this also writes for split > 0.
-        runs = part_start <= context_len
+        runs = (part_start <= context_len) & (seq == last)
     if runs:
         part_end = tl.minimum(part_start + partition_size, split_end)
-        rows = tl.arange(0, BLOCK_G)
+        rows = tl.arange(0, BLOCK_G)  # query rows: row `first + rows // GROUP`, head `rows % GROUP` of kv_head
         dims = tl.arange(0, BLOCK_D)
-        heads = kv_head * GROUP + rows
-        row_ok = rows < GROUP
+        heads = kv_head * GROUP + rows % GROUP
+        seqs = first + rows // GROUP
+        row_ok = (rows < SEQ_ROWS * GROUP) & (seqs <= last)
         dim_ok = dims < HEAD_DIM
-        q_exact = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        q_exact = tl.load(q_ptr + seqs[:, None] * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                           mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         q = _product_q(q_exact, k_cache_ptr, FP8, Q_FP16)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        first_key = tl.zeros([BLOCK_G], tl.int32) + window_start
-        last_key = tl.zeros([BLOCK_G], tl.int32) + (part_end - 1)  # all rows share the keys [window_start, part_end)
+        if SEQ_ROWS == 1:  # every row shares the keys [window_start, part_end)
+            first_key = tl.zeros([BLOCK_G], tl.int32) + window_start
+            last_key = tl.zeros([BLOCK_G], tl.int32) + (part_end - 1)
+        else:  # each row its own causal end and window
+            row_len = tl.load(context_lens_ptr + seqs, mask=row_ok, other=0)
+            first_key = tl.maximum(row_len - window, 0)
+            last_key = tl.minimum(row_len, part_end) - 1
         for start in range(part_start, part_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, window_start,
                                          part_end, first_key, last_key, kv_head, dims, dim_ok, qk_scale, cap_scale,
                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                          ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                                          BLOCK_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
-        if TAIL:
+        if TAIL:  # (one row per group)
             if split == 0:
                 # The own block's keys [split_end, context_len) (those in the window), from the tail rows.
                 keys = split_end + tl.arange(0, BLOCK_T)
@@ -389,31 +422,33 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                 v = tl.load(v_tail_ptr + at, mask=kv_mask, other=0.0).to(q_exact.dtype)
                 m_i, l_i, acc = _attend_exact(q_exact, m_i, l_i, acc, k, v, key_ok[None, :], qk_scale, cap_scale,
                                               DOT_PRECISION, DOT_UPCAST, SOFTCAP)
+        out_ok = row_ok[:, None] & dim_ok[None, :]
         if not SPLIT:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+            tl.store(out_ptr + seqs[:, None] * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=out_ok)
         else:
             # Partials are [num_seqs, num_heads, num_splits, HEAD_DIM] and [..., 2], contiguous.
-            part = (seq * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * num_splits + split
-            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
-                     mask=row_ok[:, None] & dim_ok[None, :])
+            part = (seqs * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * num_splits + split
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_ok)
             tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
             tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
 
 @jit
-def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, out_ptr, window, num_splits,
+def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, slots_ptr, out_ptr, window, num_splits,
                           stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                          USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr = 1, TAIL: tl.constexpr = False):
+                          USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr = 1, TAIL: tl.constexpr = False,
+                          SEQ_ROWS: tl.constexpr = 1, BLOCK_R: tl.constexpr = 1):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    context_len = tl.load(context_lens_ptr + seq)
-    _window_start, first_tile, partition_size, split_end = _decode_partition(context_len, window, num_splits,
-                                                                             BLOCK_N, BLOCK_SIZE, TAIL)
+    first, last = _row_group(slots_ptr, context_lens_ptr, seq, tl.num_programs(0), SEQ_ROWS, BLOCK_R)
+    context_len = tl.load(context_lens_ptr + last)  # the splits are the group's (_decode_kernel)
+    _window_start, first_tile, partition_size, split_end = _decode_partition(context_len, window + (last - first),
+                                                                             num_splits, BLOCK_N, BLOCK_SIZE, TAIL)
     if TAIL:  # split 0 (the exact keys) and those that saw fp8 keys
         num_valid = tl.maximum(tl.cdiv(tl.maximum(split_end - first_tile, 0), partition_size), 1)
     else:
@@ -463,6 +498,8 @@ class DecodePartials:
     dtype: torch.dtype  # of the attention output
     block_size: int = 1  # of the cache: with a tail, the splits cover the keys before the query's own block
     tail: bool = False  # read with a tail (split 0 also holds the own block's exact keys)
+    slots: torch.Tensor | None = None  # [num_seqs] with seq_rows > 1: the rows' groups (decode_attention)
+    seq_rows: int = 1
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -470,14 +507,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      softcap: float | None = None, num_splits: int | None = None,
                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                      kv_tail: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     slots: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence over its paged context → [num_seqs, num_heads, head_dim].
+                     slots: torch.Tensor | None = None, seq_rows: int = 1) -> torch.Tensor:
+    """One query token per row over its paged context → [num_seqs, num_heads, head_dim].
 
     q [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] int32; context_lens
     [num_seqs] int32 (0 gives a zero output row). window / softcap: paged_attention's; the splits cover only the
     window's keys. num_splits overrides the shape heuristic (tests, benchmarks). kv_tail: an fp8 cache's tail, read
     at each row's slot (slots [num_seqs]) for the keys of the query's own block (already holding the step's token);
     the splits then cover the keys before that block, and split 0 adds the block's.
+    seq_rows > 1 (needs slots; not with a tail): a sequence verifying drafts runs as consecutive rows of one slot
+    whose context lengths rise by one; up to seq_rows such rows are one group, whose last row's programs read each
+    key tile once for all of them (its k + 1 queries beside its GQA heads in one tl.dot), each row masked to its
+    own context. Plain rows are groups of one. The result is the same either way.
     No host sync: safe inside CUDA-graph capture.
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -493,6 +534,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if kv_tail is not None and (slots is None or slots.shape != (num_seqs,)):
         raise ValueError(f"decode_attention: a tail needs each row's slot (slots [{num_seqs}])")
     tail = _tail_args(kv_tail, k_cache, fmt, slots, "decode_attention")
+    seq_rows = 1 if kv_tail is not None else seq_rows  # (a tail's own block is read per row)
+    if seq_rows > 1 and (slots is None or slots.shape != (num_seqs,)):
+        raise ValueError(f"decode_attention: seq_rows {seq_rows} needs each row's slot (slots [{num_seqs}])")
+    if seq_rows > 1:
+        tail = (*tail[:2], slots, *tail[3:])  # the kernel's slots argument: the rows' groups
     if num_seqs == 0:
         return out
     _require_unit_last_stride(decode_attention=(q, k_cache, v_cache, block_tables))
@@ -510,7 +556,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         partials = DecodePartials(parts[:num_seqs * num_heads * num_splits * head_dim],
                                   parts[num_seqs * num_heads * num_splits * head_dim:], context_lens,
                                   window, num_seqs, num_heads, head_dim, num_splits, block_n, q.dtype,
-                                  block_size, kv_tail is not None)
+                                  block_size, kv_tail is not None, slots, seq_rows)
         part_acc, part_ml = partials.acc, partials.ml
     else:
         part_acc = part_ml = out  # unused by the single-split kernel
@@ -521,11 +567,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *scales, *tail,
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
-        BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=softcap is not None,
+        BLOCK_G=max(16, next_power_of_2(group * seq_rows)), BLOCK_D=block_d, BLOCK_N=block_n,
+        SOFTCAP=softcap is not None,
         FP8=fmt["FP8"], **_product_args(q, k_cache), num_warps=DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES_FP8 if fmt["FP8"] else DECODE_NUM_STAGES,
         **pdl_args(q.device), TAIL=kv_tail is not None,
-        BLOCK_T=max(16, next_power_of_2(block_size)) if kv_tail is not None else 16)  # the own block: one tile
+        BLOCK_T=max(16, next_power_of_2(block_size)) if kv_tail is not None else 16,  # the own block: one tile
+        SEQ_ROWS=seq_rows, BLOCK_R=next_power_of_2(seq_rows))
     if num_splits == 1:
         return out
     return merge_partials(partials, out)
@@ -536,10 +584,12 @@ def merge_partials(p: DecodePartials, out: torch.Tensor | None = None) -> torch.
     if out is None:
         out = torch.empty((p.num_seqs, p.num_heads, p.head_dim), dtype=p.dtype, device=p.acc.device)
     _decode_reduce_kernel[(p.num_seqs, p.num_heads)](
-        p.acc, p.ml, p.context_lens, out, p.window, p.num_splits, out.stride(0), out.stride(1),
+        p.acc, p.ml, p.context_lens, p.context_lens if p.slots is None else p.slots, out, p.window, p.num_splits,
+        out.stride(0), out.stride(1),
         HEAD_DIM=p.head_dim, BLOCK_S=next_power_of_2(p.num_splits), BLOCK_D=next_power_of_2(p.head_dim),
         BLOCK_N=p.block_n, num_warps=4, **pdl_args(p.acc.device),
-        BLOCK_SIZE=p.block_size if p.tail else 1, TAIL=p.tail)  # no tail: the one compiled reduce of every cache
+        BLOCK_SIZE=p.block_size if p.tail else 1, TAIL=p.tail,  # no tail: the one compiled reduce of every cache
+        SEQ_ROWS=p.seq_rows, BLOCK_R=next_power_of_2(p.seq_rows))
     return out
 
 

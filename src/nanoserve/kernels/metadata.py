@@ -26,6 +26,7 @@ class AttentionInputs(Protocol):
     work_start: torch.Tensor | None
     table_rows: torch.Tensor | None
     tail_rows: torch.Tensor | None
+    seq_rows: int
 
     @property
     def num_seqs(self) -> int: ...

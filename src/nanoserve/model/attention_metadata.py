@@ -34,6 +34,10 @@ class AttentionMetadata:
     # An fp8 cache's tail (kernels/kv_quant.py): per new token its tail row (-1: none), and table_rows then holds
     # each sequence's slot in decode steps too (decode block tables are gathered per row).
     tail_rows: torch.Tensor | None = None  # [num_new_tokens] int32
+    # Decode: at most this many consecutive rows are one sequence's (a verification's last token and its drafts);
+    # the attention kernel reads each such group's keys once (kernels.attention.decode_attention); > 1 needs
+    # table_rows (the rows' slots).
+    seq_rows: int = 1
 
     @property
     def num_seqs(self) -> int:

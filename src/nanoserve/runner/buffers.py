@@ -58,8 +58,10 @@ class StepBuffers:
                                    device) if tokens else None
         token_forward = TokenForward(model, state, StepPacker(device), token_inputs,
                                      logprob_chunk=config.max_num_seqs, q_per_tile=q_per_tile)
-        return cls(kv_cache, dummy_block, state, decode_inputs, DecodeForward(model, state, decode_inputs),
-                   token_forward, Sampler(config.max_sampled_rows, device, rng, model.vocab_size))
+        seq_rows = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        decode_forward = DecodeForward(model, state, decode_inputs, seq_rows)
+        return cls(kv_cache, dummy_block, state, decode_inputs, decode_forward, token_forward,
+                   Sampler(config.max_sampled_rows, device, rng, model.vocab_size))
 
     def static_bytes(self) -> int:
         """Device bytes of the static buffers besides the KV cache (block tables, the forwards' inputs and outputs)."""

@@ -24,14 +24,20 @@ class DecodeForward:
 
     `captured(rows)` is what the graphs record: the same forward writing into one static logits buffer shared by
     every graph, so the graph pool holds each graph's intermediates only (reused between graphs), not a
-    [rows, vocab] output per graph — which would make the pool grow with the sum of all captured sizes."""
+    [rows, vocab] output per graph — which would make the pool grow with the sum of all captured sizes.
 
-    def __init__(self, model, state: PersistentState, inputs: DecodeInputs):
-        self.model, self.state, self.inputs = model, state, inputs
+    seq_rows: the most rows one sequence runs (1 + num_speculative_tokens when speculating): attention reads each
+    sequence's keys once for all its rows (AttentionMetadata.seq_rows)."""
+
+    def __init__(self, model, state: PersistentState, inputs: DecodeInputs, seq_rows: int = 1):
+        self.model, self.state, self.inputs, self.seq_rows = model, state, inputs, seq_rows
         self.static_logits: torch.Tensor | None = None  # made by the first warm-up, before any capture
 
     def load(self, batch: DecodeBatch, rows: int) -> None:
         """The batch into the region of `rows` ≥ its size (the rest is padding)."""
+        if batch.group_back is not None and len(batch.group_back) and int(batch.group_back.max()) >= self.seq_rows:
+            raise ValueError(f"a decode batch runs {int(batch.group_back.max()) + 1} rows of one sequence; this "
+                             f"runner's graphs take at most {self.seq_rows} (1 + num_speculative_tokens)")
         self.inputs.load(decode_values(batch), rows)
 
     def captured(self, rows: int, propose: bool = False) -> torch.Tensor:
@@ -62,8 +68,8 @@ class DecodeForward:
                                       v.token_ids == DEVICE_DRAFT, v.draft_ids, v.group_back, v.draft_slots >= 0,
                                       v.temperature, v.draft_sampled > 0)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=v.slot_mapping, context_lens=v.context_lens,
-                                 block_tables=tables, **({} if tail is None else
-                                                         {"table_rows": v.slots, "tail_rows": v.tail_rows}))
+                                 block_tables=tables, table_rows=v.slots, seq_rows=self.seq_rows,
+                                 tail_rows=None if tail is None else v.tail_rows)
         hidden = self.model(input_ids, v.positions, meta)
         if draft is not None:
             draft.mirror(input_ids, v.positions, meta)

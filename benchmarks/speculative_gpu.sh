@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU run of issue 38 (speculative decoding), in parts that each fit one device command (< 10 min):
+#   bash benchmarks/speculative_gpu.sh verify     # the attention-group tests; verification cost (Llama-3.1-8B b = 1, 32,
+#                                                 # k = 4, and the same engine's plain decode against one without
+#                                                 # speculation); GEMV variants at 8 rows in the model
+#   bash benchmarks/speculative_gpu.sh final      # the verification cost again (after a table change)
+#   bash benchmarks/speculative_gpu.sh tests      # pytest -m gpu, the whole suite
+# JSON and logs go under $OUT. Wheels the image lacks are carried in .whl/ (benchmarks/serve_gpu_wheels.txt).
+set -uo pipefail
+: "${OUT:?set OUT}"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        > "$OUT/pip.log" 2>&1 || { echo "wheel install failed"; tail -3 "$OUT/pip.log"; }
+fi
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader > "$OUT/gpu.txt"
+quiet() { grep -v -e Warning -e INFO; }
+case ${1:-verify} in
+    verify)
+        python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention_groups.py \
+            tests/kernels/test_attention.py tests/runner/test_speculative_gpu.py 2>&1 | tail -15 \
+            | tee "$OUT/gpu_tests_groups.log"
+        python3 benchmarks/speculative_verify.py --models llama-3.1-8b --batch-sizes 1 32 --drafts 4 --plain \
+            --out "$OUT" 2>&1 | quiet | tail -30
+        python3 benchmarks/decode_floor.py model --models llama-3.1-8b --batch-sizes 8 --switch-sets --gemv-rows 8 \
+            --json "$OUT/gemv_rows8_llama.json" 2>&1 | quiet | grep -e "==" | tail -20 ;;
+    final)
+        python3 benchmarks/speculative_verify.py --models llama-3.1-8b qwen3-0.6b --batch-sizes 1 8 32 --drafts 2 4 \
+            --plain --out "$OUT" 2>&1 | quiet | tail -30 ;;
+    tests)
+        python3 -m pytest -q -p no:cacheprovider -m gpu -n 6 tests 2>&1 | tail -40 > "$OUT/gpu_tests.log"
+        tail -15 "$OUT/gpu_tests.log" ;;
+esac

@@ -364,3 +364,18 @@ def test_backed_off_shadow_drafts_are_spread_over_steps():
     spec.backed_off = False  # (no new shadow after it settles)
     spec.extend(seq, [drafts[0], -1])  # one match, then a miss (or the draft's end): settled
     assert seq.request_id not in spec._shadow and seq.num_accepted >= 1 and seq.num_drafted >= len(drafts)
+
+
+def test_decode_rows_of_one_sequence_are_bounded(tiny_model_dirs):
+    """The decode graphs read a sequence's rows as one attention group of at most 1 + num_speculative_tokens rows
+    (AttentionMetadata.seq_rows): a batch with more is refused in one line, not read wrong."""
+    from nanoserve.bench.decode_step import verify_batch
+
+    llm = LLM(str(tiny_model_dirs["qwen3"]), speculative_config=NGRAM, **OPTIONS)
+    runner = llm.engine.core.runner
+    fwd = runner.buffers.decode_forward
+    assert fwd.seq_rows == 1 + NGRAM["num_speculative_tokens"]
+    fwd.load(verify_batch(runner, 2, 20, 4), 10)  # k + 1 rows each: fine
+    with pytest.raises(ValueError, match="runs 6 rows of one sequence; this runner's graphs take at most 5"):
+        fwd.load(verify_batch(runner, 1, 20, 5), 6)
+    llm.close()

@@ -155,7 +155,11 @@ def gpu_idle(llm, prompt: list[int], params) -> dict:
     n = steps(llm.engine.stats) - steps(before)
     idle = table["span_us"] - table["busy_us"]
     return {"steps": n, "span_ms": table["span_us"] / 1e3, "busy_ms": table["busy_us"] / 1e3, "idle_ms": idle / 1e3,
-            "idle_us_per_step": idle / n if n else None, "busy_us_per_step": table["busy_us"] / n if n else None}
+            "idle_us_per_step": idle / n if n else None, "busy_us_per_step": table["busy_us"] / n if n else None,
+            # where the busy time goes, per step (bench/profile.py's kinds), and the kernels that take most
+            "busy_us_per_step_by_kind": ({kind: row["busy_us"] / n for kind, row in table["kinds"].items()}
+                                         if n else None),
+            "top_kernels": table["top"][:10]}
 
 
 def run_method(model_path: str, options: dict, workloads: dict[str, list[dict]], max_tokens: int

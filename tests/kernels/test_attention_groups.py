@@ -91,6 +91,16 @@ def test_groups_smaller_than_the_limit_and_plain_rows():
     assert torch.equal(check(plain, 5, num_splits=3), check(plain, 1, num_splits=3))
 
 
+@pytest.mark.parametrize("tile,num_heads", [(4, 4), (4, 6), (8, 4)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_groups_read_in_chunks(monkeypatch, tile, num_heads, num_splits):
+    """A group of more query rows than DECODE_GROUP_TILE is read in chunks of rows from its last (2 rows of 2 heads
+    a chunk; 1 row of 3; 4 rows of 2), each chunk's keys ending with its own last row's."""
+    monkeypatch.setattr(tk, "DECODE_GROUP_TILE", tile)
+    check(GROUPS, 5, num_heads=num_heads, num_kv_heads=2, num_splits=num_splits)
+    check(GROUPS, 5, num_heads=num_heads, num_kv_heads=2, num_splits=num_splits, window=7)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
 def test_groups_half_precision(dtype, tol):
     check(GROUPS, 5, block_size=16, head_dim=64, dtype=dtype, num_splits=2, tol=tol)

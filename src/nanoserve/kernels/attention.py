@@ -84,6 +84,9 @@ DECODE_WAVES = 3
 DECODE_WAVES_SPARSE = 16
 DECODE_MAX_SPLITS = 128
 DECODE_NUM_WARPS = 4
+# Query rows (a verifying sequence's rows × its GQA heads) one decode program takes at most: a longer group is read in
+# chunks of rows, each chunk's keys once.
+DECODE_GROUP_TILE = 32
 DECODE_NUM_STAGES = 3  # software-pipeline depth of the key-tile loop (Triton's default on sm_90)
 # An fp8 cache's tiles are widened in registers: pipelining them through shared memory makes the kernel slower (Qwen3-0.6B
 # b=256 with 128-key tiles: 112.6 µs a layer at 1 stage, 132.2 at 2, 139.2 at 3; 8 warps slower too:
@@ -366,15 +369,16 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
                    DOT_UPCAST: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr, USE_PDL: tl.constexpr,
                    TAIL: tl.constexpr = False, BLOCK_T: tl.constexpr = 16, SEQ_ROWS: tl.constexpr = 1,
-                   BLOCK_R: tl.constexpr = 1):
+                   BLOCK_R: tl.constexpr = 1, CHUNK_ROWS: tl.constexpr = 1):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)  # q, the cache and the decode inputs all come from earlier kernels
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # A group's last row (the longest context, the fullest table) reads the keys once for every row of it.
+    # A group's rows in chunks of CHUNK_ROWS from its last: each chunk's last row (the longest context, the fullest
+    # table) reads the keys once for every row of the chunk. The splits are the whole group's.
     first, last = _row_group(slots_ptr, context_lens_ptr, seq, tl.num_programs(0), SEQ_ROWS, BLOCK_R)
-    context_len = tl.load(context_lens_ptr + seq)
+    context_len = tl.load(context_lens_ptr + last)
     window_start, first_tile, partition_size, split_end = _decode_partition(context_len, window + (last - first),
                                                                             num_splits, BLOCK_N, BLOCK_SIZE, TAIL)
     part_start = first_tile + split * partition_size
@@ -383,14 +387,16 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     else:
         # Partitions past the context exit at once. "<=" lets an empty context (padding rows) write
         # zeros from split 0; the reduce ignores the empty partial that this also writes for split > 0.
-        runs = (part_start <= context_len) & (seq == last)
+        runs = (part_start <= context_len) & ((last - seq) % CHUNK_ROWS == 0)
     if runs:
         part_end = tl.minimum(part_start + partition_size, split_end)
-        rows = tl.arange(0, BLOCK_G)  # query rows: row `first + rows // GROUP`, head `rows % GROUP` of kv_head
+        if SEQ_ROWS > 1:  # the chunk's keys end with its last row's (a later row's table columns are unspecified)
+            part_end = tl.minimum(part_end, tl.load(context_lens_ptr + seq))
+        rows = tl.arange(0, BLOCK_G)  # query rows: row `chunk + rows // GROUP`, head `rows % GROUP` of kv_head
         dims = tl.arange(0, BLOCK_D)
         heads = kv_head * GROUP + rows % GROUP
-        seqs = first + rows // GROUP
-        row_ok = (rows < SEQ_ROWS * GROUP) & (seqs <= last)
+        seqs = tl.maximum(first, seq - (CHUNK_ROWS - 1)) + rows // GROUP
+        row_ok = (rows < CHUNK_ROWS * GROUP) & (seqs <= seq)
         dim_ok = dims < HEAD_DIM
         q_exact = tl.load(q_ptr + seqs[:, None] * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                           mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
@@ -519,8 +525,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     the splits then cover the keys before that block, and split 0 adds the block's.
     seq_rows > 1 (needs slots; not with a tail): a sequence verifying drafts runs as consecutive rows of one slot
     whose context lengths rise by one; up to seq_rows such rows are one group, whose last row's programs read each
-    key tile once for all of them (its k + 1 queries beside its GQA heads in one tl.dot), each row masked to its
-    own context. Plain rows are groups of one. The result is the same either way.
+    key tile once for all of them (its k + 1 queries beside its GQA heads in one tl.dot; in chunks of rows where
+    they are more than DECODE_GROUP_TILE query rows), each row masked to its own context. Plain rows are groups of
+    one. The result is the same either way.
     No host sync: safe inside CUDA-graph capture.
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -536,15 +543,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if kv_tail is not None and (slots is None or slots.shape != (num_seqs,)):
         raise ValueError(f"decode_attention: a tail needs each row's slot (slots [{num_seqs}])")
     tail = _tail_args(kv_tail, k_cache, fmt, slots, "decode_attention")
+    group = num_heads // num_kv_heads
     seq_rows = 1 if kv_tail is not None else seq_rows  # (a tail's own block is read per row)
     if seq_rows > 1 and (slots is None or slots.shape != (num_seqs,)):
         raise ValueError(f"decode_attention: seq_rows {seq_rows} needs each row's slot (slots [{num_seqs}])")
     if seq_rows > 1:
         tail = (*tail[:2], slots, *tail[3:])  # the kernel's slots argument: the rows' groups
+    chunk = seq_rows if group * seq_rows <= DECODE_GROUP_TILE else max(1, DECODE_GROUP_TILE // group)
     if num_seqs == 0:
         return out
     _require_unit_last_stride(decode_attention=(q, k_cache, v_cache, block_tables))
-    group = num_heads // num_kv_heads
     window = NO_WINDOW if window is None else window
     max_keys = min(block_tables.shape[1] * block_size, window)  # static: the window is the layer's
     block_d = max(16, next_power_of_2(head_dim))
@@ -569,13 +577,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *scales, *tail,
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
-        BLOCK_G=max(16, next_power_of_2(group * seq_rows)), BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_G=max(16, next_power_of_2(group * chunk)), BLOCK_D=block_d, BLOCK_N=block_n,
         SOFTCAP=softcap is not None,
         FP8=fmt["FP8"], **_product_args(q, k_cache), num_warps=DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES_FP8 if fmt["FP8"] else DECODE_NUM_STAGES,
         **pdl_args(q.device), TAIL=kv_tail is not None,
         BLOCK_T=max(16, next_power_of_2(block_size)) if kv_tail is not None else 16,  # the own block: one tile
-        SEQ_ROWS=seq_rows, BLOCK_R=next_power_of_2(seq_rows))
+        SEQ_ROWS=seq_rows, BLOCK_R=next_power_of_2(seq_rows), CHUNK_ROWS=chunk)
     if num_splits == 1:
         return out
     return merge_partials(partials, out)

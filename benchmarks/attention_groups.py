@@ -38,9 +38,9 @@ def batch(seqs: int, rows: int, heads: tuple[int, int, int], context: int, layer
     tables = tables.repeat_interleave(rows, 0)
     ctx = torch.tensor([context - rows + 1 + r for _ in range(seqs) for r in range(rows)], dtype=torch.int32,
                        device="cuda")
-    slots = torch.arange(seqs, dtype=torch.int32, device="cuda").repeat_interleave(rows)
+    back = torch.arange(rows, dtype=torch.int32, device="cuda").repeat(seqs)
     q = torch.randn(seqs * rows, num_heads, dim, device="cuda", dtype=torch.bfloat16)
-    return caches, tables, ctx, slots, q
+    return caches, tables, ctx, back, q
 
 
 def main(argv=None) -> int:
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     out = {"env": env_info(), "heads": heads, "context": args.context, "cases": {}}
     defaults = attention.DECODE_GROUP_TILE, attention.DECODE_NUM_WARPS
     for name, (seqs, rows) in CASES.items():
-        caches, tables, ctx, slots, q = batch(seqs, rows, heads, args.context, args.layers)
+        caches, tables, ctx, back, q = batch(seqs, rows, heads, args.context, args.layers)
         kv_bytes = seqs * args.context * heads[1] * heads[2] * 2 * 2
         ref = None
         rec = out["cases"][name] = {}
@@ -65,8 +65,8 @@ def main(argv=None) -> int:
             for variant in args.variants if seq_rows > 1 else ["32:4", "32:8"]:
                 tile, warps = (int(v) for v in variant.split(":"))
                 attention.DECODE_GROUP_TILE, attention.DECODE_NUM_WARPS = tile, warps
-                run = lambda: [attention.decode_attention(q, k, v, tables, ctx, 0.1, slots=slots,  # noqa: E731
-                                                          seq_rows=seq_rows) for k, v in caches]
+                run = lambda: [attention.decode_attention(q, k, v, tables, ctx, 0.1, seq_rows=seq_rows,  # noqa: E731
+                                                          group_back=back) for k, v in caches]
                 got = run()[0].float()
                 ref = got if ref is None else ref
                 us = graph_ms(run, calls=1) * 1e3 / args.layers

@@ -1,6 +1,6 @@
 """Decode rows read as groups (kernels/attention.decode_attention's seq_rows): a sequence verifying k drafts runs as
-k + 1 consecutive rows of one slot whose context lengths rise by one; one program per (group, kv head, split) reads
-the keys once for all of them. Every row must still equal the oracle's per-row attention (kernels/reference.py).
+k + 1 consecutive rows (group_back: how many come before each) whose context lengths rise by one; one program per
+(group, kv head, split) reads the keys once for all of them. Every row must still equal the oracle's per-row attention (kernels/reference.py).
 
 Without CUDA the kernels run in the Triton interpreter on CPU (small shapes); with CUDA the `gpu` cases add real ones.
 """
@@ -21,14 +21,11 @@ if not torch.cuda.is_available() and type(tk._decode_kernel).__name__ != "Interp
                 allow_module_level=True)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-PADDING_SLOT = 1000
-
-
 def grouped_batch(groups, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=0):
     """groups: (rows, last context) per sequence, (0, 0) a padding row. Each sequence's rows have contexts
-    last - rows + 1 .. last and its slot; a row's table names only the blocks its own context needs (the rest the
+    last - rows + 1 .. last; a row's table names only the blocks its own context needs (the rest the
     NaN dummy block, as a verification row's columns that later rows bring are unspecified). Returns (q, k_cache,
-    v_cache, tables, context_lens, slots)."""
+    v_cache, tables, context_lens, group_back)."""
     gen = torch.Generator().manual_seed(seed)
     lens = [last for _rows, last in groups if last]
     blocks = [triton.cdiv(c, block_size) for c in lens]
@@ -39,27 +36,27 @@ def grouped_batch(groups, block_size, num_heads, num_kv_heads, head_dim, dtype, 
     k_cache, v_cache = (torch.randn(shape, generator=gen) for _ in range(2))
     k_cache[dummy] = v_cache[dummy] = float("nan")
     perm = torch.randperm(num_blocks - 1, generator=gen).tolist()
-    tables, ctx, slots = [], [], []
-    for slot, (rows, last) in enumerate(groups):
+    tables, ctx, back = [], [], []
+    for rows, last in groups:
         own = perm[:triton.cdiv(last, block_size)]
         perm = perm[len(own):]
-        for c in (range(last - rows + 1, last + 1) if last else [0]):
+        for i, c in enumerate(range(last - rows + 1, last + 1) if last else [0]):
             need = triton.cdiv(c, block_size)
             tables.append(own[:need] + [dummy] * (width - need))
             ctx.append(c)
-            slots.append(slot if last else PADDING_SLOT)
+            back.append(i)
     q = torch.randn(len(ctx), num_heads, head_dim, generator=gen)
     as_device = lambda t, dt: torch.tensor(t, dtype=dt, device=DEVICE)  # noqa: E731
     return (q.to(dtype).to(DEVICE), k_cache.to(dtype).to(DEVICE), v_cache.to(dtype).to(DEVICE),
-            as_device(tables, torch.int32), as_device(ctx, torch.int32), as_device(slots, torch.int32))
+            as_device(tables, torch.int32), as_device(ctx, torch.int32), as_device(back, torch.int32))
 
 
 def check(groups, seq_rows, *, block_size=8, num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32,
           num_splits=None, window=None, softcap=None, tol=2e-5):
-    q, kc, vc, tables, ctx, slots = grouped_batch(groups, block_size, num_heads, num_kv_heads, head_dim, dtype)
+    q, kc, vc, tables, ctx, back = grouped_batch(groups, block_size, num_heads, num_kv_heads, head_dim, dtype)
     opts = {"window": window, "softcap": softcap}
     ref = torch_ref.decode_attention(q, kc, vc, tables, ctx, 0.3, **opts)
-    out = tk.decode_attention(q, kc, vc, tables, ctx, 0.3, num_splits=num_splits, slots=slots, seq_rows=seq_rows,
+    out = tk.decode_attention(q, kc, vc, tables, ctx, 0.3, num_splits=num_splits, seq_rows=seq_rows, group_back=back,
                               **opts)
     assert torch.isfinite(out).all(), "a row read a key past its own context"
     real = ctx > 0  # (the oracle has no keys for a padding row; the kernel gives it zeros)
@@ -114,9 +111,9 @@ def test_every_context_length_in_groups():
         check(groups, 3, num_heads=2, num_kv_heads=1, head_dim=16, num_splits=splits)
 
 
-def test_groups_need_slots():
-    q, kc, vc, tables, ctx, _slots = grouped_batch([(2, 5)], 8, 4, 2, 32, torch.float32)
-    with pytest.raises(ValueError, match="seq_rows 4 needs each row's slot"):
+def test_groups_need_group_back():
+    q, kc, vc, tables, ctx, _back = grouped_batch([(2, 5)], 8, 4, 2, 32, torch.float32)
+    with pytest.raises(ValueError, match=r"seq_rows 4 needs group_back \[2\]"):
         tk.decode_attention(q, kc, vc, tables, ctx, 0.3, seq_rows=4)
 
 

@@ -58,7 +58,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         return prefill(q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap, kv_scales=kv_scales,
                        kv_tail=kv_tail)
     return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window=window, softcap=softcap,
-                  kv_scales=kv_scales, kv_tail=kv_tail, slots=meta.table_rows, seq_rows=meta.seq_rows)
+                  kv_scales=kv_scales, kv_tail=kv_tail, slots=meta.table_rows, seq_rows=meta.seq_rows,
+                  group_back=meta.group_back)
 
 
 def check_window_softcap(window: int | None, softcap: float | None) -> None:
@@ -332,28 +333,21 @@ def _attend_exact(q, m_i, l_i, acc, k, v, seen, qk_scale, cap_scale, DOT_PRECISI
 
 
 @jit
-def _row_group(slots_ptr, context_lens_ptr, row, num_rows, SEQ_ROWS: tl.constexpr, BLOCK_R: tl.constexpr):
-    """(first, last) row of `row`'s group: the consecutive rows of its slot whose context lengths rise by one (a
-    sequence verifying drafts; a group has at most SEQ_ROWS rows, which the runner checks). Padding rows (context
-    0) are groups of one."""
+def _row_group(group_back_ptr, row, num_rows, SEQ_ROWS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(first, last) row of `row`'s group: a sequence verifying drafts runs as consecutive rows, group_back[r] of
+    them before row r (at most SEQ_ROWS in all, which the runner checks); plain and padding rows have 0 and are
+    groups of one. Only loads that depend on nothing but `row`: they go out together with the context length's."""
     if SEQ_ROWS == 1:  # (one return: Triton compiles the code after an early one too)
         first = row
         last = row
     else:
-        slot = tl.load(slots_ptr + row)
-        ctx = tl.load(context_lens_ptr + row)
+        back = tl.load(group_back_ptr + row)
         d = tl.arange(0, BLOCK_R)
-        near = d < SEQ_ROWS - 1
         after = row + 1 + d
-        ok = near & (after < num_rows)
-        member = ok & (tl.load(slots_ptr + after, mask=ok, other=-1) == slot) & \
-            (tl.load(context_lens_ptr + after, mask=ok, other=-1) == ctx + 1 + d)
-        last = row + tl.min(tl.where(member, BLOCK_R, d), 0)  # leading members only
-        before = row - 1 - d
-        ok = near & (before >= 0)
-        member = ok & (tl.load(slots_ptr + before, mask=ok, other=-1) == slot) & \
-            (tl.load(context_lens_ptr + before, mask=ok, other=-1) == ctx - 1 - d)
-        first = row - tl.min(tl.where(member, BLOCK_R, d), 0)
+        ok = (d < SEQ_ROWS - 1) & (after < num_rows)
+        member = ok & (tl.load(group_back_ptr + after, mask=ok, other=-1) == back + 1 + d)
+        first = row - back
+        last = row + tl.min(tl.where(member, BLOCK_R, d), 0)  # the run of rows that continue the group
     return first, last
 
 
@@ -363,7 +357,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                    ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
-                   k_tail_ptr, v_tail_ptr, slots_ptr, stride_tail_row, stride_tail_h,
+                   k_tail_ptr, v_tail_ptr, slots_ptr, stride_tail_row, stride_tail_h, group_back_ptr,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -377,8 +371,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     split = tl.program_id(2)
     # A group's rows in chunks of CHUNK_ROWS from its last: each chunk's last row (the longest context, the fullest
     # table) reads the keys once for every row of the chunk. The splits are the whole group's.
-    first, last = _row_group(slots_ptr, context_lens_ptr, seq, tl.num_programs(0), SEQ_ROWS, BLOCK_R)
-    context_len = tl.load(context_lens_ptr + last)
+    first, last = _row_group(group_back_ptr, seq, tl.num_programs(0), SEQ_ROWS, BLOCK_R)
+    own_len = tl.load(context_lens_ptr + seq)
+    context_len = own_len + (last - seq)  # the group's last row's (a group's context lengths rise by one)
     window_start, first_tile, partition_size, split_end = _decode_partition(context_len, window + (last - first),
                                                                             num_splits, BLOCK_N, BLOCK_SIZE, TAIL)
     part_start = first_tile + split * partition_size
@@ -391,7 +386,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     if runs:
         part_end = tl.minimum(part_start + partition_size, split_end)
         if SEQ_ROWS > 1:  # the chunk's keys end with its last row's (a later row's table columns are unspecified)
-            part_end = tl.minimum(part_end, tl.load(context_lens_ptr + seq))
+            part_end = tl.minimum(part_end, own_len)
         rows = tl.arange(0, BLOCK_G)  # query rows: row `chunk + rows // GROUP`, head `rows % GROUP` of kv_head
         dims = tl.arange(0, BLOCK_D)
         heads = kv_head * GROUP + rows % GROUP
@@ -444,7 +439,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
 
 
 @jit
-def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, slots_ptr, out_ptr, window, num_splits,
+def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, group_back_ptr, out_ptr, window, num_splits,
                           stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                           USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr = 1, TAIL: tl.constexpr = False,
@@ -453,8 +448,8 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, slots_ptr
     pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    first, last = _row_group(slots_ptr, context_lens_ptr, seq, tl.num_programs(0), SEQ_ROWS, BLOCK_R)
-    context_len = tl.load(context_lens_ptr + last)  # the splits are the group's (_decode_kernel)
+    first, last = _row_group(group_back_ptr, seq, tl.num_programs(0), SEQ_ROWS, BLOCK_R)
+    context_len = tl.load(context_lens_ptr + seq) + (last - seq)  # the splits are the group's (_decode_kernel)
     _window_start, first_tile, partition_size, split_end = _decode_partition(context_len, window + (last - first),
                                                                              num_splits, BLOCK_N, BLOCK_SIZE, TAIL)
     if TAIL:  # split 0 (the exact keys) and those that saw fp8 keys
@@ -506,7 +501,7 @@ class DecodePartials:
     dtype: torch.dtype  # of the attention output
     block_size: int = 1  # of the cache: with a tail, the splits cover the keys before the query's own block
     tail: bool = False  # read with a tail (split 0 also holds the own block's exact keys)
-    slots: torch.Tensor | None = None  # [num_seqs] with seq_rows > 1: the rows' groups (decode_attention)
+    group_back: torch.Tensor | None = None  # [num_seqs] with seq_rows > 1: the rows' groups (decode_attention)
     seq_rows: int = 1
 
 
@@ -515,7 +510,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      softcap: float | None = None, num_splits: int | None = None,
                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                      kv_tail: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     slots: torch.Tensor | None = None, seq_rows: int = 1) -> torch.Tensor:
+                     slots: torch.Tensor | None = None, seq_rows: int = 1,
+                     group_back: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per row over its paged context → [num_seqs, num_heads, head_dim].
 
     q [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] int32; context_lens
@@ -523,11 +519,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     window's keys. num_splits overrides the shape heuristic (tests, benchmarks). kv_tail: an fp8 cache's tail, read
     at each row's slot (slots [num_seqs]) for the keys of the query's own block (already holding the step's token);
     the splits then cover the keys before that block, and split 0 adds the block's.
-    seq_rows > 1 (needs slots; not with a tail): a sequence verifying drafts runs as consecutive rows of one slot
-    whose context lengths rise by one; up to seq_rows such rows are one group, whose last row's programs read each
-    key tile once for all of them (its k + 1 queries beside its GQA heads in one tl.dot; in chunks of rows where
-    they are more than DECODE_GROUP_TILE query rows), each row masked to its own context. Plain rows are groups of
-    one. The result is the same either way.
+    seq_rows > 1 (not with a tail): a sequence verifying drafts runs as consecutive rows (group_back [num_seqs]
+    int32: how many of them come before each row; 0 for plain rows) whose context lengths rise by one; up to
+    seq_rows such rows are one group, whose last row's programs read each key tile once for all of them (its k + 1
+    queries beside its GQA heads in one tl.dot; in chunks of rows where they are more than DECODE_GROUP_TILE query
+    rows), each row masked to its own context. Plain rows are groups of one. The result is the same either way.
     No host sync: safe inside CUDA-graph capture.
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -545,10 +541,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tail = _tail_args(kv_tail, k_cache, fmt, slots, "decode_attention")
     group = num_heads // num_kv_heads
     seq_rows = 1 if kv_tail is not None else seq_rows  # (a tail's own block is read per row)
-    if seq_rows > 1 and (slots is None or slots.shape != (num_seqs,)):
-        raise ValueError(f"decode_attention: seq_rows {seq_rows} needs each row's slot (slots [{num_seqs}])")
-    if seq_rows > 1:
-        tail = (*tail[:2], slots, *tail[3:])  # the kernel's slots argument: the rows' groups
+    if seq_rows > 1 and (group_back is None or group_back.shape != (num_seqs,)):
+        raise ValueError(f"decode_attention: seq_rows {seq_rows} needs group_back [{num_seqs}]")
     chunk = seq_rows if group * seq_rows <= DECODE_GROUP_TILE else max(1, DECODE_GROUP_TILE // group)
     if num_seqs == 0:
         return out
@@ -566,7 +560,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         partials = DecodePartials(parts[:num_seqs * num_heads * num_splits * head_dim],
                                   parts[num_seqs * num_heads * num_splits * head_dim:], context_lens,
                                   window, num_seqs, num_heads, head_dim, num_splits, block_n, q.dtype,
-                                  block_size, kv_tail is not None, slots, seq_rows)
+                                  block_size, kv_tail is not None, group_back, seq_rows)
         part_acc, part_ml = partials.acc, partials.ml
     else:
         part_acc = part_ml = out  # unused by the single-split kernel
@@ -576,6 +570,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *scales, *tail,
+        group_back if seq_rows > 1 else context_lens,
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
         BLOCK_G=max(16, next_power_of_2(group * chunk)), BLOCK_D=block_d, BLOCK_N=block_n,
         SOFTCAP=softcap is not None,
@@ -594,7 +589,7 @@ def merge_partials(p: DecodePartials, out: torch.Tensor | None = None) -> torch.
     if out is None:
         out = torch.empty((p.num_seqs, p.num_heads, p.head_dim), dtype=p.dtype, device=p.acc.device)
     _decode_reduce_kernel[(p.num_seqs, p.num_heads)](
-        p.acc, p.ml, p.context_lens, p.context_lens if p.slots is None else p.slots, out, p.window, p.num_splits,
+        p.acc, p.ml, p.context_lens, p.context_lens if p.seq_rows == 1 else p.group_back, out, p.window, p.num_splits,
         out.stride(0), out.stride(1),
         HEAD_DIM=p.head_dim, BLOCK_S=next_power_of_2(p.num_splits), BLOCK_D=next_power_of_2(p.head_dim),
         BLOCK_N=p.block_n, num_warps=4, **pdl_args(p.acc.device),

@@ -27,6 +27,7 @@ class AttentionInputs(Protocol):
     table_rows: torch.Tensor | None
     tail_rows: torch.Tensor | None
     seq_rows: int
+    group_back: torch.Tensor | None
 
     @property
     def num_seqs(self) -> int: ...

@@ -166,9 +166,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      context_lens: torch.Tensor, scale: float, *, window: int | None = None,
                      softcap: float | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                      kv_tail: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     slots: torch.Tensor | None = None, seq_rows: int = 1) -> torch.Tensor:
+                     slots: torch.Tensor | None = None, seq_rows: int = 1,
+                     group_back: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per row over its paged context (its last `window` keys); fixed shapes, so it is
-    graph-capturable. (seq_rows, how the Triton kernel groups a sequence's rows, changes nothing here.)
+    graph-capturable. (seq_rows / group_back, how the Triton kernel groups a sequence's rows, change nothing here.)
 
     q: [num_seqs, num_heads, head_dim]; returns the same shape. Reads every block in block_tables
     (masked beyond context_lens): simple and correct, not fast. With a tail (slots: each row's), the keys of the

@@ -34,10 +34,11 @@ class AttentionMetadata:
     # An fp8 cache's tail (kernels/kv_quant.py): per new token its tail row (-1: none), and table_rows then holds
     # each sequence's slot in decode steps too (decode block tables are gathered per row).
     tail_rows: torch.Tensor | None = None  # [num_new_tokens] int32
-    # Decode: at most this many consecutive rows are one sequence's (a verification's last token and its drafts);
-    # the attention kernel reads each such group's keys once (kernels.attention.decode_attention); > 1 needs
-    # table_rows (the rows' slots).
+    # Decode: at most this many consecutive rows are one sequence's (a verification's last token and its drafts),
+    # group_back of them before each row; the attention kernel reads each such group's keys once
+    # (kernels.attention.decode_attention). seq_rows > 1 needs group_back.
     seq_rows: int = 1
+    group_back: torch.Tensor | None = None  # [num_seqs] int32
 
     @property
     def num_seqs(self) -> int:

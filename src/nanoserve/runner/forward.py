@@ -68,8 +68,8 @@ class DecodeForward:
                                       v.token_ids == DEVICE_DRAFT, v.draft_ids, v.group_back, v.draft_slots >= 0,
                                       v.temperature, v.draft_sampled > 0)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=v.slot_mapping, context_lens=v.context_lens,
-                                 block_tables=tables, table_rows=v.slots, seq_rows=self.seq_rows,
-                                 tail_rows=None if tail is None else v.tail_rows)
+                                 block_tables=tables, seq_rows=self.seq_rows, group_back=v.group_back,
+                                 **({} if tail is None else {"table_rows": v.slots, "tail_rows": v.tail_rows}))
         hidden = self.model(input_ids, v.positions, meta)
         if draft is not None:
             draft.mirror(input_ids, v.positions, meta)

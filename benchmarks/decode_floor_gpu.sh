@@ -9,15 +9,7 @@
 #   bash benchmarks/decode_floor_gpu.sh products   # each decode product alone: bf16 vs fp8 candidates, rows 1-64
 #   bash benchmarks/decode_floor_gpu.sh tests      # pytest -m gpu, the whole suite
 # JSON and logs go under $OUT. Wheels the image lacks are carried in .whl/ (benchmarks/serve_gpu_wheels.txt).
-set -uo pipefail
-: "${OUT:?set OUT}"
-export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        > "$OUT/pip.log" 2>&1 || { echo "wheel install failed"; tail -3 "$OUT/pip.log"; }
-fi
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader > "$OUT/gpu.txt"
+source benchmarks/gpu_env.sh
 SETS=${SETS:-all no_prefetch no_fuse_norm no_pdl}
 floor() {  # $1: name, then decode_floor.py arguments
     local name=$1; shift

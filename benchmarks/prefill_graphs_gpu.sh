@@ -15,16 +15,8 @@
 #   bash benchmarks/prefill_graphs_gpu.sh serve [TOKENS]  # serving benchmark, Qwen3-0.6B shape; TOKENS: the
 #                                                 # server's --max-num-batched-tokens (default: the engine's)
 # Wheels the image lacks (fastapi, uvicorn, pyzmq, msgspec, openai, gguf, ...) are carried in .whl/.
-set -uo pipefail
-: "${OUT:?set OUT}"
-export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        > "$OUT/pip.log" 2>&1 || { echo "wheel install failed"; tail -3 "$OUT/pip.log"; }
-    export PYTHONPATH=/tmp/site:$PWD/src:$PWD
-fi
+source benchmarks/gpu_env.sh
 SHAPE="--model benchmarks/shapes/qwen3-0.6b --load-format dummy --skip-tokenizer-init"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 case ${1:-quick} in
     quick)
         python3 -m pytest -q -p no:cacheprovider -m gpu tests/runner/test_token_graphs.py tests/runner/test_graph_setup.py \

@@ -80,7 +80,6 @@ class DecodeForward:
         self.inputs.load({}, rows)
 
 
-
 class TokenForward:
     """Prompt and mixed steps (prompt chunks, decode rows riding along): the eager forward of a PrefillBatch at its
     own size, and the same model forward over the static TokenInputs of T tokens that the token-count graphs

@@ -162,6 +162,28 @@ def gpu_idle(llm, prompt: list[int], params) -> dict:
             "top_kernels": table["top"][:10]}
 
 
+def host_profile(llm, prompt: list[int], params, top: int = 25) -> dict:
+    """Where the host's time goes while one prompt generates again (cProfile, which inflates Python ~2x: read the
+    shares, not the times): the functions with the most own time and the most cumulative time, per engine step."""
+    import cProfile
+    import pstats
+
+    before, profiler = llm.engine.stats, cProfile.Profile()
+    profiler.runcall(llm.generate, [prompt], params, use_tqdm=False)
+    after = llm.engine.stats
+    n = max(1, sum(getattr(after, k) - getattr(before, k) for k in ("decode_steps_graph", "decode_steps_eager",
+                                                                    "mixed_steps")))
+    stats = pstats.Stats(profiler)
+    rows = [(f"{Path(file).name}:{line}({name})", calls, own, cum)
+            for (file, line, name), (_, calls, own, cum, _) in stats.stats.items()]
+
+    def table(key: int) -> list[str]:
+        return [f"{1e6 * own / n:8.1f} {1e6 * cum / n:8.1f} {calls / n:6.2f}  {where}"
+                for where, calls, own, cum in sorted(rows, key=lambda r: -r[key])[:top]]
+    return {"steps": n, "columns": "own us/step, cumulative us/step, calls/step, function",
+            "by_own": table(2), "by_cumulative": table(3)}
+
+
 def run_method(model_path: str, options: dict, workloads: dict[str, list[dict]], max_tokens: int
                ) -> tuple[dict, dict[str, list[list[int]]]]:
     """One fresh engine: warm-up, then every workload; per workload its record (with the first output's text) and
@@ -193,8 +215,11 @@ def idle_pass(model_path: str, options: dict, workloads: dict[str, list[dict]], 
     with LLM(model_path, **options) as llm:
         llm.generate([chat_ids(llm.tokenizer, WARMUP)], SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0),
                      use_tqdm=False)
-        idle = {name: gpu_idle(llm, chat_ids(llm.tokenizer, entries[0]["messages"]), params)
-                for name, entries in workloads.items()}
+        idle = {}
+        for name, entries in workloads.items():  # cProfile first: the torch profiler slows what runs after it
+            prompt = chat_ids(llm.tokenizer, entries[0]["messages"])
+            host = host_profile(llm, prompt, params)
+            idle[name] = {**gpu_idle(llm, prompt, params), "host_profile": host}
     release_cuda_memory()
     return idle
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
-from nanoserve.engine.draft_plan import plan_drafts
+from nanoserve.engine.draft_plan import VerifyCost, plan_drafts
+from nanoserve.kernels.paging import kv_slots
 from nanoserve.kernels.verify import store_samples_ref
+from nanoserve.runner.batch import disjoint_verify_batch
 from nanoserve.runner.speculative import accepted_count
 from tests.engine.churn import check_blocks, run_churn
 
@@ -262,6 +265,38 @@ def test_plan_drafts_costs_decode_rows_up_to_the_largest_decode_batch():
     flat = lambda tokens: 1.0 + 0.0 * tokens  # noqa: E731
     assert plan_drafts([4], [0.5], steep, flat, max_decode_rows=1) == [4]  # verified as a (flat) token step
     assert plan_drafts([4], [0.5], steep, flat, max_decode_rows=8) == [0]  # as (steep) decode rows
+
+
+def test_verify_cost_lies_between_rows_apart_and_grouped():
+    """A verification's rows cost by its sequences: all of them apart (one row each) at the apart curve, in full
+    groups at the grouped curve, between them linearly; so grouped rows make drafts pay at mid batches."""
+    apart = lambda rows: 1.0 + 0.3 * rows  # noqa: E731 (every row its own context)
+    grouped = lambda rows: 1.0 + 0.02 * rows  # noqa: E731 (a sequence's rows read its context once)
+    cost = VerifyCost(apart, grouped, group=5)
+    assert cost(np.array([10.0]), 10)[0] == pytest.approx(4.0)  # 10 sequences of one row: apart
+    assert cost(np.array([10.0]), 2)[0] == pytest.approx(1.2)  # 2 sequences of 5: grouped
+    assert cost(np.array([10.0]), 6)[0] == pytest.approx(2.6)  # half way
+    assert cost(np.array([1.0]), 1)[0] == pytest.approx(1.02)
+    assert VerifyCost(apart)(np.array([10.0]), 2)[0] == pytest.approx(4.0)  # no grouped curve: apart
+    # 8 sequences offered 4 drafts each at acceptance 0.5: as plain rows (0.3 ms each) none pays, grouped some do
+    flat = lambda tokens: 100.0 + 0.0 * tokens  # noqa: E731 (token-count steps: never chosen)
+    assert plan_drafts([4] * 8, [0.5] * 8, apart, flat, max_decode_rows=64) == [0] * 8
+    assert sum(plan_drafts([4] * 8, [0.5] * 8, apart, flat, max_decode_rows=64, verify=cost)) > 0
+
+
+def test_disjoint_verify_batch_groups_rows_by_sequence():
+    """The start-up's verification probe: runs of `group` rows share a slot, positions climb to the last row's
+    context, the first row runs the slot's last token and every other row a draft checked by the row before."""
+    batch, tables = disjoint_verify_batch(7, 3, 10, 4, 64)
+    assert batch.slots.tolist() == [0, 0, 0, 1, 1, 1, 2]
+    assert batch.group_back.tolist() == [0, 1, 2, 0, 1, 2, 0]
+    assert batch.positions.tolist() == [7, 8, 9, 7, 8, 9, 9]
+    assert batch.context_lens.tolist() == [8, 9, 10, 8, 9, 10, 10]
+    assert batch.token_ids.tolist() == [-1, 0, 0, -1, 0, 0, -1]
+    assert batch.draft_ids.tolist() == [0, 0, -1, 0, 0, -1, -1]
+    assert tables.shape == (3, 3) and len(set(tables.ravel().tolist())) == 9  # disjoint blocks
+    assert batch.slot_mapping.tolist() == kv_slots(tables[batch.slots].tolist(), batch.positions, 4).tolist()
+    assert batch.slot_mapping[2] == tables[0, 2] * 4 + 1
 
 
 def test_plan_drafts_prices_the_hosts_wait_and_the_chance_of_a_draft():

@@ -11,7 +11,7 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
-from nanoserve.engine.draft_plan import plan_drafts
+from nanoserve.engine.draft_plan import VerifyCost, plan_drafts
 from nanoserve.engine.preflight import check_engine_config
 from nanoserve.tiny import make_tiny_model
 from tests.engine.churn import check_blocks, run_churn
@@ -167,9 +167,9 @@ def test_plan_weighs_the_draft_models_forwards():
     flat = lambda rows: 1.0 + 0.0 * rows  # noqa: E731
     costly = lambda rows: 3.0 + 0.0 * rows  # noqa: E731 (the draft's k forwards triple the step)
     cheap = lambda rows: 1.2 + 0.0 * rows  # noqa: E731
-    assert plan_drafts([4], [0.5], flat, flat, max_decode_rows=8, verify_ms=costly) == [0]  # ≤ 1.94 tokens for 3×
-    assert plan_drafts([4], [0.9], flat, flat, max_decode_rows=8, verify_ms=costly) == [4]  # 4.1 tokens for 3×
-    assert plan_drafts([4], [0.5], flat, flat, max_decode_rows=8, verify_ms=cheap) == [4]
+    assert plan_drafts([4], [0.5], flat, flat, max_decode_rows=8, verify=VerifyCost(costly)) == [0]  # ≤ 1.94 for 3×
+    assert plan_drafts([4], [0.9], flat, flat, max_decode_rows=8, verify=VerifyCost(costly)) == [4]  # 4.1 for 3×
+    assert plan_drafts([4], [0.5], flat, flat, max_decode_rows=8, verify=VerifyCost(cheap)) == [4]
 
 
 def test_a_step_that_proposes_nothing_skips_the_draft(drafts, monkeypatch):

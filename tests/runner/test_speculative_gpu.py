@@ -110,3 +110,19 @@ def _token_pair(runner, batch):
     hidden, positions = runner.graphs.replay(Kind.TOKENS, tokens), fwd.inputs.views(tokens).positions
     graph = fwd.sample_logits(hidden, tail, batch, positions).logits.float().clone()
     return graph, fwd(batch).logits.float()
+
+
+def test_verification_curve_measured_at_start_up(tiny_model_dirs):
+    """With planned graphs, start-up times the decode graphs over rows grouped by sequence (Probes.load_verify), and
+    the draft plan prices a verification between that curve and the plain one."""
+    llm = LLM(str(tiny_model_dirs["qwen3"]), speculative_config=NGRAM, device="cuda", dtype="float32",
+              max_model_len=256, max_num_seqs=16, num_kv_blocks=512)
+    info = llm.engine.core.info
+    assert info.step_curve is not None and info.verify_curve is not None
+    assert max(info.verify_curve.rows) == 16 and min(info.verify_curve.ms) > 0
+    cost = llm.engine.core._speculator._verify
+    assert cost.grouped is info.verify_curve and cost.group == 1 + NGRAM["num_speculative_tokens"]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    base = [o.token_ids for o in LLM(str(tiny_model_dirs["qwen3"]), device="cuda", dtype="float32", max_model_len=256,
+                                     max_num_seqs=16, num_kv_blocks=512).generate(LOOPING, params, use_tqdm=False)]
+    assert [o.token_ids for o in llm.generate(LOOPING, params, use_tqdm=False)] == base

@@ -85,7 +85,7 @@ class EngineCore:
             return None
         from nanoserve.engine.speculation import Speculator  # (the proposers load only when asked for)
         return Speculator(spec, self.config.max_model_len, self.config.max_num_seqs, self.info.step_curve,
-                          self.info.token_curve, self.info.draft_curve)
+                          self.info.token_curve, self.info.draft_curve, self.info.verify_curve)
 
     def _eos_ids(self, hf_config) -> list[int]:
         ids = eos_token_ids(self.config.model, hf_config)

@@ -7,8 +7,14 @@ with n = 0 it is a plain decode step (the batch-size curve). Candidates sorted b
 drafts, and each sequence's chosen drafts stay a prefix of its own (α^j falls with j); the plan takes the n with the
 most tokens per ms. So large batches (whose decode step is cheap per row) and sequences whose drafts are rarely
 accepted verify few or none, and a single stream with a good acceptance rate verifies many.
+
+A verification's decode rows cost less than as many plain rows: a sequence's rows read its context once (the
+attention kernel takes them as one group), so the step's cost depends on its sequences as well as its rows
+(VerifyCost: two measured curves, rows apart and rows grouped, and the step's sequences between them).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,13 +34,36 @@ def found_rate(found: int, asked: int) -> float:
     return (found + prior_found) / (asked + prior_asked)
 
 
+@dataclass(frozen=True)
+class VerifyCost:
+    """ms of a decode step that verifies drafts, by its rows and sequences, from two curves measured at start-up over
+    the graphs a verification replays: apart (rows → ms, every row its own sequence: the plain probes; for a draft
+    model its proposing graphs') and grouped (rows → ms, the rows in sequences of `group` = 1 + num_speculative_tokens
+    rows, the last short). A step of s sequences over r rows is interpolated between them by s, linearly from
+    r / group sequences (grouped) to r (apart): what grouping saves is the context reads, about one per sequence."""
+
+    apart: StepTime
+    grouped: StepTime | None = None
+    group: int = 1
+
+    def __call__(self, rows: np.ndarray, seqs: int) -> np.ndarray:
+        rows = np.asarray(rows, np.float64)
+        apart = np.asarray(self.apart(rows), np.float64)
+        if self.grouped is None or self.group <= 1:
+            return apart
+        fewest = np.ceil(rows / self.group)  # the sequences of the grouped probe of as many rows
+        share = np.clip((seqs - fewest) / np.maximum(rows - fewest, 1.0), 0.0, 1.0)
+        grouped = np.asarray(self.grouped(rows), np.float64)
+        return grouped + share * (apart - grouped)
+
+
 def plan_drafts(lengths: list[int], rates: list[float], decode_ms: StepTime, tokens_ms: StepTime,
-                max_decode_rows: int = 0, verify_ms: StepTime | None = None, host_ms: float | None = None,
+                max_decode_rows: int = 0, verify: VerifyCost | None = None, host_ms: float | None = None,
                 weights: list[float] | None = None) -> list[int]:
     """Per sequence, how many of its offered drafts (lengths[i]) to verify, given acceptance rates and the measured
     step times (decode_ms: rows → ms of a decode step; tokens_ms: tokens → ms of a token-count step): a step of up
-    to max_decode_rows tokens verifies as decode rows, a larger one as a token-count step. verify_ms: rows → ms of a
-    decode step that verifies drafts, when that costs more than a plain one (a draft model's forwards: Kind.DRAFT).
+    to max_decode_rows tokens verifies as decode rows, a larger one as a token-count step. verify: what a decode
+    step that verifies drafts costs (VerifyCost; None: as many plain rows).
     host_ms: the host's time a step, when drafting means waiting for it (host drafts need every token first): a plain
     step then costs max(device, host) (the loop overlaps them), a verifying one device + host. weights: per sequence,
     the chance its proposer finds a draft at all (each draft's worth is scaled by it)."""
@@ -53,9 +82,9 @@ def plan_drafts(lengths: list[int], rates: list[float], decode_ms: StepTime, tok
     as_decode = rows <= max(max_decode_rows, b)
     cost = np.asarray(tokens_ms(rows), np.float64)
     cost[as_decode] = np.asarray(decode_ms(rows[as_decode]), np.float64)
-    if verify_ms is not None:
+    if verify is not None:
         drafting = as_decode & (n > 0)
-        cost[drafting] = np.asarray(verify_ms(rows[drafting]), np.float64)
+        cost[drafting] = verify(rows[drafting], b)
     if host_ms is not None:
         cost[0] = max(cost[0], host_ms)
         cost[1:] += host_ms
@@ -63,4 +92,4 @@ def plan_drafts(lengths: list[int], rates: list[float], decode_ms: StepTime, tok
     return np.bincount(owner[order[:best]], minlength=b).tolist()
 
 
-__all__ = ["acceptance_rate", "found_rate", "plan_drafts"]
+__all__ = ["VerifyCost", "acceptance_rate", "found_rate", "plan_drafts"]

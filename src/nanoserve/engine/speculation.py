@@ -27,7 +27,7 @@ engine/grammar.py); a draft model then drafts for nobody.
 """
 from __future__ import annotations
 
-from nanoserve.engine.draft_plan import acceptance_rate, found_rate, plan_drafts
+from nanoserve.engine.draft_plan import VerifyCost, acceptance_rate, found_rate, plan_drafts
 from nanoserve.engine.drafts import make_proposer
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.runner.speculative import DEVICE_DRAFT, accepted_count
@@ -36,17 +36,19 @@ from nanoserve.speculative_config import SHADOW_DRAFTS_PER_STEP, SpeculativeConf
 
 class Speculator:
     def __init__(self, spec: SpeculativeConfig, max_model_len: int, max_decode_rows: int, step_curve=None,
-                 token_curve=None, draft_curve=None):
+                 token_curve=None, draft_curve=None, verify_curve=None):
         """step_curve / token_curve: the runner's measured step times (None when not measured: no planning);
-        draft_curve: a draft model's decode steps' (it proposes: they cost more); max_decode_rows: the most rows a
-        decode batch (and so a verification as decode rows) runs."""
+        draft_curve: a draft model's decode steps' (it proposes: they cost more); verify_curve: a verification's, its
+        rows grouped by sequence (draft_plan.VerifyCost); max_decode_rows: the most rows a decode batch (and so a
+        verification as decode rows) runs."""
         self.spec, self.max_model_len, self.max_decode_rows = spec, max_model_len, max_decode_rows
         self.on_device = spec.drafts_on_device
         # a draft model proposes on the device only (runner/draft_model.py): the host just says how many
         self.proposer = make_proposer(spec) if spec.method != "draft_model" else None
         planned = spec.adaptive and step_curve is not None and token_curve is not None
         self._curves = (step_curve, token_curve) if planned else None
-        self._verify_curve = draft_curve
+        apart = draft_curve if draft_curve is not None else step_curve
+        self._verify = VerifyCost(apart, verify_curve, 1 + spec.num_speculative_tokens) if apart is not None else None
         # host drafts' back-off (worth_waiting): per request, its proposer's (found, asked) counts, and the shadow
         # draft proposed while backed off that its next tokens are checked against ([drafts, matched so far])
         self.backed_off = False
@@ -83,7 +85,7 @@ class Speculator:
         lengths = [min(k, s.draft_room(self.max_model_len)) for s in rows]
         rates = [acceptance_rate(s.num_accepted, s.num_drafted) for s in rows]
         found = [found_rate(*self._found.get(s.request_id, (0, 0))) for s in rows]
-        keep = plan_drafts(lengths, rates, *self._curves, self.max_decode_rows, host_ms=host_ms, weights=found)
+        keep = plan_drafts(lengths, rates, *self._curves, self.max_decode_rows, self._verify, host_ms, found)
         self.backed_off = not any(keep)
         self._turn += 1
         self._shadow_every = -(-len(rows) // SHADOW_DRAFTS_PER_STEP) or 1
@@ -109,8 +111,7 @@ class Speculator:
             offered = [self._propose(s, min(k, s.draft_room(self.max_model_len))) for s in rows]
         if self._curves is not None and any(offered):
             rates = [acceptance_rate(s.num_accepted, s.num_drafted) for s in rows]
-            keep = plan_drafts([len(d) for d in offered], rates, *self._curves, self.max_decode_rows,
-                               self._verify_curve)
+            keep = plan_drafts([len(d) for d in offered], rates, *self._curves, self.max_decode_rows, self._verify)
             offered = [d[:n] for d, n in zip(offered, keep)]
         if on_device or self.proposer is None:
             offered = self._device_drafts(offered, self.max_decode_rows - len(rows))

@@ -137,6 +137,24 @@ def disjoint_decode_batch(rows: int, context_len: int, block_size: int,
     return batch, tables
 
 
+def disjoint_verify_batch(rows: int, group: int, context_len: int, block_size: int,
+                          num_blocks: int) -> tuple[DecodeBatch, np.ndarray]:
+    """disjoint_decode_batch's rows as verifications: each run of `group` consecutive rows (the last run shorter) is
+    one sequence in one slot, its last token then group - 1 drafts, the last row one token after context_len - 1
+    cached ones; and the tables of slots 0..sequences-1. Forward only, like it (the start-up's verification probes)."""
+    seqs = -(-rows // group)
+    _, tables = disjoint_decode_batch(seqs, context_len, block_size, num_blocks)
+    seq, back = np.divmod(np.arange(rows, dtype=np.int32), group)
+    last = np.minimum((seq + 1) * group, rows) - 1
+    positions = (context_len - 1 - (last - np.arange(rows))).astype(np.int32)
+    token_ids = np.where(back == 0, -1, 0).astype(np.int32)  # the slot's last token, then drafts (any ids)
+    draft_ids = np.where(np.arange(rows) == last, -1, 0).astype(np.int32)
+    full = lambda v: np.full(rows, v, dtype=np.int32)  # noqa: E731
+    batch = DecodeBatch(seq.astype(np.int32), positions, kv_slots(tables[seq].tolist(), positions, block_size),
+                        positions + 1, full(-1), full(0), None, token_ids, draft_ids, back.astype(np.int32))
+    return batch, tables
+
+
 @dataclass
 class PrefillBatch:
     """Chunks of s sequences (eager): sequence i runs query_lens[i] tokens from position starts[i]."""

@@ -21,6 +21,9 @@ class RunnerInfo:
     step_curve: StepCurve | None  # decode step ms against rows, measured at start-up ("auto" graphs)
     token_curve: StepCurve | None  # prompt / mixed step ms against tokens, likewise
     draft_curve: StepCurve | None = None  # a draft model's decode step (it proposes) ms against rows, likewise
+    # a verification's step ms against rows (the graphs it replays: the draft model's, or the decode graphs), its rows
+    # in sequences of 1 + num_speculative_tokens (engine/draft_plan.VerifyCost), likewise
+    verify_curve: StepCurve | None = None
 
 
 @dataclass

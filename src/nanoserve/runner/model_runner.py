@@ -57,7 +57,7 @@ class ModelRunner:
         self.info = RunnerInfo(self.model.vocab_size, str(self.device), s.num_kv_blocks, s.block_bytes,
                                str(s.kv.dtype).removeprefix("torch."), s.kv.scales,
                                tuple(s.graphs.sizes(Kind.DECODE)), tuple(s.graphs.sizes(Kind.TOKENS)),
-                               s.step_curve, s.token_curve, s.draft_curve)
+                               s.step_curve, s.token_curve, s.draft_curve, s.verify_curve)
         self.counters = RunnerCounters()
         self.batch_histogram = BatchDistribution.empty(config.max_num_seqs)
 

@@ -40,6 +40,7 @@ class Started:
     step_curve: StepCurve | None
     token_curve: StepCurve | None
     draft_curve: StepCurve | None  # a draft model's decode graphs (Kind.DRAFT) against rows, likewise
+    verify_curve: StepCurve | None  # the graphs a verification replays, rows grouped by sequence, likewise
     block_bytes: int  # one KV block's bytes, the draft model's share included
 
 
@@ -60,17 +61,21 @@ def start(config: EngineConfig, hf_config, tp: TensorParallel, rng: torch.Genera
     buffers = StepBuffers.build(model, config, kv, num_blocks, config.torch_device, rng, draft)
     _warm_up_logits(model, config)
     probes = Probes(buffers, config, kv, num_blocks, model.vocab_size, rng, host_rng)
-    table, step_curve, token_curve, draft_curve = GraphTable(), None, None, None
+    table, step_curve, token_curve, draft_curve, verify_curve = GraphTable(), None, None, None, None
     if config.cudagraph_capture_sizes:
         step_curve = graphs.capture_decode(table, buffers, probes, config, tp)
         if draft is not None:
             draft_curve = graphs.capture_draft(table, buffers, probes, step_curve is not None)
+        if step_curve is not None and buffers.decode_forward.seq_rows > 1:
+            verify_curve = graphs.measure_verify(table.runners[Kind.DRAFT if draft is not None else Kind.DECODE],
+                                                 probes, config.max_num_seqs)
     if config.prefill_graph_sizes:
         token_curve = graphs.capture_tokens(table, buffers, probes, config, tp)
     check = None if config.skip_graph_check else self_check(table, buffers, probes, config.torch_dtype, tp.max_float)
     _log(config, table, num_blocks, check, planned=step_curve is not None)
     block_bytes = kv.block_bytes + (draft[1].block_bytes if draft is not None else 0)
-    return Started(model, kv, num_blocks, buffers, table, step_curve, token_curve, draft_curve, block_bytes)
+    return Started(model, kv, num_blocks, buffers, table, step_curve, token_curve, draft_curve, verify_curve,
+                   block_bytes)
 
 
 def _load_draft(config: EngineConfig, tp: TensorParallel) -> tuple | None:

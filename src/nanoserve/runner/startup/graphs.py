@@ -119,6 +119,15 @@ def capture_draft(table: GraphTable, buffers: StepBuffers, probes: Probes, plann
     return StepCurve.fit({rows: _replay_ms(gr, probes.load_decode, rows) for rows in gr.capture_sizes})
 
 
+def measure_verify(gr: GraphRunner, probes: Probes, max_num_seqs: int) -> StepCurve:
+    """The verification curve (engine/draft_plan.VerifyCost's grouped one): replays of the graphs a verification runs,
+    its rows in sequences of 1 + num_speculative_tokens (Probes.load_verify), at the captured size nearest above each
+    probe size."""
+    sizes = {min((s for s in gr.capture_sizes if s >= p), default=max(gr.capture_sizes))
+             for p in probe_sizes(max_num_seqs)}
+    return StepCurve.fit({rows: _replay_ms(gr, probes.load_verify, rows) for rows in sorted(sizes)})
+
+
 def _capture_sampler(table: GraphTable, buffers: StepBuffers, decode: GraphRunner) -> None:
     """The plain sample of each decode bucket, unmasked and masked, into the decode graphs' pool: one replay
     instead of a Triton launch after the decode graph's (less host time: notes/PERF.md, round 4)."""

@@ -10,7 +10,7 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.kernels.paging import kv_slots
-from nanoserve.runner.batch import BlockUpdates, PrefillBatch, disjoint_decode_batch
+from nanoserve.runner.batch import BlockUpdates, PrefillBatch, disjoint_decode_batch, disjoint_verify_batch
 from nanoserve.runner.buffers import StepBuffers
 from nanoserve.runner.kv_cache import KVCacheSpec
 
@@ -35,6 +35,19 @@ class Probes:
         batch, tables = disjoint_decode_batch(rows, min(context or longest, longest), c.block_size,
                                               self.num_kv_blocks)
         self.buffers.state.write_tables(batch.slots, tables)
+        self.buffers.state.last_tokens[:rows].random_(0, self.vocab_size, generator=self.rng)
+        self.buffers.decode_forward.load(batch, rows)
+
+    def load_verify(self, rows: int) -> None:
+        """load_decode's rows as verifications: runs of 1 + num_speculative_tokens rows share a sequence (its last
+        token, then drafts), as the engine batches a sequence that verifies drafts (the attention reads them as one
+        group)."""
+        c = self.config
+        per_row = self.num_kv_blocks // max(c.max_num_seqs, 1)
+        longest = max(1, min(PROBE_CONTEXT, per_row * c.block_size, c.max_model_len))
+        batch, tables = disjoint_verify_batch(rows, self.buffers.decode_forward.seq_rows, longest, c.block_size,
+                                              self.num_kv_blocks)
+        self.buffers.state.write_tables(np.arange(len(tables), dtype=np.int32), tables)
         self.buffers.state.last_tokens[:rows].random_(0, self.vocab_size, generator=self.rng)
         self.buffers.decode_forward.load(batch, rows)
 

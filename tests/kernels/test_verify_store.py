@@ -43,3 +43,26 @@ def test_store_samples_matches_reference(device, record, verify):
         for w, o in zip(want, got):
             assert torch.equal(w, o)
         assert (want[0] != -7).any()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("record", [False, True])
+@pytest.mark.usefixtures("force_triton")
+def test_rows_of_the_pad_slot_store_nothing(device, record):
+    """A graph's padded rows (slot pad_slot) leave last_tokens, histories and counts alone; the other rows store as
+    without them."""
+    for seed in range(3):
+        tokens, slots, (drafts, back), positions, state = _case(seed, record, True)
+        pad = int(slots[0])
+        on = lambda t: None if t is None else t.to(device)  # noqa: E731
+        want = [t.clone().to(device) for t in state]
+        got = [t.clone().to(device) for t in state]
+        hist = lambda s: (s[1], s[2]) if record else (None, None)  # noqa: E731
+        real = slots != pad
+        sub = lambda t: None if t is None else on(t[real])  # noqa: E731
+        store_samples_ref(sub(tokens), sub(slots), want[0], sub(drafts), sub(back), sub(positions), *hist(want))
+        store_samples(on(tokens), on(slots), got[0], on(drafts), on(back), on(positions), *hist(got), pad_slot=pad)
+        for w, o in zip(want, got):
+            assert torch.equal(w, o)
+        assert got[0][pad] == -7

@@ -126,3 +126,34 @@ def test_verification_curve_measured_at_start_up(tiny_model_dirs):
     base = [o.token_ids for o in LLM(str(tiny_model_dirs["qwen3"]), device="cuda", dtype="float32", max_model_len=256,
                                      max_num_seqs=16, num_kv_blocks=512).generate(LOOPING, params, use_tqdm=False)]
     assert [o.token_ids for o in llm.generate(LOOPING, params, use_tqdm=False)] == base
+
+
+def test_verification_sampler_graph_equals_eager(tiny_model_dirs):
+    """A verification after a decode graph samples, stores its accepted runs (last tokens, device histories) and packs
+    its words in one replay (Kind.SAMPLE_VERIFY): the same tokens, drafts and device state as the eager sampler's."""
+    llm = LLM(str(tiny_model_dirs["llama"]), speculative_config=NGRAM, **OPTIONS)
+    runner = llm.engine.core.runner
+    state = runner.buffers.state
+    tensors = (state.last_tokens, state.drafting.history, state.drafting.hist_len)
+    assert Kind.SAMPLE_VERIFY in runner.graphs.runners
+    for b in (1, 3):  # (3 × 5 rows: one 16-row decode batch)
+        batch = verify_batch(runner, b, 40, NGRAM["num_speculative_tokens"], draft_id=7)
+        assert isinstance(batch, DecodeBatch)
+        before = [t.clone() for t in tensors]
+        out = []
+        for graphs in (True, False):
+            for t, saved in zip(tensors, before):
+                t.copy_(saved)
+            verify_graphs = runner.graphs.runners.pop(Kind.SAMPLE_VERIFY)
+            if graphs:
+                runner.graphs.runners[Kind.SAMPLE_VERIFY] = verify_graphs
+            try:
+                result = runner.execute(batch).result()
+            finally:
+                runner.graphs.runners[Kind.SAMPLE_VERIFY] = verify_graphs
+            out.append((result.token_ids, result.draft_ids, [t.clone() for t in tensors]))
+        (tokens, drafts, after), (eager_tokens, eager_drafts, eager_after) = out
+        assert tokens == eager_tokens and drafts == eager_drafts == ([7] * 4 + [-1]) * b
+        for got, want in zip(after, eager_after):
+            assert torch.equal(got, want)
+        assert not all(torch.equal(a, b) for a, b in zip(after, before))  # (something was stored)

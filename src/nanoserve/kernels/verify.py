@@ -9,7 +9,8 @@ checked against draft_ids[r] (-1: none, the sequence's last row; plain rows are 
 kept when no row of its sequence before it missed its draft, and it ends its sequence's run when it is kept and misses
 its own. The ending row's token goes to last_tokens[slot] (the next step's input); with histories (drafting on the
 device, runner/speculative.DraftState) every kept row's token goes to history[slot, position + 1] and the ending row
-sets hist_len[slot] = position + 2 (tokens known on the device).
+sets hist_len[slot] = position + 2 (tokens known on the device). A row of slot pad_slot (a graph's padding) stores
+nothing.
 """
 from __future__ import annotations
 
@@ -30,12 +31,14 @@ def _run(tokens: torch.Tensor, draft_ids: torch.Tensor, group_back: torch.Tensor
 def store_samples_ref(tokens: torch.Tensor, slots: torch.Tensor, last_tokens: torch.Tensor,
                       draft_ids: torch.Tensor | None = None, group_back: torch.Tensor | None = None,
                       positions: torch.Tensor | None = None, history: torch.Tensor | None = None,
-                      hist_len: torch.Tensor | None = None) -> None:
+                      hist_len: torch.Tensor | None = None, pad_slot: int = -1) -> None:
     """Plain PyTorch (the CPU path and the oracle); see store_samples."""
     if draft_ids is None:
         kept = ends = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
     else:
         kept, ends = _run(tokens, draft_ids, group_back)
+    real = slots != pad_slot
+    kept, ends = kept & real, ends & real
     tokens = tokens.to(torch.int32)
     last_tokens[slots.long()[ends]] = tokens[ends]
     if history is not None:
@@ -48,12 +51,14 @@ def store_samples_ref(tokens: torch.Tensor, slots: torch.Tensor, last_tokens: to
 def store_samples(tokens: torch.Tensor, slots: torch.Tensor, last_tokens: torch.Tensor,
                   draft_ids: torch.Tensor | None = None, group_back: torch.Tensor | None = None,
                   positions: torch.Tensor | None = None, history: torch.Tensor | None = None,
-                  hist_len: torch.Tensor | None = None) -> None:
+                  hist_len: torch.Tensor | None = None, pad_slot: int = -1) -> None:
     """The sampled rows' tokens [n] (any int dtype) into their slots (the module docstring gives the rule):
     draft_ids / group_back [n] int32 (None: plain rows, every one ends its sequence's run); with history [S, L] int32
-    and hist_len [S] int32, positions [n] int32 (each row's input position) too. No host read on CUDA."""
+    and hist_len [S] int32, positions [n] int32 (each row's input position) too; rows of slot pad_slot store nothing.
+    No host read on CUDA."""
     if not use_triton(tokens):
-        return store_samples_ref(tokens, slots, last_tokens, draft_ids, group_back, positions, history, hist_len)
+        return store_samples_ref(tokens, slots, last_tokens, draft_ids, group_back, positions, history, hist_len,
+                                 pad_slot)
     n = tokens.shape[0]
     if not n:
         return
@@ -61,17 +66,17 @@ def store_samples(tokens: torch.Tensor, slots: torch.Tensor, last_tokens: torch.
     _store_samples_kernel[(n,)](
         tokens, slots, last_tokens, draft_ids if verify else slots, group_back if verify else slots,
         positions if record else slots, history if record else last_tokens, hist_len if record else last_tokens,
-        history.stride(0) if record else 0, history.shape[1] if record else 1, VERIFY=verify, RECORD=record,
-        num_warps=1)
+        history.stride(0) if record else 0, history.shape[1] if record else 1, pad_slot, VERIFY=verify,
+        RECORD=record, num_warps=1)
 
 
 @jit
 def _store_samples_kernel(tokens_ptr, slots_ptr, last_ptr, drafts_ptr, back_ptr, pos_ptr, history_ptr, hist_len_ptr,
-                          stride_history, max_len, VERIFY: tl.constexpr, RECORD: tl.constexpr):
+                          stride_history, max_len, pad_slot, VERIFY: tl.constexpr, RECORD: tl.constexpr):
     r = tl.program_id(0)
     token = tl.load(tokens_ptr + r).to(tl.int32)
     slot = tl.load(slots_ptr + r).to(tl.int64)
-    kept = r >= 0  # (true, as a scalar the loop below may carry)
+    kept = slot != pad_slot  # (a padding row keeps and ends nothing; a scalar the loop below may carry)
     ends = kept
     if VERIFY:
         first = r - tl.load(back_ptr + r)

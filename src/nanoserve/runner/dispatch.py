@@ -25,9 +25,10 @@ class Kind(enum.Enum):
     TOKENS = "tokens"  # a prompt / mixed step of t tokens: token-count graphs
     SAMPLE = "sample"  # the plain sample of a decode bucket's logits (kernels/sampling.py), unmasked ...
     SAMPLE_MASKED = "sample_masked"  # ... and under a grammar's bitmask
+    SAMPLE_VERIFY = "sample_verify"  # ... and of rows that verify drafts: their accepted runs stored, samples packed
 
 
-EXACT = (Kind.SAMPLE, Kind.SAMPLE_MASKED)  # replayed at the decode graph's own bucket, never padded further
+EXACT = (Kind.SAMPLE, Kind.SAMPLE_MASKED, Kind.SAMPLE_VERIFY)  # replayed at the decode graph's own bucket, never padded further
 
 
 def bucket_for(capture_sizes: list[int], size: int) -> int | None:

@@ -102,19 +102,28 @@ class ModelRunner:
         """Launch the sampler of a launched step with its (now complete) SamplingBatch. A plain batch after a decode
         graph replays that bucket's sampler graph when the table routes one."""
         sampler, replay = self.buffers.sampler, None
-        if pending.bucket is not None and pending.verify is None and sampler.path(sampling) is SamplingPath.FUSED:
-            kind = Kind.SAMPLE_MASKED if sampling.grammar_rows is not None else Kind.SAMPLE
-            size = self.graphs.route(kind, pending.bucket)
-            if size is not None:
-                replay = functools.partial(self.graphs.replay, kind, size)
+        kind = self._sample_kind(pending, sampling)
+        size = self.graphs.route(kind, pending.bucket) if kind is not None else None
+        if size is not None:
+            replay = functools.partial(self.graphs.replay, kind, size)
         drafting, record = self.buffers.state.drafting, None
-        if drafting is not None:  # the samples join their slots' device histories
+        if drafting is not None and replay is None:  # the samples join their slots' device histories
             record = functools.partial(drafting.record_samples, slots=pending.slots, positions=pending.positions,
                                        last_tokens=self.buffers.state.last_tokens)
         handle = sampler(pending.logits, sampling, pending.params, self.buffers.state.last_tokens, pending.slots,
                          replay, pending.verify, record)
         handle.prompt_logprobs = pending.prompt_logprobs
         return handle
+
+    def _sample_kind(self, pending: PendingSample, sampling: SamplingBatch) -> Kind | None:
+        """The sampler graph kind of a step after a decode graph: the plain sample (masked or not) or a verification's
+        (unmasked, one-hot drafts); None: eager (a token-count step, or the general sampler's work)."""
+        if pending.bucket is None or self.buffers.sampler.path(sampling) is not SamplingPath.FUSED:
+            return None
+        masked = sampling.grammar_rows is not None
+        if pending.verify is None:
+            return Kind.SAMPLE_MASKED if masked else Kind.SAMPLE
+        return Kind.SAMPLE_VERIFY if not masked and pending.verify.q is None else None
 
     def _prefill(self, batch: PrefillBatch):
         """A prompt / mixed step: the smallest token-count graph of at least its tokens, or eagerly."""

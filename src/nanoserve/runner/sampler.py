@@ -51,10 +51,10 @@ class SampleHandle:
     prompt_logprobs = None  # a PromptLogprobsHandle (runner/prompt_logprobs.py) when the step computed them
 
     def __init__(self, packed: torch.Tensor, event: torch.cuda.Event | None, num_rows: int, top_k: int | None,
-                 row_k: list[int | None] | None, with_drafts: bool = False):
-        """with_drafts: the packed words end with each row's draft id (a verification)."""
+                 row_k: list[int | None] | None, drafts_at: int | None = None):
+        """drafts_at: where in the packed words the rows' draft ids start (a verification), else None."""
         self._packed, self._event = packed, event
-        self.num_rows, self._top_k, self._row_k, self._with_drafts = num_rows, top_k, row_k, with_drafts
+        self.num_rows, self._top_k, self._row_k, self._drafts_at = num_rows, top_k, row_k, drafts_at
 
     @classmethod
     def empty(cls, prompt_logprobs) -> "SampleHandle":
@@ -76,8 +76,8 @@ class SampleHandle:
         words = self._packed.numpy()
         n = self.num_rows
         out = SampledTokens(words[:n].tolist())
-        if self._with_drafts:
-            out.draft_ids = words[len(words) - n:].tolist()
+        if self._drafts_at is not None:
+            out.draft_ids = words[self._drafts_at:self._drafts_at + n].tolist()
         if self._top_k is None:
             return out
         floats = words.view(np.float32)
@@ -118,6 +118,10 @@ class Sampler:
         # call draws anew each replay; seeded like the runner's generator (the same on every tensor-parallel rank)
         seed = random.Random(generator.initial_seed() if generator is not None else None).getrandbits(31)
         self._seed = torch.tensor([seed], dtype=torch.int64, device=device)
+        # a verification's rows all sample into the dummy slot first (store_samples then stores the accepted runs),
+        # and its graph packs the samples and drafts here for the one copy to the host
+        self._dummy_slots = torch.empty(max_rows, dtype=torch.int32, device=device)
+        self._packed = torch.zeros(2 * max_rows, dtype=torch.int32, device=device)
 
     @property
     def fuses(self) -> bool:
@@ -141,6 +145,26 @@ class Sampler:
             return self._plain(logits[:rows], rows if masked else 0, temperature, slots, last_tokens)
         return plain
 
+    def verify_forward(self, logits: torch.Tensor, views, last_tokens: torch.Tensor, drafting=None):
+        """rows → the sample of a decode bucket that verifies drafts, as its graph records it (Kind.SAMPLE_VERIFY):
+        the plain kernel over the static logits' prefix and the bucket's temperatures into the dummy slot, then the
+        accepted runs stored (kernels/verify.py; drafting, a DraftState: into the device histories too; padded rows,
+        in the dummy slot, store nothing), and the packed words the host reads: the rows' samples, then their drafts
+        (views(rows): the bucket's DecodeViews, whose draft ids the decode graph resolved)."""
+        dummy = len(last_tokens) - 1
+        self._dummy_slots.fill_(dummy)
+
+        def verify(rows: int) -> torch.Tensor:
+            v = views(rows)
+            tokens = self._plain(logits[:rows], 0, v.temperature, self._dummy_slots[:rows], last_tokens)
+            history = () if drafting is None else (v.positions, drafting.history, drafting.hist_len)
+            store_samples(tokens, v.slots, last_tokens, v.draft_ids, v.group_back, *history, pad_slot=dummy)
+            packed = self._packed[:2 * rows]
+            packed[:rows].copy_(tokens)
+            packed[rows:].copy_(v.draft_ids)
+            return packed
+        return verify
+
     def _plain(self, logits: torch.Tensor, masked_rows: int, temperature: torch.Tensor, slots: torch.Tensor,
                last_tokens: torch.Tensor) -> torch.Tensor:
         """The one kernel (masked by the static bitmask's first masked_rows rows when > 0), then the next key."""
@@ -161,6 +185,9 @@ class Sampler:
         n = len(batch)
         if logits.shape[0] != n:
             raise ValueError(f"got {logits.shape[0]} logit rows for {n} sampled rows")
+        if verify is not None and replay is not None:  # the verification's graph: sample, store, pack
+            packed = replay()
+            return self._copy_to_host(packed, n, None, None, packed.numel() // 2)
         if verify is None:
             tokens, handle = self._sample_store(logits, batch, params, last_tokens, slots, replay)
         else:
@@ -252,6 +279,12 @@ class Sampler:
         if drafts is not None:
             parts.append(drafts.to(torch.int32))
         packed = torch.cat(parts) if len(parts) > 1 else tokens
+        n = tokens.numel()
+        return self._copy_to_host(packed, n, top_k, row_k, packed.numel() - n if drafts is not None else None)
+
+    def _copy_to_host(self, packed: torch.Tensor, n: int, top_k: int | None, row_k: list[int | None] | None,
+                      drafts_at: int | None) -> SampleHandle:
+        """One copy of the packed words into the next pinned buffer, without blocking; their handle."""
         host = self._host[self._turn][:packed.numel()]
         event = self._events[self._turn]
         self._turn ^= 1
@@ -260,7 +293,7 @@ class Sampler:
             event.record()
         else:
             host.copy_(packed)
-        return SampleHandle(host, event, tokens.numel(), top_k, row_k, drafts is not None)
+        return SampleHandle(host, event, n, top_k, row_k, drafts_at)
 
 
 def sample_rows(logits: torch.Tensor, batch: SamplingBatch, params: SamplingTensors,

@@ -130,12 +130,19 @@ def measure_verify(gr: GraphRunner, probes: Probes, max_num_seqs: int) -> StepCu
 
 def _capture_sampler(table: GraphTable, buffers: StepBuffers, decode: GraphRunner) -> None:
     """The plain sample of each decode bucket, unmasked and masked, into the decode graphs' pool: one replay
-    instead of a Triton launch after the decode graph's (less host time: notes/PERF.md, round 4)."""
-    fwd, pool = buffers.decode_forward, decode.pool
+    instead of a Triton launch after the decode graph's (less host time: notes/PERF.md, round 4); speculating, also
+    the sample of a verification (its stores and packing: ~5 launches a verifying step at b = 1, where the loop is
+    bound by the host)."""
+    fwd, pool, sampler = buffers.decode_forward, decode.pool, buffers.sampler
     inputs = lambda rows: (fwd.inputs.views(rows).temperature, fwd.inputs.views(rows).slots)  # noqa: E731
-    for kind, masked in ((Kind.SAMPLE, False), (Kind.SAMPLE_MASKED, True)):
-        gr = GraphRunner(buffers.sampler.plain_forward(fwd.static_logits, inputs, buffers.state.last_tokens, masked),
-                         fwd.prepare_padding, pool)
+    last = buffers.state.last_tokens
+    graphs = {Kind.SAMPLE: sampler.plain_forward(fwd.static_logits, inputs, last, False),
+              Kind.SAMPLE_MASKED: sampler.plain_forward(fwd.static_logits, inputs, last, True)}
+    if fwd.seq_rows > 1:
+        graphs[Kind.SAMPLE_VERIFY] = sampler.verify_forward(fwd.static_logits, fwd.inputs.views, last,
+                                                            buffers.state.drafting)
+    for kind, forward in graphs.items():
+        gr = GraphRunner(forward, fwd.prepare_padding, pool)
         gr.capture(decode.capture_sizes)
         table.add(kind, gr)
         pool = gr.pool

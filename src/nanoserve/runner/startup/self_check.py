@@ -5,7 +5,8 @@ Decode graphs: a probe batch at a random context length, the replayed logits aga
 Token-count graphs: a mixed step (decode rows, a chunk after a cached prefix, a fresh prompt, padding), the sampled
 rows' logits against the eager forward of the same batch. Sampler graphs: greedy rows (the probe batch samples
 nothing, so its temperatures are the padding 0) replayed over the decode graph's logits: each row's token must hold
-its row's largest logit (ties may break either way).
+its row's largest logit (ties may break either way); a verification's over a verification probe (its stores go to the
+probe's slots, which a request's prompt step overwrites before any decode row reads them).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from nanoserve.runner.startup.probes import Probes
 CHECK_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}  # max |Δ logit| / max |logit|
 WHAT = {Kind.DECODE: "CUDA graph of {} rows", Kind.DRAFT: "CUDA graph of {} rows (with the draft model)",
         Kind.TOKENS: "CUDA graph of {} tokens (a mixed step)",
-        Kind.SAMPLE: "sampler graph of {} rows", Kind.SAMPLE_MASKED: "masked sampler graph of {} rows"}
+        Kind.SAMPLE: "sampler graph of {} rows", Kind.SAMPLE_MASKED: "masked sampler graph of {} rows",
+        Kind.SAMPLE_VERIFY: "verification sampler graph of {} rows"}
 
 
 class GraphCheckError(RuntimeError):
@@ -34,7 +36,7 @@ def self_check(table: GraphTable, buffers: StepBuffers, probes: Probes, dtype: t
     first beyond the dtype's tolerance. agree: the worst over the tensor-parallel ranks, so they all fail (or pass)
     together."""
     pairs = {Kind.DECODE: _decode_pair, Kind.DRAFT: _decode_pair, Kind.TOKENS: _token_pair, Kind.SAMPLE: _sample_pair,
-             Kind.SAMPLE_MASKED: _sample_pair}
+             Kind.SAMPLE_MASKED: _sample_pair, Kind.SAMPLE_VERIFY: _sample_pair}
     worst: dict[Kind, float] = {}
     for kind, size in table.entries():
         graph, ref = pairs[kind](table, buffers, probes, kind, size)
@@ -61,10 +63,14 @@ def _token_pair(table: GraphTable, buffers: StepBuffers, probes: Probes, kind: K
 
 
 def _sample_pair(table: GraphTable, buffers: StepBuffers, probes: Probes, kind: Kind, rows: int):
-    """(the logit at each row's sampled token, each row's largest logit)."""
-    probes.load_decode_check(rows)
+    """(the logit at each row's sampled token, each row's largest logit); a verification's over a verification probe
+    (its packed words start with the samples)."""
+    if kind is Kind.SAMPLE_VERIFY:
+        probes.load_verify(rows)
+    else:
+        probes.load_decode_check(rows)
     logits = table.replay(Kind.DECODE, rows).float()
-    tokens = table.replay(kind, rows).long()
+    tokens = table.replay(kind, rows)[:rows].long()
     return logits.gather(1, tokens[:, None])[:, 0], logits.max(dim=1).values
 
 

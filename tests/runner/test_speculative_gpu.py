@@ -130,8 +130,9 @@ def test_verification_curve_measured_at_start_up(tiny_model_dirs):
 
 
 def test_verification_sampler_graph_equals_eager(tiny_model_dirs):
-    """A verification after a decode graph samples, stores its accepted runs (last tokens, device histories) and packs
-    its words in one replay (Kind.SAMPLE_VERIFY): the same tokens, drafts and device state as the eager sampler's."""
+    """A verification after a decode graph samples, stores its accepted runs (last tokens, device histories) and
+    packs its words in one replay (Kind.SAMPLE_VERIFY): the same tokens, drafts and device state as the eager
+    sampler's."""
     llm = LLM(str(tiny_model_dirs["llama"]), speculative_config=NGRAM, **OPTIONS)
     runner = llm.engine.core.runner
     state = runner.buffers.state

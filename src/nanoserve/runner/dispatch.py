@@ -28,7 +28,8 @@ class Kind(enum.Enum):
     SAMPLE_VERIFY = "sample_verify"  # ... and of rows that verify drafts: their accepted runs stored, samples packed
 
 
-EXACT = (Kind.SAMPLE, Kind.SAMPLE_MASKED, Kind.SAMPLE_VERIFY)  # replayed at the decode graph's own bucket, never padded further
+# replayed at the decode graph's own bucket, never padded further
+EXACT = (Kind.SAMPLE, Kind.SAMPLE_MASKED, Kind.SAMPLE_VERIFY)
 
 
 def bucket_for(capture_sizes: list[int], size: int) -> int | None:

@@ -49,6 +49,18 @@ def test_curve_interpolates_and_extrapolates_linearly():
     np.testing.assert_allclose(curve(np.array([1, 12, 24])), [1.0, 1.5, 4.0])
 
 
+def test_tabulated_curve_is_the_curve():
+    """The draft plan's per-row lookup: the curve's values at whole row counts, the curve itself beyond the table or at
+    fractional rows."""
+    curve = StepCurve.fit({1: 1.0, 8: 1.0, 16: 2.0, 32: 6.0})
+    table = curve.tabulated(20)
+    rows = np.arange(0, 41)
+    np.testing.assert_allclose(table(rows[:21]), curve(rows[:21]))
+    np.testing.assert_allclose(table(rows), curve(rows))  # (past the table: computed)
+    np.testing.assert_allclose(table(np.array([12.5])), curve(np.array([12.5])))
+    assert table(np.array([], np.int64)).shape == (0,)
+
+
 def test_curve_fit_is_monotone_and_averages_repeats():
     curve = StepCurve.fit([(1, 1.0), (2, 1.2), (4, 1.1), (8, 2.0), (8, 2.2)])  # noise: 4 rows faster than 2
     assert curve.rows == (1, 2, 4, 8)

@@ -3,6 +3,7 @@ forward for every captured size a (b, k) verification lands in; greedy tokens wi
 the acceptance counters add up."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -122,7 +123,9 @@ def test_verification_curve_measured_at_start_up(tiny_model_dirs):
     assert info.step_curve is not None and info.verify_curve is not None
     assert max(info.verify_curve.rows) == 16 and min(info.verify_curve.ms) > 0
     cost = llm.engine.core._speculator._verify
-    assert cost.grouped is info.verify_curve and cost.group == 1 + NGRAM["num_speculative_tokens"]
+    rows = np.arange(1, 17)
+    assert np.allclose(cost.grouped(rows), info.verify_curve(rows))
+    assert cost.group == 1 + NGRAM["num_speculative_tokens"]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     base = [o.token_ids for o in LLM(str(tiny_model_dirs["qwen3"]), device="cuda", dtype="float32", max_model_len=256,
                                      max_num_seqs=16, num_kv_blocks=512).generate(LOOPING, params, use_tqdm=False)]

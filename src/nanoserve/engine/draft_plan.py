@@ -47,12 +47,12 @@ class VerifyCost:
     group: int = 1
 
     def __call__(self, rows: np.ndarray, seqs: int) -> np.ndarray:
-        rows = np.asarray(rows, np.float64)
         apart = np.asarray(self.apart(rows), np.float64)
         if self.grouped is None or self.group <= 1:
             return apart
-        fewest = np.ceil(rows / self.group)  # the sequences of the grouped probe of as many rows
-        share = np.clip((seqs - fewest) / np.maximum(rows - fewest, 1.0), 0.0, 1.0)
+        r = np.asarray(rows, np.float64)
+        fewest = np.ceil(r / self.group)  # the sequences of the grouped probe of as many rows
+        share = np.clip((seqs - fewest) / np.maximum(r - fewest, 1.0), 0.0, 1.0)
         grouped = np.asarray(self.grouped(rows), np.float64)
         return grouped + share * (apart - grouped)
 

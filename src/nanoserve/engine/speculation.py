@@ -31,6 +31,7 @@ from nanoserve.engine.draft_plan import VerifyCost, acceptance_rate, found_rate,
 from nanoserve.engine.drafts import make_proposer
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.runner.speculative import DEVICE_DRAFT, accepted_count
+from nanoserve.runner.startup.bucket_plan import StepCurve
 from nanoserve.speculative_config import SHADOW_DRAFTS_PER_STEP, SpeculativeConfig
 
 
@@ -46,9 +47,13 @@ class Speculator:
         # a draft model proposes on the device only (runner/draft_model.py): the host just says how many
         self.proposer = make_proposer(spec) if spec.method != "draft_model" else None
         planned = spec.adaptive and step_curve is not None and token_curve is not None
-        self._curves = (step_curve, token_curve) if planned else None
-        apart = draft_curve if draft_curve is not None else step_curve
-        self._verify = VerifyCost(apart, verify_curve, 1 + spec.num_speculative_tokens) if apart is not None else None
+        # (looked up per row count: the plan runs every step; a step has at most max_decode_rows × (1 + k) rows)
+        upto = max_decode_rows * (1 + spec.num_speculative_tokens)
+        table = lambda curve: curve.tabulated(upto) if isinstance(curve, StepCurve) else curve  # noqa: E731
+        self._curves = (table(step_curve), table(token_curve)) if planned else None
+        apart = table(draft_curve if draft_curve is not None else step_curve)
+        self._verify = (VerifyCost(apart, table(verify_curve), 1 + spec.num_speculative_tokens)
+                        if apart is not None else None)
         # host drafts' back-off (worth_waiting): per request, its proposer's (found, asked) counts, and the shadow
         # draft proposed while backed off that its next tokens are checked against ([drafts, matched so far])
         self.backed_off = False

@@ -117,6 +117,16 @@ class StepCurve:
             out = np.where(r > xs[-1], ys[-1] + slope * (r - xs[-1]), out)
         return out
 
+    def tabulated(self, upto: int) -> StepTime:
+        """The same curve as a lookup over whole row counts 0..upto (beyond: computed): the draft plan evaluates
+        curves every step, where np.interp's set-up costs more than the plan's own arithmetic."""
+        table = np.asarray(self(np.arange(upto + 1)), np.float64)
+
+        def ms(rows):
+            r = np.asarray(rows)
+            return table[r] if r.dtype.kind in "iu" and r.size and 0 <= r.min() and r.max() <= upto else self(r)
+        return ms
+
     def capture_seconds_for(self, sizes: Iterable[int]) -> float:
         """Seconds to warm up and capture the sizes, largest first."""
         return _set_cost(sizes, self.capture_seconds, self.extra_capture_seconds)

@@ -29,24 +29,27 @@ class Probes:
 
     def load_decode(self, rows: int, context: int | None = None) -> None:
         """A decode batch of `rows` real rows over disjoint blocks, with fresh random input tokens."""
+        longest = self._longest_context()
         c = self.config
-        per_row = self.num_kv_blocks // max(c.max_num_seqs, 1)
-        longest = max(1, min(PROBE_CONTEXT, per_row * c.block_size, c.max_model_len))
-        batch, tables = disjoint_decode_batch(rows, min(context or longest, longest), c.block_size,
-                                              self.num_kv_blocks)
-        self.buffers.state.write_tables(batch.slots, tables)
-        self.buffers.state.last_tokens[:rows].random_(0, self.vocab_size, generator=self.rng)
-        self.buffers.decode_forward.load(batch, rows)
+        self._load(rows, *disjoint_decode_batch(rows, min(context or longest, longest), c.block_size,
+                                                self.num_kv_blocks))
 
     def load_verify(self, rows: int) -> None:
         """load_decode's rows as verifications: runs of 1 + num_speculative_tokens rows share a sequence (its last
         token, then drafts), as the engine batches a sequence that verifies drafts (the attention reads them as one
         group)."""
         c = self.config
+        self._load(rows, *disjoint_verify_batch(rows, self.buffers.decode_forward.seq_rows, self._longest_context(),
+                                                c.block_size, self.num_kv_blocks))
+
+    def _longest_context(self) -> int:
+        """A probe row's context: PROBE_CONTEXT, within each sequence's share of the cache and max_model_len."""
+        c = self.config
         per_row = self.num_kv_blocks // max(c.max_num_seqs, 1)
-        longest = max(1, min(PROBE_CONTEXT, per_row * c.block_size, c.max_model_len))
-        batch, tables = disjoint_verify_batch(rows, self.buffers.decode_forward.seq_rows, longest, c.block_size,
-                                              self.num_kv_blocks)
+        return max(1, min(PROBE_CONTEXT, per_row * c.block_size, c.max_model_len))
+
+    def _load(self, rows: int, batch, tables: np.ndarray) -> None:
+        """A probe batch into the decode inputs: its slots' tables (slots 0..len(tables)-1), random last tokens."""
         self.buffers.state.write_tables(np.arange(len(tables), dtype=np.int32), tables)
         self.buffers.state.last_tokens[:rows].random_(0, self.vocab_size, generator=self.rng)
         self.buffers.decode_forward.load(batch, rows)

@@ -37,8 +37,9 @@ def bench(capsys, *args) -> tuple[dict, str]:
     out = capsys.readouterr  # flush what came before
     out()
     code = main(["bench", *args])
-    printed = out().out
-    assert code == 0, printed
+    captured = out()
+    printed = captured.out
+    assert code == 0, printed + captured.err  # (argparse and usage errors go to stderr)
     path = args[args.index("--output-json") + 1]
     return json.loads(open(path).read()), printed
 

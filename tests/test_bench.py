@@ -187,6 +187,6 @@ def test_latency_profile_on_the_gpu(tiny_model_dirs, tmp_path, capsys):
     # (a fixed cache: sized from free memory it may not hold max_model_len beside other GPU workers: exit 2, twice)
     record, printed = bench(capsys, "latency", "--model", str(tiny_model_dirs["qwen3"]), "--batch-size", "2",
                             "--input-len", "8", "--output-len", "4", "--num-iters", "2", "--num-iters-warmup", "1",
-                            "--max-model-len", "256", "--num-kv-blocks", "64", "--profile",
+                            "--max-model-len", "256", "--num-kv-blocks", "256", "--profile",
                             "--output-json", str(tmp_path / "p.json"))
     assert record["profile"]["kernels"] > 0 and "attention" in printed

@@ -11,7 +11,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
-from nanoserve.engine.draft_plan import VerifyCost, plan_drafts
+from nanoserve.engine.draft_plan import StepCosts, VerifyCost, choose_drafts, plan_drafts
 from nanoserve.kernels.paging import kv_slots
 from nanoserve.kernels.verify import store_samples_ref
 from nanoserve.runner.batch import disjoint_verify_batch
@@ -194,6 +194,40 @@ def test_plan_drafts_follows_the_costs():
     assert plan_drafts([], [], flat, flat) == []
 
 
+def test_single_stream_plan_equals_the_rule():
+    """b = 1 takes a plain-Python path (numpy's set-up cost more than the arithmetic): the rule's choice, the n with
+    the most expected tokens (1 + Σ_j≤n w·α^j) per ms, over random rates, prices, host times and weights."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        length, rate, weight = int(rng.integers(1, 9)), float(rng.uniform(0.0, 1.0)), float(rng.uniform(0.05, 1.0))
+        slope, host = float(rng.uniform(0.0, 0.4)), [None, float(rng.uniform(0.0, 2.0))][int(rng.integers(2))]
+        costs = StepCosts(lambda r, s=slope: 1.0 + s * (np.asarray(r) - 1.0) ** 1.2, lambda t: 0.5 + 0.3 * np.asarray(t),
+                          max_decode_rows=int(rng.integers(1, 10)))
+        priced = np.array(costs(1, length))
+        if host is not None:
+            priced[0], priced[1:] = max(priced[0], host), priced[1:] + host
+        expected = 1.0 + np.concatenate([[0.0], np.cumsum(weight * rate ** np.arange(1, length + 1))])
+        want = int(np.argmax(expected / priced))
+        assert choose_drafts([length], [rate], costs(1, length), host, [weight]) == [want]
+        assert plan_drafts([length], [rate], costs.decode_ms, costs.tokens_ms, costs.max_decode_rows, None, host,
+                           [weight]) == [want]
+
+
+def test_step_costs_are_kept_per_batch_and_drafts():
+    calls = []
+    flat = lambda rows: (calls.append(1), 1.0 + 0.0 * np.asarray(rows))[1]  # noqa: E731
+    costs = StepCosts(flat, flat, max_decode_rows=8)
+    first = costs(2, 6)
+    assert costs(2, 6) is first and not first.flags.writeable and len(first) == 7
+    made = len(calls)
+    costs(2, 6)
+    assert len(calls) == made  # looked up, not priced again
+    assert costs(3, 6) is not first
+    assert choose_drafts([4, 2], [0.9, 0.9], first, host_ms=0.5) == plan_drafts([4, 2], [0.9, 0.9], flat, flat, 8,
+                                                                             host_ms=0.5)
+    assert first[0] == 1.0  # host_ms priced on a copy
+
+
 @pytest.mark.parametrize("value, message", [
     ('{"method": "eagle"}', "method must be one of"), ('{"method": "ngram"}', "needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
@@ -349,7 +383,7 @@ def test_host_drafts_back_off_when_waiting_does_not_pay(tiny_model_dirs):
     flat = lambda rows: 1.0 + 0.0 * rows  # noqa: E731
     llm = LLM(path, speculative_config=SUFFIX, **OPTIONS)
     spec = llm.engine.core._speculator
-    spec._curves = (dear, dear)
+    spec._costs = StepCosts(dear, dear, spec.max_decode_rows)
     _pin_host_ms(spec, 0.01)
     tokens, overlapped = _drive_watched(llm, LOOPING, params)
     assert tokens == base and overlapped > 0
@@ -358,10 +392,10 @@ def test_host_drafts_back_off_when_waiting_does_not_pay(tiny_model_dirs):
 
     def cheapen(i):
         if i == 12:
-            spec._curves = (flat, flat)
+            spec._costs = StepCosts(flat, flat, spec.max_decode_rows)
     llm2 = LLM(path, speculative_config=SUFFIX, **OPTIONS)
     spec = llm2.engine.core._speculator
-    spec._curves = (dear, dear)
+    spec._costs = StepCosts(dear, dear, spec.max_decode_rows)
     _pin_host_ms(spec, 0.01)
     shadowed = []
     original = spec._check_shadow

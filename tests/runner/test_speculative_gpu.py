@@ -122,7 +122,7 @@ def test_verification_curve_measured_at_start_up(tiny_model_dirs):
     info = llm.engine.core.info
     assert info.step_curve is not None and info.verify_curve is not None
     assert max(info.verify_curve.rows) == 16 and min(info.verify_curve.ms) > 0
-    cost = llm.engine.core._speculator._verify
+    cost = llm.engine.core._speculator._costs.verify
     rows = np.arange(1, 17)
     assert np.allclose(cost.grouped(rows), info.verify_curve(rows))
     assert cost.group == 1 + NGRAM["num_speculative_tokens"]

@@ -57,39 +57,87 @@ class VerifyCost:
         return grouped + share * (apart - grouped)
 
 
+class StepCosts:
+    """The plan's price list: ms of a step of b sequences that verifies n = 0..N drafts in all (decode_ms: rows → ms
+    of a decode step; tokens_ms: tokens → ms of a token-count step; a step of up to max_decode_rows rows verifies as
+    decode rows, a larger one as a token-count step; verify: what a decode step that verifies drafts costs,
+    VerifyCost, None: as many plain rows). Depends on (b, N) only, so it is kept per (b, N): the plan runs every
+    step, and at b = 1 the curve lookups cost more than the choice itself."""
+
+    MAX_KEPT = 4096  # (b, N) price lists kept; beyond, the cache starts over
+
+    def __init__(self, decode_ms: StepTime, tokens_ms: StepTime, max_decode_rows: int = 0,
+                 verify: VerifyCost | None = None):
+        self.decode_ms, self.tokens_ms, self.max_decode_rows, self.verify = decode_ms, tokens_ms, max_decode_rows, verify
+        self._kept: dict[tuple[int, int], np.ndarray] = {}
+
+    def __call__(self, b: int, n_max: int) -> np.ndarray:
+        """[n_max + 1] ms: the step that verifies n drafts, n = 0..n_max (read-only: shared between steps)."""
+        costs = self._kept.get((b, n_max))
+        if costs is None:
+            if len(self._kept) >= self.MAX_KEPT:
+                self._kept.clear()
+            costs = self._kept[b, n_max] = self._priced(b, n_max)
+            costs.flags.writeable = False
+        return costs
+
+    def _priced(self, b: int, n_max: int) -> np.ndarray:
+        n = np.arange(n_max + 1)
+        rows = b + n
+        as_decode = rows <= max(self.max_decode_rows, b)
+        cost = np.asarray(self.tokens_ms(rows), np.float64).copy()
+        cost[as_decode] = np.asarray(self.decode_ms(rows[as_decode]), np.float64)
+        if self.verify is not None:
+            drafting = as_decode & (n > 0)
+            cost[drafting] = self.verify(rows[drafting], b)
+        return cost
+
+
 def plan_drafts(lengths: list[int], rates: list[float], decode_ms: StepTime, tokens_ms: StepTime,
                 max_decode_rows: int = 0, verify: VerifyCost | None = None, host_ms: float | None = None,
                 weights: list[float] | None = None) -> list[int]:
     """Per sequence, how many of its offered drafts (lengths[i]) to verify, given acceptance rates and the measured
-    step times (decode_ms: rows → ms of a decode step; tokens_ms: tokens → ms of a token-count step): a step of up
-    to max_decode_rows tokens verifies as decode rows, a larger one as a token-count step. verify: what a decode
-    step that verifies drafts costs (VerifyCost; None: as many plain rows).
-    host_ms: the host's time a step, when drafting means waiting for it (host drafts need every token first): a plain
-    step then costs max(device, host) (the loop overlaps them), a verifying one device + host. weights: per sequence,
-    the chance its proposer finds a draft at all (each draft's worth is scaled by it)."""
+    step times (StepCosts' arguments, priced for this step alone: the engine keeps a StepCosts and calls
+    choose_drafts)."""
+    costs = StepCosts(decode_ms, tokens_ms, max_decode_rows, verify)
+    return choose_drafts(lengths, rates, costs(len(lengths), sum(lengths)), host_ms, weights)
+
+
+def choose_drafts(lengths: list[int], rates: list[float], costs: np.ndarray, host_ms: float | None = None,
+                  weights: list[float] | None = None) -> list[int]:
+    """The plan at the price list costs (StepCosts(b, sum(lengths))). host_ms: the host's time a step, when drafting
+    means waiting for it (host drafts need every token first): a plain step then costs max(device, host) (the loop
+    overlaps them), a verifying one device + host. weights: per sequence, the chance its proposer finds a draft at
+    all (each draft's worth is scaled by it)."""
     b = len(lengths)
-    owner = np.repeat(np.arange(b), lengths)
-    if not len(owner):
+    if not sum(lengths):
         return [0] * b
+    if host_ms is not None:
+        costs = costs.copy()
+        costs[0] = max(costs[0], host_ms)
+        costs[1:] += host_ms
+    if b == 1:
+        return [_single(lengths[0], rates[0], costs, 1.0 if weights is None else weights[0])]
+    owner = np.repeat(np.arange(b), lengths)
     position = np.arange(len(owner)) - np.repeat(np.cumsum(lengths) - lengths, lengths) + 1
     value = np.asarray(rates, np.float64)[owner] ** position
     if weights is not None:
         value = value * np.asarray(weights, np.float64)[owner]
     order = np.lexsort((position, owner, -value))  # best first; ties: earlier sequence, earlier position
     expected = b + np.concatenate([[0.0], np.cumsum(value[order])])
-    n = np.arange(len(order) + 1)
-    rows = b + n
-    as_decode = rows <= max(max_decode_rows, b)
-    cost = np.asarray(tokens_ms(rows), np.float64)
-    cost[as_decode] = np.asarray(decode_ms(rows[as_decode]), np.float64)
-    if verify is not None:
-        drafting = as_decode & (n > 0)
-        cost[drafting] = verify(rows[drafting], b)
-    if host_ms is not None:
-        cost[0] = max(cost[0], host_ms)
-        cost[1:] += host_ms
-    best = int(np.argmax(expected / cost))
+    best = int(np.argmax(expected / costs))
     return np.bincount(owner[order[:best]], minlength=b).tolist()
 
 
-__all__ = ["VerifyCost", "acceptance_rate", "found_rate", "plan_drafts"]
+def _single(length: int, rate: float, costs: np.ndarray, weight: float) -> int:
+    """One sequence (a single stream, every step): its drafts in order of position (α^j falls with j), in Python,
+    where numpy's per-call set-up would cost more than the arithmetic."""
+    best_n, best, expected = 0, 1.0 / float(costs[0]), 1.0
+    for n, cost in enumerate(costs[1:length + 1].tolist(), start=1):
+        expected += rate ** n * weight
+        if expected / cost > best:
+            best_n, best = n, expected / cost
+    return best_n
+
+
+__all__ = ["StepCosts", "VerifyCost", "acceptance_rate", "found_rate", "choose_drafts", "plan_drafts"]

@@ -2,7 +2,7 @@
 tokens a sequence keeps, and the counters /metrics and the benchmarks read.
 
 Before scheduling, every decoding sequence is offered the drafts its proposer (engine/drafts.py) continues it with,
-as many as draft_plan.plan_drafts finds worth their cost (all of them, up to num_speculative_tokens, when the step
+as many as draft_plan.choose_drafts finds worth their cost (all of them, up to num_speculative_tokens, when the step
 curves were not measured or "adaptive" is off); the scheduler runs a sequence's last token and its drafts as
 consecutive decode rows of its slot (a batch-size graph), or as one row of a token-count step when prompts ride
 along or the rows outnumber the largest decode batch. After the step, the sequence keeps its samples up to the first that differs from its draft
@@ -27,7 +27,7 @@ engine/grammar.py); a draft model then drafts for nobody.
 """
 from __future__ import annotations
 
-from nanoserve.engine.draft_plan import VerifyCost, acceptance_rate, found_rate, plan_drafts
+from nanoserve.engine.draft_plan import StepCosts, VerifyCost, acceptance_rate, choose_drafts, found_rate
 from nanoserve.engine.drafts import make_proposer
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.runner.speculative import DEVICE_DRAFT, accepted_count
@@ -50,10 +50,10 @@ class Speculator:
         # (looked up per row count: the plan runs every step; a step has at most max_decode_rows × (1 + k) rows)
         upto = max_decode_rows * (1 + spec.num_speculative_tokens)
         table = lambda curve: curve.tabulated(upto) if isinstance(curve, StepCurve) else curve  # noqa: E731
-        self._curves = (table(step_curve), table(token_curve)) if planned else None
         apart = table(draft_curve if draft_curve is not None else step_curve)
-        self._verify = (VerifyCost(apart, table(verify_curve), 1 + spec.num_speculative_tokens)
-                        if apart is not None else None)
+        verify = VerifyCost(apart, table(verify_curve), 1 + spec.num_speculative_tokens) if apart is not None else None
+        self._costs = (StepCosts(table(step_curve), table(token_curve), max_decode_rows, verify)
+                       if planned else None)
         # host drafts' back-off (worth_waiting): per request, its proposer's (found, asked) counts, and the shadow
         # draft proposed while backed off that its next tokens are checked against ([drafts, matched so far])
         self.backed_off = False
@@ -82,7 +82,7 @@ class Speculator:
         without measured curves or host time). While it says no, the sequences are backed off: they decode in the
         asynchronous loop and their acceptance keeps being measured against shadow drafts (extend), so drafting
         resumes when it pays again."""
-        if (self.on_device and not host) or self._curves is None or host_ms is None:
+        if (self.on_device and not host) or self._costs is None or host_ms is None:
             self.backed_off = False
             return True
         rows = [s for s in running if s.decoding and not s.is_finished]
@@ -90,7 +90,7 @@ class Speculator:
         lengths = [min(k, s.draft_room(self.max_model_len)) for s in rows]
         rates = [acceptance_rate(s.num_accepted, s.num_drafted) for s in rows]
         found = [found_rate(*self._found.get(s.request_id, (0, 0))) for s in rows]
-        keep = plan_drafts(lengths, rates, *self._curves, self.max_decode_rows, self._verify, host_ms, found)
+        keep = choose_drafts(lengths, rates, self._costs(len(lengths), sum(lengths)), host_ms, found)
         self.backed_off = not any(keep)
         self._turn += 1
         self._shadow_every = -(-len(rows) // SHADOW_DRAFTS_PER_STEP) or 1
@@ -114,9 +114,10 @@ class Speculator:
                        for s in rows]
         else:
             offered = [self._propose(s, min(k, s.draft_room(self.max_model_len))) for s in rows]
-        if self._curves is not None and any(offered):
+        if self._costs is not None and any(offered):
             rates = [acceptance_rate(s.num_accepted, s.num_drafted) for s in rows]
-            keep = plan_drafts([len(d) for d in offered], rates, *self._curves, self.max_decode_rows, self._verify)
+            lengths = [len(d) for d in offered]
+            keep = choose_drafts(lengths, rates, self._costs(len(lengths), sum(lengths)))
             offered = [d[:n] for d, n in zip(offered, keep)]
         if on_device or self.proposer is None:
             offered = self._device_drafts(offered, self.max_decode_rows - len(rows))

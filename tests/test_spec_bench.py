@@ -19,7 +19,7 @@ from benchmarks import spec_workloads, speculative, speculative_serve  # noqa: E
 PROMPTS = [{"source": "test", "messages": [{"role": "user", "content": "Repeat: the cat sat on the mat, the cat."}]},
            {"source": "test", "messages": [{"role": "user", "content": "Tell me a story."}]}]
 RECORD_FIELDS = {"prompts", "prompt_tokens", "output_tokens", "seconds", "output_tok_s", "per_prompt", "stats",
-                 "speculation", "first_output_text", "mismatches", "identical_to_none", "tok_s_vs_none"}
+                 "speculation", "first_output_text", "mismatches", "identical_to_none", "tok_s_vs_none", "loop"}
 SPECULATION_FIELDS = {"method", "num_drafts", "draft_tokens", "accepted_tokens", "acceptance_rate",
                       "mean_accepted_length", "accepted_per_position"}
 
@@ -68,6 +68,9 @@ def test_main_on_a_tiny_model_writes_the_fields_and_identical_outputs(tmp_path, 
         assert RECORD_FIELDS <= set(rec) and rec["prompts"] == 2 and len(rec["per_prompt"]["tok_s"]) == 2
         assert rec["identical_to_none"] and rec["mismatches"] == []
         assert rec["stats"]["generation_tokens"] == rec["output_tokens"] > 0
+        loop = rec["loop"]  # the engine's own host counters: its work and its waits fit in the timed seconds
+        assert loop["steps"] > 0 and 0 < loop["host_busy_us_per_step"]
+        assert loop["host_busy_us_per_step"] + loop["host_wait_us_per_step"] <= loop["wall_us_per_step"]
         if method == "none":
             assert rec["speculation"] is None
         else:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from nanoserve.engine.pipeline import InFlight, StepPipeline
+import time
+
+from nanoserve.engine.pipeline import HostClock, InFlight, StepPipeline
 from nanoserve.engine.scheduler import ScheduledStep
 
 
@@ -41,3 +43,20 @@ def test_a_deferred_step_is_the_newest_and_its_sampler_waits_for_the_steps_befor
     p.launched(_step("h3"))  # the sampler launched: later steps may follow
     p.clear()
     assert not p.busy
+
+
+def test_the_host_clock_sums_a_steps_own_time_apart_from_its_waits():
+    """busy + wait is each step's wall time; only busy feeds the average the back-off prices."""
+    clock, wall = HostClock(), 0.0
+    for _ in range(3):
+        start = time.perf_counter()
+        clock.begin()
+        time.sleep(0.002)
+        with clock.waiting():
+            time.sleep(0.004)
+        clock.end()
+        wall += time.perf_counter() - start
+    assert clock.busy_s + clock.wait_s <= wall
+    assert 3 * 0.002 <= clock.busy_s < clock.wait_s
+    assert 3 * 0.004 <= clock.wait_s
+    assert 2 <= clock.ms < 1e3 * clock.busy_s

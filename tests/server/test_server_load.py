@@ -139,6 +139,8 @@ def test_metrics_count_what_happened(live):
     assert delta("nanoserve_decode_steps_total", mode="graph") + delta("nanoserve_decode_steps_total",
                                                                        mode="eager") == 9
     assert delta("nanoserve_padding_rows_total") == 0  # CPU: no graphs, no padding
+    assert delta("nanoserve_engine_loop_seconds_total", part="busy") > 0  # the loop's own work in those steps
+    assert delta("nanoserve_engine_loop_seconds_total", part="wait") >= 0
     for gauge in ("nanoserve_num_requests_running", "nanoserve_num_requests_waiting", "nanoserve_kv_cache_usage",
                   "nanoserve_kv_cache_blocks_used"):
         assert live.metric(after, gauge) == 0, gauge

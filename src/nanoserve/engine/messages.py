@@ -62,6 +62,9 @@ class EngineStats(msgspec.Struct):
     kv_cache_dtype: str = ""  # the KV cache as the runner allocated it (RunnerInfo): element type, fp8 scale design
     kv_cache_scales: str | None = None
     kv_block_bytes: int = 0
+    # the engine loop's time in the steps it launched: its own work, and waiting for sampled tokens (HostClock)
+    host_busy_seconds: float = 0.0
+    host_wait_seconds: float = 0.0
     # speculative decoding (speculative_config): its method, the sequences that verified drafts (a row per step),
     # the drafts proposed and accepted, and acceptances by draft position (index j: drafts accepted at position j)
     spec_method: str | None = None

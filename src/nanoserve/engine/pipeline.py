@@ -105,12 +105,15 @@ class StepPipeline:
 
 class HostClock:
     """The host's own time a step (step() minus its waits for sampled tokens), as an exponential average: what the
-    device idles for when the loop waits for the host (engine/speculation.Speculator.worth_waiting)."""
+    device idles for when the loop waits for the host (engine/speculation.Speculator.worth_waiting); and both shares
+    summed over the steps (/metrics, benchmarks: a loop whose own time a step nears the step's wall time keeps the
+    device waiting)."""
 
     WEIGHT = 0.2  # each step's share of the average
 
     def __init__(self):
         self.ms: float | None = None
+        self.busy_s = self.wait_s = 0.0  # totals over the steps launched
         self._began = self._waited = 0.0
 
     def begin(self) -> None:
@@ -125,7 +128,10 @@ class HostClock:
             self._waited += time.perf_counter() - start
 
     def end(self) -> None:
-        ms = (time.perf_counter() - self._began - self._waited) * 1e3
+        busy = time.perf_counter() - self._began - self._waited
+        self.busy_s += busy
+        self.wait_s += self._waited
+        ms = busy * 1e3
         self.ms = ms if self.ms is None else (1 - self.WEIGHT) * self.ms + self.WEIGHT * ms
 
 

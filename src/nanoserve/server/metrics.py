@@ -57,6 +57,11 @@ class _EngineCollector:
         prefill.add_metric(["graph"], s.prefill_steps_graph)
         prefill.add_metric(["eager"], s.prefill_steps_eager)
         yield prefill
+        loop = CounterMetricFamily("nanoserve_engine_loop_seconds", "The engine loop's time in the steps it launched: "
+                                   "its own work (busy) and waiting for sampled tokens (wait)", labels=["part"])
+        loop.add_metric(["busy"], s.host_busy_seconds)
+        loop.add_metric(["wait"], s.host_wait_seconds)
+        yield loop
         if s.spec_method is not None:
             yield from _speculation(s)
 

@@ -406,7 +406,11 @@ GEMV_CANDIDATES = {  # (tiles of 512 or 256 along K divide hidden 2560 and 3072;
     # one-row table tile, whose rows then equal one-row decode's to the bit; 8x1024 spills) against the 8-row dots
     5: ["dot 64x128 w4 st4 p0", "dot 64x64 w4 st4 p2", "fmaw 4x1024 w4 st3 p0",
         "fmaw 4x512 w4 st3 p0", "fmaw 2x1024 w4 st3 p0", "fmaw 4x256 w4 st4 p0", "fmaw 2x512 w4 st4 p0",
-        "fmaw 8x256 w4 st4 p0", "cublas"],
+        "fmaw 8x256 w4 st4 p0", "cublas",
+        # unsplit dots with more programs (narrow N tiles) and K tiles that divide SmolLM2's hidden 576 (9 x 64)
+        "dot 16x64 w4 st4 p0", "dot 32x64 w4 st4 p0", "dot 64x64 w4 st4 p0", "dot 16x128 w4 st4 p0",
+        "dot 32x128 w4 st4 p0", "dot 16x256 w4 st4 p0", "dot 32x256 w4 st3 p0", "dot 16x128 w2 st4 p0",
+        "dot 32x64 w2 st4 p0", "dot 64x128 w4 st4 p1"],
     16: ["dot 64x128 w4 st4 p0", "dot 64x128 w4 st4 p1", "dot 64x128 w4 st4 p2", "dot 32x256 w4 st3 p1",
          "dot 32x256 w4 st3 p2", "dot 16x512 w4 st3 p2", "dot 32x128 w4 st4 p2", "dot 64x64 w4 st4 p2",
          "dot 128x128 w8 st3 p1", "dot 64x256 w4 st3 p1", "cublas", "dot 32x128 w4 st4 p1",

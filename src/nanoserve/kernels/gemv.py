@@ -274,6 +274,10 @@ GEMV_SHAPES: dict[tuple[int, int, int], tuple[str, str]] = {
     # 4.536 ms a step (benchmarks/results/gemv_rows8_llama_8e522b3_h200.json: `decode_floor.py model --models
     # llama-3.1-8b --gemv-rows 8`; no other product gained).
     (8, 28672, 4096): ('dot 64x128 w4 st4 p0', TRITON),
+    # SmolLM2-135M's down projection at 5 rows (its b = 1 verification of 4 drafts): the unsplit tile over the size
+    # rule's split one, 0.696 -> 0.638 ms the step (benchmarks/results/gemv_rows5_smollm2_8eb6148_h200.json:
+    # `decode_floor.py model --models smollm2-135m --gemv-rows 5`; its other products keep the rule's tile)
+    (8, 576, 1536): ('dot 64x128 w4 st4 p0', TRITON),
 }
 
 

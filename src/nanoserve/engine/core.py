@@ -396,6 +396,5 @@ class EngineCore:
             prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             kv_cache_dtype=self.info.kv_cache_dtype, kv_cache_scales=self.info.kv_cache_scales,
             kv_block_bytes=self.info.kv_block_bytes,
-            host_busy_seconds=self._host.busy_s, host_wait_seconds=self._host.wait_s,
-            **(self._speculator.stats() if self._speculator is not None else {}),
+            **self._host.totals(), **(self._speculator.stats() if self._speculator is not None else {}),
             **vars(self.counters))  # the runner's steps by how they ran, its padding (RunnerCounters)

@@ -127,6 +127,10 @@ class HostClock:
         finally:
             self._waited += time.perf_counter() - start
 
+    def totals(self) -> dict[str, float]:
+        """The EngineStats fields of the loop's time."""
+        return {"host_busy_seconds": self.busy_s, "host_wait_seconds": self.wait_s}
+
     def end(self) -> None:
         busy = time.perf_counter() - self._began - self._waited
         self.busy_s += busy

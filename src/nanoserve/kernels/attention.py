@@ -105,7 +105,7 @@ MAX_BLOCK_N_FP8 = 128
 DECODE_LANES = 16
 DECODE_LANES_ROWS = 4
 DECODE_LANES_WARPS = 4
-DECODE_LANES_MAX_GROUP = 8
+DECODE_LANES_MAX_GROUP = 4
 PREFILL_NUM_STAGES = 3  # Triton's default on sm_90
 PREFILL_NUM_STAGES_FP8 = 1  # as decode's: an fp8 cache's tiles are widened in registers, not pipelined
 
@@ -473,12 +473,15 @@ def _lanes_merge(m_i, l_i, acc):
 
 
 @jit
-def _lanes_load(k_ptr, v_ptr, at, dims, ok, dim_ok):
-    """The K and V rows at offsets `at` [1, ROWS, LANES] (zero where not ok) as fp32 [1, ROWS, LANES, D]."""
-    ptrs = at[:, :, :, None] + dims
-    mask = ok[:, :, :, None] & dim_ok
-    return (tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32),
-            tl.load(v_ptr + ptrs, mask=mask, other=0.0).to(tl.float32))
+def _lanes_load(k_ptr, v_ptr, at, dims, ok, dim_ok, ROWS: tl.constexpr, LANES: tl.constexpr):
+    """The K and V rows at offsets `at` [ROWS * LANES] (zero where not ok) as fp32 [1, ROWS, LANES, D], key r * LANES
+    + l at (r, l). Loaded as 2-d tiles, whose layout every Triton version lays out alike (threads along head_dim, then
+    along keys, rows of a thread LANES keys apart), then reshaped, which moves nothing: the rows are the registers."""
+    ptrs = at[:, None] + dims[None, :]
+    mask = ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    return tl.reshape(k, [1, ROWS, LANES, k.shape[1]]), tl.reshape(v, [1, ROWS, LANES, v.shape[1]])
 
 
 @jit
@@ -517,18 +520,26 @@ def _decode_lanes_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         dim_ok = dims < HEAD_DIM
         q = tl.load(q_ptr + seq * stride_qb + heads * stride_qh + dims, mask=head_ok & dim_ok, other=0.0)
         q = q.to(tl.float32)
+        flat_dims = tl.arange(0, BLOCK_D)
+        flat_dim_ok = flat_dims < HEAD_DIM
         tile = (tl.arange(0, ROWS)[:, None] * LANES + tl.arange(0, LANES)[None, :])[None, :, :]
+        flat_tile = tl.arange(0, ROWS * LANES)  # the same keys in the loads' order
         m_i = tl.full([BLOCK_G, 1, LANES, 1], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G, 1, LANES, 1], tl.float32)
         acc = tl.zeros([BLOCK_G, 1, LANES, BLOCK_D], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         for start in range(part_start, part_end, ROWS * LANES):
-            keys = tl.multiple_of(start, ROWS * LANES) + tile
+            start = tl.multiple_of(start, ROWS * LANES)
+            flat_keys = start + flat_tile
+            flat_ok = (flat_keys >= window_start) & (flat_keys < part_end)
+            flat_ids = tl.load(table + flat_keys // BLOCK_SIZE, mask=flat_ok, other=0).to(tl.int64)
+            k, v = _lanes_load(k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
+                               flat_ids * stride_kb + (flat_keys % BLOCK_SIZE) * stride_kt, flat_dims, flat_ok,
+                               flat_dim_ok, ROWS, LANES)
+            keys = start + tile
             key_ok = (keys >= window_start) & (keys < part_end)
             block_ids = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
             offsets = keys % BLOCK_SIZE
-            k, v = _lanes_load(k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
-                               block_ids * stride_kb + offsets * stride_kt, dims, key_ok, dim_ok)
             scale_at = block_ids * stride_sb + offsets * stride_st + kv_head * stride_sh
             k_scale = tl.load(ks_ptr + scale_at, mask=key_ok, other=0.0).to(tl.float32)[:, :, :, None]
             v_scale = tl.load(vs_ptr + scale_at, mask=key_ok, other=0.0).to(tl.float32)[:, :, :, None]
@@ -536,11 +547,13 @@ def _decode_lanes_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                                         cap_scale, SOFTCAP)
         if TAIL:
             if split == 0:  # the own block's keys [split_end, context_len) in the window, exact, from the tail rows
+                flat_keys = split_end + tl.arange(0, TAIL_ROWS * LANES)
+                flat_ok = (flat_keys >= window_start) & (flat_keys < context_len)
+                at = tail_row_tl(tl.load(slots_ptr + seq).to(tl.int64), flat_keys, BLOCK_SIZE) * stride_tail_row
+                k, v = _lanes_load(k_tail_ptr + kv_head * stride_tail_h, v_tail_ptr + kv_head * stride_tail_h, at,
+                                   flat_dims, flat_ok, flat_dim_ok, TAIL_ROWS, LANES)
                 keys = split_end + (tl.arange(0, TAIL_ROWS)[:, None] * LANES + tl.arange(0, LANES)[None, :])[None]
                 key_ok = (keys >= window_start) & (keys < context_len)
-                at = tail_row_tl(tl.load(slots_ptr + seq).to(tl.int64), keys, BLOCK_SIZE) * stride_tail_row
-                k, v = _lanes_load(k_tail_ptr + kv_head * stride_tail_h, v_tail_ptr + kv_head * stride_tail_h, at,
-                                   dims, key_ok, dim_ok)
                 ones = tl.full([1, TAIL_ROWS, LANES, 1], 1.0, tl.float32)
                 m_i, l_i, acc = _lanes_fold(q, m_i, l_i, acc, k, v, key_ok[:, :, :, None], ones, ones, qk_scale,
                                             cap_scale, SOFTCAP)

@@ -106,6 +106,7 @@ DECODE_LANES = 16
 DECODE_LANES_ROWS = 4
 DECODE_LANES_WARPS = 4
 DECODE_LANES_MAX_GROUP = 4
+DECODE_LANES_PREFETCH = False
 PREFILL_NUM_STAGES = 3  # Triton's default on sm_90
 PREFILL_NUM_STAGES_FP8 = 1  # as decode's: an fp8 cache's tiles are widened in registers, not pipelined
 
@@ -473,15 +474,30 @@ def _lanes_merge(m_i, l_i, acc):
 
 
 @jit
-def _lanes_load(k_ptr, v_ptr, at, dims, ok, dim_ok, ROWS: tl.constexpr, LANES: tl.constexpr):
-    """The K and V rows at offsets `at` [ROWS * LANES] (zero where not ok) as fp32 [1, ROWS, LANES, D], key r * LANES
-    + l at (r, l). Loaded as 2-d tiles, whose layout every Triton version lays out alike (threads along head_dim, then
-    along keys, rows of a thread LANES keys apart), then reshaped, which moves nothing: the rows are the registers."""
+def _lanes_raw(k_ptr, v_ptr, at, dims, ok, dim_ok):
+    """The K and V rows at offsets `at` [ROWS * LANES] as stored (zero where not ok), [ROWS * LANES, D]: 2-d tiles,
+    which every Triton version lays out alike (threads along head_dim, then along keys; a thread's rows LANES keys
+    apart)."""
     ptrs = at[:, None] + dims[None, :]
     mask = ok[:, None] & dim_ok[None, :]
-    k = tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
-    return tl.reshape(k, [1, ROWS, LANES, k.shape[1]]), tl.reshape(v, [1, ROWS, LANES, v.shape[1]])
+    return tl.load(k_ptr + ptrs, mask=mask, other=0.0), tl.load(v_ptr + ptrs, mask=mask, other=0.0)
+
+
+@jit
+def _lanes_widen(k, v, ROWS: tl.constexpr, LANES: tl.constexpr):
+    """_lanes_raw's tiles as fp32 [1, ROWS, LANES, D], key r * LANES + l at (r, l): the reshape moves nothing, a
+    thread's rows are its registers."""
+    return (tl.reshape(k.to(tl.float32), [1, ROWS, LANES, k.shape[1]]),
+            tl.reshape(v.to(tl.float32), [1, ROWS, LANES, v.shape[1]]))
+
+
+@jit
+def _lanes_at(table, start, flat_tile, window_start, part_end, stride_b, stride_t, BLOCK_SIZE: tl.constexpr):
+    """(offsets of keys start + flat_tile in the cache without the head's, which of them to load)."""
+    keys = start + flat_tile
+    ok = (keys >= window_start) & (keys < part_end)
+    ids = tl.load(table + keys // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+    return ids * stride_b + (keys % BLOCK_SIZE) * stride_t, ok
 
 
 @jit
@@ -494,7 +510,7 @@ def _decode_lanes_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                          BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                          ROWS: tl.constexpr, LANES: tl.constexpr, SOFTCAP: tl.constexpr, USE_PDL: tl.constexpr,
-                         TAIL: tl.constexpr = False, TAIL_ROWS: tl.constexpr = 1):
+                         TAIL: tl.constexpr = False, TAIL_ROWS: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
     """Decode over an fp8 cache on the CUDA cores (one query row per sequence; _decode_kernel's grid, partitions and
     partials): a tile is [ROWS, LANES] keys of head_dim codes, widened to fp32 and multiplied with each of the
     GROUP heads' q in fp32; _lanes_fold keeps a softmax per lane, so no product goes through shared memory (the
@@ -528,14 +544,22 @@ def _decode_lanes_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         l_i = tl.zeros([BLOCK_G, 1, LANES, 1], tl.float32)
         acc = tl.zeros([BLOCK_G, 1, LANES, BLOCK_D], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        k_base = k_cache_ptr + kv_head * stride_kh
+        v_base = v_cache_ptr + kv_head * stride_vh
+        if PREFETCH:  # the next tile's bytes are loaded before this one's products
+            at, ok = _lanes_at(table, part_start, flat_tile, window_start, part_end, stride_kb, stride_kt, BLOCK_SIZE)
+            k_raw, v_raw = _lanes_raw(k_base, v_base, at, flat_dims, ok, flat_dim_ok)
         for start in range(part_start, part_end, ROWS * LANES):
             start = tl.multiple_of(start, ROWS * LANES)
-            flat_keys = start + flat_tile
-            flat_ok = (flat_keys >= window_start) & (flat_keys < part_end)
-            flat_ids = tl.load(table + flat_keys // BLOCK_SIZE, mask=flat_ok, other=0).to(tl.int64)
-            k, v = _lanes_load(k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
-                               flat_ids * stride_kb + (flat_keys % BLOCK_SIZE) * stride_kt, flat_dims, flat_ok,
-                               flat_dim_ok, ROWS, LANES)
+            if PREFETCH:
+                at, ok = _lanes_at(table, start + ROWS * LANES, flat_tile, window_start, part_end, stride_kb,
+                                   stride_kt, BLOCK_SIZE)
+                k_next, v_next = _lanes_raw(k_base, v_base, at, flat_dims, ok, flat_dim_ok)
+                k, v = _lanes_widen(k_raw, v_raw, ROWS, LANES)
+                k_raw, v_raw = k_next, v_next
+            else:
+                at, ok = _lanes_at(table, start, flat_tile, window_start, part_end, stride_kb, stride_kt, BLOCK_SIZE)
+                k, v = _lanes_widen(*_lanes_raw(k_base, v_base, at, flat_dims, ok, flat_dim_ok), ROWS, LANES)
             keys = start + tile
             key_ok = (keys >= window_start) & (keys < part_end)
             block_ids = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
@@ -550,8 +574,8 @@ def _decode_lanes_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                 flat_keys = split_end + tl.arange(0, TAIL_ROWS * LANES)
                 flat_ok = (flat_keys >= window_start) & (flat_keys < context_len)
                 at = tail_row_tl(tl.load(slots_ptr + seq).to(tl.int64), flat_keys, BLOCK_SIZE) * stride_tail_row
-                k, v = _lanes_load(k_tail_ptr + kv_head * stride_tail_h, v_tail_ptr + kv_head * stride_tail_h, at,
-                                   flat_dims, flat_ok, flat_dim_ok, TAIL_ROWS, LANES)
+                k, v = _lanes_widen(*_lanes_raw(k_tail_ptr + kv_head * stride_tail_h, v_tail_ptr + kv_head
+                                                * stride_tail_h, at, flat_dims, flat_ok, flat_dim_ok), TAIL_ROWS, LANES)
                 keys = split_end + (tl.arange(0, TAIL_ROWS)[:, None] * LANES + tl.arange(0, LANES)[None, :])[None]
                 key_ok = (keys >= window_start) & (keys < context_len)
                 ones = tl.full([1, TAIL_ROWS, LANES, 1], 1.0, tl.float32)
@@ -710,7 +734,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
             BLOCK_G=next_power_of_2(group), BLOCK_D=block_d, ROWS=DECODE_LANES_ROWS, LANES=DECODE_LANES,
             SOFTCAP=softcap is not None, TAIL=kv_tail is not None, TAIL_ROWS=next_power_of_2(cdiv(block_size, DECODE_LANES)),
-            num_warps=DECODE_LANES_WARPS, num_stages=1, **pdl_args(q.device))
+            PREFETCH=DECODE_LANES_PREFETCH, num_warps=DECODE_LANES_WARPS, num_stages=1, **pdl_args(q.device))
         return out if num_splits == 1 else merge_partials(partials, out)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, *_score_args(scale, softcap),

@@ -698,9 +698,9 @@ def _attention_patches(A, rule: dict) -> dict:
         if rule["lanes"] == "off":
             patches["DECODE_LANES_MAX_GROUP"] = 0
         else:
-            rows, lanes, warps = (int(x) for x in rule["lanes"].removesuffix("p").split("x"))
-            patches |= {"DECODE_LANES_ROWS": rows, "DECODE_LANES": lanes, "DECODE_LANES_WARPS": warps,
-                        "DECODE_LANES_PREFETCH": rule["lanes"].endswith("p")}
+            rows, lanes, warps = (int(x) for x in rule["lanes"].split("x"))
+            patches |= {"DECODE_LANES_ROWS": rows, "DECODE_LANES_ROWS_SPARSE": rows, "DECODE_LANES": lanes,
+                        "DECODE_LANES_WARPS": warps, "DECODE_LANES_MAX_GROUP": 8}
     if rule.get("products") == "bf16":  # an fp8 cache widened to q's own dtype
         compute = A._compute_dtype
         patches["_compute_dtype"] = lambda q, cache: q.dtype if A.kv_quant.is_fp8(cache.dtype) else compute(q, cache)
@@ -759,7 +759,7 @@ def main() -> int:
     p.add_argument("--products", nargs="+", default=["fp16"], choices=["fp16", "bf16"],
                    help="attention: an fp8 cache's product dtype")
     p.add_argument("--lanes", nargs="+", default=[""],
-                   help="attention: an fp8 cache's CUDA-core decode kernel, 'off' or ROWSxLANESxWARPS[p] (p: prefetch; '': the table)")
+                   help="attention: an fp8 cache's CUDA-core decode kernel, 'off' or ROWSxLANESxWARPS ('': the table)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -134,13 +134,15 @@ def test_fused_rotary_store_writes_the_tail_rows():
 
 
 @pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("num_heads", [8, 4, 2])
 @pytest.mark.parametrize("num_splits,window,softcap,block_size", [(None, None, None, 16), (3, None, None, 16),
                                                                   (2, 24, 30.0, 16), (None, None, None, 12)])
-def test_decode_reads_fp8(design, num_splits, window, softcap, block_size):
-    """block_size 12: the key tile does not hold whole blocks, so V is loaded key by key."""
+def test_decode_reads_fp8(design, num_heads, num_splits, window, softcap, block_size):
+    """block_size 12: the key tile does not hold whole blocks, so V is loaded key by key. 8 heads over 2 kv heads:
+    the tensor-core kernel; 4 and 2: the CUDA-core one (attention.DECODE_LANES_MAX_GROUP)."""
     batch = PagedBatch([1, 17, 70, 33], block_size, 2, 64, torch.bfloat16, seed=3)
     kc, vc, scales = quantized_batch(batch, design)
-    q = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(DEVICE)
+    q = torch.randn(4, num_heads, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(DEVICE)
     args = (q, kc, vc, batch.block_tables, batch.context_lens, 0.125)
     opts = dict(window=window, softcap=softcap, kv_scales=scales)
     out = tk.decode_attention(*args, num_splits=num_splits, **opts)
@@ -173,9 +175,11 @@ def test_scales_must_match_the_cache():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("design", DESIGNS)
-@pytest.mark.parametrize("num_heads,num_kv_heads,max_context", [(32, 8, 5000), (16, 8, 600), (64, 4, 2048)])
-def test_gpu_decode_fp8_real_shapes(design, num_heads, num_kv_heads, max_context):
-    lens = [max_context, max_context // 3, 1, 257, 64, max_context - 1]
+@pytest.mark.parametrize("num_heads,num_kv_heads,max_context,copies", [(32, 8, 5000, 1), (16, 8, 600, 1),
+                                                                        (16, 8, 600, 4), (64, 4, 2048, 1)])
+def test_gpu_decode_fp8_real_shapes(design, num_heads, num_kv_heads, max_context, copies):
+    """copies 4: 24 rows of 8 kv heads fill the SMs, so the CUDA-core kernel takes its dense tiles."""
+    lens = [max_context, max_context // 3, 1, 257, 64, max_context - 1] * copies
     batch = PagedBatch(lens, 16, num_kv_heads, 128, torch.bfloat16, seed=7)
     kc, vc, scales = quantized_batch(batch, design)
     q = torch.randn(len(lens), num_heads, 128, device=DEVICE, dtype=torch.bfloat16)

@@ -100,13 +100,17 @@ MAX_BLOCK_N = 64
 # Qwen3-0.6B b=256 112.6 µs a layer against 151.6 with 64-key tiles (bf16 KV: 129.2; fp8_decode_sweep_*_h200.json).
 MAX_BLOCK_N_FP8 = 128
 # An fp8 cache's plain decode (one query row per sequence) runs on the CUDA cores (_decode_lanes_kernel) for GQA groups
-# of at most DECODE_LANES_MAX_GROUP heads, in tiles of DECODE_LANES_ROWS x DECODE_LANES keys (LANES softmaxes a
-# program), DECODE_LANES_WARPS warps.
+# of at most DECODE_LANES_MAX_GROUP heads, in tiles of rows x DECODE_LANES keys (LANES softmaxes a program) with
+# DECODE_LANES_WARPS warps: DECODE_LANES_ROWS rows once the (sequence, kv head) programs fill the SMs, else
+# DECODE_LANES_ROWS_SPARSE. H100, Qwen3-0.6B's heads, 512-token contexts, µs a layer against the tensor-core kernel:
+# b=1 7.5 (4 rows) vs 8.5, b=64 33.3 (2 rows) vs 49.6, b=256 124.8 vs 146.7, b=32 at 4k tokens 111.2 vs 177.7; 4 heads
+# (Llama-3.1-8B) lose (b=256 196.7 vs 147.5: 255 registers), 8 spill; 8 warps, a register prefetch of the next tile
+# and 1-row tiles lose (benchmarks/results/experiments/fp8_decode_lanes_*_h100.json).
 DECODE_LANES = 16
-DECODE_LANES_ROWS = 4
+DECODE_LANES_ROWS = 2
+DECODE_LANES_ROWS_SPARSE = 4
 DECODE_LANES_WARPS = 4
-DECODE_LANES_MAX_GROUP = 4
-DECODE_LANES_PREFETCH = False
+DECODE_LANES_MAX_GROUP = 2
 PREFILL_NUM_STAGES = 3  # Triton's default on sm_90
 PREFILL_NUM_STAGES_FP8 = 1  # as decode's: an fp8 cache's tiles are widened in registers, not pipelined
 
@@ -510,7 +514,7 @@ def _decode_lanes_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                          BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                          ROWS: tl.constexpr, LANES: tl.constexpr, SOFTCAP: tl.constexpr, USE_PDL: tl.constexpr,
-                         TAIL: tl.constexpr = False, TAIL_ROWS: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
+                         TAIL: tl.constexpr = False, TAIL_ROWS: tl.constexpr = 1):
     """Decode over an fp8 cache on the CUDA cores (one query row per sequence; _decode_kernel's grid, partitions and
     partials): a tile is [ROWS, LANES] keys of head_dim codes, widened to fp32 and multiplied with each of the
     GROUP heads' q in fp32; _lanes_fold keeps a softmax per lane, so no product goes through shared memory (the
@@ -546,20 +550,10 @@ def _decode_lanes_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         k_base = k_cache_ptr + kv_head * stride_kh
         v_base = v_cache_ptr + kv_head * stride_vh
-        if PREFETCH:  # the next tile's bytes are loaded before this one's products
-            at, ok = _lanes_at(table, part_start, flat_tile, window_start, part_end, stride_kb, stride_kt, BLOCK_SIZE)
-            k_raw, v_raw = _lanes_raw(k_base, v_base, at, flat_dims, ok, flat_dim_ok)
         for start in range(part_start, part_end, ROWS * LANES):
             start = tl.multiple_of(start, ROWS * LANES)
-            if PREFETCH:
-                at, ok = _lanes_at(table, start + ROWS * LANES, flat_tile, window_start, part_end, stride_kb,
-                                   stride_kt, BLOCK_SIZE)
-                k_next, v_next = _lanes_raw(k_base, v_base, at, flat_dims, ok, flat_dim_ok)
-                k, v = _lanes_widen(k_raw, v_raw, ROWS, LANES)
-                k_raw, v_raw = k_next, v_next
-            else:
-                at, ok = _lanes_at(table, start, flat_tile, window_start, part_end, stride_kb, stride_kt, BLOCK_SIZE)
-                k, v = _lanes_widen(*_lanes_raw(k_base, v_base, at, flat_dims, ok, flat_dim_ok), ROWS, LANES)
+            at, ok = _lanes_at(table, start, flat_tile, window_start, part_end, stride_kb, stride_kt, BLOCK_SIZE)
+            k, v = _lanes_widen(*_lanes_raw(k_base, v_base, at, flat_dims, ok, flat_dim_ok), ROWS, LANES)
             keys = start + tile
             key_ok = (keys >= window_start) & (keys < part_end)
             block_ids = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
@@ -707,8 +701,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max_keys = min(block_tables.shape[1] * block_size, window)  # static: the window is the layer's
     block_d = max(16, next_power_of_2(head_dim))
     lanes = fmt["FP8"] and seq_rows == 1 and group <= DECODE_LANES_MAX_GROUP
+    lane_rows = DECODE_LANES_ROWS if num_seqs * num_kv_heads >= num_sms(q.device) else DECODE_LANES_ROWS_SPARSE
     if lanes:
-        block_n = DECODE_LANES_ROWS * DECODE_LANES
+        block_n = lane_rows * DECODE_LANES
     elif fmt["FP8"]:
         block_n = _kv_tile_tokens(block_d, 1, MAX_BLOCK_N_FP8)
     else:
@@ -732,9 +727,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *scales, *tail,
             BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
-            BLOCK_G=next_power_of_2(group), BLOCK_D=block_d, ROWS=DECODE_LANES_ROWS, LANES=DECODE_LANES,
+            BLOCK_G=next_power_of_2(group), BLOCK_D=block_d, ROWS=lane_rows, LANES=DECODE_LANES,
             SOFTCAP=softcap is not None, TAIL=kv_tail is not None, TAIL_ROWS=next_power_of_2(cdiv(block_size, DECODE_LANES)),
-            PREFETCH=DECODE_LANES_PREFETCH, num_warps=DECODE_LANES_WARPS, num_stages=1, **pdl_args(q.device))
+            num_warps=DECODE_LANES_WARPS, num_stages=1, **pdl_args(q.device))
         return out if num_splits == 1 else merge_partials(partials, out)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, *_score_args(scale, softcap),

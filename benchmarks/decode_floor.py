@@ -668,10 +668,15 @@ def attention_point(shape, b: int, context: int, rule: dict, bandwidth: float, t
         t[:, :context // block] = (layer * blocks + torch.arange(blocks, device="cuda", dtype=torch.int32)).view(b, -1)
     lens = torch.full((b,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(b, heads, d, device="cuda", dtype=torch.bfloat16)
+    tail = {}
+    if fp8 and rule.get("tail"):  # the engine's exact tail: each row's own block read in bf16 from its slot's rows
+        from nanoserve.kernels.kv_quant import TAIL_BANKS
+        tail = {"kv_tail": tuple(torch.randn(b * TAIL_BANKS * block, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+                                 for _ in range(2)), "slots": torch.arange(b, device="cuda", dtype=torch.int32)}
     with contextlib.ExitStack() as patches:
         for name, value in _attention_patches(A, rule).items():
             patches.enter_context(mock.patch.object(A, name, value))
-        run = lambda: [A.decode_attention(q, k, v, t, lens, d ** -0.5, kv_scales=scales)  # noqa: E731
+        run = lambda: [A.decode_attention(q, k, v, t, lens, d ** -0.5, kv_scales=scales, **tail)  # noqa: E731
                        for t in tables]
         run()
         torch.cuda.synchronize()
@@ -708,9 +713,9 @@ def _attention_patches(A, rule: dict) -> dict:
 
 
 def attention_sweep(args, bandwidth: float) -> dict:
-    rules = [{"waves": w, "stages": s, "warps": n, "block_n": bn, "products": pr, "lanes": la}
-             for w, s, n, bn, pr, la in itertools.product(args.waves, args.stages, args.warps, args.block_n,
-                                                          args.products, args.lanes)]
+    rules = [{"waves": w, "stages": s, "warps": n, "block_n": bn, "products": pr, "lanes": la, "tail": t}
+             for w, s, n, bn, pr, la, t in itertools.product(args.waves, args.stages, args.warps, args.block_n,
+                                                             args.products, args.lanes, args.tail)]
     out = {}
     for name in args.attention_shapes:
         shape, points = ATTENTION_SHAPES[name], out.setdefault(name, [])
@@ -760,6 +765,8 @@ def main() -> int:
                    help="attention: an fp8 cache's product dtype")
     p.add_argument("--lanes", nargs="+", default=[""],
                    help="attention: an fp8 cache's CUDA-core decode kernel, 'off' or ROWSxLANESxWARPS ('': the table)")
+    p.add_argument("--tail", nargs="+", type=int, default=[0], choices=[0, 1],
+                   help="attention: an fp8 cache read with (1) or without (0) the exact tail")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -705,7 +705,7 @@ def _attention_patches(A, rule: dict) -> dict:
         else:
             rows, lanes, warps = (int(x) for x in rule["lanes"].split("x"))
             patches |= {"DECODE_LANES_ROWS": rows, "DECODE_LANES_ROWS_SPARSE": rows, "DECODE_LANES": lanes,
-                        "DECODE_LANES_WARPS": warps, "DECODE_LANES_MAX_GROUP": 8}
+                        "DECODE_LANES_WARPS": warps, "DECODE_LANES_MAX_GROUP": 8, "DECODE_LANES_MAX_WAVES": 1 << 20}
     if rule.get("products") == "bf16":  # an fp8 cache widened to q's own dtype
         compute = A._compute_dtype
         patches["_compute_dtype"] = lambda q, cache: q.dtype if A.kv_quant.is_fp8(cache.dtype) else compute(q, cache)

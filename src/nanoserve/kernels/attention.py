@@ -100,17 +100,20 @@ MAX_BLOCK_N = 64
 # Qwen3-0.6B b=256 112.6 µs a layer against 151.6 with 64-key tiles (bf16 KV: 129.2; fp8_decode_sweep_*_h200.json).
 MAX_BLOCK_N_FP8 = 128
 # An fp8 cache's plain decode (one query row per sequence) runs on the CUDA cores (_decode_lanes_kernel) for GQA groups
-# of at most DECODE_LANES_MAX_GROUP heads, in tiles of rows x DECODE_LANES keys (LANES softmaxes a program) with
-# DECODE_LANES_WARPS warps: DECODE_LANES_ROWS rows once the (sequence, kv head) programs fill the SMs, else
-# DECODE_LANES_ROWS_SPARSE. H100, Qwen3-0.6B's heads, 512-token contexts, µs a layer against the tensor-core kernel:
-# b=1 7.5 (4 rows) vs 8.5, b=64 33.3 (2 rows) vs 49.6, b=256 124.8 vs 146.7, b=32 at 4k tokens 111.2 vs 177.7; 4 heads
-# (Llama-3.1-8B) lose (b=256 196.7 vs 147.5: 255 registers), 8 spill; 8 warps, a register prefetch of the next tile
-# and 1-row tiles lose (benchmarks/results/experiments/fp8_decode_lanes_*_h100.json).
+# of at most DECODE_LANES_MAX_GROUP heads while the (sequence, kv head) programs are at most DECODE_LANES_MAX_WAVES
+# per SM, in tiles of rows x DECODE_LANES keys (LANES softmaxes a program) with DECODE_LANES_WARPS warps:
+# DECODE_LANES_ROWS rows once the programs fill the SMs, else DECODE_LANES_ROWS_SPARSE. H100, Qwen3-0.6B's heads,
+# 512-token contexts, µs a layer read with the engine's exact tail, CUDA-core vs tensor-core kernel: b=64 34.6 vs
+# 36.0, b=256 131.1 vs 127.6 (without the tail 125.2 vs 145.9: the tail makes the tensor-core kernel faster); b=1
+# 7.5 vs 8.5 without the tail. 4 heads (Llama-3.1-8B) lose (b=256 196.7 vs 147.5 without the tail: 255 registers),
+# 8 spill; 8 warps, 1-row tiles and a register prefetch of the next tile lose
+# (benchmarks/results/experiments/fp8_decode_lanes_*_h100.json).
 DECODE_LANES = 16
 DECODE_LANES_ROWS = 2
 DECODE_LANES_ROWS_SPARSE = 4
 DECODE_LANES_WARPS = 4
 DECODE_LANES_MAX_GROUP = 2
+DECODE_LANES_MAX_WAVES = 8
 PREFILL_NUM_STAGES = 3  # Triton's default on sm_90
 PREFILL_NUM_STAGES_FP8 = 1  # as decode's: an fp8 cache's tiles are widened in registers, not pipelined
 
@@ -700,8 +703,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     window = NO_WINDOW if window is None else window
     max_keys = min(block_tables.shape[1] * block_size, window)  # static: the window is the layer's
     block_d = max(16, next_power_of_2(head_dim))
-    lanes = fmt["FP8"] and seq_rows == 1 and group <= DECODE_LANES_MAX_GROUP
-    lane_rows = DECODE_LANES_ROWS if num_seqs * num_kv_heads >= num_sms(q.device) else DECODE_LANES_ROWS_SPARSE
+    programs, sms = num_seqs * num_kv_heads, num_sms(q.device)
+    lanes = (fmt["FP8"] and seq_rows == 1 and group <= DECODE_LANES_MAX_GROUP
+             and programs <= DECODE_LANES_MAX_WAVES * sms)
+    lane_rows = DECODE_LANES_ROWS if programs >= sms else DECODE_LANES_ROWS_SPARSE
     if lanes:
         block_n = lane_rows * DECODE_LANES
     elif fmt["FP8"]:

@@ -10,7 +10,9 @@ its kv head (rows of a tl.dot, padded to 16) so K/V are read once per kv head, a
 partition of the context. The number of splits comes only from static shapes (batch, heads,
 block-table width, SM count), never from context_lens values, so decode has no host sync and
 can be captured in a CUDA graph; partitions past a sequence's context exit at once, and a
-second kernel merges the partial (max, sum, acc) of the splits that ran.
+second kernel merges the partial (max, sum, acc) of the splits that ran. Over an fp8 cache, small GQA groups at
+moderate batch take _decode_lanes_kernel instead (same grid and partials, products on the CUDA cores: an 8-bit tile
+reaches the tensor cores only through shared memory and per-element widening).
 
 Sliding window and logit soft-cap (reference.py says what they mean) are per-call values of one compiled kernel:
 the window a runtime int (NO_WINDOW: none), the softcap a SOFTCAP constexpr branch with runtime scales, so every

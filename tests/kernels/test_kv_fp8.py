@@ -134,6 +134,20 @@ def test_fused_rotary_store_writes_the_tail_rows():
 
 
 @pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("lens", [[100], [3], [64, 1]])
+def test_decode_reads_fp8_few_programs(design, lens):
+    """Fewer (sequence, kv head) programs than SMs: the CUDA-core kernel's sparse tiles (DECODE_LANES_ROWS_SPARSE
+    rows), split over the context."""
+    batch = PagedBatch(lens, 16, 1, 64, torch.bfloat16, seed=5)
+    kc, vc, scales = quantized_batch(batch, design)
+    q = torch.randn(len(lens), 2, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(DEVICE)
+    args = (q, kc, vc, batch.block_tables, batch.context_lens, 0.125)
+    assert len(lens) < tk.num_sms(q.device)
+    assert_close(tk.decode_attention(*args, kv_scales=scales), torch_ref.decode_attention(*args, kv_scales=scales),
+                 torch.bfloat16)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("num_heads", [8, 4, 2])
 @pytest.mark.parametrize("num_splits,window,softcap,block_size", [(None, None, None, 16), (3, None, None, 16),
                                                                   (2, 24, 30.0, 16), (None, None, None, 12)])

@@ -7,7 +7,7 @@
 #   bash benchmarks/decode_floor_gpu.sh fp8_final  # bf16 vs fp8 steps and prefill, one run (issue 21's ratios);
 #       env MODELS, BLOCKS=1 (also 128x128-block scales), LMHEAD=1 (also the lm_head in fp8)
 #   bash benchmarks/decode_floor_gpu.sh products   # each decode product alone: bf16 vs fp8 candidates, rows 1-64
-#   LANES="off 4x16x4" bash benchmarks/decode_floor_gpu.sh fp8_lanes  # fp8 decode: CUDA-core tiles vs tensor cores
+#   LANES="off 2x16x4" bash benchmarks/decode_floor_gpu.sh fp8_lanes  # fp8 decode: CUDA-core tiles vs tensor cores
 #   bash benchmarks/decode_floor_gpu.sh tests      # pytest -m gpu, the whole suite
 # JSON and logs go under $OUT. Wheels the image lacks are carried in .whl/ (benchmarks/serve_gpu_wheels.txt).
 source benchmarks/gpu_env.sh
@@ -40,15 +40,17 @@ case ${1:-final} in
     products)
         floor products_llama products --models llama-3.1-8b --gemv-rows 1 8 32 64
         floor products_qwen3 products --models qwen3-0.6b --gemv-rows 1 8 ;;
-    fp8_lanes)  # an fp8 cache's decode kernels: the CUDA-core one's tiles (LANES) against the tensor-core one, bf16 beside
+    fp8_lanes)  # an fp8 cache's decode kernels, read with and without the exact tail (the engine always has it): the
+        # CUDA-core one's tiles (LANES, forced for every group) against the tensor-core one ('off'), bf16 beside
         python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels/test_kv_fp8.py \
             tests/kernels/test_attention_tail.py 2>&1 | tee "$OUT/gpu_tests_fp8_decode.log" | tail -3
-        floor fp8_lanes_bf16 attention --attention-shapes qwen3-0.6b llama-3.1-8b qwen3-30b-a3b --attention-rows 1 64 256 \
+        floor fp8_lanes_bf16 attention --attention-shapes qwen3-0.6b llama-3.1-8b --attention-rows 1 64 256 \
             --attention-contexts 512 --waves 3 --stages 3 --kv-formats bf16
-        floor fp8_lanes attention --attention-shapes qwen3-0.6b llama-3.1-8b qwen3-30b-a3b --attention-rows 1 64 256 \
-            --attention-contexts 512 --waves 3 --stages 1 --kv-formats fp8-token --lanes ${LANES:-off 4x16x4}
-        floor fp8_lanes_32k attention --attention-shapes llama-3.1-8b --attention-rows 16 --attention-contexts 32768 \
-            --max-model-len 32768 --waves 3 --stages 1 --kv-formats fp8-token --lanes ${LANES:-off 4x16x4} ;;
+        floor fp8_lanes attention --attention-shapes qwen3-0.6b --attention-rows 1 64 128 256 \
+            --attention-contexts 512 --waves 3 --stages 1 --kv-formats fp8-token --lanes ${LANES:-off 2x16x4 4x16x4} \
+            --tail 0 1
+        floor fp8_lanes_4k attention --attention-shapes qwen3-0.6b --attention-rows 8 32 --attention-contexts 4096 \
+            --waves 3 --stages 1 --kv-formats fp8-token --lanes ${LANES:-off 2x16x4 4x16x4} --tail 1 ;;
     tests)
         python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 --tb=short tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     *) echo "usage: $0 final|attention|gemv|fp8_sweep MODEL|fp8_final|products|tests"; exit 2 ;;

@@ -705,18 +705,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     window = NO_WINDOW if window is None else window
     max_keys = min(block_tables.shape[1] * block_size, window)  # static: the window is the layer's
     block_d = max(16, next_power_of_2(head_dim))
-    programs, sms = num_seqs * num_kv_heads, num_sms(q.device)
-    lanes = (fmt["FP8"] and seq_rows == 1 and group <= DECODE_LANES_MAX_GROUP
-             and programs <= DECODE_LANES_MAX_WAVES * sms)
-    lane_rows = DECODE_LANES_ROWS if programs >= sms else DECODE_LANES_ROWS_SPARSE
-    if lanes:
-        block_n = lane_rows * DECODE_LANES
-    elif fmt["FP8"]:
-        block_n = _kv_tile_tokens(block_d, 1, MAX_BLOCK_N_FP8)
-    else:
-        block_n = _kv_tile_tokens(block_d, _compute_dtype(q, k_cache).itemsize)
+    sms = num_sms(q.device)
+    lane_rows, block_n = _decode_tile(fmt["FP8"], seq_rows, group, num_seqs * num_kv_heads, sms, block_d,
+                                      _compute_dtype(q, k_cache).itemsize)
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_keys, num_sms(q.device))
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_keys, sms)
     num_splits = max(1, min(num_splits, cdiv(max_keys, block_n)))  # a split is at least one tile
     if num_splits > 1:
         parts = torch.empty(num_seqs * num_heads * num_splits * (head_dim + 2), dtype=torch.float32, device=q.device)
@@ -727,7 +720,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_acc, part_ml = partials.acc, partials.ml
     else:
         part_acc = part_ml = out  # unused by the single-split kernel
-    if lanes:
+    if lane_rows:
         _decode_lanes_kernel[(num_seqs, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, *_score_args(scale, softcap),
             window, num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -735,7 +728,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *scales, *tail,
             BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
             BLOCK_G=next_power_of_2(group), BLOCK_D=block_d, ROWS=lane_rows, LANES=DECODE_LANES,
-            SOFTCAP=softcap is not None, TAIL=kv_tail is not None, TAIL_ROWS=next_power_of_2(cdiv(block_size, DECODE_LANES)),
+            SOFTCAP=softcap is not None, TAIL=kv_tail is not None,
+            TAIL_ROWS=next_power_of_2(cdiv(block_size, DECODE_LANES)),  # the own block: one tile
             num_warps=DECODE_LANES_WARPS, num_stages=1, **pdl_args(q.device))
         return out if num_splits == 1 else merge_partials(partials, out)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -756,6 +750,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits == 1:
         return out
     return merge_partials(partials, out)
+
+
+def _decode_tile(fp8: bool, seq_rows: int, group: int, programs: int, sms: int, block_d: int, element_size: int
+                 ) -> tuple[int, int]:
+    """(rows of the CUDA-core kernel's tile, 0: the tensor-core kernel; the key tile, which sizes the partitions) of a
+    decode over `programs` (sequence, kv head) pairs; element_size: of the tensor-core products' operands."""
+    if fp8 and seq_rows == 1 and group <= DECODE_LANES_MAX_GROUP and programs <= DECODE_LANES_MAX_WAVES * sms:
+        rows = DECODE_LANES_ROWS if programs >= sms else DECODE_LANES_ROWS_SPARSE
+        return rows, rows * DECODE_LANES
+    if fp8:
+        return 0, _kv_tile_tokens(block_d, 1, MAX_BLOCK_N_FP8)
+    return 0, _kv_tile_tokens(block_d, element_size)
 
 
 def merge_partials(p: DecodePartials, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -641,8 +641,9 @@ def attention_point(shape, b: int, context: int, rule: dict, bandwidth: float, t
                     kv_format: str = "bf16") -> dict:
     """Per-layer µs and bandwidth of decode attention (+ merge) for b rows of `context` tokens under one rule:
     {"waves": w} (the split rule with DECODE_WAVES = w), {"stages": s} (the format's pipeline depth), {"warps": n},
-    {"block_n": n} (the key tile; 0: the kernel's rule), and {"products": "fp16" | "bf16"} (an fp8 cache's product
-    dtype), over a cache of kv_format (KV_FORMATS); bytes per token from the engine's KVCacheSpec."""
+    {"block_n": n} (the key tile; 0: the kernel's rule), {"products": "fp16" | "bf16"} (an fp8 cache's product
+    dtype), {"lanes": "off" | "RxLxW"} (an fp8 cache's CUDA-core kernel) and {"tail": 0 | 1} (an fp8 cache read with
+    the engine's exact tail), over a cache of kv_format (KV_FORMATS); bytes per token from the engine's KVCacheSpec."""
     from nanoserve.kernels import attention as A
     from nanoserve.kernels import kv_quant
     from nanoserve.runner.kv_cache import KVCacheSpec
@@ -765,8 +766,9 @@ def main() -> int:
                    help="attention: an fp8 cache's product dtype")
     p.add_argument("--lanes", nargs="+", default=[""],
                    help="attention: an fp8 cache's CUDA-core decode kernel, 'off' or ROWSxLANESxWARPS ('': the table)")
-    p.add_argument("--tail", nargs="+", type=int, default=[0], choices=[0, 1],
-                   help="attention: an fp8 cache read with (1) or without (0) the exact tail")
+    p.add_argument("--tail", nargs="+", type=int, default=[1], choices=[0, 1],
+                   help="attention: an fp8 cache read with (1, as the engine always does: its kernels then compile "
+                        "to fewer registers) or without (0) the exact tail")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():

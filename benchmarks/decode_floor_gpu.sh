@@ -8,6 +8,7 @@
 #       env MODELS, BLOCKS=1 (also 128x128-block scales), LMHEAD=1 (also the lm_head in fp8)
 #   bash benchmarks/decode_floor_gpu.sh products   # each decode product alone: bf16 vs fp8 candidates, rows 1-64
 #   LANES="off 2x16x4" bash benchmarks/decode_floor_gpu.sh fp8_lanes  # fp8 decode: CUDA-core tiles vs tensor cores
+#   bash benchmarks/decode_floor_gpu.sh fp8_tiles  # the tensor-core fp8 decode's tiles, read with the tail
 #   bash benchmarks/decode_floor_gpu.sh tests      # pytest -m gpu, the whole suite
 # JSON and logs go under $OUT. Wheels the image lacks are carried in .whl/ (benchmarks/serve_gpu_wheels.txt).
 source benchmarks/gpu_env.sh
@@ -51,7 +52,16 @@ case ${1:-final} in
             --tail 0 1
         floor fp8_lanes_4k attention --attention-shapes qwen3-0.6b --attention-rows 8 32 --attention-contexts 4096 \
             --waves 3 --stages 1 --kv-formats fp8-token --lanes ${LANES:-off 2x16x4 4x16x4} --tail 1 ;;
+    fp8_tiles)  # the tensor-core fp8 decode kernel's tiles re-swept with the exact tail (as the engine reads): with it
+        # the kernel compiles to other register counts (ptxas, Triton 3.6: 64-key tiles 96 registers at 4 warps, 80 at 8;
+        # 128-key tiles 128 / 99), so round 8's no-tail ranking may not hold
+        floor fp8_tiles attention --attention-shapes qwen3-0.6b llama-3.1-8b --attention-rows 1 64 256 \
+            --attention-contexts 512 --waves 3 --stages 1 2 --warps 4 8 --block-n 64 128 --kv-formats fp8-token \
+            --lanes off --tail 1
+        floor fp8_tiles_32k attention --attention-shapes llama-3.1-8b --attention-rows 16 --attention-contexts 32768 \
+            --max-model-len 32768 --waves 3 --stages 1 --warps 4 8 --block-n 64 128 --kv-formats fp8-token \
+            --lanes off --tail 1 ;;
     tests)
         python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 --tb=short tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-    *) echo "usage: $0 final|attention|gemv|fp8_sweep MODEL|fp8_final|products|tests"; exit 2 ;;
+    *) echo "usage: $0 final|attention|gemv|fp8_sweep MODEL|fp8_final|products|fp8_lanes|fp8_tiles|tests"; exit 2 ;;
 esac

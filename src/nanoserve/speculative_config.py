@@ -25,6 +25,9 @@ FOUND_PRIOR = (1.0, 1.0)
 # Backed off, about this many sequences a step get a shadow draft (each in turn): the proposer's host time stays small
 # at large batches, where backing off is the common case.
 SHADOW_DRAFTS_PER_STEP = 4
+# ... and a sequence gets one at most every this many steps, when the plan is also priced again unless a shadow draft
+# settled or a sequence came or went: at small batches the host's own time a step is what backing off saves.
+BACKED_OFF_TURNS = 4
 
 
 @dataclass(frozen=True)
@@ -146,4 +149,4 @@ def _suffix(s: dict) -> SpeculativeConfig:
 
 
 __all__ = ["SpeculativeConfig", "SPECULATIVE_METHODS", "MAX_SPECULATIVE_TOKENS", "ACCEPTANCE_PRIOR", "FOUND_PRIOR",
-           "SHADOW_DRAFTS_PER_STEP"]
+           "SHADOW_DRAFTS_PER_STEP", "BACKED_OFF_TURNS"]

@@ -225,7 +225,8 @@ def test_suffix_matches_the_rescan(seed):
             new = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
             proposer.extend(rid, new)
             live[rid] += new
-            assert proposer.propose(rid, k) == suffix_oracle(live[rid], cached, depth, k, factor, min_prob)
+            if rng.random() < 0.6:  # (else its tokens wait to be indexed by a later proposal)
+                assert proposer.propose(rid, k) == suffix_oracle(live[rid], cached, depth, k, factor, min_prob)
     want = Counter()
     for seq in cached:
         want.update(tuple(seq[i:j]) for i in range(len(seq)) for j in range(i + 1, min(i + depth, len(seq)) + 1))
@@ -280,6 +281,7 @@ def test_speed_on_a_long_request(capsys):
         proposer = make_proposer(SpeculativeConfig.parse(config))
         start = time.perf_counter()
         proposer.add("r", prompt)
+        proposer.propose("r", 8)  # (suffix indexes the prompt here)
         added = time.perf_counter()
         for step in range(10_000):
             at = rng.randrange(len(prompt) - 50) if step % 40 == 0 else at + 1  # copy spans of the prompt
@@ -287,5 +289,5 @@ def test_speed_on_a_long_request(capsys):
             proposer.propose("r", 8)
         done = time.perf_counter()
         with capsys.disabled():
-            print(f"\n{config['method']}: add 4096 tokens {1e3 * (added - start):.1f} ms, "
+            print(f"\n{config['method']}: add 4096 tokens + propose {1e3 * (added - start):.1f} ms, "
                   f"extend(1) + propose(8) {1e6 * (done - added) / 10_000:.1f} µs a step")

@@ -405,34 +405,63 @@ def test_host_drafts_back_off_when_waiting_does_not_pay(tiny_model_dirs):
     assert shadowed and llm2.engine.stats.spec_accepted_tokens > 0  # measured while backed off, then drafted
 
 
-def test_backed_off_shadow_drafts_are_spread_over_steps():
-    """Backed off at 8 sequences, about SHADOW_DRAFTS_PER_STEP of them get a shadow draft a step, each in turn, and a
-    shadow draft settles like a verified one (drafted, accepted) once its tokens arrive."""
+@pytest.mark.parametrize("num_seqs", [1, 8, 24])
+def test_backed_off_shadow_drafts_are_spread_over_steps(num_seqs):
+    """Backed off, at most SHADOW_DRAFTS_PER_STEP sequences get a shadow draft a step, each in turn and at most once
+    every BACKED_OFF_TURNS steps, and a shadow draft settles like a verified one (drafted, accepted) once its tokens
+    arrive."""
     from nanoserve.engine.sequence import Sequence
     from nanoserve.engine.speculation import Speculator
-    from nanoserve.speculative_config import SHADOW_DRAFTS_PER_STEP, SpeculativeConfig
+    from nanoserve.speculative_config import BACKED_OFF_TURNS, SHADOW_DRAFTS_PER_STEP, SpeculativeConfig
 
     dear = lambda rows: 1.0 + 100.0 * (rows - 1)  # noqa: E731
     spec = Speculator(SpeculativeConfig.parse(SUFFIX), 128, 12, dear, dear)
-    seqs = [Sequence(str(i), [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=50)) for i in range(8)]
+    seqs = [Sequence(str(i), [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=50)) for i in range(num_seqs)]
     for slot, seq in enumerate(seqs):
         seq.slot, seq.decoding = slot, True
         spec.add(seq)
-    proposed = set()
-    for step in range(2):
+    every = max(-(-num_seqs // SHADOW_DRAFTS_PER_STEP), BACKED_OFF_TURNS)
+    proposed, turns = set(), {}
+    for step in range(every):
         assert not spec.worth_waiting(seqs, 0.01) and spec.backed_off
         before = set(spec._shadow)
         for seq in seqs:
             spec.extend(seq, [7])  # (the loop's next token: a pending shadow draft of 5, 6, 7, ... matches on)
         new = set(spec._shadow) - before
-        assert 0 < len(new) <= SHADOW_DRAFTS_PER_STEP
+        assert len(new) <= SHADOW_DRAFTS_PER_STEP and not new & proposed
         proposed |= new
-    assert proposed == {s.request_id for s in seqs}  # every sequence had its turn
+    assert proposed == {s.request_id for s in seqs}  # every sequence had its turn, once
     seq = seqs[0]
     drafts = list(spec._shadow[seq.request_id][0])
     spec.backed_off = False  # (no new shadow after it settles)
     spec.extend(seq, [drafts[0], -1])  # one match, then a miss (or the draft's end): settled
     assert seq.request_id not in spec._shadow and seq.num_accepted >= 1 and seq.num_drafted >= len(drafts)
+
+
+def test_backed_off_plan_is_priced_again_only_now_and_then(monkeypatch):
+    """Backed off, the plan is priced again every BACKED_OFF_TURNS steps, or at the next step after a shadow draft
+    settled or a sequence came; made cheap, drafting resumes within BACKED_OFF_TURNS steps."""
+    import nanoserve.engine.speculation as speculation
+    from nanoserve.engine.sequence import Sequence
+    from nanoserve.speculative_config import BACKED_OFF_TURNS, SpeculativeConfig
+
+    dear = lambda rows: 1.0 + 100.0 * (np.asarray(rows) - 1)  # noqa: E731
+    spec = speculation.Speculator(SpeculativeConfig.parse(SUFFIX), 128, 12, dear, dear)
+    priced = []
+    choose = speculation.choose_drafts
+    monkeypatch.setattr(speculation, "choose_drafts", lambda *a: (priced.append(1), choose(*a))[1])
+    seq = Sequence("0", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=100))
+    seq.slot, seq.decoding = 0, True
+    spec.add(seq)
+    steps, settled = 6 * BACKED_OFF_TURNS, 0
+    for _ in range(steps):
+        assert not spec.worth_waiting([seq], 0.01)
+        shadowed = "0" in spec._shadow
+        spec.extend(seq, [9])  # (never what a shadow draft predicts: each one settles at its first token)
+        settled += shadowed and "0" not in spec._shadow
+    assert settled and len(priced) <= 1 + steps // BACKED_OFF_TURNS + settled < steps
+    spec._costs = StepCosts(lambda r: 1.0 + 0.0 * np.asarray(r), lambda r: 1.0 + 0.0 * np.asarray(r), 12)
+    assert any(spec.worth_waiting([seq], 0.01) for _ in range(BACKED_OFF_TURNS))
 
 
 def test_decode_rows_of_one_sequence_are_bounded(tiny_model_dirs):

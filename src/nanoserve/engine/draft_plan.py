@@ -112,12 +112,13 @@ def choose_drafts(lengths: list[int], rates: list[float], costs: np.ndarray, hos
     b = len(lengths)
     if not sum(lengths):
         return [0] * b
+    if b == 1:
+        prices = costs[:lengths[0] + 1].tolist()
+        return [_single(lengths[0], rates[0], prices, 1.0 if weights is None else weights[0], host_ms)]
     if host_ms is not None:
         costs = costs.copy()
         costs[0] = max(costs[0], host_ms)
         costs[1:] += host_ms
-    if b == 1:
-        return [_single(lengths[0], rates[0], costs, 1.0 if weights is None else weights[0])]
     owner = np.repeat(np.arange(b), lengths)
     position = np.arange(len(owner)) - np.repeat(np.cumsum(lengths) - lengths, lengths) + 1
     value = np.asarray(rates, np.float64)[owner] ** position
@@ -129,14 +130,17 @@ def choose_drafts(lengths: list[int], rates: list[float], costs: np.ndarray, hos
     return np.bincount(owner[order[:best]], minlength=b).tolist()
 
 
-def _single(length: int, rate: float, costs: np.ndarray, weight: float) -> int:
-    """One sequence (a single stream, every step): its drafts in order of position (α^j falls with j), in Python,
-    where numpy's per-call set-up would cost more than the arithmetic."""
-    best_n, best, expected = 0, 1.0 / float(costs[0]), 1.0
-    for n, cost in enumerate(costs[1:length + 1].tolist(), start=1):
+def _single(length: int, rate: float, prices: list[float], weight: float, host_ms: float | None) -> int:
+    """One sequence (a single stream, every step): its drafts in order of position (α^j falls with j), in plain
+    Python over the price list (choose_drafts says what host_ms adds), where numpy's per-call set-up costs more than
+    the arithmetic."""
+    extra = 0.0 if host_ms is None else host_ms
+    plain = prices[0] if host_ms is None else max(prices[0], host_ms)
+    best_n, best, expected = 0, 1.0 / plain, 1.0
+    for n in range(1, length + 1):
         expected += rate ** n * weight
-        if expected / cost > best:
-            best_n, best = n, expected / cost
+        if expected / (prices[n] + extra) > best:
+            best_n, best = n, expected / (prices[n] + extra)
     return best_n
 
 

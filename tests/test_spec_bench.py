@@ -1,6 +1,6 @@
 """benchmarks/speculative.py (issue 38's offline benchmark) on a tiny random model with two short prompts: the JSON's
 fields, greedy outputs identical across methods, the method settings and overrides; and the committed workloads'
-shape; benchmarks/speculative_serve.py through real `nanoserve serve` processes. The real SmolLM2 run is
+shape; benchmarks/speculative_serve.py through real `nanoserve serve` processes; benchmarks/spec_host.py's report. The real SmolLM2 run is
 `python benchmarks/speculative.py workload --device cpu --limit N`."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import spec_workloads, speculative, speculative_serve  # noqa: E402
+from benchmarks import spec_host, spec_workloads, speculative, speculative_serve  # noqa: E402
 
 PROMPTS = [{"source": "test", "messages": [{"role": "user", "content": "Repeat: the cat sat on the mat, the cat."}]},
            {"source": "test", "messages": [{"role": "user", "content": "Tell me a story."}]}]
@@ -79,6 +79,21 @@ def test_main_on_a_tiny_model_writes_the_fields_and_identical_outputs(tmp_path, 
     assert all(t["met"] for t in report["targets"].values())  # CPU: the identity targets only
     lines = speculative.table_lines(report["runs"], report["targets"])
     assert len(lines) == 1 + len(report["runs"]) + len(report["targets"])
+
+
+def test_spec_host_reports_the_loop_s_own_time(tmp_path, tiny_model_dirs, monkeypatch):
+    monkeypatch.setattr(spec_host, "load_workload", lambda name, limit=None: PROMPTS[:limit])
+    out = tmp_path / "host.json"
+    assert spec_host.main(["--model", str(tiny_model_dirs["qwen3"]), "--methods", "none,suffix", "--prompts", "2",
+                           "--max-tokens", "16", "--breakdown", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    for method, run in runs.items():
+        assert run["steps"] > 0 and run["tokens"] == 32  # (ignore_eos is off: the tiny model never says EOS)
+        assert 0 < run["own_us_per_step"] < run["busy_us_per_step"]
+        assert run["busy_us_per_step"] == pytest.approx(run["own_us_per_step"] + run["execute_us_per_step"])
+    assert runs["none"]["speculator_us_per_step"] is None and runs["none"]["speculation"] is None
+    assert set(runs["suffix"]["speculator_us_per_step"]) <= set(spec_host.SPEC_CALLS)
+    assert runs["suffix"]["speculation"]["method"] == "suffix"
 
 
 def test_compare_lists_mismatches_and_ratios():

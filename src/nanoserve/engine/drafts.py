@@ -13,11 +13,9 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 
+from nanoserve.engine.suffix_trie import NONE as _NONE, ROOT as _ROOT, SuffixTrie
 from nanoserve.speculative_config import SpeculativeConfig
 
-_SHIFT = 32  # a trie edge's key is node << 32 | token: token ids fit in 32 bits
-_ROOT = 0
-_NONE = -1  # no node (no best child, no sibling)
 _FLOOR_SLACK = 1e-6  # floor(factor × matched length) without losing 29 to 0.29 × 100 = 28.999…
 _TIE = 1e-9  # draft scores this close are a tie (rounding must not pick the winner)
 
@@ -121,149 +119,6 @@ class NgramProposer(Proposer):
         return []
 
 
-class _SuffixTrie:
-    """Every token string of length ≤ depth in the indexed sequences, with its number of occurrences: node = a
-    string, its children = the tokens that followed it. Insertion keeps the nodes of the sequence's suffixes
-    (≤ depth of them), so a token costs O(depth) and adds at most depth nodes: memory is ≤ depth nodes per indexed
-    token (fewer where strings repeat), held in flat lists plus one dict of edges.
-
-    Each node keeps its most frequent child (ties: the smallest token id) for O(1) drafting, and its suffix link
-    (the node of its string without the first token), which exists since every substring of an indexed string is
-    indexed: it lets a match walk on like Aho–Corasick and a draft run past the depth."""
-
-    def __init__(self, depth: int, evictable: bool):
-        self.depth, self.evictable = depth, evictable
-        self.edges: dict[int, int] = {}
-        # per node (the root is 0): occurrences, last token, most frequent child, suffix link; lists index fastest
-        self.count, self.token, self.best, self.link = [0], [0], [_NONE], [_ROOT]
-        # what remove() needs: each node's children as a doubly linked list, and the ids it freed
-        self.first_child, self.next_sibling, self.prev_sibling = [_NONE], [_NONE], [_NONE]
-        self.free: list[int] = []
-
-    def insert(self, suffixes: list[int], token: int) -> list[int]:
-        """Index token after the sequence whose suffix nodes (depth 0 first) are given → the new suffix nodes. Once
-        a suffix + token is new, every longer one is (it contains the shorter): those are made without a lookup."""
-        count, best, tok, edges = self.count, self.best, self.token, self.edges
-        count[_ROOT] += 1
-        grown = [_ROOT]
-        suffixes = suffixes[:self.depth]
-        for at, node in enumerate(suffixes):
-            child = edges.get(node << _SHIFT | token)
-            if child is None:
-                break
-            count[child] += 1
-            top = best[node]
-            if top != child and (count[child] > count[top] or (count[child] == count[top] and tok[child] < tok[top])):
-                best[node] = child
-            grown.append(child)
-        else:
-            return grown
-        evictable, link = self.evictable, self.link
-        for node in suffixes[at:]:
-            if evictable:
-                child = self._new_node(node, token, grown[-1])
-            else:  # (a request's own trie: nodes are only appended)
-                child = len(count)
-                count.append(1)
-                tok.append(token)
-                best.append(_NONE)
-                link.append(grown[-1])
-                edges[node << _SHIFT | token] = child
-            top = best[node]
-            if top == _NONE or (count[top] == 1 and tok[top] > token):
-                best[node] = child
-            grown.append(child)
-        return grown
-
-    def _new_node(self, parent: int, token: int, link: int) -> int:
-        """A child of parent for token, counted once, in an evictable trie (a node freed before is reused)."""
-        if self.free:
-            node = self.free.pop()
-            self.count[node], self.token[node], self.best[node], self.link[node] = 1, token, _NONE, link
-        else:
-            node = len(self.count)
-            self.count.append(1)
-            self.token.append(token)
-            self.best.append(_NONE)
-            self.link.append(link)
-            self.first_child.append(_NONE)
-            self.next_sibling.append(_NONE)
-            self.prev_sibling.append(_NONE)
-        head = self.first_child[parent]
-        self.first_child[node], self.next_sibling[node], self.prev_sibling[node] = _NONE, head, _NONE
-        self.first_child[parent] = node
-        if head != _NONE:
-            self.prev_sibling[head] = node
-        self.edges[parent << _SHIFT | token] = node
-        return node
-
-    def remove(self, tokens: Sequence[int]) -> None:
-        """Un-index a sequence inserted before: its counts go, and the nodes no other sequence holds."""
-        for start in range(len(tokens)):
-            path = [_ROOT]
-            for token in tokens[start:start + self.depth]:
-                path.append(self.edges[path[-1] << _SHIFT | token])
-            self.count[_ROOT] -= 1
-            for at in range(len(path) - 1, 0, -1):  # deepest first: a node's children are gone before it
-                self._decrement(path[at - 1], path[at])
-
-    def _decrement(self, parent: int, node: int) -> None:
-        self.count[node] -= 1
-        if self.count[node] == 0:
-            before, after = self.prev_sibling[node], self.next_sibling[node]
-            if before == _NONE:
-                self.first_child[parent] = after
-            else:
-                self.next_sibling[before] = after
-            if after != _NONE:
-                self.prev_sibling[after] = before
-            del self.edges[parent << _SHIFT | self.token[node]]
-            self.free.append(node)
-        if self.best[parent] == node:
-            self.best[parent] = self._most_frequent_child(parent)
-
-    def _most_frequent_child(self, node: int) -> int:
-        top, child = _NONE, self.first_child[node]
-        count, tok = self.count, self.token
-        while child != _NONE:
-            if top == _NONE or count[child] > count[top] or (count[child] == count[top] and tok[child] < tok[top]):
-                top = child
-            child = self.next_sibling[child]
-        return top
-
-    def walk(self, node: int, depth: int, token: int) -> tuple[int, int]:
-        """The node (and depth) of the longest suffix present after token follows the string of node."""
-        while True:
-            if depth < self.depth:
-                child = self.edges.get(node << _SHIFT | token)
-                if child is not None:
-                    return child, depth + 1
-            if node == _ROOT:
-                return _ROOT, 0
-            node, depth = self.link[node], depth - 1
-
-    def draft(self, node: int, depth: int, limit: int, min_prob: float) -> tuple[list[int], float]:
-        """Follow the most frequent child while the product of count(child) / count(node) along the path stays
-        ≥ min_prob, for ≤ limit tokens; at the depth, drop the context's first token (the suffix link) to go on.
-        → (tokens, score = Σ of those products, the expected number accepted were the estimates right)."""
-        count, best, tok, link = self.count, self.best, self.token, self.link
-        out: list[int] = []
-        prob, score = 1.0, 0.0
-        while len(out) < limit:
-            if depth == self.depth:
-                node, depth = link[node], depth - 1
-            child = best[node]
-            if child == _NONE:
-                break
-            prob *= count[child] / count[node]
-            if prob < min_prob:
-                break
-            out.append(tok[child])
-            score += prob
-            node, depth = child, depth + 1
-        return out, score
-
-
 class _SuffixState:
     __slots__ = ("tokens", "num_indexed", "num_prompt", "trie", "suffixes", "global_node", "global_depth",
                  "global_version")
@@ -272,7 +127,7 @@ class _SuffixState:
         self.tokens: list[int] = []
         self.num_indexed = 0  # its leading tokens in its trie; the rest wait for its next proposal
         self.num_prompt = num_prompt
-        self.trie = _SuffixTrie(depth, evictable=False)  # the request's prompt + outputs
+        self.trie = SuffixTrie(depth, evictable=False)  # the request's prompt + outputs
         self.suffixes = [_ROOT]  # its suffixes' nodes in its trie, by length 0..depth
         # its longest suffix in the global trie, valid while the cache is at that version
         self.global_node, self.global_depth, self.global_version = _ROOT, 0, global_version
@@ -283,7 +138,7 @@ class SuffixProposer(Proposer):
     global trie of the outputs of the suffix_decoding_max_cached_requests requests that ended last (FIFO: the
     oldest one's counts and nodes leave when one more arrives), both of depth suffix_decoding_max_tree_depth.
 
-    Every suffix x of the request's tokens (|x| < depth) found in a trie is a match; its draft (_SuffixTrie.draft)
+    Every suffix x of the request's tokens (|x| < depth) found in a trie is a match; its draft (SuffixTrie.draft)
     has ≤ min(k, floor(max_spec_factor × |x|)) tokens and a score (Σ of the path probabilities). The request's
     own trie counts x's current occurrence too, which has no continuation, so x never predicts itself and the
     estimates are count(x t) / count(x) over every occurrence. Rule (Arctic Inference's): the draft of the highest
@@ -305,7 +160,7 @@ class SuffixProposer(Proposer):
                              f"{max_tree_depth}, {max_cached_requests}")
         self.depth, self.max_cached_requests = max_tree_depth, max_cached_requests
         self.max_spec_factor, self.min_token_prob = max_spec_factor, min_token_prob
-        self._global = _SuffixTrie(max_tree_depth, evictable=True)
+        self._global = SuffixTrie(max_tree_depth, evictable=True)
         self._cached: deque[list[int]] = deque()  # the indexed outputs, oldest first
         self._version = 0  # bumped when the global trie changes
 
@@ -351,7 +206,7 @@ class SuffixProposer(Proposer):
             return trie.link[state.global_node], self.depth - 1
         return state.global_node, state.global_depth
 
-    def _search(self, trie: _SuffixTrie, node: int, depth: int, k: int,
+    def _search(self, trie: SuffixTrie, node: int, depth: int, k: int,
                 found: tuple[list[int], float]) -> tuple[list[int], float]:
         """The draft of the highest score over the matches from (node, depth) down its suffix links, or found
         when none beats it by more than _TIE. A match of length m drafts ≤ limit = min(k, floor(factor × m))

@@ -28,6 +28,9 @@ SHADOW_DRAFTS_PER_STEP = 4
 # ... and a sequence gets one at most every this many steps, when the plan is also priced again unless a shadow draft
 # settled or a sequence came or went: at small batches the host's own time a step is what backing off saves.
 BACKED_OFF_TURNS = 4
+# While the loop waits for the device, a host proposer indexes what waits this many tokens at a time, checking in
+# between whether the step's tokens are ready (a suffix token costs ~5-10 µs a chunk's token on a CPU).
+IDLE_INDEX_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -149,4 +152,4 @@ def _suffix(s: dict) -> SpeculativeConfig:
 
 
 __all__ = ["SpeculativeConfig", "SPECULATIVE_METHODS", "MAX_SPECULATIVE_TOKENS", "ACCEPTANCE_PRIOR", "FOUND_PRIOR",
-           "SHADOW_DRAFTS_PER_STEP", "BACKED_OFF_TURNS"]
+           "SHADOW_DRAFTS_PER_STEP", "BACKED_OFF_TURNS", "IDLE_INDEX_TOKENS"]

@@ -187,6 +187,7 @@ def test_suffix_evicts_the_oldest_cached_request_fully():
         fresh.add(str(i), [0])
         fresh.extend(str(i), output)
         fresh.remove(str(i))
+    assert fresh.work(2) and fresh.work(10) is False  # (the cache's inserts wait for a proposal or work())
     assert trie_nodes(proposer._global) == trie_nodes(fresh._global)  # its counts and nodes are gone
 
 
@@ -225,13 +226,17 @@ def test_suffix_matches_the_rescan(seed):
             new = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
             proposer.extend(rid, new)
             live[rid] += new
+            if rng.random() < 0.3:  # (what the engine does while it waits: drafts must not depend on it)
+                proposer.work(rng.randint(1, 4))
             if rng.random() < 0.6:  # (else its tokens wait to be indexed by a later proposal)
                 assert proposer.propose(rid, k) == suffix_oracle(live[rid], cached, depth, k, factor, min_prob)
     want = Counter()
     for seq in cached:
         want.update(tuple(seq[i:j]) for i in range(len(seq)) for j in range(i + 1, min(i + depth, len(seq)) + 1))
     want[()] = sum(map(len, cached))
-    assert trie_nodes(proposer._global) == dict(want)
+    while proposer.work(3):
+        pass
+    assert trie_nodes(proposer._global) == dict(want) and not proposer._unindexed
 
 
 def test_suffix_is_deterministic_and_extend_chunking_does_not_matter():

@@ -3,6 +3,7 @@ chunked prompts, prefix-cache hits, stops and penalties; sampled outputs keep th
 test); the verification rule on the device equals the host's; the draft plan; the configuration's errors."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -52,6 +53,22 @@ def test_greedy_equals_no_speculation_under_churn(tiny_model_dirs, method, num_k
     assert stats.spec_accepted_tokens == sum(stats.spec_accepted_per_position) <= stats.spec_draft_tokens
     if num_kv_blocks == 70:
         assert stats.preemptions > 0
+
+
+def test_indexing_while_waiting_keeps_the_tokens(tiny_model_dirs, monkeypatch):
+    """The loop's waits for sampled tokens do the suffix proposer's deferred indexing (on a CPU every step is ready
+    at once: here a step says it is not ready for a few checks): the tokens equal no speculation's."""
+    from nanoserve.runner.sampler import SampleHandle
+
+    path, ticks, worked = str(tiny_model_dirs["qwen3"]), itertools.count(), []
+    llm = LLM(path, num_kv_blocks=400, speculative_config=SUFFIX, **OPTIONS)
+    work = llm.engine.core._speculator.proposer.work
+    llm.engine.core._speculator.proposer.work = lambda budget: (worked.append(budget), work(budget))[1]
+    monkeypatch.setattr(SampleHandle, "ready", lambda self: next(ticks) % 4 == 3)
+    got, stats = run_churn(llm.engine, steps=120, seed=7, params=greedy_params)
+    monkeypatch.undo()
+    want, _ = run_churn(LLM(path, num_kv_blocks=400, **OPTIONS).engine, steps=120, seed=7, params=greedy_params)
+    assert got == want and worked and stats.spec_num_drafts > 0
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -462,6 +479,36 @@ def test_backed_off_plan_is_priced_again_only_now_and_then(monkeypatch):
     assert settled and len(priced) <= 1 + steps // BACKED_OFF_TURNS + settled < steps
     spec._costs = StepCosts(lambda r: 1.0 + 0.0 * np.asarray(r), lambda r: 1.0 + 0.0 * np.asarray(r), 12)
     assert any(spec.worth_waiting([seq], 0.01) for _ in range(BACKED_OFF_TURNS))
+
+
+def test_idle_indexes_what_waits_until_the_step_is_ready():
+    """While the loop waits for the device, the suffix proposer indexes deferred tokens (the live request's first,
+    then an ended one's outputs into the global trie), IDLE_INDEX_TOKENS at a time, stopping once the step is
+    ready; drafts are the same as without it."""
+    from nanoserve.engine.sequence import Sequence
+    from nanoserve.engine.speculation import Speculator
+    from nanoserve.speculative_config import IDLE_INDEX_TOKENS, SpeculativeConfig
+
+    def run(idle_checks: int | None):
+        spec = Speculator(SpeculativeConfig.parse(SUFFIX), 256, 12)
+        ended = Sequence("ended", [1, 2], SamplingParams(max_tokens=50))
+        spec.add(ended)
+        spec.extend(ended, [3, 4, 5, 6, 7, 8, 9, 10])
+        spec.remove(ended, keep_outputs=True)
+        seq = Sequence("0", [3, 4, 5, 11, 3, 4], SamplingParams(max_tokens=50))
+        seq.slot, seq.decoding = 0, True
+        spec.add(seq)
+        proposer, checks = spec.proposer, []
+        if idle_checks is not None:
+            spec.idle(lambda: len(checks) >= idle_checks or checks.append(1))
+        waiting = len(seq.prompt_token_ids) - proposer._requests["0"].num_indexed, len(proposer._arriving)
+        return proposer.propose("0", 8), len(checks), *waiting
+
+    drafts, _, waiting, arriving = run(None)
+    assert drafts == [5, 6] and waiting == 6 and arriving == 1  # (the ended request's "3 4 5 6" drafts)
+    assert run(0)[1:] == (0, 6, 1)  # ready at once: nothing indexed
+    assert run(1)[1:] == (1, 6 - IDLE_INDEX_TOKENS, 1)  # one chunk of the live request's tokens
+    assert run(100) == (drafts, 4, 0, 0)  # everything (6 + 8 tokens), then it stops asking: nothing waits
 
 
 def test_decode_rows_of_one_sequence_are_bounded(tiny_model_dirs):

@@ -1,28 +1,26 @@
 """EngineCore: the step loop — schedule → run on the device → learn the sampled tokens → per-step deltas.
 
-With async_scheduling (the default) the host schedules and launches step N+1 before it reads step N's
-tokens, so the Python around the graph overlaps the device: a step's input ids are the previous step's
-samples, read on the device. The host learns tokens one step late: a sequence that step N finished
-(EOS, a stop id) has already been scheduled in step N+1; that extra token is discarded and its blocks
-were freed when step N was read (the device runs the steps in order, so nothing is reused under it).
-Lengths are known on the host, so max_tokens never produces an extra token. Penalties need each row's
-token history, so while any request uses them the loop waits for each step before the next (same
-tokens, no overlap). Speculative decoding keeps the overlap when its drafts come from the device (n-gram: a step
-in flight counts its drafts as kept until read; engine/speculation.py), and waits like penalties otherwise.
+With async_scheduling (the default) the host schedules and launches step N+1 before it reads step N's tokens, so the
+Python around the graph overlaps the device: a step's input ids are the previous step's samples, read on the device.
+The host learns tokens one step late: a sequence that step N finished (EOS, a stop id) has already been scheduled in
+step N+1; that extra token is discarded and its blocks were freed when step N was read (the device runs the steps in
+order, so nothing is reused under it). Lengths are known on the host, so max_tokens never produces an extra token.
+Penalties need each row's token history, so while any request uses them the loop waits for each step before the next
+(same tokens, no overlap). Speculative decoding keeps the overlap when its drafts come from the device (n-gram: a
+step in flight counts its drafts as kept until read; engine/speculation.py), and waits like penalties otherwise.
 
-A structured output's token bitmask needs its sequence's previous token. A step with such rows launches its
-forward only, its sampler deferred.
-With step N+1 so launched, the next call first reads step N, whose tokens arrive as forward N+1 starts, advances
-the matchers and starts filling step N+1's masks (engine/grammar.py: on the mask thread from a few rows on), then,
-while they fill, schedules and builds step N+2 (the scheduler is then two steps ahead of these rows' tokens: they
-count as pending, so lengths, max_tokens, min_tokens and block counts stay exact) and completes step N's outputs,
-then launches N+1's sampler and forward N+2, which reads the tokens it writes. So the mask for step N+1 is
-ready before its forward ends whenever reading, matching and the fill take less than a forward. A sequence that
-step N finishes (EOS, a stop id, its grammar's end) was already scheduled in steps N+1 and N+2: both tokens
-are discarded, and its blocks and slot are freed before step N+2 launches, which still writes them. That is
-safe because nothing is allocated between that free and that launch, and whatever a later schedule
-allocates runs on the device after it. A sequence preempted while building N+2 keeps its pending tokens and
-rejoins once they are read.
+A structured output's token bitmask needs its sequence's previous token. A step with such rows launches its forward
+only, its sampler deferred. With step N+1 so launched, the next call first reads step N, whose tokens arrive as
+forward N+1 starts, advances the matchers and starts filling step N+1's masks (engine/grammar.py: on the mask thread
+from a few rows on), then, while they fill, schedules and builds step N+2 (the scheduler is then two steps ahead of
+these rows' tokens: they count as pending, so lengths, max_tokens, min_tokens and block counts stay exact) and
+completes step N's outputs, then launches N+1's sampler and forward N+2, which reads the tokens it writes. So the
+mask for step N+1 is ready before its forward ends whenever reading, matching and the fill take less than a forward.
+A sequence that step N finishes (EOS, a stop id, its grammar's end) was already scheduled in steps N+1 and N+2: both
+tokens are discarded, and its blocks and slot are freed before step N+2 launches, which still writes them. That is
+safe because nothing is allocated between that free and that launch, and whatever a later schedule allocates runs on
+the device after it. A sequence preempted while building N+2 keeps its pending tokens and rejoins once they are
+read.
 
 The loop's state (the steps in flight, the deferred one) is one object, engine/pipeline.py, which checks these rules
 as they happen. The core deals in token ids only; text, stop strings and n > 1 fan-out are the front end's
@@ -268,6 +266,8 @@ class EngineCore:
         if done.handle is None:
             return done, None, None
         with self._host.waiting():
+            if self._speculator is not None:  # (a host proposer's deferred indexing runs meanwhile)
+                self._speculator.idle(done.handle.ready)
             result = done.handle.result()
         grammar = self._num_grammar_seqs and not done.step.has_drafts
         accepted = self._grammars.accept(done.sampled, result.token_ids) if grammar else None

@@ -49,6 +49,11 @@ class Proposer(ABC):
         del self._requests[request_id]
         self._ended(state, keep_outputs)
 
+    def work(self, budget: int) -> bool:
+        """Index up to about `budget` tokens whose indexing was deferred (the engine calls it while it waits for the
+        device); True when more wait. Proposals index whatever still waits first, so drafts do not depend on it."""
+        return False
+
     def _state(self, request_id: str):
         try:
             return self._requests[request_id]
@@ -162,31 +167,38 @@ class SuffixProposer(Proposer):
         self.max_spec_factor, self.min_token_prob = max_spec_factor, min_token_prob
         self._global = SuffixTrie(max_tree_depth, evictable=True)
         self._cached: deque[list[int]] = deque()  # the indexed outputs, oldest first
+        self._arriving: deque[list] = deque()  # ended requests' outputs on their way in: [outputs, inserted, suffixes]
+        self._unindexed: dict[_SuffixState, None] = {}  # live requests with tokens to index, in order
         self._version = 0  # bumped when the global trie changes
 
     def _new_state(self, prompt_token_ids: Sequence[int]) -> _SuffixState:
         return _SuffixState(len(prompt_token_ids), self.depth, self._version)
 
     def _append(self, state: _SuffixState, token_ids: Sequence[int]) -> None:
-        state.tokens.extend(token_ids)  # (indexed by its next proposal: _index)
+        state.tokens.extend(token_ids)  # (indexed by its next proposal, or while the engine waits: _index, work)
+        self._unindexed[state] = None
 
-    def _index(self, state: _SuffixState) -> None:
-        """Index the tokens appended since the request's last proposal: a backed-off request (engine/speculation.py)
-        is asked only now and then, and a few tokens at once cost less than one a step on the loop's cold caches."""
-        tokens = state.tokens
-        if state.num_indexed == len(tokens):
-            return
+    def _index(self, state: _SuffixState, limit: int | None = None) -> int:
+        """Index (up to `limit` of) the tokens appended since the request's last proposal → how many: a backed-off
+        request (engine/speculation.py) is asked only now and then, and a few tokens at once cost less than one a
+        step on the loop's cold caches."""
+        tokens, start = state.tokens, state.num_indexed
+        stop = len(tokens) if limit is None else min(len(tokens), start + limit)
         trie, walk, suffixes = state.trie, self._global.walk, state.suffixes
         walking = state.global_version == self._version and bool(self._cached)
         node, depth = state.global_node, state.global_depth
-        for token in tokens[state.num_indexed:]:
+        for token in tokens[start:stop]:
             suffixes = trie.insert(suffixes, token)
             if walking:
                 node, depth = walk(node, depth, token)
-        state.num_indexed = len(tokens)
+        state.num_indexed = stop
         state.suffixes, state.global_node, state.global_depth = suffixes, node, depth
+        if stop == len(tokens):
+            self._unindexed.pop(state, None)
+        return stop - start
 
     def _propose(self, state: _SuffixState, k: int) -> list[int]:
+        self._cache()
         self._index(state)
         top = min(len(state.suffixes), self.depth) - 1
         found = self._search(state.trie, state.suffixes[top], top, k, ([], 0.0))
@@ -226,16 +238,36 @@ class SuffixProposer(Proposer):
         return found
 
     def _ended(self, state: _SuffixState, keep_outputs: bool) -> None:
+        self._unindexed.pop(state, None)
         outputs = state.tokens[state.num_prompt:]
-        if not keep_outputs or not outputs or self.max_cached_requests == 0:
-            return
-        suffixes = [_ROOT]
-        for token in outputs:
-            suffixes = self._global.insert(suffixes, token)
-        self._cached.append(outputs)
-        if len(self._cached) > self.max_cached_requests:
-            self._global.remove(self._cached.popleft())
-        self._version += 1
+        if keep_outputs and outputs and self.max_cached_requests > 0:
+            self._arriving.append([outputs, 0, [_ROOT]])  # (into the global trie: _cache)
+
+    def work(self, budget: int) -> bool:
+        for state in list(self._unindexed)[:budget]:
+            budget -= self._index(state, budget)
+            if budget <= 0:
+                break
+        if budget > 0:
+            self._cache(budget)
+        return bool(self._unindexed or self._arriving)
+
+    def _cache(self, budget: int | None = None) -> None:
+        """Insert up to `budget` tokens (None: all) of the ended requests' outputs that wait for the global trie,
+        oldest first; an output fully in evicts the oldest cached one beyond max_cached_requests (at once)."""
+        while self._arriving and (budget is None or budget > 0):
+            item = self._arriving[0]
+            outputs, at, suffixes = item
+            stop = len(outputs) if budget is None else min(len(outputs), at + budget)
+            for token in outputs[at:stop]:
+                suffixes = self._global.insert(suffixes, token)
+            item[1:] = stop, suffixes
+            budget = None if budget is None else budget - (stop - at)
+            self._version += 1
+            if stop == len(outputs):
+                self._cached.append(self._arriving.popleft()[0])
+                if len(self._cached) > self.max_cached_requests:
+                    self._global.remove(self._cached.popleft())
 
 
 def make_proposer(spec: SpeculativeConfig) -> Proposer:

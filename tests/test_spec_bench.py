@@ -89,7 +89,7 @@ def test_spec_host_reports_the_loop_s_own_time(tmp_path, tiny_model_dirs, monkey
     runs = json.loads(out.read_text())["runs"]
     for method, run in runs.items():
         assert run["steps"] > 0 and run["tokens"] == 32  # (ignore_eos is off: the tiny model never says EOS)
-        assert 0 < run["own_us_per_step"] < run["busy_us_per_step"]
+        assert 0 < run["own_us_per_step"] < run["busy_us_per_step"] and run["own_us_per_token"] > 0
         assert run["busy_us_per_step"] == pytest.approx(run["own_us_per_step"] + run["execute_us_per_step"])
     assert runs["none"]["speculator_us_per_step"] is None and runs["none"]["speculation"] is None
     assert set(runs["suffix"]["speculator_us_per_step"]) <= set(spec_host.SPEC_CALLS)

@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from nanoserve.engine.drafts import NgramProposer, SuffixProposer, make_proposer
+from nanoserve.engine.suffix_trie import ROOT, SequenceTrie, SuffixTrie
 from nanoserve.speculative_config import SpeculativeConfig
 
 
@@ -237,6 +238,27 @@ def test_suffix_matches_the_rescan(seed):
     while proposer.work(3):
         pass
     assert trie_nodes(proposer._global) == dict(want) and not proposer._unindexed
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sequence_trie_drafts_equal_the_full_trie_s(seed):
+    """A request's own trie leaves the strings seen once unmade (SequenceTrie): from every suffix of a random
+    sequence over a small vocabulary, after every token, its drafts equal those of the trie that makes every node."""
+    rng = random.Random(seed)
+    for _ in range(60):
+        depth, vocab, tokens = rng.randint(1, 6), rng.randint(1, 4), []
+        full, compact = SuffixTrie(depth), SequenceTrie(depth, tokens)
+        full_suffixes, made = [ROOT], [ROOT]
+        for _ in range(rng.randint(1, 40)):
+            tokens.append(rng.randrange(vocab))
+            full_suffixes, made = full.insert(full_suffixes, tokens[-1]), compact.insert(made)
+            for m in range(1, len(full_suffixes)):  # (a suffix not made is the leaf of its one occurrence)
+                node = made[m] if m < len(made) else -2 - (len(tokens) - 1)
+                if m < len(made):
+                    assert compact.first_prob(node) == full.first_prob(full_suffixes[m])
+                for limit, min_prob in ((1, 0.0), (3, 0.3), (20, 0.0)):
+                    want = full.draft(full_suffixes[m], m, limit, min_prob)
+                    assert compact.draft(node, m, limit, min_prob) == want
 
 
 def test_suffix_is_deterministic_and_extend_chunking_does_not_matter():

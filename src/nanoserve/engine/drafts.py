@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 
-from nanoserve.engine.suffix_trie import NONE as _NONE, ROOT as _ROOT, SuffixTrie
+from nanoserve.engine.suffix_trie import ROOT as _ROOT, SequenceTrie, SuffixTrie
 from nanoserve.speculative_config import SpeculativeConfig
 
 _FLOOR_SLACK = 1e-6  # floor(factor × matched length) without losing 29 to 0.29 × 100 = 28.999…
@@ -132,8 +132,8 @@ class _SuffixState:
         self.tokens: list[int] = []
         self.num_indexed = 0  # its leading tokens in its trie; the rest wait for its next proposal
         self.num_prompt = num_prompt
-        self.trie = SuffixTrie(depth, evictable=False)  # the request's prompt + outputs
-        self.suffixes = [_ROOT]  # its suffixes' nodes in its trie, by length 0..depth
+        self.trie = SequenceTrie(depth, self.tokens)  # the request's prompt + outputs
+        self.suffixes = [_ROOT]  # its suffixes' made nodes in its trie, by length 0.. (longer ones are leaves)
         # its longest suffix in the global trie, valid while the cache is at that version
         self.global_node, self.global_depth, self.global_version = _ROOT, 0, global_version
 
@@ -165,7 +165,7 @@ class SuffixProposer(Proposer):
                              f"{max_tree_depth}, {max_cached_requests}")
         self.depth, self.max_cached_requests = max_tree_depth, max_cached_requests
         self.max_spec_factor, self.min_token_prob = max_spec_factor, min_token_prob
-        self._global = SuffixTrie(max_tree_depth, evictable=True)
+        self._global = SuffixTrie(max_tree_depth)
         self._cached: deque[list[int]] = deque()  # the indexed outputs, oldest first
         self._arriving: deque[list] = deque()  # ended requests' outputs on their way in: [outputs, inserted, suffixes]
         self._unindexed: dict[_SuffixState, None] = {}  # live requests with tokens to index, in order
@@ -188,7 +188,7 @@ class SuffixProposer(Proposer):
         walking = state.global_version == self._version and bool(self._cached)
         node, depth = state.global_node, state.global_depth
         for token in tokens[start:stop]:
-            suffixes = trie.insert(suffixes, token)
+            suffixes = trie.insert(suffixes)
             if walking:
                 node, depth = walk(node, depth, token)
         state.num_indexed = stop
@@ -218,19 +218,18 @@ class SuffixProposer(Proposer):
             return trie.link[state.global_node], self.depth - 1
         return state.global_node, state.global_depth
 
-    def _search(self, trie: SuffixTrie, node: int, depth: int, k: int,
+    def _search(self, trie: SuffixTrie | SequenceTrie, node: int, depth: int, k: int,
                 found: tuple[list[int], float]) -> tuple[list[int], float]:
         """The draft of the highest score over the matches from (node, depth) down its suffix links, or found
         when none beats it by more than _TIE. A match of length m drafts ≤ limit = min(k, floor(factor × m))
         tokens, each at most as likely as its first (p1), so limit × p1 bounds its score: matches that cannot
         win are skipped, and the walk ends once the limit alone cannot."""
-        count, best = trie.count, trie.best
         while node != _ROOT:
             limit = min(k, int(self.max_spec_factor * depth + _FLOOR_SLACK))
             if limit <= found[1] + _TIE / 2:
                 break
-            top = best[node]
-            if top != _NONE and limit * count[top] / count[node] > found[1] + _TIE / 2:
+            first = trie.first_prob(node)
+            if first and limit * first > found[1] + _TIE / 2:
                 draft = trie.draft(node, depth, limit, self.min_token_prob)
                 if draft[1] > found[1] + _TIE:
                     found = draft

@@ -1,4 +1,5 @@
-"""SuffixTrie: the counted trie of token strings behind the suffix proposer (engine/drafts.py), in flat lists."""
+"""The counted tries of token strings behind the suffix proposer (engine/drafts.py), in flat lists: SuffixTrie (any
+sequences, evictable: the global cache) and SequenceTrie (one growing sequence: a request's own)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,8 +19,8 @@ class SuffixTrie:
     (the node of its string without the first token), which exists since every substring of an indexed string is
     indexed: it lets a match walk on like Aho–Corasick and a draft run past the depth."""
 
-    def __init__(self, depth: int, evictable: bool):
-        self.depth, self.evictable = depth, evictable
+    def __init__(self, depth: int):
+        self.depth = depth
         self.edges: dict[int, int] = {}
         # per node (the root is 0): occurrences, last token, most frequent child, suffix link; lists index fastest
         self.count, self.token, self.best, self.link = [0], [0], [NONE], [ROOT]
@@ -45,17 +46,8 @@ class SuffixTrie:
             grown.append(child)
         else:
             return grown
-        evictable, link = self.evictable, self.link
         for node in suffixes[at:]:
-            if evictable:
-                child = self._new_node(node, token, grown[-1])
-            else:  # (a request's own trie: nodes are only appended)
-                child = len(count)
-                count.append(1)
-                tok.append(token)
-                best.append(NONE)
-                link.append(grown[-1])
-                edges[node << SHIFT | token] = child
+            child = self._new_node(node, token, grown[-1])
             top = best[node]
             if top == NONE or (count[top] == 1 and tok[top] > token):
                 best[node] = child
@@ -63,7 +55,7 @@ class SuffixTrie:
         return grown
 
     def _new_node(self, parent: int, token: int, link: int) -> int:
-        """A child of parent for token, counted once, in an evictable trie (a node freed before is reused)."""
+        """A child of parent for token, counted once (a node freed before is reused)."""
         if self.free:
             node = self.free.pop()
             self.count[node], self.token[node], self.best[node], self.link[node] = 1, token, NONE, link
@@ -118,6 +110,11 @@ class SuffixTrie:
             child = self.next_sibling[child]
         return top
 
+    def first_prob(self, node: int) -> float:
+        """count(best child) / count(node) (0: no child)."""
+        top = self.best[node]
+        return 0.0 if top == NONE else self.count[top] / self.count[node]
+
     def walk(self, node: int, depth: int, token: int) -> tuple[int, int]:
         """The node (and depth) of the longest suffix present after token follows the string of node."""
         while True:
@@ -151,4 +148,121 @@ class SuffixTrie:
         return out, score
 
 
-__all__ = ["SuffixTrie", "ROOT", "NONE", "SHIFT"]
+class SequenceTrie:
+    """SuffixTrie's counts and drafts for one growing sequence (a request's prompt + outputs), without making the
+    strings that occur once: such a string hangs from its longest prefix that occurs more often as a leaf, -2 - the
+    position of its last token (its one occurrence), and its longer strings follow the sequence from there. On new
+    text a token then makes no node (its suffixes' strings + it are leaves or inside leaves) instead of ~depth; a
+    leaf's string seen again is made then (count 2), the old occurrence's next token a leaf below it. Made nodes are
+    the strings seen at least twice (and the root); their suffix links are made too."""
+
+    def __init__(self, depth: int, tokens: list[int]):
+        """tokens: the sequence (appended to by its owner); its first `length` are indexed."""
+        self.depth, self.tokens, self.length = depth, tokens, 0
+        self.edges: dict[int, int] = {}
+        self.count, self.token, self.best, self.link = [0], [0], [NONE], [ROOT]
+
+    def _count(self, ref: int) -> int:
+        return self.count[ref] if ref >= 0 else 1
+
+    def _token(self, ref: int) -> int:
+        return self.token[ref] if ref >= 0 else self.tokens[-2 - ref]
+
+    def insert(self, suffixes: list[int]) -> list[int]:
+        """Index the sequence's next token after its suffixes' made nodes (length 0 first) → the new ones."""
+        i = self.length
+        token, self.length = self.tokens[i], i + 1
+        count, best, tok, edges = self.count, self.best, self.token, self.edges
+        count[ROOT] += 1
+        grown = [ROOT]
+        suffixes = suffixes[:self.depth]
+        for at, node in enumerate(suffixes):
+            key = node << SHIFT | token
+            child = edges.get(key)
+            if child is None:
+                break
+            if child < 0:
+                child = self._make(node, key, child, token, grown[-1], len(grown))
+            else:
+                count[child] += 1
+            top = best[node]
+            if top != child and (count[child] > self._count(top)
+                                 or (count[child] == self._count(top) and tok[child] < self._token(top))):
+                best[node] = child
+            grown.append(child)
+        else:
+            return grown
+        leaf = -2 - i  # node + token is new, and so is every longer suffix + token (it contains this one): leaves
+        for node in suffixes[at:]:
+            edges[node << SHIFT | token] = leaf
+            top = best[node]
+            if top == NONE or (self._count(top) == 1 and self._token(top) > token):
+                best[node] = leaf
+        return grown
+
+    def _make(self, parent: int, key: int, leaf: int, token: int, link: int, depth: int) -> int:
+        """The leaf's string, seen a second time: a made node of count 2 (at `depth`), whose child is the leaf of the
+        old occurrence's next token (its string occurs once: the new occurrence's next token is not there yet)."""
+        node = len(self.count)
+        self.count.append(2)
+        self.token.append(token)
+        self.best.append(NONE)
+        self.link.append(link)
+        self.edges[key] = node
+        if self.best[parent] == leaf:
+            self.best[parent] = node
+        after = -2 - leaf + 1  # (≤ the position being indexed)
+        if depth < self.depth:
+            self.edges[node << SHIFT | self.tokens[after]] = self.best[node] = -2 - after
+        return node
+
+    def first_prob(self, node: int) -> float:
+        """count(best child) / count(node) of a made node (0: no child)."""
+        top = self.best[node]
+        return 0.0 if top == NONE else self._count(top) / self.count[node]
+
+    def _linked(self, ref: int, depth: int) -> int:
+        """The suffix link of a made node or a leaf's string at `depth` (found from the root along the sequence)."""
+        if ref >= 0:
+            return self.link[ref]
+        end = -2 - ref
+        node = ROOT
+        for at in range(end - depth + 2, end + 1):
+            node = self.edges[node << SHIFT | self.tokens[at]]
+            if node < 0:  # (inside a leaf: its one occurrence is this one, up to end)
+                return -2 - end
+        return node
+
+    def draft(self, node: int, depth: int, limit: int, min_prob: float) -> tuple[list[int], float]:
+        """SuffixTrie.draft over made nodes and leaves (a leaf's string continues with the sequence's next token at
+        probability 1, while the sequence is indexed that far)."""
+        count, best, tok, link, tokens = self.count, self.best, self.token, self.link, self.tokens
+        out: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(out) < limit:
+            if depth == self.depth:
+                node, depth = (link[node] if node >= 0 else self._linked(node, depth)), depth - 1
+            if node >= 0:
+                child = best[node]
+                if child >= 0:
+                    prob *= count[child] / count[node]
+                    token = tok[child]
+                elif child == NONE:
+                    break
+                else:
+                    prob *= 1 / count[node]
+                    token = tokens[-2 - child]
+            else:  # (inside a leaf: its one occurrence goes on)
+                after = -1 - node
+                if after >= self.length:
+                    break
+                child, token = -2 - after, tokens[after]
+            if prob < min_prob:
+                break
+            out.append(token)
+            score += prob
+            node, depth = child, depth + 1
+        return out, score
+
+
+__all__ = ["SuffixTrie", "SequenceTrie", "ROOT", "NONE", "SHIFT"]

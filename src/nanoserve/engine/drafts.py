@@ -152,9 +152,11 @@ class SuffixProposer(Proposer):
     (one token for a loop "a a a …"), which a shorter match sees past. Unlike Arctic Inference, a draft that
     reaches the depth goes on from its context less the first token (match + draft may exceed the depth).
 
-    Memory: ≤ depth nodes per indexed token, i.e. per running request's prompt + outputs (freed with it), plus
-    the outputs of at most max_cached_requests ended requests (an evicted one's nodes are freed for reuse). The request's match in the global trie walks on with each token
-    (amortized O(1)); when the cache changes it is recomputed from the last depth tokens at the next propose."""
+    Memory: ≤ depth nodes per indexed token of the outputs of at most max_cached_requests ended requests (an
+    evicted one's nodes are freed for reuse), and for each running request's prompt + outputs a node per string
+    seen twice or more (SequenceTrie; freed with it). The request's match in the global trie walks on with each
+    indexed token (amortized O(1)); when the cache changes it is recomputed from the last depth tokens at the next
+    propose."""
     method = "suffix"
 
     def __init__(self, max_tree_depth: int, max_cached_requests: int, max_spec_factor: float,

@@ -192,6 +192,24 @@ def test_suffix_evicts_the_oldest_cached_request_fully():
     assert trie_nodes(proposer._global) == trie_nodes(fresh._global)  # its counts and nodes are gone
 
 
+def test_suffix_cache_work_comes_in_chunks():
+    """An ended request's outputs go into the global trie, and an evicted one's out, a few tokens a work() call
+    (what the engine does while it waits for the device), never all at once."""
+    proposer, fresh = suffix(depth=4, cached=1), suffix(depth=4, cached=1)
+    for p in (proposer, fresh):
+        for i, output in enumerate([[1, 2, 3, 4, 5, 6], [7, 8, 9, 7, 8, 9]]):
+            p.add(str(i), [0])
+            p.extend(str(i), output)
+            p.remove(str(i))
+    calls = 0
+    while proposer.work(2):
+        calls += 1
+    assert calls + 1 == (6 + 6 + 6) // 2  # (in, in, the first out: 2 tokens a call)
+    fresh.add("x", [7, 8])
+    assert fresh.propose("x", 4) == [9, 7]  # (a proposal does what waits at once)
+    assert trie_nodes(proposer._global) == trie_nodes(fresh._global)
+
+
 def trie_nodes(trie) -> dict[tuple[int, ...], int]:
     """Every live node's string → its count (the edges walked from the root)."""
     out, todo = {(): trie.count[0]}, [(0, ())]

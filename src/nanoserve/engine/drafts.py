@@ -170,6 +170,7 @@ class SuffixProposer(Proposer):
         self._global = SuffixTrie(max_tree_depth)
         self._cached: deque[list[int]] = deque()  # the indexed outputs, oldest first
         self._arriving: deque[list] = deque()  # ended requests' outputs on their way in: [outputs, inserted, suffixes]
+        self._leaving: deque[list] = deque()  # evicted outputs on their way out: [outputs, strings removed]
         self._unindexed: dict[_SuffixState, None] = {}  # live requests with tokens to index, in order
         self._version = 0  # bumped when the global trie changes
 
@@ -251,24 +252,34 @@ class SuffixProposer(Proposer):
                 break
         if budget > 0:
             self._cache(budget)
-        return bool(self._unindexed or self._arriving)
+        return bool(self._unindexed or self._arriving or self._leaving)
 
     def _cache(self, budget: int | None = None) -> None:
-        """Insert up to `budget` tokens (None: all) of the ended requests' outputs that wait for the global trie,
-        oldest first; an output fully in evicts the oldest cached one beyond max_cached_requests (at once)."""
-        while self._arriving and (budget is None or budget > 0):
-            item = self._arriving[0]
-            outputs, at, suffixes = item
-            stop = len(outputs) if budget is None else min(len(outputs), at + budget)
-            for token in outputs[at:stop]:
-                suffixes = self._global.insert(suffixes, token)
-            item[1:] = stop, suffixes
+        """Up to `budget` tokens (None: all) of the global trie's waiting work, oldest first: an evicted output's
+        strings out, then the ended requests' outputs in (one fully in evicts the oldest cached one beyond
+        max_cached_requests)."""
+        while (self._leaving or self._arriving) and (budget is None or budget > 0):
+            item = self._leaving[0] if self._leaving else self._arriving[0]
+            tokens, at = item[0], item[1]
+            stop = len(tokens) if budget is None else min(len(tokens), at + budget)
+            if self._leaving:
+                self._global.remove(tokens, range(at, stop))
+                item[1] = stop
+            else:
+                suffixes = item[2]
+                for token in tokens[at:stop]:
+                    suffixes = self._global.insert(suffixes, token)
+                item[1:] = stop, suffixes
             budget = None if budget is None else budget - (stop - at)
             self._version += 1
-            if stop == len(outputs):
-                self._cached.append(self._arriving.popleft()[0])
-                if len(self._cached) > self.max_cached_requests:
-                    self._global.remove(self._cached.popleft())
+            if stop < len(tokens):
+                continue
+            if self._leaving:
+                self._leaving.popleft()
+                continue
+            self._cached.append(self._arriving.popleft()[0])
+            if len(self._cached) > self.max_cached_requests:
+                self._leaving.append([self._cached.popleft(), 0])
 
 
 def make_proposer(spec: SpeculativeConfig) -> Proposer:

@@ -76,9 +76,10 @@ class SuffixTrie:
         self.edges[parent << SHIFT | token] = node
         return node
 
-    def remove(self, tokens: Sequence[int]) -> None:
-        """Un-index a sequence inserted before: its counts go, and the nodes no other sequence holds."""
-        for start in range(len(tokens)):
+    def remove(self, tokens: Sequence[int], starts: range | None = None) -> None:
+        """Un-index a sequence inserted before (its strings from `starts`, default all): its counts go, and the nodes
+        no other sequence holds."""
+        for start in range(len(tokens)) if starts is None else starts:
             path = [ROOT]
             for token in tokens[start:start + self.depth]:
                 path.append(self.edges[path[-1] << SHIFT | token])

@@ -444,6 +444,7 @@ def test_backed_off_shadow_drafts_are_spread_over_steps(num_seqs):
         before = set(spec._shadow)
         for seq in seqs:
             spec.extend(seq, [7])  # (the loop's next token: a pending shadow draft of 5, 6, 7, ... matches on)
+        spec.idle(lambda: False)  # (the loop waits for the device: the shadow drafts due are proposed)
         new = set(spec._shadow) - before
         assert len(new) <= SHADOW_DRAFTS_PER_STEP and not new & proposed
         proposed |= new
@@ -473,12 +474,38 @@ def test_backed_off_plan_is_priced_again_only_now_and_then(monkeypatch):
     steps, settled = 6 * BACKED_OFF_TURNS, 0
     for _ in range(steps):
         assert not spec.worth_waiting([seq], 0.01)
+        spec.idle(lambda: False)
         shadowed = "0" in spec._shadow
         spec.extend(seq, [9])  # (never what a shadow draft predicts: each one settles at its first token)
         settled += shadowed and "0" not in spec._shadow
     assert settled and len(priced) <= 1 + steps // BACKED_OFF_TURNS + settled < steps
     spec._costs = StepCosts(lambda r: 1.0 + 0.0 * np.asarray(r), lambda r: 1.0 + 0.0 * np.asarray(r), 12)
     assert any(spec.worth_waiting([seq], 0.01) for _ in range(BACKED_OFF_TURNS))
+
+
+def test_shadow_drafts_are_the_same_made_while_waiting_or_not():
+    """Backed off, a shadow draft due is proposed while the loop waits for the device (idle), or else before the
+    sequence's next tokens: from the same tokens either way, so the acceptance measured is the same."""
+    from nanoserve.engine.sequence import Sequence
+    from nanoserve.engine.speculation import Speculator
+    from nanoserve.speculative_config import SpeculativeConfig
+
+    dear = lambda rows: 1.0 + 100.0 * (np.asarray(rows) - 1)  # noqa: E731
+    stream = [5, 6, 7, 8] * 12
+    counts = []
+    for waits in (False, True):
+        spec = Speculator(SpeculativeConfig.parse(SUFFIX), 256, 12, dear, dear)
+        seq = Sequence("0", [5, 6, 7, 8, 5, 6], SamplingParams(max_tokens=100))
+        seq.slot, seq.decoding = 0, True
+        spec.add(seq)
+        for token in stream:
+            assert not spec.worth_waiting([seq], 0.01)
+            if waits:
+                spec.idle(lambda: False)
+            seq.output_token_ids.append(token)
+            spec.extend(seq, [token])
+        counts.append((seq.num_drafted, seq.num_accepted, spec._found["0"]))
+    assert counts[0] == counts[1] and counts[0][0] > 0
 
 
 def test_idle_indexes_what_waits_until_the_step_is_ready():

@@ -62,6 +62,7 @@ class Speculator:
         self._news = True  # backed off: a shadow draft settled or a sequence came or went since the last plan
         self._found: dict[str, list[int]] = {}
         self._shadow: dict[str, list] = {}
+        self._due: dict[str, tuple[Sequence, int]] = {}  # shadow drafts to propose (idle, or before the next tokens)
         self.num_drafts = self.draft_tokens = self.accepted_tokens = 0  # rows that verified drafts; drafts; kept
         self.accepted_per_position = [0] * spec.num_speculative_tokens
 
@@ -77,6 +78,7 @@ class Speculator:
             self.proposer.remove(seq.request_id, keep_outputs)
         self._found.pop(seq.request_id, None)
         self._shadow.pop(seq.request_id, None)
+        self._due.pop(seq.request_id, None)
 
     # -- before a step ------------------------------------------------------------------------------
     def worth_waiting(self, running: list[Sequence], host_ms: float | None, host: bool = False) -> bool:
@@ -152,11 +154,15 @@ class Speculator:
 
     # -- while a step runs ---------------------------------------------------------------------------
     def idle(self, ready) -> None:
-        """The loop waits for a step's tokens (ready(): they are): meanwhile the host proposer indexes what its next
-        proposals would (drafts.Proposer.work), IDLE_INDEX_TOKENS at a time, so that host time is the device's."""
-        if self.proposer is not None:
-            while not ready() and self.proposer.work(IDLE_INDEX_TOKENS):
-                pass
+        """The loop waits for a step's tokens (ready(): they are): meanwhile the shadow drafts due are proposed and
+        the host proposer indexes what its next proposals would (drafts.Proposer.work), IDLE_INDEX_TOKENS at a time,
+        so that host time is the device's."""
+        if self.proposer is None:
+            return
+        while self._due and not ready():
+            self._shadow_draft(*self._due.pop(next(iter(self._due))))
+        while not ready() and self.proposer.work(IDLE_INDEX_TOKENS):
+            pass
 
     # -- after a step -------------------------------------------------------------------------------
     def verified(self, seq: Sequence, drafts: list[int], samples: list[int]) -> list[int]:
@@ -176,17 +182,22 @@ class Speculator:
 
     def extend(self, seq: Sequence, tokens: list[int]) -> None:
         """Tokens seq appended: they settle its shadow draft, join its proposer's index, and (backed off) a new
-        shadow draft follows them."""
+        shadow draft is due from them: proposed while the loop waits (idle), else before the next tokens arrive."""
         if self.proposer is None:
             return
         rid = seq.request_id
+        if rid in self._due:
+            self._shadow_draft(*self._due.pop(rid))
         if rid in self._shadow:
             self._check_shadow(seq, tokens)
         self.proposer.extend(rid, tokens)
         if self.backed_off and rid not in self._shadow and ((seq.slot or 0) + self._turn) % self._shadow_every == 0:
-            drafts = self._propose(seq, min(self.spec.num_speculative_tokens, seq.draft_room(self.max_model_len)))
-            if drafts:
-                self._shadow[rid] = [drafts, 0]
+            self._due[rid] = seq, min(self.spec.num_speculative_tokens, seq.draft_room(self.max_model_len))
+
+    def _shadow_draft(self, seq: Sequence, k: int) -> None:
+        drafts = self._propose(seq, k)
+        if drafts:
+            self._shadow[seq.request_id] = [drafts, 0]
 
     def _check_shadow(self, seq: Sequence, tokens: list[int]) -> None:
         """Count a shadow draft like a verified one (drafted, accepted) once its tokens settle it: at the first

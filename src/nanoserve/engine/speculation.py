@@ -154,15 +154,16 @@ class Speculator:
 
     # -- while a step runs ---------------------------------------------------------------------------
     def idle(self, ready) -> None:
-        """The loop waits for a step's tokens (ready(): they are): meanwhile the shadow drafts due are proposed and
-        the host proposer indexes what its next proposals would (drafts.Proposer.work), IDLE_INDEX_TOKENS at a time,
-        so that host time is the device's."""
+        """The loop waits for a step's tokens (ready(): they are): meanwhile the host proposer indexes what its next
+        proposals would (drafts.Proposer.work), IDLE_INDEX_TOKENS at a time, and the shadow drafts due are proposed
+        (after the indexing: a proposal does whatever indexing still waits at once), so that host time is the
+        device's."""
         if self.proposer is None:
             return
-        while self._due and not ready():
-            self._shadow_draft(*self._due.pop(next(iter(self._due))))
         while not ready() and self.proposer.work(IDLE_INDEX_TOKENS):
             pass
+        while self._due and not ready():
+            self._shadow_draft(*self._due.pop(next(iter(self._due))))
 
     # -- after a step -------------------------------------------------------------------------------
     def verified(self, seq: Sequence, drafts: list[int], samples: list[int]) -> list[int]:

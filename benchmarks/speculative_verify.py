@@ -87,9 +87,11 @@ def measure(name: str, batch_sizes: list[int], drafts: list[int], draft: str | N
     return rec
 
 
-def plain_decode(name: str, batch_sizes: list[int]) -> dict:
-    """The decode step of an engine without speculation, per batch size (ms)."""
+def plain_decode(name: str, batch_sizes: list[int]) -> tuple[dict, dict]:
+    """The decode step of an engine without speculation, per batch size (ms), and at the targets' batch sizes one
+    profiled step (kinds beside the speculating engine's plain step: what configuring speculation costs)."""
     from nanoserve.bench.decode_step import sampled_decode_batch, time_step
+    from nanoserve.bench.profile import kind_table, profile_step
 
     with tempfile.TemporaryDirectory() as tmp:
         llm, _startup = start_engine(str(write_model_dir(model_config(name), Path(tmp) / "target")), MAX_NUM_SEQS,
@@ -97,10 +99,13 @@ def plain_decode(name: str, batch_sizes: list[int]) -> dict:
         runner = llm.engine.core.runner
         out = {str(b): statistics.median(time_step(runner, sampled_decode_batch(runner, b, CONTEXT)))
                for b in batch_sizes}
+        profiles = {str(b): kind_table(profile_step(
+            lambda: runner.execute(sampled_decode_batch(runner, b, CONTEXT)).result()))
+            for b in batch_sizes if (name, b) in {(m, tb) for m, tb, _ in TARGETS}}
         llm.close()
     release_cuda_memory()
     print(f"{name} without speculation: " + ", ".join(f"b={b} {ms:.3f} ms" for b, ms in out.items()), flush=True)
-    return out
+    return out, profiles
 
 
 def project(results: dict, workload: dict) -> dict:
@@ -141,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     results = {name: measure(name, args.batch_sizes, args.drafts) for name in args.models}
     for name in args.models if args.plain else []:
-        plain = results[name]["no_speculation_decode_ms"] = plain_decode(name, args.batch_sizes)
+        plain, results[name]["no_speculation_profile"] = plain_decode(name, args.batch_sizes)
+        results[name]["no_speculation_decode_ms"] = plain
         for b, ms in plain.items():
             results[name]["steps"][b]["vs_no_speculation"] = results[name]["steps"][b]["decode_ms"] / ms
     for pair in args.draft_models:

@@ -4,6 +4,7 @@
 #                                                 # k = 4, and the same engine's plain decode against one without
 #                                                 # speculation); GEMV variants at 8 rows in the model
 #   bash benchmarks/speculative_gpu.sh final      # the verification cost again (after a table change)
+#   bash benchmarks/speculative_gpu.sh llama      # Llama-3.1-8B's alone: k = 4 at b = 1, 8, 32, plain steps beside
 #   bash benchmarks/speculative_gpu.sh tests      # pytest -m gpu, the whole suite
 #   bash benchmarks/speculative_gpu.sh attention  # grouped vs row-by-row decode attention, warps (attention_groups.py)
 #   bash benchmarks/speculative_gpu.sh rows5      # SmolLM2's 5-row products (a b = 1 verification of 4 drafts) in its
@@ -28,6 +29,9 @@ case ${1:-verify} in
     final)
         python3 benchmarks/speculative_verify.py --models llama-3.1-8b qwen3-0.6b --batch-sizes 1 8 32 --drafts 2 4 \
             --plain --out "$OUT" 2>&1 | quiet | tail -30 ;;
+    llama)
+        python3 benchmarks/speculative_verify.py --models llama-3.1-8b --batch-sizes 1 8 32 --drafts 4 --plain \
+            --out "$OUT" 2>&1 | quiet | tail -30 ;;
     workload)
         python3 benchmarks/speculative.py workload --model "${GGUF:-smollm2}" --methods none,ngram,ngram8,suffix \
             --speculative-config ngram8='{"method": "ngram", "num_speculative_tokens": 8}' \

@@ -266,6 +266,12 @@ GEMV_SHAPES: dict[tuple[int, int, int], tuple[str, str]] = {
     # 4.536 ms a step (benchmarks/results/gemv_rows8_llama_8e522b3_h200.json: `decode_floor.py model --models
     # llama-3.1-8b --gemv-rows 8`; no other product gained).
     (8, 28672, 4096): ('dot 64x128 w4 st4 p0', TRITON),
+    # and its qkv, o and down there: 6 stages in flight (the most PIPELINE_SMEM_BYTES holds) over 4, 5.931 -> 5.841
+    # ms the 5-row step on an H100 (benchmarks/results/gemv_rows5_llama_14f6042_h100.json: `decode_floor.py model
+    # --models llama-3.1-8b --batch-sizes 1 5 --gemv-rows 5`; cuBLAS's down before)
+    (8, 6144, 4096): ('dot 64x128 w4 st6 p0', TRITON),
+    (8, 4096, 4096): ('dot 64x128 w4 st6 p0', TRITON),
+    (8, 4096, 14336): ('dot 64x128 w4 st6 p0', TRITON),
     # SmolLM2-135M's down projection at 5 rows (its b = 1 verification of 4 drafts): the unsplit tile over the size
     # rule's split one, 0.696 -> 0.638 ms the step (benchmarks/results/gemv_rows5_smollm2_8eb6148_h200.json:
     # `decode_floor.py model --models smollm2-135m --gemv-rows 5`; its other products keep the rule's tile)

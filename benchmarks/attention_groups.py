@@ -1,6 +1,6 @@
 """Decode attention over verification rows (issue 38): a sequence's k + 1 rows read as one group
 (kernels/attention.decode_attention's seq_rows) against row by row, and what the grouped kernel's wider query tile
-costs plain decode rows (an engine that speculates compiles its decode graphs with seq_rows = 1 + k), per query tile
+costs plain decode rows (before Kind.VERIFY, an engine that speculated read plain rows with seq_rows = 1 + k too), per query tile
 (attention.DECODE_GROUP_TILE: 16 reads Llama's 5 rows x 4 heads in chunks of 4 rows) and warp count.
 
     python benchmarks/attention_groups.py [--heads 32 8 128] [--context 512] [--json FILE]

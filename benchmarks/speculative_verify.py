@@ -17,7 +17,8 @@ on the device: its decode step (the draft mirrors every target step: Kind.DECODE
 draft's k forwards, then the target's: Kind.DRAFT, up to 256 rows), each against the engine without a draft's decode
 step ("<target>+<draft>" in the results).
 --plain: also an engine without speculative_config per model, whose decode steps show what configuring speculation
-costs a plain step (its graphs read each sequence's rows as one attention group: AttentionMetadata.seq_rows).
+costs a plain step (its plain steps replay their own graphs, Kind.DECODE, rows read one by one; verifications
+replay Kind.VERIFY's, a sequence's rows one attention group: AttentionMetadata.seq_rows).
 --workload: a benchmarks/speculative.py result (the real SmolLM2 on the copy-heavy workload); its measured mean
 accepted length per verification gives the projected Llama-3.1-8B b = 1 tok/s: tokens per step / verify ms, against
 a decode step's 1 token / decode ms (target >= 1.8x today's 248 tok/s).

@@ -80,27 +80,24 @@ def test_verification_replay_equals_eager(tiny_model_dirs, dtype):
             if dtype == "float32":
                 assert torch.equal(graph.argmax(-1), eager.argmax(-1))
             if isinstance(batch, DecodeBatch):  # a sequence's rows read as one attention group == row by row
-                fwd, seq_rows = runner.buffers.decode_forward, runner.buffers.decode_forward.seq_rows
-                assert seq_rows == 9
+                fwd = runner.buffers.decode_forward
+                assert fwd.seq_rows == 9
                 n = batch.size  # (b sequences of k + 1 rows)
                 fwd.load(batch, n)
-                try:
-                    fwd.seq_rows = 1
-                    per_row = fwd(n, runner.kv.blocks_for(int(batch.context_lens.max()))).float()
-                finally:
-                    fwd.seq_rows = seq_rows
+                per_row = fwd(n, runner.kv.blocks_for(int(batch.context_lens.max())), verify=False).float()
                 err = ((per_row - eager).abs().max() / eager.abs().max()).item()
                 assert err < (1e-5 if dtype == "float32" else 2e-2), (b, k, err)
 
 
 def _decode_pair(runner, batch):
+    """A verification's rows through their graph (Kind.VERIFY: grouped by sequence) and eagerly."""
     fwd, b = runner.buffers.decode_forward, batch.size
-    rows = runner.graphs.route(Kind.DECODE, b)
-    assert rows is not None, b
+    rows = runner.graphs.route(Kind.VERIFY, b)
+    assert rows is not None and rows == runner.graphs.route(Kind.DECODE, b), b  # (the same sizes)
     fwd.load(batch, rows)
-    graph = runner.graphs.replay(Kind.DECODE, rows)[:b].float().clone()
+    graph = runner.graphs.replay(Kind.VERIFY, rows)[:b].float().clone()
     fwd.load(batch, b)
-    return graph, fwd(b, runner.kv.blocks_for(int(batch.context_lens.max()))).float()
+    return graph, fwd(b, runner.kv.blocks_for(int(batch.context_lens.max())), verify=True).float()
 
 
 def _token_pair(runner, batch):
@@ -112,6 +109,39 @@ def _token_pair(runner, batch):
     hidden, positions = runner.graphs.replay(Kind.TOKENS, tokens), fwd.inputs.views(tokens).positions
     graph = fwd.sample_logits(hidden, tail, batch, positions).logits.float().clone()
     return graph, fwd(batch).logits.float()
+
+
+def test_plain_steps_replay_row_by_row_graphs(tiny_model_dirs, monkeypatch):
+    """A speculating engine captures its decode sizes twice: plain steps replay Kind.DECODE (rows read one by one,
+    the narrow query tile of an engine without speculation) and verifications Kind.VERIFY (a sequence's rows one
+    attention group); each gives the eager forward's tokens."""
+    from nanoserve.bench.decode_step import sampled_decode_batch
+    from nanoserve.runner.cuda_graph import GraphRunner
+
+    llm = LLM(str(tiny_model_dirs["llama"]), speculative_config=NGRAM, **OPTIONS)
+    runner = llm.engine.core.runner
+    assert runner.graphs.sizes(Kind.VERIFY) == runner.graphs.sizes(Kind.DECODE)
+    replays = []
+    for kind in (Kind.DECODE, Kind.VERIFY):
+        gr = runner.graphs.runners[kind]
+        monkeypatch.setattr(gr, "replay", lambda rows, _gr=gr, _k=kind: replays.append(_k) or
+                            GraphRunner.replay(_gr, rows))
+    state = runner.buffers.state
+    tensors = (state.last_tokens, state.drafting.history, state.drafting.hist_len)
+    for make, kind in ((lambda: sampled_decode_batch(runner, 3, 40), Kind.DECODE),
+                       (lambda: verify_batch(runner, 2, 40, NGRAM["num_speculative_tokens"], draft_id=7), Kind.VERIFY)):
+        before = [t.clone() for t in tensors]
+        replays.clear()
+        graph = runner.execute(make()).result().token_ids
+        assert replays == [kind]
+        for t, saved in zip(tensors, before):  # (the step's input tokens are the slots' last ones)
+            t.copy_(saved)
+        eager = runner.graphs.runners.pop(kind)
+        try:
+            assert runner.execute(make()).result().token_ids == graph, kind
+        finally:
+            runner.graphs.runners[kind] = eager
+    llm.close()
 
 
 def test_verification_curve_measured_at_start_up(tiny_model_dirs):

@@ -6,7 +6,8 @@ padding); the sampler's graphs are captured per decode bucket and replay exactly
 replayed. A kind without graphs, a step over the largest size, or a step whose inputs do not fit the static buffers
 runs eagerly. The start-up self-check walks the same table (entries()), and a new graph kind is one more Kind here:
 a draft model's decode steps (DRAFT) record its k forwards too, so a step that proposes nothing replays DECODE and
-does not pay for them.
+does not pay for them; a step verifying n-gram / suffix drafts (VERIFY) reads each sequence's rows as one attention
+group, whose wider query tile plain rows would pay for (attention ~4% a layer at b = 32), so plain steps replay DECODE.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from nanoserve.runner.cuda_graph import GraphRunner
 
 class Kind(enum.Enum):
     DECODE = "decode"  # a decode step of b rows: batch-size graphs
+    VERIFY = "verify"  # a decode step whose sequences verify drafts (runs of 1 + k rows, read as attention groups)
     DRAFT = "draft"  # a decode step whose drafts a draft model proposes (runner/draft_model.py): the same sizes
     TOKENS = "tokens"  # a prompt / mixed step of t tokens: token-count graphs
     SAMPLE = "sample"  # the plain sample of a decode bucket's logits (kernels/sampling.py), unmasked ...

@@ -26,8 +26,9 @@ class DecodeForward:
     every graph, so the graph pool holds each graph's intermediates only (reused between graphs), not a
     [rows, vocab] output per graph — which would make the pool grow with the sum of all captured sizes.
 
-    seq_rows: the most rows one sequence runs (1 + num_speculative_tokens when speculating): attention reads each
-    sequence's keys once for all its rows (AttentionMetadata.seq_rows)."""
+    seq_rows: the most rows one sequence runs (1 + num_speculative_tokens when speculating): a verifying forward
+    (`verify`, or a draft model's `propose`) reads each sequence's keys once for all its rows
+    (AttentionMetadata.seq_rows); a plain one reads row by row, with the narrower query tile of one row."""
 
     def __init__(self, model, state: PersistentState, inputs: DecodeInputs, seq_rows: int = 1):
         self.model, self.state, self.inputs, self.seq_rows = model, state, inputs, seq_rows
@@ -40,17 +41,19 @@ class DecodeForward:
                              f"runner's graphs take at most {self.seq_rows} (1 + num_speculative_tokens)")
         self.inputs.load(decode_values(batch), rows)
 
-    def captured(self, rows: int, propose: bool = False) -> torch.Tensor:
+    def captured(self, rows: int, propose: bool = False, verify: bool = False) -> torch.Tensor:
         if self.static_logits is None:
             self.static_logits = torch.empty(self.inputs.max_rows, self.model.vocab_size, dtype=self.model.dtype,
                                              device=self.state.block_tables.device)
         out = self.static_logits[:rows]
-        out.copy_(self(rows, propose=propose))
+        out.copy_(self(rows, propose=propose, verify=verify))
         return out
 
-    def __call__(self, rows: int, width: int | None = None, propose: bool = False) -> torch.Tensor:
+    def __call__(self, rows: int, width: int | None = None, propose: bool = False,
+                 verify: bool = False) -> torch.Tensor:
         """width: block-table columns to gather (eager callers pass the batch's widest table; graphs all); propose:
-        the draft model proposes the drafts of the rows that ask for them (Kind.DRAFT)."""
+        the draft model proposes the drafts of the rows that ask for them (Kind.DRAFT); verify: the rows verify
+        drafts (Kind.VERIFY): a sequence's rows are one attention group."""
         v = self.inputs.views(rows)
         drafting, draft, device = self.state.drafting, self.state.draft_model, None
         if drafting is not None:  # positions and drafts from the device (runner/speculative.DraftState)
@@ -68,7 +71,8 @@ class DecodeForward:
                                       v.token_ids == DEVICE_DRAFT, v.draft_ids, v.group_back, v.draft_slots >= 0,
                                       v.temperature, v.draft_sampled > 0)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=v.slot_mapping, context_lens=v.context_lens,
-                                 block_tables=tables, seq_rows=self.seq_rows, group_back=v.group_back,
+                                 block_tables=tables, seq_rows=self.seq_rows if propose or verify else 1,
+                                 group_back=v.group_back,
                                  **({} if tail is None else {"table_rows": v.slots, "tail_rows": v.tail_rows}))
         hidden = self.model(input_ids, v.positions, meta)
         if draft is not None:

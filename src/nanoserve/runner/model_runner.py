@@ -147,7 +147,8 @@ class ModelRunner:
         self.batch_histogram.record(b)
         propose = (self.buffers.state.draft_model is not None and batch.draft_slots is not None
                    and bool((batch.draft_slots >= 0).any()))  # a draft model proposes some row's drafts
-        kind = Kind.DRAFT if propose else Kind.DECODE
+        verify = batch.group_back is not None  # a sequence's rows read as one attention group
+        kind = Kind.DRAFT if propose else Kind.VERIFY if verify else Kind.DECODE
         rows = self.graphs.route(kind, b)
         if rows is not None:
             self.counters.decode_steps_graph += 1
@@ -159,7 +160,7 @@ class ModelRunner:
             raise ValueError(f"decode batch of {b} exceeds max_num_seqs={self.config.max_num_seqs}")
         fwd.load(batch, b)
         width = self.kv.blocks_for(int(batch.context_lens.max())) if b else 1  # read only the blocks in use
-        return fwd(b, width, propose), b, None
+        return fwd(b, width, propose, verify), b, None
 
 
 __all__ = ["ModelRunner", "PendingSample"]

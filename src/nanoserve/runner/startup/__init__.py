@@ -67,7 +67,7 @@ def start(config: EngineConfig, hf_config, tp: TensorParallel, rng: torch.Genera
         if draft is not None:
             draft_curve = graphs.capture_draft(table, buffers, probes, step_curve is not None)
         if step_curve is not None and buffers.decode_forward.seq_rows > 1:
-            verify_curve = graphs.measure_verify(table.runners[Kind.DRAFT if draft is not None else Kind.DECODE],
+            verify_curve = graphs.measure_verify(table.runners[Kind.DRAFT if draft is not None else Kind.VERIFY],
                                                  probes, config.max_num_seqs)
     if config.prefill_graph_sizes:
         token_curve = graphs.capture_tokens(table, buffers, probes, config, tp)
@@ -116,13 +116,13 @@ def _log(config: EngineConfig, table: GraphTable, num_blocks: int, check: dict |
         why = "enforce_eager" if config.enforce_eager else "no CUDA device"
         logger.info("decode runs eagerly (%s); %d KV blocks of %d tokens", why, num_blocks, config.block_size)
     else:
-        samplers = (Kind.SAMPLE, Kind.SAMPLE_MASKED, Kind.SAMPLE_VERIFY)
-        sampler = sum(table.runners[k].wall_seconds for k in samplers if k in table.runners)
+        more = (Kind.VERIFY, Kind.DRAFT, Kind.SAMPLE, Kind.SAMPLE_MASKED, Kind.SAMPLE_VERIFY)
+        others = sum(table.runners[k].wall_seconds for k in more if k in table.runners)
         logger.info("CUDA graphs: %d sizes %s (%s); capture %.2f s (%.2f s with probes and compilation; the "
-                    "sampler's %.2f s); pool %.0f MiB; %d KV blocks; self-check: %s", len(decode.capture_sizes),
-                    decode.capture_sizes, "planned from measured replays" if planned else "as configured",
-                    decode.capture_seconds, decode.wall_seconds, sampler, decode.pool_bytes / 2**20, num_blocks,
-                    checked((Kind.DECODE, Kind.DRAFT, *samplers)))
+                    "sampler's and verification's %.2f s); pool %.0f MiB; %d KV blocks; self-check: %s",
+                    len(decode.capture_sizes), decode.capture_sizes,
+                    "planned from measured replays" if planned else "as configured", decode.capture_seconds,
+                    decode.wall_seconds, others, decode.pool_bytes / 2**20, num_blocks, checked((Kind.DECODE, *more)))
     tokens = table.runners.get(Kind.TOKENS)
     if tokens is not None:
         logger.info("CUDA graphs for prompt / mixed steps: %d token counts %s; capture %.2f s; pool %.0f MiB in all; "

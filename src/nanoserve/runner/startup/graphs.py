@@ -87,8 +87,9 @@ def plan(curve: StepCurve, max_num_seqs: int, histogram: str | None, capture_bud
 
 def capture_decode(table: GraphTable, buffers: StepBuffers, probes: Probes, config: EngineConfig,
                    tp) -> StepCurve | None:
-    """The decode graphs (planned for "auto" from measured probes, rank 0's plan on every rank), then their sampler's;
-    the measured step curve ("auto") or None."""
+    """The decode graphs (planned for "auto" from measured probes, rank 0's plan on every rank); speculating, the
+    verification's at the same sizes (Kind.VERIFY: a sequence's rows read as one attention group); then their
+    sampler's. The measured step curve ("auto") or None."""
     fwd = buffers.decode_forward
     gr = GraphRunner(fwd.captured, fwd.prepare_padding)
     sizes, curve = list(config.cudagraph_capture_sizes.sizes), None
@@ -102,6 +103,10 @@ def capture_decode(table: GraphTable, buffers: StepBuffers, probes: Probes, conf
         gr.drop(set(probed) - set(sizes))
     gr.capture(sizes, config.show_progress)
     table.add(Kind.DECODE, gr)
+    if fwd.seq_rows > 1:
+        verify = GraphRunner(functools.partial(fwd.captured, verify=True), fwd.prepare_padding, pool=gr.pool)
+        verify.capture(gr.capture_sizes)
+        table.add(Kind.VERIFY, verify)
     if buffers.sampler.fuses:
         _capture_sampler(table, buffers, gr)
     return curve
@@ -158,8 +163,9 @@ def capture_tokens(table: GraphTable, buffers: StepBuffers, probes: Probes, conf
     if config.prefill_graph_sizes.planned:
         probed = token_probe_sizes(largest)
         curve = measure_curve(gr, probes.load_mixed, probed)
-        decode = table.runners.get(Kind.DECODE)  # the budgets' share the decode graphs took
-        spent, used = (decode.capture_seconds, decode.pool_bytes) if decode is not None else (0.0, 0)
+        decode = [table.runners[k] for k in (Kind.DECODE, Kind.VERIFY) if k in table.runners]
+        spent = sum(gr.capture_seconds for gr in decode)  # the budgets' share the decode graphs took
+        used = sum(gr.pool_bytes for gr in decode)
         planned = plan_tokens(curve, largest, config.cudagraph_capture_budget_s - spent,
                               config.cudagraph_pool_budget_mib * 2**20 - used)
         sizes = tp.broadcast_ints(planned if tp.rank == 0 else [], largest)

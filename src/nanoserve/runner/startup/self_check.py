@@ -19,7 +19,8 @@ from nanoserve.runner.dispatch import GraphTable, Kind
 from nanoserve.runner.startup.probes import Probes
 
 CHECK_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}  # max |Δ logit| / max |logit|
-WHAT = {Kind.DECODE: "CUDA graph of {} rows", Kind.DRAFT: "CUDA graph of {} rows (with the draft model)",
+WHAT = {Kind.DECODE: "CUDA graph of {} rows", Kind.VERIFY: "CUDA graph of {} rows verifying drafts",
+        Kind.DRAFT: "CUDA graph of {} rows (with the draft model)",
         Kind.TOKENS: "CUDA graph of {} tokens (a mixed step)",
         Kind.SAMPLE: "sampler graph of {} rows", Kind.SAMPLE_MASKED: "masked sampler graph of {} rows",
         Kind.SAMPLE_VERIFY: "verification sampler graph of {} rows"}
@@ -35,8 +36,8 @@ def self_check(table: GraphTable, buffers: StepBuffers, probes: Probes, dtype: t
     """The worst relative error per kind over every (kind, size) of the table. Raises GraphCheckError naming the
     first beyond the dtype's tolerance. agree: the worst over the tensor-parallel ranks, so they all fail (or pass)
     together."""
-    pairs = {Kind.DECODE: _decode_pair, Kind.DRAFT: _decode_pair, Kind.TOKENS: _token_pair, Kind.SAMPLE: _sample_pair,
-             Kind.SAMPLE_MASKED: _sample_pair, Kind.SAMPLE_VERIFY: _sample_pair}
+    pairs = {Kind.DECODE: _decode_pair, Kind.VERIFY: _decode_pair, Kind.DRAFT: _decode_pair, Kind.TOKENS: _token_pair,
+             Kind.SAMPLE: _sample_pair, Kind.SAMPLE_MASKED: _sample_pair, Kind.SAMPLE_VERIFY: _sample_pair}
     worst: dict[Kind, float] = {}
     for kind, size in table.entries():
         graph, ref = pairs[kind](table, buffers, probes, kind, size)
@@ -50,8 +51,13 @@ def self_check(table: GraphTable, buffers: StepBuffers, probes: Probes, dtype: t
 
 
 def _decode_pair(table: GraphTable, buffers: StepBuffers, probes: Probes, kind: Kind, rows: int):
-    probes.load_decode_check(rows)
-    return table.replay(kind, rows).float().clone(), buffers.decode_forward(rows, propose=kind is Kind.DRAFT).float()
+    """A verification graph's over a verification probe (its rows grouped by sequence)."""
+    if kind is Kind.VERIFY:
+        probes.load_verify(rows)
+    else:
+        probes.load_decode_check(rows)
+    graph = table.replay(kind, rows).float().clone()
+    return graph, buffers.decode_forward(rows, propose=kind is Kind.DRAFT, verify=kind is Kind.VERIFY).float()
 
 
 def _token_pair(table: GraphTable, buffers: StepBuffers, probes: Probes, kind: Kind, tokens: int):
@@ -69,7 +75,7 @@ def _sample_pair(table: GraphTable, buffers: StepBuffers, probes: Probes, kind: 
         probes.load_verify(rows)
     else:
         probes.load_decode_check(rows)
-    logits = table.replay(Kind.DECODE, rows).float()
+    logits = table.replay(Kind.VERIFY if kind is Kind.SAMPLE_VERIFY else Kind.DECODE, rows).float()
     tokens = table.replay(kind, rows)[:rows].long()
     return logits.gather(1, tokens[:, None])[:, 0], logits.max(dim=1).values
 

@@ -6,6 +6,7 @@
 #   bash benchmarks/speculative_gpu.sh final      # the verification cost again (after a table change)
 #   bash benchmarks/speculative_gpu.sh llama      # Llama-3.1-8B's alone: k = 4 at b = 1, 8, 32, plain steps beside
 #   bash benchmarks/speculative_gpu.sh tests      # pytest -m gpu, the whole suite
+#   bash benchmarks/speculative_gpu.sh runner     # the graph, speculation and GEMV GPU tests alone
 #   bash benchmarks/speculative_gpu.sh attention  # grouped vs row-by-row decode attention, warps (attention_groups.py)
 #   bash benchmarks/speculative_gpu.sh rows5      # SmolLM2's 5-row products (a b = 1 verification of 4 drafts) in its
 #                                                 # decode graph: each candidate against the table
@@ -36,6 +37,11 @@ case ${1:-verify} in
         python3 benchmarks/speculative.py workload --model "${GGUF:-smollm2}" --methods none,ngram,ngram8,suffix \
             --speculative-config ngram8='{"method": "ngram", "num_speculative_tokens": 8}' \
             --device cuda --out "$OUT/speculative_copy-chat.json" 2>&1 | quiet | tail -40 ;;
+    runner)
+        python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/runner/test_speculative_gpu.py \
+            tests/runner/test_cuda_graph.py tests/runner/test_graph_setup.py tests/kernels/test_gemv.py \
+            > "$OUT/gpu_tests_runner.log" 2>&1
+        grep -e "^FAILED" -e "^ERROR" -e " passed" -e " failed" "$OUT/gpu_tests_runner.log" | tail -20 ;;
     tests)
         python3 -m pytest -q -p no:cacheprovider -m gpu -n 6 tests > "$OUT/gpu_tests.log" 2>&1
         grep -e "^FAILED" -e "^ERROR" -e " passed" "$OUT/gpu_tests.log" | tail -30 ;;

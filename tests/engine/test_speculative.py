@@ -456,6 +456,37 @@ def test_backed_off_shadow_drafts_are_spread_over_steps(num_seqs):
     assert seq.request_id not in spec._shadow and seq.num_accepted >= 1 and seq.num_drafted >= len(drafts)
 
 
+def test_plan_cut_drafts_are_shadowed_so_a_fallen_rate_recovers(monkeypatch):
+    """A sequence whose acceptance rate fell gets no drafts from the plan; its proposer's drafts are then kept as a
+    shadow draft that the following tokens settle, so once the text repeats its rate climbs and the plan drafts for
+    it again. Without the shadow its rate would stay where it fell, and it would never draft again."""
+    from nanoserve.engine.sequence import Sequence
+    from nanoserve.engine.speculation import Speculator
+    from nanoserve.speculative_config import SpeculativeConfig
+
+    price = lambda rows: 1.0 + 0.3 * (np.asarray(rows) - 1)  # noqa: E731
+
+    def offers(shadow: bool) -> tuple[list[int], int]:
+        spec = Speculator(SpeculativeConfig.parse(NGRAM), 256, 12, price, price)
+        if not shadow:
+            monkeypatch.setattr(spec, "_shadow_cut", lambda *a: None)
+        seq = Sequence("0", [5, 6, 7, 8] * 3, SamplingParams(max_tokens=100))
+        seq.slot, seq.decoding = 0, True
+        seq.num_drafted = 16  # (every draft so far rejected: rate 1/18)
+        spec.add(seq)
+        counts = []
+        for token in [5, 6, 7, 8] * 4:  # (the text repeats: what the proposer drafts comes)
+            spec.offer([seq], on_device=True)
+            counts.append(len(seq.draft_token_ids))
+            seq.output_token_ids.append(token)
+            spec.extend(seq, [token])
+        return counts, seq.num_accepted
+
+    (counts, accepted), (unshadowed, _) = offers(True), offers(False)
+    assert counts[0] == 0 and counts[-1] > 0 and accepted > 0
+    assert not any(unshadowed)
+
+
 def test_backed_off_plan_is_priced_again_only_now_and_then(monkeypatch):
     """Backed off, the plan is priced again every BACKED_OFF_TURNS steps, or at the next step after a shadow draft
     settled or a sequence came; made cheap, drafting resumes within BACKED_OFF_TURNS steps."""

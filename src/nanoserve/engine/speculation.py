@@ -129,11 +129,22 @@ class Speculator:
             rates = [acceptance_rate(s.num_accepted, s.num_drafted) for s in rows]
             lengths = [len(d) for d in offered]
             keep = choose_drafts(lengths, rates, self._costs(len(lengths), sum(lengths)))
+            if self.proposer is not None:
+                self._shadow_cut(rows, offered, keep)
             offered = [d[:n] for d, n in zip(offered, keep)]
         if on_device or self.proposer is None:
             offered = self._device_drafts(offered, self.max_decode_rows - len(rows))
         for seq, drafts in zip(rows, offered):
             seq.draft_token_ids = drafts
+
+    def _shadow_cut(self, rows: list[Sequence], offered: list[list[int]], keep: list[int]) -> None:
+        """A sequence the plan gives no drafts keeps its proposer's as a shadow draft, settled by the tokens that
+        follow (extend): its acceptance rate goes on being measured. Otherwise a rate that fell (drafts rejected where
+        the text does not repeat) would stay where it fell, and the plan would never draft for it again, when later
+        text repeats. (Host drafts continue what the host knows, so they predict exactly the tokens appended next.)"""
+        for seq, drafts, n in zip(rows, offered, keep):
+            if not n and drafts and seq.request_id not in self._shadow:
+                self._shadow[seq.request_id] = [list(drafts), 0]
 
     @staticmethod
     def _device_drafts(offered: list[list[int]], room: int) -> list[list[int]]:

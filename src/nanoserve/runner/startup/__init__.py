@@ -119,7 +119,7 @@ def _log(config: EngineConfig, table: GraphTable, num_blocks: int, check: dict |
         more = (Kind.VERIFY, Kind.DRAFT, Kind.SAMPLE, Kind.SAMPLE_MASKED, Kind.SAMPLE_VERIFY)
         others = sum(table.runners[k].wall_seconds for k in more if k in table.runners)
         logger.info("CUDA graphs: %d sizes %s (%s); capture %.2f s (%.2f s with probes and compilation; the "
-                    "sampler's and verification's %.2f s); pool %.0f MiB; %d KV blocks; self-check: %s",
+                    "verification, draft and sampler graphs' %.2f s); pool %.0f MiB; %d KV blocks; self-check: %s",
                     len(decode.capture_sizes), decode.capture_sizes,
                     "planned from measured replays" if planned else "as configured", decode.capture_seconds,
                     decode.wall_seconds, others, decode.pool_bytes / 2**20, num_blocks, checked((Kind.DECODE, *more)))

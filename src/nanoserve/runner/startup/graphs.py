@@ -164,8 +164,8 @@ def capture_tokens(table: GraphTable, buffers: StepBuffers, probes: Probes, conf
         probed = token_probe_sizes(largest)
         curve = measure_curve(gr, probes.load_mixed, probed)
         decode = [table.runners[k] for k in (Kind.DECODE, Kind.VERIFY) if k in table.runners]
-        spent = sum(gr.capture_seconds for gr in decode)  # the budgets' share the decode graphs took
-        used = sum(gr.pool_bytes for gr in decode)
+        spent = sum(r.capture_seconds for r in decode)  # the budgets' share the decode graphs took
+        used = sum(r.pool_bytes for r in decode)
         planned = plan_tokens(curve, largest, config.cudagraph_capture_budget_s - spent,
                               config.cudagraph_pool_budget_mib * 2**20 - used)
         sizes = tp.broadcast_ints(planned if tp.rank == 0 else [], largest)

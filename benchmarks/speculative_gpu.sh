@@ -5,7 +5,7 @@
 #                                                 # speculation); GEMV variants at 8 rows in the model
 #   bash benchmarks/speculative_gpu.sh final      # the verification cost again (after a table change)
 #   bash benchmarks/speculative_gpu.sh llama      # Llama-3.1-8B's alone: k = 4 at b = 1, 8, 32, plain steps beside
-#   bash benchmarks/speculative_gpu.sh tests      # pytest -m gpu, the whole suite
+#   bash benchmarks/speculative_gpu.sh tests      # pytest -m gpu, the whole suite (4 workers: 6 ran out of memory on an H100)
 #   bash benchmarks/speculative_gpu.sh runner     # the graph, speculation and GEMV GPU tests alone
 #   bash benchmarks/speculative_gpu.sh attention  # grouped vs row-by-row decode attention, warps (attention_groups.py)
 #   bash benchmarks/speculative_gpu.sh rows5      # SmolLM2's 5-row products (a b = 1 verification of 4 drafts) in its
@@ -49,7 +49,7 @@ case ${1:-verify} in
             --speculative-config ngram_again='{"method": "ngram", "num_speculative_tokens": 4}' \
             --device cuda --out "$OUT/speculative_copy-chat_repeat.json" 2>&1 | quiet | tail -30 ;;
     tests)
-        python3 -m pytest -q -p no:cacheprovider -m gpu -n 6 tests > "$OUT/gpu_tests.log" 2>&1
+        python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests > "$OUT/gpu_tests.log" 2>&1
         grep -e "^FAILED" -e "^ERROR" -e " passed" "$OUT/gpu_tests.log" | tail -30 ;;
     rows5)
         python3 benchmarks/decode_floor.py model --models smollm2-135m --batch-sizes 1 5 --switch-sets --gemv-rows 5 \

@@ -143,8 +143,8 @@ class Speculator:
         the text does not repeat) would stay where it fell, and the plan would never draft for it again, when later
         text repeats. (Host drafts continue what the host knows, so they predict exactly the tokens appended next.)"""
         for seq, drafts, n in zip(rows, offered, keep):
-            if not n and drafts and seq.request_id not in self._shadow:
-                self._shadow[seq.request_id] = [list(drafts), 0]
+            if not n and seq.request_id not in self._shadow:
+                self._keep_shadow(seq.request_id, drafts)
 
     @staticmethod
     def _device_drafts(offered: list[list[int]], room: int) -> list[list[int]]:
@@ -207,9 +207,12 @@ class Speculator:
             self._due[rid] = seq, min(self.spec.num_speculative_tokens, seq.draft_room(self.max_model_len))
 
     def _shadow_draft(self, seq: Sequence, k: int) -> None:
-        drafts = self._propose(seq, k)
+        self._keep_shadow(seq.request_id, self._propose(seq, k))
+
+    def _keep_shadow(self, request_id: str, drafts: list[int]) -> None:
+        """drafts (if any) as the sequence's shadow draft: [drafts, tokens matched so far], settled by extend."""
         if drafts:
-            self._shadow[seq.request_id] = [drafts, 0]
+            self._shadow[request_id] = [list(drafts), 0]
 
     def _check_shadow(self, seq: Sequence, tokens: list[int]) -> None:
         """Count a shadow draft like a verified one (drafted, accepted) once its tokens settle it: at the first

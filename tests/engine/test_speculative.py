@@ -487,6 +487,35 @@ def test_plan_cut_drafts_are_shadowed_so_a_fallen_rate_recovers(monkeypatch):
     assert not any(unshadowed)
 
 
+def test_device_drafts_found_none_weigh_the_plan_not_the_acceptance_rate(monkeypatch):
+    """A device-drafted verification whose device found none of the drafts the host offered (the host's older
+    tokens matched, the newest did not) is no rejection: the sequence's acceptance rate counts the drafts found, and
+    the chance that the device finds them weighs the plan of the asynchronous loop (a draft's worth) instead."""
+    import nanoserve.engine.speculation as speculation
+    from nanoserve.engine.draft_plan import found_rate
+    from nanoserve.engine.sequence import Sequence
+    from nanoserve.speculative_config import SpeculativeConfig
+
+    price = lambda rows: 1.0 + 0.3 * (np.asarray(rows) - 1)  # noqa: E731
+    spec = speculation.Speculator(SpeculativeConfig.parse(NGRAM), 256, 12, price, price)
+    seq = Sequence("0", [5, 6, 7, 8] * 3, SamplingParams(max_tokens=100))
+    seq.slot, seq.decoding = 0, True
+    spec.add(seq)
+    assert spec.verified(seq, [-1, -1, -1], [9, 4, 4, 4]) == [9]  # (found none: the sample after them is kept)
+    assert (seq.num_drafted, seq.num_accepted, spec._landed["0"]) == (0, 0, [0, 1])
+    assert spec.verified(seq, [5, 6, -1], [5, 6, 7, 4]) == [5, 6, 7]  # (found two, both accepted)
+    assert (seq.num_drafted, seq.num_accepted, spec._landed["0"]) == (2, 2, [1, 2])
+    assert spec.draft_tokens == 2 and spec.accepted_tokens == 2
+    weights = []
+    choose = speculation.choose_drafts
+    monkeypatch.setattr(speculation, "choose_drafts", lambda *a, **k: (weights.append(k["weights"]), choose(*a))[1])
+    for on_device in (True, False):  # (the host's own drafts, scheduled once every token is known, always land)
+        spec.offer([seq], on_device=on_device)
+    assert weights == [[found_rate(1, 2)], None] and len(seq.draft_token_ids) > 0
+    spec.remove(seq, keep_outputs=False)
+    assert "0" not in spec._landed
+
+
 def test_backed_off_plan_is_priced_again_only_now_and_then(monkeypatch):
     """Backed off, the plan is priced again every BACKED_OFF_TURNS steps, or at the next step after a shadow draft
     settled or a sequence came; made cheap, drafting resumes within BACKED_OFF_TURNS steps."""

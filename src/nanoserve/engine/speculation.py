@@ -61,6 +61,9 @@ class Speculator:
         self._turn, self._shadow_every = 0, 1  # (a sequence gets a shadow draft when its slot's turn comes)
         self._news = True  # backed off: a shadow draft settled or a sequence came or went since the last plan
         self._found: dict[str, list[int]] = {}
+        # device drafts (n-gram in the asynchronous loop): per request, (verifications whose device found its drafts,
+        # verifications); the host offers rows where its older tokens matched, and the device may then find none
+        self._landed: dict[str, list[int]] = {}
         self._shadow: dict[str, list] = {}
         self._due: dict[str, tuple[Sequence, int]] = {}  # shadow drafts to propose (idle, or before the next tokens)
         self.num_drafts = self.draft_tokens = self.accepted_tokens = 0  # rows that verified drafts; drafts; kept
@@ -77,6 +80,7 @@ class Speculator:
         if self.proposer is not None:
             self.proposer.remove(seq.request_id, keep_outputs)
         self._found.pop(seq.request_id, None)
+        self._landed.pop(seq.request_id, None)
         self._shadow.pop(seq.request_id, None)
         self._due.pop(seq.request_id, None)
 
@@ -128,7 +132,9 @@ class Speculator:
         if self._costs is not None and any(offered):
             rates = [acceptance_rate(s.num_accepted, s.num_drafted) for s in rows]
             lengths = [len(d) for d in offered]
-            keep = choose_drafts(lengths, rates, self._costs(len(lengths), sum(lengths)))
+            landed = ([found_rate(*self._landed.get(s.request_id, (0, 0))) for s in rows]
+                      if on_device and self.proposer is not None else None)
+            keep = choose_drafts(lengths, rates, self._costs(len(lengths), sum(lengths)), weights=landed)
             if self.proposer is not None:
                 self._shadow_cut(rows, offered, keep)
             offered = [d[:n] for d, n in zip(offered, keep)]
@@ -180,13 +186,19 @@ class Speculator:
     def verified(self, seq: Sequence, drafts: list[int], samples: list[int]) -> list[int]:
         """The tokens seq keeps from a step that verified `drafts` (samples: its rows' samples): the accepted drafts
         and the sample after them. Rolls its computed tokens back over the rejected drafts."""
-        a = accepted_count(samples, drafts)
+        a, found = accepted_count(samples, drafts), sum(d >= 0 for d in drafts)
         if seq.status is SequenceStatus.RUNNING:  # (preempted while the step ran: its blocks and counts are gone)
             seq.num_computed_tokens -= len(drafts) - a
-        seq.num_drafted += len(drafts)  # (rows the device found no draft for count: they cost a row each)
+        # Rows the device found no draft for (-1) are not rejected drafts: they count against the chance that the
+        # device finds what the host offered (_landed, the plan's weight), not against the acceptance rate, which
+        # they would lower at every position (the geometric model) where a miss loses the verification's drafts whole
+        seq.num_drafted += found
         seq.num_accepted += a
+        landed = self._landed.setdefault(seq.request_id, [0, 0])
+        landed[0] += found > 0
+        landed[1] += 1
         self.num_drafts += 1
-        self.draft_tokens += sum(d >= 0 for d in drafts)
+        self.draft_tokens += found
         self.accepted_tokens += a
         for j in range(a):
             self.accepted_per_position[j] += 1

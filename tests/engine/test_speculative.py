@@ -488,15 +488,12 @@ def test_plan_cut_drafts_are_shadowed_so_a_fallen_rate_recovers(monkeypatch):
 
 
 def test_device_drafts_found_none_weigh_the_plan_not_the_acceptance_rate(monkeypatch):
-    """In the asynchronous loop the device drafts n-gram drafts from tokens the host, one step behind, does not know
-    yet. A verification whose device found none of its drafts is no rejection (the acceptance rate counts drafts
-    found); the host's next proposal, over the tokens the device drafted from, tells whether the device found any,
-    after the host found some (_landed) or none (_blind), and those chances weigh the plan. A sequence whose host
-    found nothing is offered device rows too, at the _blind chance."""
+    """A device-drafted verification whose device found none of the drafts the host offered (the host's older
+    tokens matched, the newest did not) is no rejection: the sequence's acceptance rate counts the drafts found, and
+    the chance that the device finds them weighs the plan of the asynchronous loop (a draft's worth) instead."""
     import nanoserve.engine.speculation as speculation
     from nanoserve.engine.draft_plan import found_rate
     from nanoserve.engine.sequence import Sequence
-    from nanoserve.runner.speculative import DEVICE_DRAFT
     from nanoserve.speculative_config import SpeculativeConfig
 
     price = lambda rows: 1.0 + 0.3 * (np.asarray(rows) - 1)  # noqa: E731
@@ -505,48 +502,18 @@ def test_device_drafts_found_none_weigh_the_plan_not_the_acceptance_rate(monkeyp
     seq.slot, seq.decoding = 0, True
     spec.add(seq)
     assert spec.verified(seq, [-1, -1, -1], [9, 4, 4, 4]) == [9]  # (found none: the sample after them is kept)
-    assert (seq.num_drafted, seq.num_accepted, spec.draft_tokens) == (0, 0, 0)
+    assert (seq.num_drafted, seq.num_accepted, spec._landed["0"]) == (0, 0, [0, 1])
     assert spec.verified(seq, [5, 6, -1], [5, 6, 7, 4]) == [5, 6, 7]  # (found two, both accepted)
-    assert (seq.num_drafted, seq.num_accepted, spec.draft_tokens) == (2, 2, 2)
+    assert (seq.num_drafted, seq.num_accepted, spec._landed["0"]) == (2, 2, [1, 2])
+    assert spec.draft_tokens == 2 and spec.accepted_tokens == 2
     weights = []
     choose = speculation.choose_drafts
     monkeypatch.setattr(speculation, "choose_drafts", lambda *a, **k: (weights.append(k["weights"]), choose(*a))[1])
-    offers = []
-    for token in (9, 10, 5):  # (9 and 10 end no earlier n-gram: the host finds nothing; 5 does)
-        spec.offer([seq], on_device=True)
-        offers.append(list(seq.draft_token_ids))
-        seq.output_token_ids.append(token)
-        spec.extend(seq, [token])
-    spec.offer([seq], on_device=True)
-    assert spec._landed["0"] == [0, 1] and spec._blind["0"] == [1, 2]
-    assert weights == [[1.0], [1.0], [found_rate(0, 1)], [found_rate(0, 1)]]  # (landed, blind, blind, landed)
-    assert offers[1] and set(offers[1]) == {DEVICE_DRAFT}  # (the host found nothing: device rows all the same)
-    spec.offer([seq], on_device=False)  # (the host's own drafts, every token known: they land)
-    assert weights[-1] is None and not spec._host_found
+    for on_device in (True, False):  # (the host's own drafts, scheduled once every token is known, always land)
+        spec.offer([seq], on_device=on_device)
+    assert weights == [[found_rate(1, 2)], None] and len(seq.draft_token_ids) > 0
     spec.remove(seq, keep_outputs=False)
-    assert "0" not in spec._landed and "0" not in spec._blind
-
-
-def test_planned_device_drafts_offered_where_the_host_found_none_keep_the_tokens(tiny_model_dirs):
-    """n-gram in the asynchronous loop with the plan on (GPU-like prices: a CPU measures none): the plan also offers
-    device rows to sequences whose host found no drafts, and the tokens equal no speculation's."""
-    path = str(tiny_model_dirs["qwen3"])
-    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    base = [o.token_ids for o in LLM(path, **OPTIONS).generate(LOOPING, params, use_tqdm=False)]
-    cheap = lambda rows: 1.0 + 0.01 * (np.asarray(rows) - 1)  # noqa: E731
-    llm = LLM(path, speculative_config=NGRAM, **OPTIONS)
-    spec = llm.engine.core._speculator
-    spec._costs = StepCosts(cheap, cheap, spec.max_decode_rows)
-    blind_rows, settled, plan = [], [], spec._plan
-
-    def spied(rows, offered, asked, blind):
-        kept = plan(rows, offered, asked, blind)
-        blind_rows.extend(len(k) for d, k in zip(offered, kept) if blind and not d and k)
-        settled.append(sum(n for n, _ in spec._blind.values()))  # (the device found drafts after the host found none)
-        return kept
-    spec._plan = spied
-    assert [o.token_ids for o in llm.generate(LOOPING, params, use_tqdm=False)] == base
-    assert blind_rows and max(settled) > 0 and llm.engine.stats.spec_accepted_tokens > 0
+    assert "0" not in spec._landed
 
 
 def test_backed_off_plan_is_priced_again_only_now_and_then(monkeypatch):

@@ -13,9 +13,8 @@ n-gram drafts and a draft model's are proposed on the device (on_device: runner/
 runner/draft_model.py), so the loop stays asynchronous: the host schedules step N+1 while step N runs, counting N's
 drafts as kept; N+1's rows take their positions and drafts from the device, which knows N's outcome, and the host
 corrects its counts when it reads N. The host's own n-gram proposer, one step behind, only says how many drafts a
-sequence is offered (a match in what the host knows predicts one on the device; no match, k rows when the plan finds
-them worth the chance, measured per sequence, that the device finds a match in N's tokens); a draft model is offered
-k, as the plan allows. Such drafts run as decode rows only, so the n-gram loop waits for the step in flight whenever a prompt
+sequence is offered (a match in what the host knows predicts one on the device); a draft model is offered k, as the
+plan allows. Such drafts run as decode rows only, so the n-gram loop waits for the step in flight whenever a prompt
 waits or runs (or a request has penalties or min_tokens, which read the tokens on the host): the host then offers its
 own drafts, which equal the device's; a draft model's drafts also ride beside prompts (the runner proposes them
 before a token-count step's forward).
@@ -62,12 +61,9 @@ class Speculator:
         self._turn, self._shadow_every = 0, 1  # (a sequence gets a shadow draft when its slot's turn comes)
         self._news = True  # backed off: a shadow draft settled or a sequence came or went since the last plan
         self._found: dict[str, list[int]] = {}
-        # device drafts from a host proposer (n-gram in the asynchronous loop): per request, (steps whose device found
-        # drafts, steps) after the host, one step behind, found drafts (_landed) or none (_blind); and per request at
-        # the last such offer, whether its host found any (_track_landing)
+        # device drafts (n-gram in the asynchronous loop): per request, (verifications whose device found its drafts,
+        # verifications); the host offers rows where its older tokens matched, and the device may then find none
         self._landed: dict[str, list[int]] = {}
-        self._blind: dict[str, list[int]] = {}
-        self._host_found: dict[str, bool] = {}
         self._shadow: dict[str, list] = {}
         self._due: dict[str, tuple[Sequence, int]] = {}  # shadow drafts to propose (idle, or before the next tokens)
         self.num_drafts = self.draft_tokens = self.accepted_tokens = 0  # rows that verified drafts; drafts; kept
@@ -85,7 +81,6 @@ class Speculator:
             self.proposer.remove(seq.request_id, keep_outputs)
         self._found.pop(seq.request_id, None)
         self._landed.pop(seq.request_id, None)
-        self._blind.pop(seq.request_id, None)
         self._shadow.pop(seq.request_id, None)
         self._due.pop(seq.request_id, None)
 
@@ -129,51 +124,24 @@ class Speculator:
         k = self.spec.num_speculative_tokens
         if self.backed_off:  # (host drafts the plan found not worth waiting for: see worth_waiting)
             k = 0
-        asked = [min(k, s.draft_room(self.max_model_len)) for s in rows]
         if self.proposer is None:
-            offered = [[] if s.params.uses_penalties else [DEVICE_DRAFT] * n for s, n in zip(rows, asked)]
+            offered = [[] if s.params.uses_penalties else [DEVICE_DRAFT] * min(k, s.draft_room(self.max_model_len))
+                       for s in rows]
         else:
-            offered = [self._propose(s, n) for s, n in zip(rows, asked)]
-        blind = on_device and self.proposer is not None  # (device drafts from a host proposer one step behind)
-        self._track_landing(rows, offered, asked, blind)
-        if self._costs is not None and (any(offered) or (blind and any(asked))):
-            offered = self._plan(rows, offered, asked, blind)
+            offered = [self._propose(s, min(k, s.draft_room(self.max_model_len))) for s in rows]
+        if self._costs is not None and any(offered):
+            rates = [acceptance_rate(s.num_accepted, s.num_drafted) for s in rows]
+            lengths = [len(d) for d in offered]
+            landed = ([found_rate(*self._landed.get(s.request_id, (0, 0))) for s in rows]
+                      if on_device and self.proposer is not None else None)
+            keep = choose_drafts(lengths, rates, self._costs(len(lengths), sum(lengths)), weights=landed)
+            if self.proposer is not None:
+                self._shadow_cut(rows, offered, keep)
+            offered = [d[:n] for d, n in zip(offered, keep)]
         if on_device or self.proposer is None:
             offered = self._device_drafts(offered, self.max_decode_rows - len(rows))
         for seq, drafts in zip(rows, offered):
             seq.draft_token_ids = drafts
-
-    def _plan(self, rows: list[Sequence], offered: list[list[int]], asked: list[int], blind: bool) -> list[list[int]]:
-        """The plan's cut of the offered drafts. blind: the device drafts from the tokens of the step in flight too,
-        which the host does not know yet, so a sequence whose host found nothing is offered rows as well, and each
-        sequence's drafts are worth their acceptance times the chance the device finds them (_landed where the host
-        found drafts, _blind where it found none)."""
-        rates = [acceptance_rate(s.num_accepted, s.num_drafted) for s in rows]
-        lengths, weights = [len(d) for d in offered], None
-        if blind:
-            lengths = [len(d) or n for d, n in zip(offered, asked)]
-            weights = [found_rate(*(self._landed if d else self._blind).get(s.request_id, (0, 0)))
-                       for s, d in zip(rows, offered)]
-        keep = choose_drafts(lengths, rates, self._costs(len(lengths), sum(lengths)), weights=weights)
-        if self.proposer is not None:
-            self._shadow_cut(rows, offered, keep)
-        return [(d or [DEVICE_DRAFT] * n)[:m] for d, n, m in zip(offered, lengths, keep)]
-
-    def _track_landing(self, rows: list[Sequence], offered: list[list[int]], asked: list[int], blind: bool) -> None:
-        """Count how often the device finds drafts where the host, one step behind, found some (_landed) or none
-        (_blind). The host's proposal now, from the tokens through the step that was in flight at the last offer, is
-        the lookup the device made for the step after that one (the same tokens), so it settles the last offer's."""
-        before, self._host_found = self._host_found, {}
-        if not blind:
-            return
-        for seq, drafts, n in zip(rows, offered, asked):
-            rid = seq.request_id
-            if n and rid in before:
-                counts = (self._landed if before[rid] else self._blind).setdefault(rid, [0, 0])
-                counts[0] += bool(drafts)
-                counts[1] += 1
-            if n:
-                self._host_found[rid] = bool(drafts)
 
     def _shadow_cut(self, rows: list[Sequence], offered: list[list[int]], keep: list[int]) -> None:
         """A sequence the plan gives no drafts keeps its proposer's as a shadow draft, settled by the tokens that
@@ -222,10 +190,13 @@ class Speculator:
         if seq.status is SequenceStatus.RUNNING:  # (preempted while the step ran: its blocks and counts are gone)
             seq.num_computed_tokens -= len(drafts) - a
         # Rows the device found no draft for (-1) are not rejected drafts: they count against the chance that the
-        # device finds drafts (_track_landing, the plan's weight), not against the acceptance rate, which they would
-        # lower at every position (the geometric model) where a miss loses the verification's drafts whole
+        # device finds what the host offered (_landed, the plan's weight), not against the acceptance rate, which
+        # they would lower at every position (the geometric model) where a miss loses the verification's drafts whole
         seq.num_drafted += found
         seq.num_accepted += a
+        landed = self._landed.setdefault(seq.request_id, [0, 0])
+        landed[0] += found > 0
+        landed[1] += 1
         self.num_drafts += 1
         self.draft_tokens += found
         self.accepted_tokens += a

@@ -194,9 +194,10 @@ class Speculator:
         # they would lower at every position (the geometric model) where a miss loses the verification's drafts whole
         seq.num_drafted += found
         seq.num_accepted += a
-        landed = self._landed.setdefault(seq.request_id, [0, 0])
-        landed[0] += found > 0
-        landed[1] += 1
+        if self.on_device and self.proposer is not None:  # (read only where a host proposer sizes device drafts)
+            landed = self._landed.setdefault(seq.request_id, [0, 0])
+            landed[0] += found > 0
+            landed[1] += 1
         self.num_drafts += 1
         self.draft_tokens += found
         self.accepted_tokens += a

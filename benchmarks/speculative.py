@@ -13,7 +13,9 @@ the GPU's idle time per step (gpu_idle, the torch profiler) while the first prom
 after every method's timed pass (every host profile first), and the engine's speculative counters over the workload
 (the EngineStats deltas, EngineStats.speculation_since): mean accepted length (accepted / verifying rows + 1),
 acceptance rate (accepted / drafted) and acceptances per draft position. Every method's greedy outputs are compared token by token with method none's:
-speculation must not change them, so a mismatch is a bug, listed by prompt index with its first differing position.
+speculation must not change them, so on the CPU (float32) a mismatch is a bug, listed by prompt index with its first
+differing position and the two tokens there; in bfloat16 a k + 1-row verification rounds differently from a 1-row
+step, and benchmarks/speculative_ties.py prices each first difference (how close the two tokens were).
 Ratios: each method's output tok/s over none's. Workloads: benchmarks/workloads/spec_<name>.json (chat messages
 through the model's chat template; spec_workloads.py built them). Methods: METHODS below, each overridable with
 --speculative-config NAME=JSON (a new NAME needs a "method" key: e.g. ngram8='{"method": "ngram",
@@ -243,16 +245,23 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def mismatch(prompt: int, ref: list[int], got: list[int]) -> dict:
+    """One differing output: its prompt, first differing position, token counts, the two tokens there (None where
+    one output ended) and none's tokens before it (speculative_ties.py prices the two tokens after them)."""
+    at = first_difference(ref, got)
+    ids = [out[at] if at < len(out) else None for out in (ref, got)]
+    return {"prompt": prompt, "first_diff": at, "tokens": [len(ref), len(got)], "ids": ids, "prefix": ref[:at]}
+
+
 def compare_with_baseline(runs: dict, outputs: dict) -> None:
-    """Into every run's workload records: identical_to_none, mismatches (prompt, first differing position, token
-    counts) and output tok/s over none's (runs and outputs keyed by method name, then workload)."""
+    """Into every run's workload records: identical_to_none, mismatches (mismatch()) and output tok/s over none's
+    (runs and outputs keyed by method name, then workload)."""
     if BASELINE not in runs:
         return
     for method, run in runs.items():
         for name, rec in run["workloads"].items():
             ref, got = outputs[BASELINE][name], outputs[method][name]
-            rec["mismatches"] = [{"prompt": i, "first_diff": first_difference(a, b), "tokens": [len(a), len(b)]}
-                                 for i, (a, b) in enumerate(zip(ref, got)) if a != b]
+            rec["mismatches"] = [mismatch(i, a, b) for i, (a, b) in enumerate(zip(ref, got)) if a != b]
             rec["identical_to_none"] = not rec["mismatches"]
             rec["tok_s_vs_none"] = rec["output_tok_s"] / runs[BASELINE]["workloads"][name]["output_tok_s"]
 

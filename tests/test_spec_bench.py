@@ -1,6 +1,7 @@
 """benchmarks/speculative.py (issue 38's offline benchmark) on a tiny random model with two short prompts: the JSON's
 fields, greedy outputs identical across methods, the method settings and overrides; and the committed workloads'
-shape; benchmarks/speculative_serve.py through real `nanoserve serve` processes; benchmarks/spec_host.py's report. The real SmolLM2 run is
+shape; benchmarks/speculative_serve.py through real `nanoserve serve` processes; benchmarks/spec_host.py's report;
+benchmarks/speculative_ties.py pricing a first difference. The real SmolLM2 run is
 `python benchmarks/speculative.py workload --device cpu --limit N`."""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import spec_host, spec_workloads, speculative, speculative_serve  # noqa: E402
+from benchmarks import spec_host, spec_workloads, speculative, speculative_serve, speculative_ties  # noqa: E402
 
 PROMPTS = [{"source": "test", "messages": [{"role": "user", "content": "Repeat: the cat sat on the mat, the cat."}]},
            {"source": "test", "messages": [{"role": "user", "content": "Tell me a story."}]}]
@@ -101,13 +102,42 @@ def test_compare_lists_mismatches_and_ratios():
     outputs = {"none": {"copy": [[1, 2, 3], [4, 5]]}, "ngram": {"copy": [[1, 2, 3], [4, 6, 7]]}}
     speculative.compare_with_baseline(runs, outputs)
     rec = runs["ngram"]["workloads"]["copy"]
-    assert rec["mismatches"] == [{"prompt": 1, "first_diff": 1, "tokens": [2, 3]}] and not rec["identical_to_none"]
+    assert rec["mismatches"] == [{"prompt": 1, "first_diff": 1, "tokens": [2, 3], "ids": [5, 6], "prefix": [4]}]
+    assert not rec["identical_to_none"]
     assert rec["tok_s_vs_none"] == 2.5 and runs["none"]["workloads"]["copy"]["identical_to_none"]
     t = speculative.targets(runs, "cuda")
     assert t["copy / ngram / tok/s vs none"] == {"value": 2.5, "limit": 2.0, "met": True}
     assert t["copy / ngram / prompts whose output differs from none's"]["met"] is False
     assert "copy / ngram / tok/s vs none" not in speculative.targets(runs, "cpu")
     assert speculative.first_difference([1, 2, 3], [1, 5]) == 1 and speculative.first_difference([1], [1, 2]) == 1
+
+
+def test_ties_price_both_tokens_at_the_first_difference(tmp_path, tiny_model_dirs, monkeypatch):
+    """speculative_ties.py on a report whose one mismatch is made from none's own output: the engine picks none's
+    token again, the gap is none's logprob minus the other's, and a mismatch where one output ended is skipped."""
+    monkeypatch.setattr(speculative, "load_workload", lambda name, limit=None: PROMPTS[:limit])
+    monkeypatch.setattr(speculative_ties, "load_workload", lambda name, limit=None: PROMPTS[:limit])
+    model, report = str(tiny_model_dirs["qwen3"]), tmp_path / "spec.json"
+    speculative.main(["workload", "--model", model, "--methods", "none", "--workload", "copy", "--max-tokens", "8",
+                      "--device", "cpu", "--limit", "1", "--out", str(report)])
+    from nanoserve import LLM, SamplingParams
+
+    with LLM(model, **speculative.engine_options("cpu", None)) as llm:
+        prompt = speculative.chat_ids(llm.tokenizer, PROMPTS[0]["messages"])
+        ref = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=2), use_tqdm=False)[0]
+    top = ref.outputs[0].logprobs[3]
+    other = next(t for t in top if t != ref.token_ids[3])
+    data = json.loads(report.read_text())
+    data["runs"]["ngram"] = {"workloads": {"copy": {"mismatches": [
+        speculative.mismatch(0, ref.token_ids, ref.token_ids[:3] + [other]), speculative.mismatch(0, [1, 2], [1])]}}}
+    report.write_text(json.dumps(data))
+    out = tmp_path / "ties.json"
+    assert speculative_ties.main([str(report), "--model", model, "--device", "cpu", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["summary"] == {**result["summary"], "cases": 1, "outside_top": 0, "picks_none": 1}
+    case = result["cases"][0]
+    assert case["first_diff"] == 3 and case["ids"] == [ref.token_ids[3], other] and case["picks"] == "none"
+    assert case["gap"] == pytest.approx(top[ref.token_ids[3]] - top[other], abs=1e-4)
 
 
 def test_served_streams_carry_the_same_tokens_and_their_latencies(tmp_path, tiny_model_dirs, monkeypatch):

@@ -16,7 +16,8 @@
 #                                                 # it is over a device call's 64 MiB) on the copy and chat workloads
 #                                                 # (n-gram at k = 4 and k = 8: the plan keeps what pays)
 #   GGUF=PATH bash benchmarks/speculative_gpu.sh repeat    # the same n-gram engine twice beside none: how far the
-#                                                 # copy ratio moves between two start-ups of one commit
+#                                                 # copy ratio moves between two start-ups of one commit;
+#                                                 # then each output that left none's, priced (speculative_ties.py)
 # JSON and logs go under $OUT. Wheels the image lacks are carried in .whl/ (benchmarks/serve_gpu_wheels.txt).
 source benchmarks/gpu_env.sh
 quiet() { grep -v -e Warning -e INFO; }
@@ -47,7 +48,9 @@ case ${1:-verify} in
     repeat)
         python3 benchmarks/speculative.py workload --model "${GGUF:-smollm2}" --methods none,ngram,ngram_again \
             --speculative-config ngram_again='{"method": "ngram", "num_speculative_tokens": 4}' \
-            --device cuda --out "$OUT/speculative_copy-chat_repeat.json" 2>&1 | quiet | tail -30 ;;
+            --device cuda --out "$OUT/speculative_copy-chat_repeat.json" 2>&1 | quiet | tail -30
+        python3 benchmarks/speculative_ties.py "$OUT/speculative_copy-chat_repeat.json" --model "${GGUF:-smollm2}" \
+            --device cuda 2>&1 | quiet | tail -3 ;;
     tests)
         python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests > "$OUT/gpu_tests.log" 2>&1
         grep -e "^FAILED" -e "^ERROR" -e " passed" "$OUT/gpu_tests.log" | tail -30 ;;

@@ -189,33 +189,6 @@ def test_dispatch_shapes():
         gemv._parsed_shapes({(3, 8, 16): ("fma 4x1024 w4 st3 p0", gemv.TRITON)})
 
 
-@needs_triton
-@pytest.mark.parametrize("config", [FMA_SPLIT, FMA_WHOLE_K, DOT_SPLIT, DOT_WHOLE_K],
-                         ids=["fma-split", "fma", "dot-split", "dot"])
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.usefixtures("force_triton")
-def test_float32_output_keeps_the_sums_of_a_bf16_product(m, config):
-    """out_dtype=float32 (the logits): bf16 operands, the fp32 sums written unrounded (bias added in fp32)."""
-    x, w, b = make(m, 37, 192, torch.bfloat16, True, seed=5)
-    out = gemv.linear(x, w, b, config=config, out_dtype=torch.float32)
-    want = F.linear(x.float(), w.float(), b.float())
-    assert out.dtype == torch.float32 and out.shape == want.shape
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)  # a bf16 output is 1/256 of |value| apart
-    assert (out - want).abs().max() < (gemv.linear(x, w, b, config=config).float() - want).abs().max()
-
-
-def test_float32_output_without_the_kernel():
-    """The library path: cuBLAS keeps its fp32 sums (torch.mm's out_dtype); the CPU rounds to x's dtype first."""
-    x, w, b = make(3, 40, 64, torch.bfloat16, True, seed=6)
-    out = gemv.linear(x, w, b, out_dtype=torch.float32)
-    assert out.dtype == torch.float32
-    want = F.linear(x.float(), w.float(), b.float())
-    if DEVICE == "cuda" and not gemv.kernel_applies(x, w, b):
-        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    elif DEVICE == "cpu":
-        torch.testing.assert_close(out, F.linear(x, w, b).float(), rtol=0, atol=0)
-
-
 def test_linear_falls_back_off_gpu_and_without_triton(monkeypatch):
     x, w, b = make(2, 24, 64, torch.float32, True, device="cpu")
     assert not gemv.kernel_applies(x, w, b)  # CPU tensors: F.linear

@@ -442,15 +442,11 @@ def _fuses(switch: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def _library_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    weight_scale: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The product without the kernel: cuBLAS (or the CPU's matmul), through kernels/fp8.py for fp8 weights. A wider
-    out_dtype keeps cuBLAS's fp32 sums unrounded (torch.mm's out_dtype, CUDA only); elsewhere (fp8 weights, the CPU,
-    whose models serve in float32) the product is rounded to x's dtype first."""
-    if out_dtype not in (None, x.dtype) and weight_scale is None and x.is_cuda:
-        out = torch.mm(x, weight.t(), out_dtype=out_dtype)
-        return out if bias is None else out.add_(bias)
-    out = F.linear(x, weight, bias) if weight_scale is None else fp8.linear(x, weight, weight_scale, bias)
-    return out if out_dtype is None else out.to(out_dtype)
+                    weight_scale: torch.Tensor | None) -> torch.Tensor:
+    """The product without the kernel: cuBLAS (or the CPU's matmul), through kernels/fp8.py for fp8 weights."""
+    if weight_scale is None:
+        return F.linear(x, weight, bias)
+    return fp8.linear(x, weight, weight_scale, bias)
 
 
 def _variant(x, weight, bias, weight_scale, config: GemvConfig | None) -> GemvConfig | None:
@@ -468,17 +464,15 @@ def _variant(x, weight, bias, weight_scale, config: GemvConfig | None) -> GemvCo
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           weight_scale: torch.Tensor | None = None, config: GemvConfig | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           weight_scale: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) (weight · weight_scale for fp8); the Triton kernel where GEMV_TABLE says it wins
     (or under the force_triton switch, on any device — CPU runs go through TRITON_INTERPRET=1). config overrides the
-    table. A dot8q variant first quantizes x in a kernel of its own (fp8.quantize_activations). out_dtype (default:
-    x's): the dtype the fp32 sums are written in (the logits' float32)."""
+    table. A dot8q variant first quantizes x in a kernel of its own (fp8.quantize_activations)."""
     cfg = _variant(x, weight, bias, weight_scale, config)
     if cfg is None:
-        return _library_linear(x, weight, bias, weight_scale, out_dtype)
+        return _library_linear(x, weight, bias, weight_scale)
     rows = fp8.quantize_activations(x) if cfg.act_fp8 else x
-    return _launch(rows, weight, bias, x.shape[1], cfg, weight_scale=weight_scale, out_dtype=out_dtype)
+    return _launch(rows, weight, bias, x.shape[1], cfg, weight_scale=weight_scale)
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -568,9 +562,9 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 
 
 def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None,
-            weight_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One kernel launch. norm = (residual | None, residual_out, norm_weight, eps) for the RMSNorm prologue; x is
-    fp8.Fp8Rows for a dot8q variant; out_dtype overrides the output's dtype (the product is summed in fp32 anyway)."""
+    fp8.Fp8Rows for a dot8q variant."""
     if isinstance(x, fp8.Fp8Rows) != config.act_fp8:
         raise ValueError(f"{config.short()} takes {'fp8.Fp8Rows' if config.act_fp8 else 'a tensor'} as x")
     rows = x if config.act_fp8 else None
@@ -589,11 +583,10 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None,
     dtype = _output_dtype(x, weight, weight_scale)  # which also checks the weight and its scales
     if rows is not None:  # the codes' dtype is fp8; the product is written in the dtype they were quantized from
         dtype = rows.dtype
-    dtype = out_dtype or dtype
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
-    sizes = (weight.element_size(), x.element_size())
+    sizes = (weight.element_size(), dtype.itemsize)
     p = plan(config, m, n, k, num_sms(x.device), *sizes)
     counters = _counters_for(x.device) if p.split_k > 1 else None
     if p.split_k > 1 and counters is None:  # first use inside a capture: take the unsplit variant
@@ -618,7 +611,7 @@ def _launch(x, weight, bias, k, config, prologue=_PLAIN, norm=None,
         EVEN_K=k % p.block_k == 0, HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None and not block_scaled,
         SCALE_BLOCK=fp8.BLOCK if block_scaled else 0, SCALE_NB=max(1, p.block_k // fp8.BLOCK),
         ACT_FP8=p.act_fp8, REDUCE_CHUNK=p.reduce_chunk,
-        LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        LOOP_STAGES=p.num_stages, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         DOT_IN_FP32=not x.is_cuda,  # the interpreter (CPU tensors) multiplies bf16 bit patterns as integers
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         PREFETCH_LINES=_prefetch_lines(p, weight.numel() * sizes[0], sizes[0], x.device), PREFETCH_STEP=128 // sizes[0],
@@ -729,10 +722,10 @@ def _accumulate(acc, acc_wide, w, k, offs_m, offs_k, M, K, x_ptr, out_ptr, res_p
                 DOT_IN_FP32: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                 ACT_FP8: tl.constexpr):
     """Fold the weight tile w [BLOCK_N, BLOCK_K] at column k into the accumulators. An fp8 tile is converted to the
-    activation dtype (x's; exact: e4m3 values are bf16 / fp16 values) and multiplied like a bf16 one, or with
+    activation dtype (out's; exact: e4m3 values are bf16 / fp16 values) and multiplied like a bf16 one, or with
     ACT_FP8 multiplied as it is by x's fp8 codes (w_scale: _tile_scale's)."""
     cols = k + offs_k[None, :]
-    dtype = x_ptr.dtype.element_ty
+    dtype = out_ptr.dtype.element_ty
     if ACT_FP8:  # x is fp8 codes, with a scale per row and 128 columns
         acc = _dot_fp8_rows(acc, w, x_ptr, xs_ptr, offs_m, cols, k, M, K, stride_xm, stride_xs, w_scale, DOT_IN_FP32)
     elif USE_DOT:

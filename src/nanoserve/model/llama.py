@@ -24,11 +24,6 @@ from nanoserve.model.layers import (MLP, Attention, ColumnParallelLinear, Linear
 from nanoserve.model.moe import SparseMoE
 from nanoserve.model_files import ModelSpec
 
-# The logits are written in float32, the product's own sums: rounded to bf16 they move in steps of 1/8 at |logit| in
-# [16, 32), so greedy choices between near-equal tokens fell to token order and to how a step's rows summed (a
-# k + 1-row verification against a 1-row step: benchmarks/speculative_ties.py), and logprobs carried that error.
-LOGITS_DTYPE = torch.float32
-
 # A layer's RMSNorms by Family.norms, as HF names them: (before attention, on its output, before the MLP, on its output).
 NORM_NAMES = {"pre": ("input_layernorm", None, "post_attention_layernorm", None),
               "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -209,14 +204,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] → logits [N, vocab_size] in LOGITS_DTYPE (every rank's slice gathered; soft-capped
-        where the family caps them, Gemma). A tied model gets an lm_head of its own only when quantization gives it
-        an fp8 copy of the embedding."""
-        head = self.lm_head
-        if head is None:
-            logits = gemv.linear(hidden, self.model.embed_tokens.weight, out_dtype=LOGITS_DTYPE)
+        """hidden [N, hidden_size] → logits [N, vocab_size] in the model dtype (every rank's slice gathered; soft-capped
+        where the family caps them, Gemma). A tied model gets an lm_head of its own only when quantization gives it an fp8 copy of the embedding."""
+        if self.lm_head is None:
+            logits = gemv.linear(hidden, self.model.embed_tokens.weight)
         else:
-            logits = gemv.linear(hidden, head.weight, head.bias, weight_scale=head.weight_scale, out_dtype=LOGITS_DTYPE)
+            logits = self.lm_head(hidden)
         logits = self.tp.all_gather_columns(logits)
         cap = self.spec.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -42,12 +42,11 @@ class DecodeForward:
         self.inputs.load(decode_values(batch), rows)
 
     def captured(self, rows: int, propose: bool = False, verify: bool = False) -> torch.Tensor:
-        logits = self(rows, propose=propose, verify=verify)
-        if self.static_logits is None:  # in the logits' own dtype (the model's compute_logits says which)
-            self.static_logits = torch.empty(self.inputs.max_rows, self.model.vocab_size, dtype=logits.dtype,
+        if self.static_logits is None:
+            self.static_logits = torch.empty(self.inputs.max_rows, self.model.vocab_size, dtype=self.model.dtype,
                                              device=self.state.block_tables.device)
         out = self.static_logits[:rows]
-        out.copy_(logits)
+        out.copy_(self(rows, propose=propose, verify=verify))
         return out
 
     def __call__(self, rows: int, width: int | None = None, propose: bool = False,

@@ -1,22 +1,22 @@
 """Speculative decoding (issue 38): output tok/s at b = 1 with and without drafting, through the public LLM API.
 
     python benchmarks/speculative.py workload --model smollm2 --methods none,ngram,suffix,draft_model [--workload copy,chat]
-        [--max-tokens 256] [--device cuda|cpu] [--limit N] [--speculative-config NAME=JSON ...] [--adaptive false]
-        [--out FILE]
+        [--max-tokens 256] [--device cuda|cpu] [--dtype bfloat16|float32] [--limit N]
+        [--speculative-config NAME=JSON ...] [--adaptive false] [--out FILE]
 
-Method. Per method a fresh LLM (bfloat16 on cuda, float32 on cpu; prefix caching on; the same seed) is warmed up with
-one short request, then runs each workload's prompts ONE AT A TIME (b = 1: generate([prompt]) per prompt, timed with
-time.perf_counter around it; greedy, max_tokens, EOS honoured). Per workload: output tokens, seconds, output tok/s
-(sum of tokens / sum of seconds), per-prompt tok/s, per engine step its wall time and the loop's own work and waits
-(loop: EngineStats' host counters, unprofiled), on the GPU where the host's time goes (host_profile, cProfile) and
+Method. Per method a fresh LLM (bfloat16 on cuda, float32 on cpu, unless --dtype; prefix caching on; the same seed) is
+warmed up with one short request, then runs each workload's prompts ONE AT A TIME (b = 1: generate([prompt]) per prompt,
+timed with time.perf_counter around it; greedy, max_tokens, EOS honoured). Per workload: output tokens, seconds, output
+tok/s (sum of tokens / sum of seconds), per-prompt tok/s, per engine step its wall time and the loop's own work and
+waits (loop: EngineStats' host counters, unprofiled), on the GPU where the host's time goes (host_profile, cProfile) and
 the GPU's idle time per step (gpu_idle, the torch profiler) while the first prompt runs again in other fresh engines
-after every method's timed pass (every host profile first), and the engine's speculative counters over the workload
-(the EngineStats deltas, EngineStats.speculation_since): mean accepted length (accepted / verifying rows + 1),
-acceptance rate (accepted / drafted) and acceptances per draft position. Every method's greedy outputs are compared token by token with method none's:
-speculation must not change them, so on the CPU (float32) a mismatch is a bug, listed by prompt index with its first
-differing position and the two tokens there; in bfloat16 a k + 1-row verification rounds differently from a 1-row
-step, and benchmarks/speculative_ties.py prices each first difference (how close the two tokens were).
-Ratios: each method's output tok/s over none's. Workloads: benchmarks/workloads/spec_<name>.json (chat messages
+after every method's timed pass (every host profile first), and the engine's speculative counters over the workload (the
+EngineStats deltas, EngineStats.speculation_since): mean accepted length (accepted / verifying rows + 1), acceptance
+rate (accepted / drafted) and acceptances per draft position. Every method's greedy outputs are compared token by token
+with method none's: speculation must not change them, so on the CPU (float32) a mismatch is a bug, listed by prompt
+index with its first differing position and the two tokens there; in bfloat16 a k + 1-row verification rounds
+differently from a 1-row step, and benchmarks/speculative_ties.py prices each first difference (how close the two tokens
+were). Ratios: each method's output tok/s over none's. Workloads: benchmarks/workloads/spec_<name>.json (chat messages
 through the model's chat template; spec_workloads.py built them). Methods: METHODS below, each overridable with
 --speculative-config NAME=JSON (a new NAME needs a "method" key: e.g. ngram8='{"method": "ngram",
 "num_speculative_tokens": 8}' with --methods none,ngram,ngram8).
@@ -119,8 +119,9 @@ def resolve_model(name: str) -> tuple[str, str]:
     return str(smollm2_gguf()), f"{GGUF_PACKAGE}/{GGUF_FILE}"
 
 
-def engine_options(device: str, speculative_config: dict | None) -> dict:
-    return dict(device=device, dtype="bfloat16" if device == "cuda" else "float32", max_model_len=MAX_MODEL_LEN,
+def engine_options(device: str, speculative_config: dict | None, dtype: str | None = None) -> dict:
+    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
+    return dict(device=device, dtype=dtype, max_model_len=MAX_MODEL_LEN,
                 enable_prefix_caching=True, seed=SEED, show_progress=False, speculative_config=speculative_config)
 
 
@@ -341,6 +342,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--workload", type=_names, default=",".join(WORKLOADS), help="comma-separated (default: %(default)s)")
     w.add_argument("--max-tokens", type=_positive, default=MAX_TOKENS)
     w.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available, else cpu")
+    w.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: bfloat16 on cuda, float32 on cpu")
     w.add_argument("--limit", type=_positive, help="the first N prompts of each workload")
     w.add_argument("--speculative-config", action="append", default=[], metavar="NAME=JSON",
                    help="a method's settings over its defaults (repeatable); a new NAME needs a \"method\" key")
@@ -366,20 +368,20 @@ def main(argv: list[str] | None = None) -> int:
     report = {"benchmark": "speculative", "env": env, "method": __doc__[__doc__.index("Method."):].strip(),
               "model": model_name, "settings": {"device": args.device, "max_tokens": args.max_tokens, "batch": 1,
                                                 "seed": SEED, "limit": args.limit, "speculative_configs": configs,
-                                                "engine": engine_options(args.device, None)}}
+                                                "engine": engine_options(args.device, None, args.dtype)}}
     runs, outputs = {}, {}
     for method, config in configs.items():
         print(f"{method}: {config}", flush=True)
-        runs[method], outputs[method] = run_method(model_path, engine_options(args.device, config), workloads,
-                                                   args.max_tokens)
+        options = engine_options(args.device, config, args.dtype)
+        runs[method], outputs[method] = run_method(model_path, options, workloads, args.max_tokens)
     out = args.out or default_output(args.workload, args.device, env.get("git_commit"))
     report["runs"] = runs
     write_json(out, report)  # (the timed passes kept, should the profiled ones not finish)
     if args.device == "cuda":  # (after every timed pass, the host profiles first: see profiled_pass)
         for key, profile in (("host_profile", host_profile), ("gpu_idle", gpu_idle)):
             for method, config in configs.items():
-                for name, found in profiled_pass(model_path, engine_options(args.device, config), workloads,
-                                                 args.max_tokens, profile).items():
+                options = engine_options(args.device, config, args.dtype)
+                for name, found in profiled_pass(model_path, options, workloads, args.max_tokens, profile).items():
                     runs[method]["workloads"][name][key] = found
     compare_with_baseline(runs, outputs)
     report["runs"], report["targets"] = runs, targets(runs, args.device)

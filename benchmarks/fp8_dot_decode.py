@@ -53,6 +53,23 @@ def _dot8(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _token_major_tile(v_ptr, table, start, end, kv_head, dims, stride_vb, stride_vh, stride_vd,
+                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """V^T [D, BLOCK_N] of keys [start, start + BLOCK_N) from a token-major cache ([blocks, kv_heads, D, block_size]),
+    loaded as [D, blocks, block_size] so each block's run of keys is one vectorized load; keys past `end` zeroed."""
+    NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
+    first = start // BLOCK_SIZE + tl.arange(0, NB)
+    offsets = tl.arange(0, BLOCK_SIZE)
+    block_ok = first * BLOCK_SIZE < end
+    block_ids = tl.load(table + first, mask=block_ok, other=0).to(tl.int64)
+    v = tl.load(v_ptr + block_ids[None, :, None] * stride_vb + kv_head * stride_vh + dims[:, None, None] * stride_vd
+                + offsets[None, None, :], mask=block_ok[None, :, None], other=0.0)
+    keys = first[:, None] * BLOCK_SIZE + offsets[None, :]
+    v = tl.where((keys < end)[None, :, :], v, 0.0)
+    return tl.reshape(v, [v.shape[0], BLOCK_N])
+
+
+@triton.jit
 def _dot8_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
                         num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_bt,
@@ -82,7 +99,7 @@ def _dot8_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part
         acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
         table = tables_ptr + seq.to(tl.int64) * stride_bt
         for start in range(part_start, part_end, BLOCK_N):
-            keys = start + tl.arange(0, BLOCK_N)
+            keys = tl.multiple_of(start, BLOCK_N) + tl.arange(0, BLOCK_N)
             key_ok = keys < part_end
             offsets = keys % BLOCK_SIZE
             block_ids = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
@@ -128,8 +145,85 @@ def _dot8_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part
             tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
 
+@triton.jit
+def _dot8_swap_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
+                      num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
+                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_bt,
+                      ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
+                      BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
+                      BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, Q_LO: tl.constexpr, P_LO: tl.constexpr,
+                      V_TOKEN_MAJOR: tl.constexpr, UPCAST: tl.constexpr):
+    """_dot8_decode_kernel transposed: the keys are the products' M (64 or more rows: Hopper's wgmma), the query
+    heads their N; scores are [keys, heads], the output [head_dim, heads]."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(lens_ptr + seq)
+    partition = tl.maximum(tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N), 1) * BLOCK_N
+    part_start = split * partition
+    if part_start <= context_len:
+        part_end = tl.minimum(part_start + partition, context_len)
+        rows = tl.arange(0, BLOCK_G)
+        dims = tl.arange(0, HEAD_DIM)
+        heads = kv_head * GROUP + rows
+        row_ok = rows < GROUP
+        q = tl.load(q_ptr + seq * stride_qb + heads[None, :] * stride_qh + dims[:, None], mask=row_ok[None, :],
+                    other=0.0).to(tl.float32)  # [D, G]
+        q_scale = tl.max(tl.abs(q), 0) / 448.0
+        q_scale = tl.where(q_scale > 0, q_scale, 1.0)
+        q_hi, q_lo = _split8(q / q_scale[None, :], UPCAST)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([HEAD_DIM, BLOCK_G], tl.float32)
+        table = tables_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(part_start, part_end, BLOCK_N):
+            keys = tl.multiple_of(start, BLOCK_N) + tl.arange(0, BLOCK_N)
+            key_ok = keys < part_end
+            offsets = keys % BLOCK_SIZE
+            block_ids = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            k = tl.load(k_ptr + block_ids[:, None] * stride_kb + offsets[:, None] * stride_kt + kv_head * stride_kh
+                        + dims[None, :], mask=key_ok[:, None], other=0.0)
+            dots = _dot8(k, q_hi, UPCAST)  # [N, G]
+            if Q_LO:
+                dots += _dot8(k, q_lo, UPCAST) * (1.0 / 16.0)
+            scale_at = block_ids * stride_sb + offsets * stride_st + kv_head * stride_sh
+            k_scale = tl.load(ks_ptr + scale_at, mask=key_ok, other=0.0).to(tl.float32)
+            v_scale = tl.load(vs_ptr + scale_at, mask=key_ok, other=0.0).to(tl.float32)
+            scores = dots * (q_scale[None, :] * qk_scale) * k_scale[:, None]
+            scores = tl.where(key_ok[:, None], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            w = p * v_scale[:, None]
+            w_max = tl.max(w, 0)
+            w_mul = tl.where(w_max > 0, 448.0 / w_max, 1.0)
+            w_hi, w_lo = _split8(w * w_mul[None, :], UPCAST)
+            if V_TOKEN_MAJOR:  # [D, keys]: keys contiguous within each block, loaded as [D, blocks, block_size]
+                v_t = _token_major_tile(v_ptr, table, start, part_end, kv_head, dims, stride_vb, stride_vh, stride_vd,
+                                        BLOCK_SIZE, BLOCK_N)
+            else:
+                v_t = tl.trans(tl.load(v_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
+                                       + kv_head * stride_vh + dims[None, :] * stride_vd, mask=key_ok[:, None],
+                                       other=0.0))
+            pv = _dot8(v_t, w_hi, UPCAST)  # [D, G]
+            if P_LO:
+                pv += _dot8(v_t, w_lo, UPCAST) * (1.0 / 16.0)
+            acc = acc * alpha[None, :] + pv / w_mul[None, :]
+            m_i = m_new
+        if not SPLIT:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
+            tl.store(out_ptr + seq * stride_ob + heads[None, :] * stride_oh + dims[:, None],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
+        else:
+            part = (seq * (tl.num_programs(1) * GROUP) + heads).to(tl.int64) * num_splits + split
+            tl.store(part_acc_ptr + part[None, :] * HEAD_DIM + dims[:, None], acc, mask=row_ok[None, :])
+            tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
 def dot8_decode(q, k_cache, v_cache, tables, lens, scale, kv_scales, *, v_token_major: bool, q_lo=True, p_lo=True,
-                block_n=128, num_warps=4, num_stages=2, num_splits=None):
+                block_n=128, num_warps=4, num_stages=2, num_splits=None, swap=False):
     """The experiment's decode: q [b, heads, d] bf16 over an fp8 cache (v_cache [blocks, block, kv_heads, d], or with
     v_token_major a [blocks, kv_heads, d, block] tensor) with per-token scales → [b, heads, d]."""
     b, heads, d = q.shape
@@ -149,12 +243,13 @@ def dot8_decode(q, k_cache, v_cache, tables, lens, scale, kv_scales, *, v_token_
     parts = torch.empty(b * heads * num_splits * (d + 2), dtype=torch.float32, device=q.device)
     partials = A.DecodePartials(parts[:b * heads * num_splits * d], parts[b * heads * num_splits * d:], lens,
                                 A.NO_WINDOW, b, heads, d, num_splits, block_n, q.dtype)
-    _dot8_decode_kernel[(b, kv_heads, num_splits)](
+    kernel = _dot8_swap_kernel if swap else _dot8_decode_kernel
+    kernel[(b, kv_heads, num_splits)](
         q, k_cache, v_cache, tables, lens, out, partials.acc, partials.ml, scale * 1.4426950408889634, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], vb, vt, vh, vd,
         tables.stride(0), ks, vs, *kv_quant.scale_strides(ks),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=d, SPLIT=num_splits > 1, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, Q_LO=q_lo, P_LO=p_lo, V_TOKEN_MAJOR=v_token_major, UPCAST=not q.is_cuda,
+        BLOCK_N=block_n, Q_LO=q_lo, P_LO=p_lo, V_TOKEN_MAJOR=v_token_major, UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps, num_stages=num_stages)
     return out if num_splits == 1 else A.merge_partials(partials, out)
 
@@ -193,9 +288,9 @@ def oracle(case, layer=0):
 
 
 def variants(args):
-    for tm, qlo, plo, bn, warps, stages in itertools.product(args.v_layouts, args.q_lo, args.p_lo, args.block_n,
-                                                              args.warps, args.stages):
-        yield {"v_token_major": tm == "token", "q_lo": bool(qlo), "p_lo": bool(plo), "block_n": bn,
+    for sw, tm, qlo, plo, bn, warps, stages in itertools.product(args.swap, args.v_layouts, args.q_lo, args.p_lo,
+                                                                  args.block_n, args.warps, args.stages):
+        yield {"swap": bool(sw), "v_token_major": tm == "token", "q_lo": bool(qlo), "p_lo": bool(plo), "block_n": bn,
                "num_warps": warps, "num_stages": stages}
 
 
@@ -226,9 +321,10 @@ def time_layers(fn, tables):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    return back_to_back_seconds(graph.replay, 20) * 1e6 / len(tables)
+    return back_to_back_seconds(graph.replay, TIMED_REPLAYS) / TIMED_REPLAYS * 1e6 / len(tables)
 
 
+TIMED_REPLAYS = 20
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128)}
 POINTS = [("qwen3-0.6b", 256, 512), ("qwen3-0.6b", 64, 512), ("qwen3-0.6b", 1, 512), ("llama-3.1-8b", 64, 512),
           ("llama-3.1-8b", 256, 512), ("llama-3.1-8b", 16, 32768), ("llama-3.1-8b", 1, 512)]
@@ -272,12 +368,12 @@ def check() -> int:
     case = make_case(3, 4, 2, 32, 80, 1, "cpu", block=16, seed=1)
     case["lens"] = torch.tensor([80, 37, 1], dtype=torch.int32)
     ref = oracle(case)
-    for tm, split in itertools.product([False, True], [1, 3]):
+    for swap, tm, split in itertools.product([False, True], [False, True], [1, 3]):
         v = case["v8_t"] if tm else case["v8"]
         out = dot8_decode(case["q"], case["k8"], v, case["tables"][0], case["lens"], 32 ** -0.5, case["scales"],
-                          v_token_major=tm, block_n=32, num_splits=split)
+                          v_token_major=tm, block_n=32, num_splits=split, swap=swap)
         err = (out.float() - ref).abs().max().item()
-        print(f"token-major V {tm}, splits {split}: max |err| {err:.2e}")
+        print(f"swap {swap}, token-major V {tm}, splits {split}: max |err| {err:.2e}")
         if err > 1e-2:
             return 1
     return 0
@@ -287,6 +383,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true")
     p.add_argument("--v-layouts", nargs="+", default=["dim", "token"], choices=["dim", "token"])
+    p.add_argument("--swap", nargs="+", type=int, default=[1])
     p.add_argument("--q-lo", nargs="+", type=int, default=[1])
     p.add_argument("--p-lo", nargs="+", type=int, default=[1])
     p.add_argument("--block-n", nargs="+", type=int, default=[64, 128])

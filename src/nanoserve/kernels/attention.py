@@ -319,8 +319,8 @@ def _decode_partition(context_len, window, num_splits, BLOCK_N: tl.constexpr, BL
     first key (tile-aligned partitions keep the key-tile loads vectorised; the keys before the window in that tile
     are masked, not loaded), so blocks that slid out of the window are never read. Sized on the device from
     context_len, so a short context in an engine built for long ones still uses every split. end: context_len; with
-    TAIL the start of the query's own block, whose keys split 0 reads exact from the tail — possibly before the
-    first tile, when no fp8 key is left to split."""
+    TAIL the start of the query's own block, whose keys one split reads exact from the tail (_tail_split) — possibly
+    before the first tile, when no fp8 key is left to split."""
     window_start = tl.maximum(context_len - window, 0)
     first_tile = window_start // BLOCK_N * BLOCK_N
     if TAIL:
@@ -330,6 +330,16 @@ def _decode_partition(context_len, window, num_splits, BLOCK_N: tl.constexpr, BL
         end = context_len
         span = context_len - first_tile
     return window_start, first_tile, tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N), 1) * BLOCK_N, end
+
+
+@jit
+def _tail_split(first_tile, partition_size, split_end, num_splits):
+    """(the split that reads the own block's exact keys, how many splits hold partials) of a decode with a tail: the
+    first split left without fp8 keys, so the tail's loads run beside the fp8 tiles instead of after them (b = 1 reads
+    512 tokens in a few of its splits); split 0 when every split has fp8 keys."""
+    used = tl.cdiv(tl.maximum(split_end - first_tile, 0), partition_size)
+    tail_split = tl.where(used < num_splits, used, 0)
+    return tail_split, tl.minimum(used + 1, num_splits)
 
 
 @jit
@@ -394,8 +404,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     window_start, first_tile, partition_size, split_end = _decode_partition(context_len, window + (last - first),
                                                                             num_splits, BLOCK_N, BLOCK_SIZE, TAIL)
     part_start = first_tile + split * partition_size
-    if TAIL:  # split 0 always runs: it reads the own block's exact keys, even when no fp8 key is left to split
-        runs = (split == 0) | (part_start < split_end)
+    if TAIL:  # the tail's split always runs: it reads the own block's exact keys, even when no fp8 key is left
+        tail_split, _ = _tail_split(first_tile, partition_size, split_end, num_splits)
+        runs = (split == tail_split) | (part_start < split_end)
     else:
         # Partitions past the context exit at once. "<=" lets an empty context (padding rows) write
         # zeros from split 0; the reduce ignores the empty partial that this also writes for split > 0.
@@ -431,7 +442,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                                          ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                                          BLOCK_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
         if TAIL:  # (one row per group)
-            if split == 0:
+            if split == tail_split:
                 # The own block's keys [split_end, context_len) (those in the window), from the tail rows.
                 keys = split_end + tl.arange(0, BLOCK_T)
                 key_ok = (keys >= window_start) & (keys < context_len)
@@ -534,7 +545,8 @@ def _decode_lanes_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                                                                             ROWS * LANES, BLOCK_SIZE, TAIL)
     part_start = first_tile + split * partition_size
     if TAIL:
-        runs = (split == 0) | (part_start < split_end)
+        tail_split, _ = _tail_split(first_tile, partition_size, split_end, num_splits)
+        runs = (split == tail_split) | (part_start < split_end)
     else:
         runs = part_start <= context_len
     if runs:
@@ -569,7 +581,7 @@ def _decode_lanes_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
             m_i, l_i, acc = _lanes_fold(q, m_i, l_i, acc, k, v, key_ok[:, :, :, None], k_scale, v_scale, qk_scale,
                                         cap_scale, SOFTCAP)
         if TAIL:
-            if split == 0:  # the own block's keys [split_end, context_len) in the window, exact, from the tail rows
+            if split == tail_split:  # the own block's keys [split_end, context_len) in the window, exact (tail rows)
                 flat_keys = split_end + tl.arange(0, TAIL_ROWS * LANES)
                 flat_ok = (flat_keys >= window_start) & (flat_keys < context_len)
                 at = tail_row_tl(tl.load(slots_ptr + seq).to(tl.int64), flat_keys, BLOCK_SIZE) * stride_tail_row
@@ -607,8 +619,8 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, group_bac
     context_len = tl.load(context_lens_ptr + seq) + (last - seq)  # the splits are the group's (_decode_kernel)
     _window_start, first_tile, partition_size, split_end = _decode_partition(context_len, window + (last - first),
                                                                              num_splits, BLOCK_N, BLOCK_SIZE, TAIL)
-    if TAIL:  # split 0 (the exact keys) and those that saw fp8 keys
-        num_valid = tl.maximum(tl.cdiv(tl.maximum(split_end - first_tile, 0), partition_size), 1)
+    if TAIL:  # those that saw fp8 keys and the tail's
+        _tail, num_valid = _tail_split(first_tile, partition_size, split_end, num_splits)
     else:
         num_valid = tl.cdiv(context_len - first_tile, partition_size)  # splits that saw tokens; later ones ignored
     splits = tl.arange(0, BLOCK_S)
@@ -655,7 +667,7 @@ class DecodePartials:
     block_n: int  # the decode kernel's key tile, which sizes the partitions
     dtype: torch.dtype  # of the attention output
     block_size: int = 1  # of the cache: with a tail, the splits cover the keys before the query's own block
-    tail: bool = False  # read with a tail (split 0 also holds the own block's exact keys)
+    tail: bool = False  # read with a tail (one split also holds the own block's exact keys: _tail_split)
     group_back: torch.Tensor | None = None  # [num_seqs] with seq_rows > 1: the rows' groups (decode_attention)
     seq_rows: int = 1
 
@@ -673,7 +685,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     [num_seqs] int32 (0 gives a zero output row). window / softcap: paged_attention's; the splits cover only the
     window's keys. num_splits overrides the shape heuristic (tests, benchmarks). kv_tail: an fp8 cache's tail, read
     at each row's slot (slots [num_seqs]) for the keys of the query's own block (already holding the step's token);
-    the splits then cover the keys before that block, and split 0 adds the block's.
+    the splits then cover the keys before that block, and the first split without fp8 keys (else split 0) adds the
+    block's.
     seq_rows > 1 (not with a tail): a sequence verifying drafts runs as consecutive rows (group_back [num_seqs]
     int32: how many of them come before each row; 0 for plain rows) whose context lengths rise by one; up to
     seq_rows such rows are one group, whose last row's programs read each key tile once for all of them (its k + 1

@@ -700,10 +700,10 @@ def _attention_patches(A, rule: dict) -> dict:
     patches = {"DECODE_WAVES": rule.get("waves", A.DECODE_WAVES)}
     if "stages" in rule:
         patches |= {"DECODE_NUM_STAGES": rule["stages"], "DECODE_NUM_STAGES_FP8": rule["stages"]}
-    if "warps" in rule:
-        patches["DECODE_NUM_WARPS"] = rule["warps"]
+    if rule.get("warps"):
+        patches |= {"DECODE_NUM_WARPS": rule["warps"], "DECODE_FP8_FEW_WARPS": rule["warps"]}
     if rule.get("block_n"):
-        patches["_kv_tile_tokens"] = lambda *_, n=rule["block_n"]: n
+        patches |= {"_kv_tile_tokens": lambda *_, n=rule["block_n"]: n, "DECODE_FP8_FEW_BLOCK_N": rule["block_n"]}
     if rule.get("lanes"):  # an fp8 cache's CUDA-core kernel: "off", or its tile and warps as ROWSxLANESxWARPS
         if rule["lanes"] == "off":
             patches["DECODE_LANES_MAX_GROUP"] = 0
@@ -764,7 +764,7 @@ def main() -> int:
     p.add_argument("--stages", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--attention-shapes", nargs="+", default=list(ATTENTION_SHAPES), choices=list(ATTENTION_SHAPES))
     p.add_argument("--kv-formats", nargs="+", default=["bf16"], choices=KV_FORMATS, help="attention: cache formats")
-    p.add_argument("--warps", nargs="+", type=int, default=[4], help="attention: the decode kernel's warps")
+    p.add_argument("--warps", nargs="+", type=int, default=[0], help="attention: the decode kernel's warps (0: its rule)")
     p.add_argument("--block-n", nargs="+", type=int, default=[0], help="attention: key tiles (0: the kernel's rule)")
     p.add_argument("--products", nargs="+", default=["fp16"], choices=["fp16", "bf16"],
                    help="attention: an fp8 cache's product dtype")

@@ -159,6 +159,16 @@ def test_decode_with_tail_splits_window_softcap(block_size, window, softcap, num
     assert_close(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("lens", [[300], [5, 130]])
+def test_decode_with_tail_few_programs(lens):
+    """At most attention.DECODE_FP8_FEW_PROGRAMS (sequence, kv head) pairs on the tensor-core kernel (GQA group 3):
+    its few-program key tile, over several splits, some without fp8 keys (the own block's split)."""
+    assert len(lens) * 2 <= tk.DECODE_FP8_FEW_PROGRAMS
+    for splits in (1, 4):
+        out, ref = decode_with_tail(lens, 16, "token", torch.float32, splits, heads=(6, 2), spare_blocks=40)
+        assert_close(out, ref, torch.float32)
+
+
 @pytest.mark.parametrize("block_size,window", [(12, 5), (4, None)])
 def test_decode_with_tail_every_context_length(block_size, window):
     """Each length 1..140 over 2 splits: the own block's start before, at and after the window's first 128-key tile,

@@ -116,6 +116,13 @@ DECODE_LANES_ROWS_SPARSE = 4
 DECODE_LANES_WARPS = 4
 DECODE_LANES_MAX_GROUP = 2
 DECODE_LANES_MAX_WAVES = 8
+# A tensor-core fp8 decode of at most DECODE_FP8_FEW_PROGRAMS (sequence, kv head) programs (b = 1 at 8 kv heads) reads
+# 64-key tiles with 8 warps: Llama-3.1-8B's heads, 512 / 2048-token contexts, µs a layer with the tail (H100): 7.2 / 8.1
+# against 8.9 / 11.5 at 128 keys and 4 warps; at b = 8 (64 programs) 8 warps lose (15.2 vs 12.9;
+# benchmarks/results/experiments/fp8_decode_few_programs_234a762_h100.json).
+DECODE_FP8_FEW_PROGRAMS = 8
+DECODE_FP8_FEW_BLOCK_N = 64
+DECODE_FP8_FEW_WARPS = 8
 PREFILL_NUM_STAGES = 3  # Triton's default on sm_90
 PREFILL_NUM_STAGES_FP8 = 1  # as decode's: an fp8 cache's tiles are widened in registers, not pipelined
 
@@ -719,8 +726,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max_keys = min(block_tables.shape[1] * block_size, window)  # static: the window is the layer's
     block_d = max(16, next_power_of_2(head_dim))
     sms = num_sms(q.device)
-    lane_rows, block_n = _decode_tile(fmt["FP8"], seq_rows, group, num_seqs * num_kv_heads, sms, block_d,
-                                      _compute_dtype(q, k_cache).itemsize)
+    lane_rows, block_n, warps = _decode_tile(fmt["FP8"], seq_rows, group, num_seqs * num_kv_heads, sms, block_d,
+                                             _compute_dtype(q, k_cache).itemsize)
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_keys, sms)
     num_splits = max(1, min(num_splits, cdiv(max_keys, block_n)))  # a split is at least one tile
@@ -743,7 +750,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             BLOCK_G=next_power_of_2(group), BLOCK_D=block_d, ROWS=lane_rows, LANES=DECODE_LANES,
             SOFTCAP=softcap is not None, TAIL=kv_tail is not None,
             TAIL_ROWS=next_power_of_2(cdiv(block_size, DECODE_LANES)),  # the own block: one tile
-            num_warps=DECODE_LANES_WARPS, num_stages=1, **pdl_args(q.device))
+            num_warps=warps, num_stages=1, **pdl_args(q.device))
         return out if num_splits == 1 else merge_partials(partials, out)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, *_score_args(scale, softcap),
@@ -755,7 +762,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
         BLOCK_G=max(16, next_power_of_2(group * chunk)), BLOCK_D=block_d, BLOCK_N=block_n,
         SOFTCAP=softcap is not None,
-        FP8=fmt["FP8"], **_product_args(q, k_cache), num_warps=DECODE_NUM_WARPS,
+        FP8=fmt["FP8"], **_product_args(q, k_cache), num_warps=warps,
         num_stages=DECODE_NUM_STAGES_FP8 if fmt["FP8"] else DECODE_NUM_STAGES,
         **pdl_args(q.device), TAIL=kv_tail is not None,
         BLOCK_T=max(16, next_power_of_2(block_size)) if kv_tail is not None else 16,  # the own block: one tile
@@ -766,15 +773,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def _decode_tile(fp8: bool, seq_rows: int, group: int, programs: int, sms: int, block_d: int, element_size: int
-                 ) -> tuple[int, int]:
-    """(rows of the CUDA-core kernel's tile, 0: the tensor-core kernel; the key tile, which sizes the partitions) of a
-    decode over `programs` (sequence, kv head) pairs; element_size: of the tensor-core products' operands."""
+                 ) -> tuple[int, int, int]:
+    """(rows of the CUDA-core kernel's tile, 0: the tensor-core kernel; the key tile, which sizes the partitions; the
+    tensor-core kernel's warps) of a decode over `programs` (sequence, kv head) pairs; element_size: of the
+    tensor-core products' operands."""
     if fp8 and seq_rows == 1 and group <= DECODE_LANES_MAX_GROUP and programs <= DECODE_LANES_MAX_WAVES * sms:
         rows = DECODE_LANES_ROWS if programs >= sms else DECODE_LANES_ROWS_SPARSE
-        return rows, rows * DECODE_LANES
+        return rows, rows * DECODE_LANES, DECODE_LANES_WARPS
+    if fp8 and programs <= DECODE_FP8_FEW_PROGRAMS:
+        return 0, DECODE_FP8_FEW_BLOCK_N, DECODE_FP8_FEW_WARPS
     if fp8:
-        return 0, _kv_tile_tokens(block_d, 1, MAX_BLOCK_N_FP8)
-    return 0, _kv_tile_tokens(block_d, element_size)
+        return 0, _kv_tile_tokens(block_d, 1, MAX_BLOCK_N_FP8), DECODE_NUM_WARPS
+    return 0, _kv_tile_tokens(block_d, element_size), DECODE_NUM_WARPS
 
 
 def merge_partials(p: DecodePartials, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -336,7 +336,7 @@ def measure(args) -> dict:
     bandwidth = measure_copy_bandwidth()
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
               "copy_bandwidth": bandwidth, "points": []}
-    for name, b, context in POINTS:
+    for name, b, context in [pt for pt in POINTS if not args.points or ":".join(map(str, pt)) in args.points]:
         heads, kv_heads, d = SHAPES[name]
         bytes_layer = b * context * kv_heads * (2 * d + 2 * 2)
         layers = max(2, min(16, -(-(512 << 20) // bytes_layer)))
@@ -389,6 +389,7 @@ def main() -> int:
     p.add_argument("--block-n", nargs="+", type=int, default=[64, 128])
     p.add_argument("--warps", nargs="+", type=int, default=[4])
     p.add_argument("--stages", nargs="+", type=int, default=[1, 2, 3])
+    p.add_argument("--points", nargs="*", default=[], help="MODEL:B:CONTEXT of POINTS (default: all)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.check:

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from nanoserve.kernels import attention as A  # noqa: E402
 from nanoserve.kernels import kv_quant  # noqa: E402
+from nanoserve.kernels import reference as torch_ref  # noqa: E402
 from nanoserve.kernels.kv_quant import fp8_codes  # noqa: E402
 
 FP8 = tl.float8e4nv
@@ -202,20 +203,9 @@ def make_case(b, heads, kv_heads, d, context, layers, device, block=16, seed=0):
 
 
 def oracle(case, layer=0):
-    """fp32 attention over the dequantized cache of one layer."""
-    q, lens, table = case["q"].float(), case["lens"], case["tables"][layer]
-    ks, vs = case["scales"]
-    k = kv_quant.dequantize_ref(case["k8"], ks)
-    v = kv_quant.dequantize_ref(case["v8"], vs)
-    b, heads, d = q.shape
-    kv_heads = k.shape[2]
-    out = torch.empty(b, heads, d, device=q.device)
-    for s in range(b):
-        keys = k[table[s].long()].reshape(-1, kv_heads, d)[:int(lens[s])].repeat_interleave(heads // kv_heads, 1)
-        vals = v[table[s].long()].reshape(-1, kv_heads, d)[:int(lens[s])].repeat_interleave(heads // kv_heads, 1)
-        att = torch.softmax(torch.einsum("hd,thd->ht", q[s], keys) * d ** -0.5, -1)
-        out[s] = torch.einsum("ht,thd->hd", att, vals)
-    return out
+    """fp32 attention over the dequantized cache of one layer (kernels/reference.py's, fed q in fp32)."""
+    return torch_ref.decode_attention(case["q"].float(), case["k8"], case["v8"], case["tables"][layer], case["lens"],
+                                      case["q"].shape[-1] ** -0.5, kv_scales=case["scales"])
 
 
 def variants(args):
@@ -244,18 +234,12 @@ def engine_kernel(case, scale, tail):
 
 
 def time_layers(fn, tables):
-    from common import back_to_back_seconds
+    """µs a layer: every layer's call captured in one CUDA graph, replayed back to back (decode_floor.graph_ms)."""
+    from decode_floor import graph_ms
 
-    run = lambda: [fn(t) for t in tables]  # noqa: E731
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return back_to_back_seconds(graph.replay, TIMED_REPLAYS) / TIMED_REPLAYS * 1e6 / len(tables)
+    return graph_ms(lambda: [fn(t) for t in tables], calls=1) * 1e3 / len(tables)
 
 
-TIMED_REPLAYS = 20
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128)}
 POINTS = [("qwen3-0.6b", 256, 512), ("qwen3-0.6b", 64, 512), ("qwen3-0.6b", 1, 512), ("llama-3.1-8b", 64, 512),
           ("llama-3.1-8b", 256, 512), ("llama-3.1-8b", 16, 32768), ("llama-3.1-8b", 1, 512)]

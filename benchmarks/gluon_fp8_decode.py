@@ -1,0 +1,390 @@
+"""Experiment (issue 37): an fp8 decode attention in Gluon, its K/V tiles streamed into a ring of shared-memory stages
+(cp.async, or K by TMA) and multiplied as stored by Hopper's fp8 wgmma: no element widened in registers.
+
+The math is fp8_dot_decode.py's (keys as the products' M, the GQA group's heads as N; q and the probabilities times
+each value's scale as two e4m3 parts, x ≈ hi + lo / 16, hi and lo as one N = 16 product); V is read token-major within
+each block ([blocks, kv_heads, head_dim, block_size]: an 8-bit wgmma operand is K-major). Tile t + STAGES - 1 is
+copied while tile t is multiplied; block ids and scales are loaded a tile or two ahead. No window, softcap or exact
+tail: the engine's kernel is timed with and without its tail beside it (and over a bf16 cache with --bf16).
+Measured on an H100 (benchmarks/results/experiments/gluon_fp8_decode_*_h100.json, notes/PERF.md round 8, eighth
+session): 8% faster than the engine's kernel at Qwen3-0.6B / Llama-3.1-8B b = 256, 19% at Llama b = 16 over 32k
+tokens; 75% / 81% of the copy bandwidth.
+
+    python benchmarks/gluon_fp8_decode.py --json out.json   # GPU (Hopper, Triton with Gluon): µs a layer, error
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from nanoserve.kernels import attention as A  # noqa: E402
+from nanoserve.kernels import kv_quant  # noqa: E402
+
+N_COLS = 8  # the products' N: a GQA group's query heads, padded to wgmma's smallest N
+
+
+@gluon.jit
+def _tile_blocks(table, start, end, BLOCK_SIZE: gl.constexpr, N: gl.constexpr, STEP: gl.constexpr,
+                 LAYOUT: gl.constexpr):
+    """Block ids of N keys start, start + STEP, ... in LAYOUT (0 at or past `end`), loaded a tile or two ahead."""
+    keys = start + gl.arange(0, N, LAYOUT) * STEP
+    return gl.load(table + keys // BLOCK_SIZE, mask=keys < end, other=0)
+
+
+@gluon.jit
+def _k_ids(table, start, end, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, K_TMA: gl.constexpr,
+           IDS: gl.constexpr, KB: gl.constexpr):
+    """The K copies' block ids: each block's once in IDS for TMA, each key's in KB for cp.async."""
+    if K_TMA:
+        ids = _tile_blocks(table, start, end, BLOCK_SIZE, BLOCK_N // BLOCK_SIZE, BLOCK_SIZE, IDS)
+    else:
+        ids = _tile_blocks(table, start, end, BLOCK_SIZE, BLOCK_N, 1, KB)
+    return ids
+
+
+@gluon.jit
+def _issue_tile(k_tile, v_tile, k_ptr, v_ptr, k_blocks, v_blocks, start, end, kv_head, stride_kb, stride_kt,
+                stride_kh, stride_vb, stride_vh, stride_vd, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr, K2: gl.constexpr, V2: gl.constexpr, K_CP: gl.constexpr = True):
+    """cp.async of keys [start, start + BLOCK_N) into one stage, 16 bytes a copy: K rows [keys, head_dim] and V^T
+    [head_dim, keys]; keys at or past `end` zero-filled (their probabilities are 0, and 0 · NaN would not be)."""
+    if K_CP:  # (else K comes by TMA)
+        keys = start + gl.arange(0, BLOCK_N, gl.SliceLayout(1, K2))
+        dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, K2))
+        k_at = (k_blocks.to(gl.int64) * stride_kb + (keys % BLOCK_SIZE) * stride_kt + kv_head * stride_kh)[:, None]
+        cp.async_copy_global_to_shared(k_tile, k_ptr + k_at + dims[None, :], mask=(keys < end)[:, None])
+    v_dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(1, V2))
+    cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, V2))
+    v_at = ((v_dims * stride_vd + kv_head * stride_vh).to(gl.int64)[:, None]
+            + (v_blocks.to(gl.int64) * stride_vb + cols % BLOCK_SIZE)[None, :])
+    v_at = gl.max_contiguous(gl.multiple_of(v_at, [1, 16]), [1, 16])  # each block's run of keys, as copied
+    v_ok = gl.max_constancy((start + (cols // BLOCK_SIZE) * BLOCK_SIZE < end)[None, :], [1, 16])
+    cp.async_copy_global_to_shared(v_tile, v_ptr + v_at, mask=v_ok)
+
+
+@gluon.jit
+def _issue_k_tma(k_desc, k_tile, bar, ids, start, end, kv_head, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, IDS: gl.constexpr):
+    """K rows of keys [start, start + BLOCK_N) by TMA, a [block_size, head_dim] box a block, completing `bar`: blocks
+    past `end` copy block 0 (masked scores; a constant byte count), a tile past `end` none (never waited on)."""
+    NB: gl.constexpr = BLOCK_N // BLOCK_SIZE
+    if start < end:
+        j = gl.arange(0, NB, IDS)
+        mbarrier.expect(bar, BLOCK_N * HEAD_DIM)
+        for i in gl.static_range(NB):
+            block = gl.sum(gl.where(j == i, ids, 0), 0)
+            tma.async_copy_global_to_shared(k_desc, [block * BLOCK_SIZE, kv_head * HEAD_DIM], bar,
+                                            k_tile.slice(i * BLOCK_SIZE, BLOCK_SIZE, 0))
+
+
+@gluon.jit
+def _tile_scales(ks_ptr, vs_ptr, blocks, start, end, kv_head, stride_sb, stride_st, stride_sh,
+                 BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
+    """Per-token K and V scales of keys [start, start + BLOCK_N) in the scores' row layout (0 past `end`), and the
+    largest V scale (what the tile's probabilities times V scales are scaled by to reach e4m3's range)."""
+    keys = start + gl.arange(0, BLOCK_N, ROWS)
+    ok = keys < end
+    at = blocks.to(gl.int64) * stride_sb + (keys % BLOCK_SIZE) * stride_st + kv_head * stride_sh
+    v_scale = gl.load(vs_ptr + at, mask=ok, other=0.0).to(gl.float32)
+    v_max = gl.max(v_scale, 0)
+    return gl.load(ks_ptr + at, mask=ok, other=0.0).to(gl.float32), v_scale, gl.where(v_max > 0, 448.0 / v_max, 1.0)
+
+
+@gluon.jit
+def _e4m3_round(y):
+    """fp32 y within ±448 → the nearest e4m3 value (ties to even), still fp32 (kv_quant.fp8_codes' arithmetic)."""
+    bits = y.to(gl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(gl.float32, bitcast=True)
+    tiny = ((gl.abs(y) + 16384.0) - 16384.0).to(gl.int32, bitcast=True) | (bits & -2147483648)
+    return gl.where(gl.abs(y) < 0.015625, tiny.to(gl.float32, bitcast=True), normal)
+
+
+@gluon.jit
+def _split8(x):
+    """fp32 x within ±448 → (hi, lo) e4m3 with x ≈ hi + lo / 16; hi rounded in fp32, not read back from its codes
+    (Triton 3.6's e4m3 → fp32 conversion here swapped elements pairwise on the H100: lo came out ±448)."""
+    hi = _e4m3_round(x)
+    return hi.to(gl.float8e4nv), ((x - hi) * 16.0).to(gl.float8e4nv)
+
+
+@gluon.jit
+def _load_q(q_ptr, seq, kv_head, stride_qb, stride_qh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+            Q_LAYOUT: gl.constexpr, Q_SMEM: gl.constexpr, COLS: gl.constexpr):
+    """The group's query rows as two e4m3 parts in shared memory ([16, head_dim]: rows 0-7 the hi parts, 8-15 the
+    lo parts, rows past the group zero) and each row's scale in the scores' column layout."""
+    rows = gl.arange(0, 8, gl.SliceLayout(1, Q_LAYOUT))
+    dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, Q_LAYOUT))
+    q = gl.load(q_ptr + seq * stride_qb + (kv_head * GROUP + rows)[:, None] * stride_qh + dims[None, :],
+                mask=(rows < GROUP)[:, None], other=0.0).to(gl.float32)
+    amax = gl.max(gl.abs(q), 1)
+    scale = gl.where(amax > 0, amax / 448.0, 1.0)
+    hi, lo = _split8(q / scale[:, None])
+    q16 = gl.allocate_shared_memory(gl.float8e4nv, [16, HEAD_DIM], Q_SMEM)
+    q16.slice(0, 8, 0).store(hi)
+    q16.slice(8, 8, 0).store(lo)
+    return q16, gl.convert_layout(scale, COLS)
+
+
+@gluon.jit
+def _halves(x, LAYOUT: gl.constexpr):
+    """[R, 16] → its columns 0-7 and 8-15, each [R, 8] in LAYOUT (an N = 16 product's hi and lo halves)."""
+    R: gl.constexpr = x.shape[0]
+    a, b = gl.split(gl.permute(gl.reshape(x, [R, 2, 8]), (0, 2, 1)))
+    return gl.convert_layout(a, LAYOUT), gl.convert_layout(b, LAYOUT)
+
+
+@gluon.jit
+def _twice(f, LAYOUT: gl.constexpr):
+    """[8] → [16]: f then f again, in LAYOUT (a per-column factor for both halves of an N = 16 product)."""
+    return gl.convert_layout(gl.reshape(gl.permute(gl.join(f, f), (1, 0)), [16]), LAYOUT)
+
+
+@gluon.jit
+def _gluon_fp8_decode_kernel(q_ptr, k_ptr, k_desc, v_ptr, tables_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                             qk_scale, num_splits, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt,
+                             stride_kh, stride_vb, stride_vh, stride_vd, stride_bt, ks_ptr, vs_ptr, stride_sb,
+                             stride_st, stride_sh, BLOCK_SIZE: gl.constexpr, GROUP: gl.constexpr,
+                             HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
+                             STAGES: gl.constexpr, K_TMA: gl.constexpr, K_SMEM: gl.constexpr, V_SMEM: gl.constexpr,
+                             Q_SMEM: gl.constexpr, P_SMEM: gl.constexpr, num_warps: gl.constexpr):
+    """Split-K decode over an fp8 cache with per-token scales (_decode_kernel's partials; the grid is (kv heads,
+    sequences, splits): a sequence's kv heads in consecutive programs read whole blocks together, 2-3% faster than
+    sequences first): scores [keys, heads] = K · q^T and output^T [head_dim, heads] += V^T · p^T, each one wgmma
+    e4m3 × e4m3 → fp32 of N = 16 (the 8 columns' hi parts, then their lo parts)."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, 8, 32])
+    MMA16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                    instr_shape=[16, 16, 32])
+    COLS: gl.constexpr = gl.SliceLayout(0, MMA)
+    ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
+    # The copies' layouts: 16 bytes a thread along head_dim (K) and along each block's keys (V^T)
+    K2: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (HEAD_DIM // 16), HEAD_DIM // 16], [num_warps, 1], [1, 0])
+    V2: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_N // 16), BLOCK_N // 16], [num_warps, 1], [1, 0])
+    KB: gl.constexpr = gl.SliceLayout(1, K2)
+    VB: gl.constexpr = gl.SliceLayout(0, V2)
+    NB: gl.constexpr = BLOCK_N // BLOCK_SIZE
+    IDS: gl.constexpr = gl.BlockedLayout([NB], [32], [num_warps], [0])  # every thread all of a tile's blocks
+    Q_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])
+    kv_head = gl.program_id(0)
+    seq = gl.program_id(1)
+    split = gl.program_id(2)
+    context_len = gl.load(lens_ptr + seq)
+    partition = gl.maximum(gl.cdiv(gl.cdiv(context_len, num_splits), BLOCK_N), 1) * BLOCK_N
+    part_start = split * partition
+    if part_start <= context_len:  # an empty partition writes an empty partial (the reduce ignores it)
+        part_end = gl.minimum(part_start + partition, context_len)
+        table = tables_ptr + seq.to(gl.int64) * stride_bt
+        k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
+        v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], V_SMEM)
+        p16 = gl.allocate_shared_memory(gl.float8e4nv, [16, BLOCK_N], P_SMEM)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        if K_TMA:
+            for s in gl.static_range(STAGES):
+                mbarrier.init(bars.index(s), count=1)
+        for s in gl.static_range(STAGES - 1):
+            first = part_start + s * BLOCK_N
+            if K_TMA:
+                _issue_k_tma(k_desc, k_smem.index(s), bars.index(s),
+                             _tile_blocks(table, first, part_end, BLOCK_SIZE, NB, BLOCK_SIZE, IDS), first, part_end,
+                             kv_head, BLOCK_SIZE, BLOCK_N, HEAD_DIM, IDS)
+            _issue_tile(k_smem.index(s), v_smem.index(s), k_ptr, v_ptr,
+                        _tile_blocks(table, first, part_end, BLOCK_SIZE, BLOCK_N, 1, KB),
+                        _tile_blocks(table, first, part_end, BLOCK_SIZE, BLOCK_N, 1, VB), first, part_end,
+                        kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vh, stride_vd, BLOCK_SIZE,
+                        BLOCK_N, HEAD_DIM, K2, V2, not K_TMA)
+            cp.commit_group()
+        first = part_start + (STAGES - 1) * BLOCK_N
+        k_blocks = _k_ids(table, first, part_end, BLOCK_SIZE, BLOCK_N, K_TMA, IDS, KB)
+        v_blocks = _tile_blocks(table, first, part_end, BLOCK_SIZE, BLOCK_N, 1, VB)
+        q16, q_scale = _load_q(q_ptr, seq, kv_head, stride_qb, stride_qh, GROUP, HEAD_DIM, Q_LAYOUT, Q_SMEM, COLS)
+        col_scale = q_scale * qk_scale
+        m_i = gl.full([8], float("-inf"), gl.float32, COLS)
+        l_rows = gl.zeros([BLOCK_N, 8], gl.float32, MMA)  # per-key sums, reduced once at the end
+        unit = gl.full([8], 1.0, gl.float32, COLS)  # acc16 holds the output times `unit` (the last tile's w_mul)
+        acc16 = gl.zeros([HEAD_DIM, 16], gl.float32, MMA16)
+        s_zero = gl.zeros([BLOCK_N, 16], gl.float32, MMA16)
+        k_scale, v_scale, w_mul = _tile_scales(ks_ptr, vs_ptr,
+                                               _tile_blocks(table, part_start, part_end, BLOCK_SIZE, BLOCK_N, 1, ROWS),
+                                               part_start, part_end, kv_head, stride_sb, stride_st, stride_sh,
+                                               BLOCK_SIZE, BLOCK_N, ROWS)
+        r_blocks = _tile_blocks(table, part_start + BLOCK_N, part_end, BLOCK_SIZE, BLOCK_N, 1, ROWS)
+        for t in range(gl.cdiv(part_end - part_start, BLOCK_N)):
+            start = part_start + t * BLOCK_N
+            ahead = (t + STAGES - 1) % STAGES
+            issue = start + (STAGES - 1) * BLOCK_N
+            if K_TMA:
+                _issue_k_tma(k_desc, k_smem.index(ahead), bars.index(ahead), k_blocks, issue, part_end, kv_head,
+                             BLOCK_SIZE, BLOCK_N, HEAD_DIM, IDS)
+            _issue_tile(k_smem.index(ahead), v_smem.index(ahead), k_ptr, v_ptr, k_blocks, v_blocks, issue, part_end,
+                        kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vh, stride_vd, BLOCK_SIZE,
+                        BLOCK_N, HEAD_DIM, K2, V2, not K_TMA)
+            cp.commit_group()
+            k_blocks = _k_ids(table, issue + BLOCK_N, part_end, BLOCK_SIZE, BLOCK_N, K_TMA, IDS, KB)
+            v_blocks = _tile_blocks(table, issue + BLOCK_N, part_end, BLOCK_SIZE, BLOCK_N, 1, VB)
+            k_next, v_next, w_mul_next = _tile_scales(ks_ptr, vs_ptr, r_blocks, start + BLOCK_N, part_end, kv_head,
+                                                      stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N, ROWS)
+            r_blocks = _tile_blocks(table, start + 2 * BLOCK_N, part_end, BLOCK_SIZE, BLOCK_N, 1, ROWS)
+            stage = t % STAGES
+            if K_TMA:
+                mbarrier.wait(bars.index(stage), (t // STAGES) & 1)
+            cp.wait_group(STAGES - 1)
+            fence_async_shared()
+            gl.thread_barrier()
+            s_hi, s_lo = _halves(warpgroup_mma(k_smem.index(stage), q16.permute((1, 0)), s_zero, use_acc=False), MMA)
+            keys = start + gl.arange(0, BLOCK_N, ROWS)
+            scores = (s_hi + s_lo * 0.0625) * col_scale[None, :] * k_scale[:, None]
+            scores = gl.where((keys < part_end)[:, None], scores, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(scores, 0))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(scores - m_new[None, :])
+            l_rows = l_rows * alpha[None, :] + p
+            w_hi, w_lo = _split8(p * (v_scale * w_mul)[:, None])  # p ≤ 1: within e4m3's range
+            p16.slice(0, 8, 0).store(gl.permute(w_hi, (1, 0)))
+            p16.slice(8, 8, 0).store(gl.permute(w_lo, (1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()
+            factor = alpha * (w_mul / unit)
+            unit = gl.zeros([8], gl.float32, COLS) + w_mul
+            acc16 = warpgroup_mma(v_smem.index(stage), p16.permute((1, 0)),
+                                  acc16 * _twice(factor, gl.SliceLayout(0, MMA16))[None, :])
+            m_i = m_new
+            k_scale = k_next
+            v_scale = v_next
+            w_mul = w_mul_next
+        cp.wait_group(0)
+        l_i = gl.sum(l_rows, 0)
+        acc_hi, acc_lo = _halves(acc16, MMA)
+        acc = (acc_hi + acc_lo * 0.0625) / unit[None, :]
+        dims = gl.arange(0, HEAD_DIM, ROWS)
+        cols = gl.arange(0, 8, COLS)
+        heads = kv_head * GROUP + cols
+        col_ok = (cols < GROUP)[None, :] & (dims < HEAD_DIM)[:, None]
+        if SPLIT:
+            part = (seq * (gl.num_programs(0) * GROUP) + heads).to(gl.int64) * num_splits + split
+            gl.store(part_acc_ptr + part[None, :] * HEAD_DIM + dims[:, None], acc, mask=col_ok)
+            gl.store(part_ml_ptr + part * 2, m_i, mask=cols < GROUP)
+            gl.store(part_ml_ptr + part * 2 + 1, l_i, mask=cols < GROUP)
+        else:
+            out = acc / gl.where(l_i > 0, l_i, 1.0)[None, :]
+            gl.store(out_ptr + seq * stride_ob + heads[None, :] * stride_oh + dims[:, None],
+                     out.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def _swizzle(row_bytes: int) -> int:
+    return next((w for w in (128, 64, 32) if row_bytes % w == 0), 0)
+
+
+def smem_layouts(block_n: int, head_dim: int) -> dict:
+    """The kernel's shared-memory layouts (constexpr arguments), each swizzled by its row's bytes as wgmma reads it:
+    K stages [keys, head_dim], V^T stages [head_dim, keys] (Triton 3.6 finds no wgmma layout for an unswizzled 8-bit
+    operand; each block's 16-byte run of keys lands at its swizzled place), q and p^T [16, rows]."""
+    nvmma = gl.NVMMASharedLayout
+    return {"K_SMEM": nvmma(swizzle_byte_width=_swizzle(head_dim), element_bitwidth=8, rank=2),
+            "V_SMEM": nvmma(swizzle_byte_width=_swizzle(block_n), element_bitwidth=8, rank=2),
+            "Q_SMEM": nvmma(swizzle_byte_width=_swizzle(head_dim), element_bitwidth=8, rank=2),
+            "P_SMEM": nvmma(swizzle_byte_width=_swizzle(block_n), element_bitwidth=8, rank=2)}
+
+
+def gluon_decode(q, k_cache, v_cache_t, tables, lens, scale, kv_scales, *, block_n=64, stages=2, k_tma=False,
+                 num_splits=None):
+    """q [b, heads, d] bf16 over an fp8 cache (k_cache [blocks, block, kv_heads, d], v_cache_t [blocks, kv_heads, d,
+    block]) with per-token scales → [b, heads, d]."""
+    b, heads, d = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    if group > N_COLS or block_n % block_size or block_size % 16:
+        raise ValueError(f"group {group}, block_n {block_n}, block_size {block_size} not supported")
+    ks, vs = kv_scales
+    max_keys = tables.shape[1] * block_size
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        num_splits = A.decode_num_splits(b, kv_heads, max_keys, sms)
+    num_splits = max(1, min(num_splits, triton.cdiv(max_keys, block_n)))
+    out = torch.empty_like(q)
+    parts = torch.empty(b * heads * num_splits * (d + 2), dtype=torch.float32, device=q.device)
+    partials = A.DecodePartials(parts[:b * heads * num_splits * d], parts[b * heads * num_splits * d:], lens,
+                                A.NO_WINDOW, b, heads, d, num_splits, block_n, q.dtype)
+    vb, vh, vd, _ = v_cache_t.stride()
+    layouts = smem_layouts(block_n, d)
+    k_rows = k_cache.view(-1, kv_heads * d)  # TMA boxes [block_size, head_dim] at (block · block_size, kv_head · d)
+    k_desc = TensorDescriptor(k_rows, list(k_rows.shape), list(k_rows.stride()), [block_size, d], layouts["K_SMEM"])
+    _gluon_fp8_decode_kernel[(kv_heads, b, num_splits)](
+        q, k_cache, k_desc, v_cache_t, tables, lens, out, partials.acc, partials.ml, scale * 1.4426950408889634,
+        num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], vb, vh, vd,
+        tables.stride(0), ks, vs, *kv_quant.scale_strides(ks), BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=d,
+        SPLIT=num_splits > 1, BLOCK_N=block_n, STAGES=stages, K_TMA=k_tma, **layouts, num_warps=4)
+    return out if num_splits == 1 else A.merge_partials(partials, out)
+
+
+def measure(args) -> dict:
+    """µs a layer of every variant beside the engine's kernel (with and without its exact tail) at fp8_dot_decode's
+    points, and each one's largest error against the fp32 oracle where the oracle fits."""
+    from common import measure_copy_bandwidth
+    from fp8_dot_decode import POINTS, SHAPES, engine_kernel, make_case, oracle, time_layers
+
+    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+              "copy_bandwidth": measure_copy_bandwidth(), "points": []}
+    for name, b, context in [pt for pt in POINTS if not args.points or ":".join(map(str, pt)) in args.points]:
+        heads, kv_heads, d = SHAPES[name]
+        bytes_layer = b * context * kv_heads * (2 * d + 2 * 2)
+        layers = max(2, min(16, -(-(512 << 20) // bytes_layer)))
+        case = make_case(b, heads, kv_heads, d, context, layers, "cuda")
+        scale = d ** -0.5
+        ref = oracle(case) if b * context <= 64 * 512 else None
+        runs = [("engine", {"tail": t}, engine_kernel(case, scale, bool(t))) for t in (0, 1)]
+        if args.bf16:  # the engine's kernel over a bf16 cache of the same shape and tables (twice the bytes)
+            k16, v16 = case["k8"].to(torch.bfloat16), case["v8"].to(torch.bfloat16)
+            runs.append(("engine-bf16", {}, lambda t: A.decode_attention(case["q"], k16, v16, t, case["lens"], scale)))
+        for bn, stages, k_tma in itertools.product(args.block_n, args.stages, args.k_tma):
+            rule = {"block_n": bn, "stages": stages, "k_tma": bool(k_tma)}
+            runs.append(("gluon", rule, lambda t, r=rule: gluon_decode(case["q"], case["k8"], case["v8_t"], t,
+                                                                       case["lens"], scale, case["scales"], **r)))
+        for kernel, rule, fn in runs:
+            rec = {"model": name, "b": b, "context": context, "kernel": kernel, **rule}
+            try:
+                if ref is not None and not rule.get("tail") and kernel != "engine-bf16":
+                    err = (fn(case["tables"][0]).float() - ref).abs()
+                    rec["max_abs_err"], rec["mean_abs_err"] = err.max().item(), err.mean().item()
+                rec["us_per_layer"] = time_layers(fn, case["tables"])
+                moved = b * context * kv_heads * 4 * d if kernel == "engine-bf16" else bytes_layer
+                rec["bandwidth_fraction"] = moved / (rec["us_per_layer"] * 1e-6) / report["copy_bandwidth"]
+            except Exception as exc:  # a variant that does not compile or run is a result too
+                rec["error"] = f"{type(exc).__name__}: {exc}"[:400]
+            report["points"].append(rec)
+            print(json.dumps(rec), flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return report
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--block-n", nargs="+", type=int, default=[64])
+    p.add_argument("--stages", nargs="+", type=int, default=[2, 3])
+    p.add_argument("--k-tma", nargs="+", type=int, default=[0, 1], help="K by TMA (V^T by cp.async either way)")
+    p.add_argument("--bf16", action="store_true", help="also time the engine's kernel over a bf16 cache")
+    p.add_argument("--points", nargs="*", default=[], help="MODEL:B:CONTEXT of fp8_dot_decode.POINTS (default: all)")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    report = measure(args)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,8 +7,8 @@ each block ([blocks, kv_heads, head_dim, block_size]: an 8-bit wgmma operand is 
 copied while tile t is multiplied; block ids and scales are loaded a tile or two ahead. No window, softcap or exact
 tail: the engine's kernel is timed with and without its tail beside it (and over a bf16 cache with --bf16).
 Measured on an H100 (benchmarks/results/experiments/gluon_fp8_decode_*_h100.json, notes/PERF.md round 8, eighth
-session): 8% faster than the engine's kernel at Qwen3-0.6B / Llama-3.1-8B b = 256, 19% at Llama b = 16 over 32k
-tokens; 75% / 81% of the copy bandwidth.
+session): 13% / 10% faster than the engine's kernel at Qwen3-0.6B / Llama-3.1-8B b = 256, 20% at Llama b = 16 over
+32k tokens, at 0.79 / 0.76 / 0.82 of the copy bandwidth (the engine's bf16 kernel: 0.98-1.02).
 
     python benchmarks/gluon_fp8_decode.py --json out.json   # GPU (Hopper, Triton with Gluon): µs a layer, error
 """

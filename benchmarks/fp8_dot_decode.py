@@ -176,7 +176,7 @@ def dot8_decode(q, k_cache, v_cache, tables, lens, scale, kv_scales, *, v_token_
     partials = A.DecodePartials(parts[:b * heads * num_splits * d], parts[b * heads * num_splits * d:], lens,
                                 A.NO_WINDOW, b, heads, d, num_splits, block_n, q.dtype)
     _dot8_decode_kernel[(b, kv_heads, num_splits)](
-        q, k_cache, v_cache, tables, lens, out, partials.acc, partials.ml, scale * 1.4426950408889634, num_splits,
+        q, k_cache, v_cache, tables, lens, out, partials.acc, partials.ml, A._score_args(scale, None)[0], num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], vb, vt, vh, vd,
         tables.stride(0), ks, vs, *kv_quant.scale_strides(ks),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=d, SPLIT=num_splits > 1,

@@ -324,7 +324,7 @@ def gluon_decode(q, k_cache, v_cache_t, tables, lens, scale, kv_scales, *, block
     k_rows = k_cache.view(-1, kv_heads * d)  # TMA boxes [block_size, head_dim] at (block · block_size, kv_head · d)
     k_desc = TensorDescriptor(k_rows, list(k_rows.shape), list(k_rows.stride()), [block_size, d], layouts["K_SMEM"])
     _gluon_fp8_decode_kernel[(kv_heads, b, num_splits)](
-        q, k_cache, k_desc, v_cache_t, tables, lens, out, partials.acc, partials.ml, scale * 1.4426950408889634,
+        q, k_cache, k_desc, v_cache_t, tables, lens, out, partials.acc, partials.ml, A._score_args(scale, None)[0],
         num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], vb, vh, vd,
         tables.stride(0), ks, vs, *kv_quant.scale_strides(ks), BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=d,
         SPLIT=num_splits > 1, BLOCK_N=block_n, STAGES=stages, K_TMA=k_tma, **layouts, num_warps=4)

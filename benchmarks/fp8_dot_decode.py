@@ -246,29 +246,36 @@ POINTS = [("qwen3-0.6b", 256, 512), ("qwen3-0.6b", 64, 512), ("qwen3-0.6b", 1, 5
 
 
 def measure(args) -> dict:
+    return measure_points(args.points, lambda case, scale: [("dot8", rule, run_variant(case, scale, rule), None)
+                                                            for rule in variants(args)])
+
+
+def measure_points(points: list[str], experiment_runs, device: str = "cuda") -> dict:
+    """µs a layer (every layer's call in one graph) and the fraction of the copy bandwidth of the engine's kernel
+    (without and with its tail) and of experiment_runs(case, scale) → [(kernel, rule, fn(table), bytes a layer or
+    None for the fp8 cache's)] at POINTS ("MODEL:B:CONTEXT" filters), with each run's largest error against the
+    fp32 oracle where the oracle fits: the one measuring loop of this file and gluon_fp8_decode.py."""
     from common import measure_copy_bandwidth
 
     bandwidth = measure_copy_bandwidth()
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
               "copy_bandwidth": bandwidth, "points": []}
-    for name, b, context in [pt for pt in POINTS if not args.points or ":".join(map(str, pt)) in args.points]:
+    for name, b, context in [pt for pt in POINTS if not points or ":".join(map(str, pt)) in points]:
         heads, kv_heads, d = SHAPES[name]
         bytes_layer = b * context * kv_heads * (2 * d + 2 * 2)
         layers = max(2, min(16, -(-(512 << 20) // bytes_layer)))
-        case = make_case(b, heads, kv_heads, d, context, layers, "cuda")
+        case = make_case(b, heads, kv_heads, d, context, layers, device)
         scale = d ** -0.5
         ref = oracle(case) if b * context <= 64 * 512 else None
-        runs = [("engine", {"tail": 0}, engine_kernel(case, scale, False)),
-                ("engine", {"tail": 1}, engine_kernel(case, scale, True))]
-        runs += [("dot8", rule, run_variant(case, scale, rule)) for rule in variants(args)]
-        for kernel, rule, fn in runs:
+        runs = [("engine", {"tail": t}, engine_kernel(case, scale, bool(t)), None) for t in (0, 1)]
+        for kernel, rule, fn, moved in runs + experiment_runs(case, scale):
             rec = {"model": name, "b": b, "context": context, "kernel": kernel, **rule}
             try:
-                rec["us_per_layer"] = time_layers(fn, case["tables"])
-                rec["bandwidth_fraction"] = bytes_layer / (rec["us_per_layer"] * 1e-6) / bandwidth
-                if ref is not None and not rule.get("tail"):
+                if ref is not None and not rule.get("tail") and moved is None:
                     err = (fn(case["tables"][0]).float() - ref).abs()
                     rec["max_abs_err"], rec["mean_abs_err"] = err.max().item(), err.mean().item()
+                rec["us_per_layer"] = time_layers(fn, case["tables"])
+                rec["bandwidth_fraction"] = (moved or bytes_layer) / (rec["us_per_layer"] * 1e-6) / bandwidth
             except Exception as exc:  # a variant that does not compile is a result too
                 rec["error"] = f"{type(exc).__name__}: {exc}"[:400]
             report["points"].append(rec)

@@ -331,45 +331,24 @@ def gluon_decode(q, k_cache, v_cache_t, tables, lens, scale, kv_scales, *, block
     return out if num_splits == 1 else A.merge_partials(partials, out)
 
 
-def measure(args) -> dict:
-    """µs a layer of every variant beside the engine's kernel (with and without its exact tail) at fp8_dot_decode's
-    points, and each one's largest error against the fp32 oracle where the oracle fits."""
-    from common import measure_copy_bandwidth
-    from fp8_dot_decode import POINTS, SHAPES, engine_kernel, make_case, oracle, time_layers
-
-    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-              "copy_bandwidth": measure_copy_bandwidth(), "points": []}
-    for name, b, context in [pt for pt in POINTS if not args.points or ":".join(map(str, pt)) in args.points]:
-        heads, kv_heads, d = SHAPES[name]
-        bytes_layer = b * context * kv_heads * (2 * d + 2 * 2)
-        layers = max(2, min(16, -(-(512 << 20) // bytes_layer)))
-        case = make_case(b, heads, kv_heads, d, context, layers, "cuda")
-        scale = d ** -0.5
-        ref = oracle(case) if b * context <= 64 * 512 else None
-        runs = [("engine", {"tail": t}, engine_kernel(case, scale, bool(t))) for t in (0, 1)]
-        if args.bf16:  # the engine's kernel over a bf16 cache of the same shape and tables (twice the bytes)
+def experiment_runs(args):
+    """fp8_dot_decode.measure_points' runs for this kernel: each (block_n, stages, k_tma) of args, and with --bf16
+    the engine's kernel over a bf16 cache of the same shape and tables (twice the bytes)."""
+    def runs(case, scale):
+        out = []
+        if args.bf16:
             k16, v16 = case["k8"].to(torch.bfloat16), case["v8"].to(torch.bfloat16)
-            runs.append(("engine-bf16", {}, lambda t: A.decode_attention(case["q"], k16, v16, t, case["lens"], scale)))
+            b, _, d = case["q"].shape
+            moved = b * case["lens"][0].item() * k16.shape[2] * 4 * d
+            out.append(("engine-bf16", {}, lambda t: A.decode_attention(case["q"], k16, v16, t, case["lens"], scale),
+                        moved))
         for bn, stages, k_tma in itertools.product(args.block_n, args.stages, args.k_tma):
             rule = {"block_n": bn, "stages": stages, "k_tma": bool(k_tma)}
-            runs.append(("gluon", rule, lambda t, r=rule: gluon_decode(case["q"], case["k8"], case["v8_t"], t,
-                                                                       case["lens"], scale, case["scales"], **r)))
-        for kernel, rule, fn in runs:
-            rec = {"model": name, "b": b, "context": context, "kernel": kernel, **rule}
-            try:
-                if ref is not None and not rule.get("tail") and kernel != "engine-bf16":
-                    err = (fn(case["tables"][0]).float() - ref).abs()
-                    rec["max_abs_err"], rec["mean_abs_err"] = err.max().item(), err.mean().item()
-                rec["us_per_layer"] = time_layers(fn, case["tables"])
-                moved = b * context * kv_heads * 4 * d if kernel == "engine-bf16" else bytes_layer
-                rec["bandwidth_fraction"] = moved / (rec["us_per_layer"] * 1e-6) / report["copy_bandwidth"]
-            except Exception as exc:  # a variant that does not compile or run is a result too
-                rec["error"] = f"{type(exc).__name__}: {exc}"[:400]
-            report["points"].append(rec)
-            print(json.dumps(rec), flush=True)
-        del case
-        torch.cuda.empty_cache()
-    return report
+            out.append(("gluon", rule, lambda t, r=rule: gluon_decode(case["q"], case["k8"], case["v8_t"], t,
+                                                                      case["lens"], scale, case["scales"], **r),
+                        None))
+        return out
+    return runs
 
 
 def main() -> int:
@@ -381,7 +360,9 @@ def main() -> int:
     p.add_argument("--points", nargs="*", default=[], help="MODEL:B:CONTEXT of fp8_dot_decode.POINTS (default: all)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    report = measure(args)
+    from fp8_dot_decode import measure_points
+
+    report = measure_points(args.points, experiment_runs(args))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

@@ -77,7 +77,7 @@ def _token_major_tile(v_ptr, table, start, end, kv_head, dims, stride_vb, stride
 
 @triton.jit
 def _dot8_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
-                      num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
+                      window, num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
                       stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_bt,
                       ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                       BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
@@ -90,9 +90,8 @@ def _dot8_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    context_len = tl.load(lens_ptr + seq)
-    partition = tl.maximum(tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N), 1) * BLOCK_N
-    part_start = split * partition
+    _, first_tile, partition, context_len = A._decode_partition(tl.load(lens_ptr + seq), window, num_splits, BLOCK_N)
+    part_start = first_tile + split * partition
     if part_start <= context_len:
         part_end = tl.minimum(part_start + partition, context_len)
         rows = tl.arange(0, BLOCK_G)
@@ -176,8 +175,8 @@ def dot8_decode(q, k_cache, v_cache, tables, lens, scale, kv_scales, *, v_token_
     partials = A.DecodePartials(parts[:b * heads * num_splits * d], parts[b * heads * num_splits * d:], lens,
                                 A.NO_WINDOW, b, heads, d, num_splits, block_n, q.dtype)
     _dot8_decode_kernel[(b, kv_heads, num_splits)](
-        q, k_cache, v_cache, tables, lens, out, partials.acc, partials.ml, A._score_args(scale, None)[0], num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], vb, vt, vh, vd,
+        q, k_cache, v_cache, tables, lens, out, partials.acc, partials.ml, A._score_args(scale, None)[0], A.NO_WINDOW,
+        num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], vb, vt, vh, vd,
         tables.stride(0), ks, vs, *kv_quant.scale_strides(ks),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=d, SPLIT=num_splits > 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, Q_LO=q_lo, P_LO=p_lo,
@@ -253,14 +252,15 @@ def measure(args) -> dict:
 def measure_points(points: list[str], experiment_runs, device: str = "cuda") -> dict:
     """µs a layer (every layer's call in one graph) and the fraction of the copy bandwidth of the engine's kernel
     (without and with its tail) and of experiment_runs(case, scale) → [(kernel, rule, fn(table), bytes a layer or
-    None for the fp8 cache's)] at POINTS ("MODEL:B:CONTEXT" filters), with each run's largest error against the
-    fp32 oracle where the oracle fits: the one measuring loop of this file and gluon_fp8_decode.py."""
+    None for the fp8 cache's)] at `points` ("MODEL:B:CONTEXT", a model of SHAPES; default POINTS), with each run's
+    largest error against the fp32 oracle where the oracle fits: the one measuring loop of this file and
+    gluon_fp8_decode.py."""
     from common import measure_copy_bandwidth
 
     bandwidth = measure_copy_bandwidth()
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
               "copy_bandwidth": bandwidth, "points": []}
-    for name, b, context in [pt for pt in POINTS if not points or ":".join(map(str, pt)) in points]:
+    for name, b, context in [(m, int(b), int(c)) for m, b, c in (pt.split(":") for pt in points)] or POINTS:
         heads, kv_heads, d = SHAPES[name]
         bytes_layer = b * context * kv_heads * (2 * d + 2 * 2)
         layers = max(2, min(16, -(-(512 << 20) // bytes_layer)))
@@ -313,7 +313,7 @@ def main() -> int:
     p.add_argument("--block-n", nargs="+", type=int, default=[64])
     p.add_argument("--warps", nargs="+", type=int, default=[4])
     p.add_argument("--stages", nargs="+", type=int, default=[1])
-    p.add_argument("--points", nargs="*", default=[], help="MODEL:B:CONTEXT of POINTS (default: all)")
+    p.add_argument("--points", nargs="*", default=[], help="MODEL:B:CONTEXT (default: POINTS)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.check:

@@ -109,7 +109,13 @@ def fp8_codes(x, scale):
     """fp32 values / scale → e4m3 values (still fp32: exactly representable, so the caller's .to(fp8) is exact),
     rounded to nearest even and clamped to ±448. Normal range: round the fp32 mantissa to 3 bits in integer
     arithmetic; below 2^-6 (e4m3's subnormals, multiples of 2^-9): add and subtract 2^14, whose fp32 ulp is 2^-9."""
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+    return e4m3_nearest(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0))
+
+
+@jit
+def e4m3_nearest(y):
+    """fp32 y within ±448 → the nearest e4m3 value (ties to even), still fp32: fp8_codes' rounding, also called by
+    benchmarks/gluon_fp8_decode.py's Gluon kernel."""
     bits = y.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
     tiny = ((tl.abs(y) + 16384.0) - 16384.0).to(tl.int32, bitcast=True) | (bits & -2147483648)  # y's sign, even on 0

@@ -185,14 +185,17 @@ def dot8_decode(q, k_cache, v_cache, tables, lens, scale, kv_scales, *, v_token_
     return out if num_splits == 1 else A.merge_partials(partials, out)
 
 
-def make_case(b, heads, kv_heads, d, context, layers, device, block=16, seed=0):
+def make_case(b, heads, kv_heads, d, context, layers, device, block=16, seed=0, head_major=False):
     """`layers` fp8 caches (codes + per-token scales, each layer its own blocks) and their tables, q, and the
-    token-major copy of V."""
+    token-major copy of V. head_major: K and V [blocks, block, kv_heads, d] views of [blocks, kv_heads, block, d]
+    storage (each kv head's rows of a block contiguous: the kernels read them through their strides)."""
     g = torch.Generator(device=device).manual_seed(seed)
     blocks = b * (context // block)
     k = torch.randn(layers * blocks, block, kv_heads, d, generator=g, device=device).to(torch.bfloat16)
     v = torch.randn(layers * blocks, block, kv_heads, d, generator=g, device=device).to(torch.bfloat16)
     (k8, ks), (v8, vs) = (kv_quant.quantize_ref(x) for x in (k, v))
+    if head_major:
+        k8, v8 = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k8, v8))
     v8_t = v8.permute(0, 2, 3, 1).contiguous()  # [blocks, kv_heads, d, block]
     perm = torch.randperm(blocks, generator=g, device=device).to(torch.int32)
     tables = [(layer * blocks + perm).view(b, -1).contiguous() for layer in range(layers)]
@@ -239,7 +242,8 @@ def time_layers(fn, tables):
     return graph_ms(lambda: [fn(t) for t in tables], calls=1) * 1e3 / len(tables)
 
 
-SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128)}
+SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128),
+          "d64": (16, 8, 64)}  # (heads, kv heads, head_dim); d64: a bf16 row of an fp8 d = 128 row's bytes
 POINTS = [("qwen3-0.6b", 256, 512), ("qwen3-0.6b", 64, 512), ("qwen3-0.6b", 1, 512), ("llama-3.1-8b", 64, 512),
           ("llama-3.1-8b", 256, 512), ("llama-3.1-8b", 16, 32768), ("llama-3.1-8b", 1, 512)]
 
@@ -249,7 +253,7 @@ def measure(args) -> dict:
                                                             for rule in variants(args)])
 
 
-def measure_points(points: list[str], experiment_runs, device: str = "cuda") -> dict:
+def measure_points(points: list[str], experiment_runs, device: str = "cuda", head_major: bool = False) -> dict:
     """µs a layer (every layer's call in one graph) and the fraction of the copy bandwidth of the engine's kernel
     (without and with its tail) and of experiment_runs(case, scale) → [(kernel, rule, fn(table), bytes a layer or
     None for the fp8 cache's)] at `points` ("MODEL:B:CONTEXT", a model of SHAPES; default POINTS), with each run's
@@ -259,12 +263,12 @@ def measure_points(points: list[str], experiment_runs, device: str = "cuda") -> 
 
     bandwidth = measure_copy_bandwidth()
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-              "copy_bandwidth": bandwidth, "points": []}
+              "copy_bandwidth": bandwidth, "head_major": head_major, "points": []}
     for name, b, context in [(m, int(b), int(c)) for m, b, c in (pt.split(":") for pt in points)] or POINTS:
         heads, kv_heads, d = SHAPES[name]
         bytes_layer = b * context * kv_heads * (2 * d + 2 * 2)
         layers = max(2, min(16, -(-(512 << 20) // bytes_layer)))
-        case = make_case(b, heads, kv_heads, d, context, layers, device)
+        case = make_case(b, heads, kv_heads, d, context, layers, device, head_major=head_major)
         scale = d ** -0.5
         ref = oracle(case) if b * context <= 64 * 512 else None
         runs = [("engine", {"tail": t}, engine_kernel(case, scale, bool(t)), None) for t in (0, 1)]

@@ -1,5 +1,5 @@
 """Experiment (issue 37): an fp8 decode attention in Gluon, its K/V tiles streamed into a ring of shared-memory stages
-(cp.async, or K by TMA) and multiplied as stored by Hopper's fp8 wgmma: no element widened in registers.
+(cp.async, 16 bytes a thread) and multiplied as stored by Hopper's fp8 wgmma: no element widened in registers.
 
 The math is fp8_dot_decode.py's (keys as the products' M, the GQA group's heads as N; q and the probabilities times
 each value's scale as two e4m3 parts, x ≈ hi + lo / 16, hi and lo as one N = 16 product); V is read token-major within
@@ -8,7 +8,8 @@ copied while tile t is multiplied; block ids and scales are loaded a tile or two
 tail: the engine's kernel is timed with and without its tail beside it (and over a bf16 cache with --bf16).
 Measured on an H100 (benchmarks/results/experiments/gluon_fp8_decode_*_h100.json, notes/PERF.md round 8, eighth
 session): 13% / 10% faster than the engine's kernel at Qwen3-0.6B / Llama-3.1-8B b = 256, 20% at Llama b = 16 over
-32k tokens, at 0.79 / 0.76 / 0.82 of the copy bandwidth (the engine's bf16 kernel: 0.98-1.02).
+32k tokens, at 0.79 / 0.76 / 0.82 of the copy bandwidth (the engine's bf16 kernel: 0.98-1.02). K by TMA and the
+scales copied through the ring were measured neutral (±1.5 µs) and removed (round 8, eighth and ninth sessions).
 
     python benchmarks/gluon_fp8_decode.py --json out.json   # GPU (Hopper, Triton with Gluon): µs a layer, error
 """
@@ -25,9 +26,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -46,27 +45,15 @@ def _tile_blocks(table, start, end, BLOCK_SIZE: gl.constexpr, N: gl.constexpr, S
 
 
 @gluon.jit
-def _k_ids(table, start, end, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, K_TMA: gl.constexpr,
-           IDS: gl.constexpr, KB: gl.constexpr):
-    """The K copies' block ids: each block's once in IDS for TMA, each key's in KB for cp.async."""
-    if K_TMA:
-        ids = _tile_blocks(table, start, end, BLOCK_SIZE, BLOCK_N // BLOCK_SIZE, BLOCK_SIZE, IDS)
-    else:
-        ids = _tile_blocks(table, start, end, BLOCK_SIZE, BLOCK_N, 1, KB)
-    return ids
-
-
-@gluon.jit
 def _issue_tile(k_tile, v_tile, k_ptr, v_ptr, k_blocks, v_blocks, start, end, kv_head, stride_kb, stride_kt,
                 stride_kh, stride_vb, stride_vh, stride_vd, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                HEAD_DIM: gl.constexpr, K2: gl.constexpr, V2: gl.constexpr, K_CP: gl.constexpr = True):
+                HEAD_DIM: gl.constexpr, K2: gl.constexpr, V2: gl.constexpr):
     """cp.async of keys [start, start + BLOCK_N) into one stage, 16 bytes a copy: K rows [keys, head_dim] and V^T
     [head_dim, keys]; keys at or past `end` zero-filled (their probabilities are 0, and 0 · NaN would not be)."""
-    if K_CP:  # (else K comes by TMA)
-        keys = start + gl.arange(0, BLOCK_N, gl.SliceLayout(1, K2))
-        dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, K2))
-        k_at = (k_blocks.to(gl.int64) * stride_kb + (keys % BLOCK_SIZE) * stride_kt + kv_head * stride_kh)[:, None]
-        cp.async_copy_global_to_shared(k_tile, k_ptr + k_at + dims[None, :], mask=(keys < end)[:, None])
+    keys = start + gl.arange(0, BLOCK_N, gl.SliceLayout(1, K2))
+    dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, K2))
+    k_at = (k_blocks.to(gl.int64) * stride_kb + (keys % BLOCK_SIZE) * stride_kt + kv_head * stride_kh)[:, None]
+    cp.async_copy_global_to_shared(k_tile, k_ptr + k_at + dims[None, :], mask=(keys < end)[:, None])
     v_dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(1, V2))
     cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, V2))
     v_at = ((v_dims * stride_vd + kv_head * stride_vh).to(gl.int64)[:, None]
@@ -74,42 +61,6 @@ def _issue_tile(k_tile, v_tile, k_ptr, v_ptr, k_blocks, v_blocks, start, end, kv
     v_at = gl.max_contiguous(gl.multiple_of(v_at, [1, 16]), [1, 16])  # each block's run of keys, as copied
     v_ok = gl.max_constancy((start + (cols // BLOCK_SIZE) * BLOCK_SIZE < end)[None, :], [1, 16])
     cp.async_copy_global_to_shared(v_tile, v_ptr + v_at, mask=v_ok)
-
-
-@gluon.jit
-def _issue_k_tma(k_desc, k_tile, bar, ids, start, end, kv_head, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, IDS: gl.constexpr):
-    """K rows of keys [start, start + BLOCK_N) by TMA, a [block_size, head_dim] box a block, completing `bar`: blocks
-    past `end` copy block 0 (masked scores; a constant byte count), a tile past `end` none (never waited on)."""
-    NB: gl.constexpr = BLOCK_N // BLOCK_SIZE
-    if start < end:
-        j = gl.arange(0, NB, IDS)
-        mbarrier.expect(bar, BLOCK_N * HEAD_DIM)
-        for i in gl.static_range(NB):
-            block = gl.sum(gl.where(j == i, ids, 0), 0)
-            tma.async_copy_global_to_shared(k_desc, [block * BLOCK_SIZE, kv_head * HEAD_DIM], bar,
-                                            k_tile.slice(i * BLOCK_SIZE, BLOCK_SIZE, 0))
-
-
-@gluon.jit
-def _issue_scales(s_tile, s_ptr, blocks, start, end, kv_head, stride_sb, stride_st, stride_sh,
-                  BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, S2: gl.constexpr):
-    """cp.async of keys [start, start + BLOCK_N)'s (K scale, V scale) pairs into one stage, 4 bytes a key (the scales
-    interleaved: [blocks, block_size, kv_heads, 2]), 0 past `end`: read from shared memory with the stage's tiles, so
-    no register waits on a scale's load."""
-    keys = start + gl.arange(0, BLOCK_N, gl.SliceLayout(1, S2))
-    pair = gl.arange(0, 2, gl.SliceLayout(0, S2))
-    at = (gl.convert_layout(blocks, gl.SliceLayout(1, S2), assert_trivial=True).to(gl.int64) * stride_sb
-          + (keys % BLOCK_SIZE) * stride_st + kv_head * stride_sh)[:, None] + pair[None, :]
-    at = gl.max_contiguous(gl.multiple_of(at, [1, 2]), [1, 2])
-    cp.async_copy_global_to_shared(s_tile, s_ptr + at, mask=(keys < end)[:, None])
-
-
-@gluon.jit
-def _ring_scales(s_tile, S_READ: gl.constexpr, ROWS: gl.constexpr):
-    """One stage's K and V scales in the scores' row layout (S_READ splits into it with no data movement)."""
-    k_scale, v_scale = gl.split(s_tile.load(S_READ))
-    return gl.convert_layout(k_scale, ROWS, assert_trivial=True), gl.convert_layout(v_scale, ROWS, assert_trivial=True)
 
 
 @gluon.jit
@@ -166,14 +117,13 @@ def _twice(f, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _gluon_fp8_decode_kernel(q_ptr, k_ptr, k_desc, v_ptr, tables_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                             qk_scale, window, num_splits, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb,
-                             stride_kt, stride_kh, stride_vb, stride_vh, stride_vd, stride_bt, ks_ptr, vs_ptr,
-                             stride_sb, stride_st, stride_sh, BLOCK_SIZE: gl.constexpr, GROUP: gl.constexpr,
+def _gluon_fp8_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
+                             window, num_splits, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt,
+                             stride_kh, stride_vb, stride_vh, stride_vd, stride_bt, ks_ptr, vs_ptr, stride_sb,
+                             stride_st, stride_sh, BLOCK_SIZE: gl.constexpr, GROUP: gl.constexpr,
                              HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
-                             STAGES: gl.constexpr, K_TMA: gl.constexpr, K_SMEM: gl.constexpr, V_SMEM: gl.constexpr,
-                             Q_SMEM: gl.constexpr, P_SMEM: gl.constexpr, SCALE_RING: gl.constexpr,
-                             S_SMEM: gl.constexpr, S_READ: gl.constexpr, num_warps: gl.constexpr):
+                             STAGES: gl.constexpr, K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, Q_SMEM: gl.constexpr,
+                             P_SMEM: gl.constexpr, num_warps: gl.constexpr):
     """Split-K decode over an fp8 cache with per-token scales (_decode_kernel's partials; the grid is (kv heads,
     sequences, splits): a sequence's kv heads in consecutive programs read whole blocks together, 2-3% faster than
     sequences first): scores [keys, heads] = K · q^T and output^T [head_dim, heads] += V^T · p^T, each one wgmma
@@ -188,10 +138,7 @@ def _gluon_fp8_decode_kernel(q_ptr, k_ptr, k_desc, v_ptr, tables_ptr, lens_ptr, 
     K2: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (HEAD_DIM // 16), HEAD_DIM // 16], [num_warps, 1], [1, 0])
     V2: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_N // 16), BLOCK_N // 16], [num_warps, 1], [1, 0])
     KB: gl.constexpr = gl.SliceLayout(1, K2)
-    S2: gl.constexpr = gl.BlockedLayout([1, 2], [32 // (HEAD_DIM // 16), HEAD_DIM // 16], [num_warps, 1], [1, 0])
     VB: gl.constexpr = gl.SliceLayout(0, V2)
-    NB: gl.constexpr = BLOCK_N // BLOCK_SIZE
-    IDS: gl.constexpr = gl.BlockedLayout([NB], [32], [num_warps], [0])  # every thread all of a tile's blocks
     Q_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])
     kv_head = gl.program_id(0)
     seq = gl.program_id(1)
@@ -204,29 +151,16 @@ def _gluon_fp8_decode_kernel(q_ptr, k_ptr, k_desc, v_ptr, tables_ptr, lens_ptr, 
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
         v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], V_SMEM)
         p16 = gl.allocate_shared_memory(gl.float8e4nv, [16, BLOCK_N], P_SMEM)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        if SCALE_RING:
-            s_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 2], S_SMEM)
-        if K_TMA:
-            for s in gl.static_range(STAGES):
-                mbarrier.init(bars.index(s), count=1)
         for s in gl.static_range(STAGES - 1):
             first = part_start + s * BLOCK_N
-            if K_TMA:
-                _issue_k_tma(k_desc, k_smem.index(s), bars.index(s),
-                             _tile_blocks(table, first, part_end, BLOCK_SIZE, NB, BLOCK_SIZE, IDS), first, part_end,
-                             kv_head, BLOCK_SIZE, BLOCK_N, HEAD_DIM, IDS)
-            first_k = _tile_blocks(table, first, part_end, BLOCK_SIZE, BLOCK_N, 1, KB)
-            _issue_tile(k_smem.index(s), v_smem.index(s), k_ptr, v_ptr, first_k,
+            _issue_tile(k_smem.index(s), v_smem.index(s), k_ptr, v_ptr,
+                        _tile_blocks(table, first, part_end, BLOCK_SIZE, BLOCK_N, 1, KB),
                         _tile_blocks(table, first, part_end, BLOCK_SIZE, BLOCK_N, 1, VB), first, part_end,
                         kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vh, stride_vd, BLOCK_SIZE,
-                        BLOCK_N, HEAD_DIM, K2, V2, not K_TMA)
-            if SCALE_RING:
-                _issue_scales(s_smem.index(s), ks_ptr, first_k, first, part_end, kv_head, stride_sb, stride_st,
-                              stride_sh, BLOCK_SIZE, BLOCK_N, S2)
+                        BLOCK_N, HEAD_DIM, K2, V2)
             cp.commit_group()
         first = part_start + (STAGES - 1) * BLOCK_N
-        k_blocks = _k_ids(table, first, part_end, BLOCK_SIZE, BLOCK_N, K_TMA, IDS, KB)
+        k_blocks = _tile_blocks(table, first, part_end, BLOCK_SIZE, BLOCK_N, 1, KB)
         v_blocks = _tile_blocks(table, first, part_end, BLOCK_SIZE, BLOCK_N, 1, VB)
         q16, q_scale = _load_q(q_ptr, seq, kv_head, stride_qb, stride_qh, GROUP, HEAD_DIM, Q_LAYOUT, Q_SMEM, COLS)
         col_scale = q_scale * qk_scale
@@ -235,40 +169,28 @@ def _gluon_fp8_decode_kernel(q_ptr, k_ptr, k_desc, v_ptr, tables_ptr, lens_ptr, 
         unit = gl.full([8], 1.0, gl.float32, COLS)  # acc16 holds the output times `unit` (the last tile's w_mul)
         acc16 = gl.zeros([HEAD_DIM, 16], gl.float32, MMA16)
         s_zero = gl.zeros([BLOCK_N, 16], gl.float32, MMA16)
-        if not SCALE_RING:
-            k_scale, v_scale = _tile_scales(ks_ptr, vs_ptr,
-                                            _tile_blocks(table, part_start, part_end, BLOCK_SIZE, BLOCK_N, 1, ROWS),
-                                            part_start, part_end, kv_head, stride_sb, stride_st, stride_sh,
-                                            BLOCK_SIZE, BLOCK_N, ROWS)
-            r_blocks = _tile_blocks(table, part_start + BLOCK_N, part_end, BLOCK_SIZE, BLOCK_N, 1, ROWS)
+        k_scale, v_scale = _tile_scales(ks_ptr, vs_ptr,
+                                        _tile_blocks(table, part_start, part_end, BLOCK_SIZE, BLOCK_N, 1, ROWS),
+                                        part_start, part_end, kv_head, stride_sb, stride_st, stride_sh, BLOCK_SIZE,
+                                        BLOCK_N, ROWS)
+        r_blocks = _tile_blocks(table, part_start + BLOCK_N, part_end, BLOCK_SIZE, BLOCK_N, 1, ROWS)
         for t in range(gl.cdiv(part_end - part_start, BLOCK_N)):
             start = part_start + t * BLOCK_N
             ahead = (t + STAGES - 1) % STAGES
             issue = start + (STAGES - 1) * BLOCK_N
-            if K_TMA:
-                _issue_k_tma(k_desc, k_smem.index(ahead), bars.index(ahead), k_blocks, issue, part_end, kv_head,
-                             BLOCK_SIZE, BLOCK_N, HEAD_DIM, IDS)
             _issue_tile(k_smem.index(ahead), v_smem.index(ahead), k_ptr, v_ptr, k_blocks, v_blocks, issue, part_end,
                         kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vh, stride_vd, BLOCK_SIZE,
-                        BLOCK_N, HEAD_DIM, K2, V2, not K_TMA)
-            if SCALE_RING:
-                _issue_scales(s_smem.index(ahead), ks_ptr, k_blocks, issue, part_end, kv_head, stride_sb, stride_st,
-                              stride_sh, BLOCK_SIZE, BLOCK_N, S2)
+                        BLOCK_N, HEAD_DIM, K2, V2)
             cp.commit_group()
-            k_blocks = _k_ids(table, issue + BLOCK_N, part_end, BLOCK_SIZE, BLOCK_N, K_TMA, IDS, KB)
+            k_blocks = _tile_blocks(table, issue + BLOCK_N, part_end, BLOCK_SIZE, BLOCK_N, 1, KB)
             v_blocks = _tile_blocks(table, issue + BLOCK_N, part_end, BLOCK_SIZE, BLOCK_N, 1, VB)
-            if not SCALE_RING:
-                k_next, v_next = _tile_scales(ks_ptr, vs_ptr, r_blocks, start + BLOCK_N, part_end, kv_head,
-                                              stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N, ROWS)
-                r_blocks = _tile_blocks(table, start + 2 * BLOCK_N, part_end, BLOCK_SIZE, BLOCK_N, 1, ROWS)
+            k_next, v_next = _tile_scales(ks_ptr, vs_ptr, r_blocks, start + BLOCK_N, part_end, kv_head, stride_sb,
+                                          stride_st, stride_sh, BLOCK_SIZE, BLOCK_N, ROWS)
+            r_blocks = _tile_blocks(table, start + 2 * BLOCK_N, part_end, BLOCK_SIZE, BLOCK_N, 1, ROWS)
             stage = t % STAGES
-            if K_TMA:
-                mbarrier.wait(bars.index(stage), (t // STAGES) & 1)
             cp.wait_group(STAGES - 1)
             fence_async_shared()
             gl.thread_barrier()
-            if SCALE_RING:
-                k_scale, v_scale = _ring_scales(s_smem.index(stage), S_READ, ROWS)
             s_hi, s_lo = _halves(warpgroup_mma(k_smem.index(stage), q16.permute((1, 0)), s_zero, use_acc=False), MMA)
             keys = start + gl.arange(0, BLOCK_N, ROWS)
             scores = (s_hi + s_lo * 0.0625) * col_scale[None, :] * k_scale.to(gl.float32)[:, None]
@@ -290,9 +212,8 @@ def _gluon_fp8_decode_kernel(q_ptr, k_ptr, k_desc, v_ptr, tables_ptr, lens_ptr, 
             acc16 = warpgroup_mma(v_smem.index(stage), p16.permute((1, 0)),
                                   acc16 * _twice(factor, gl.SliceLayout(0, MMA16))[None, :])
             m_i = m_new
-            if not SCALE_RING:
-                k_scale = k_next
-                v_scale = v_next
+            k_scale = k_next
+            v_scale = v_next
         cp.wait_group(0)
         l_i = gl.sum(l_rows, 0)
         acc_hi, acc_lo = _halves(acc16, MMA)
@@ -324,29 +245,10 @@ def smem_layouts(block_n: int, head_dim: int) -> dict:
     return {"K_SMEM": nvmma(swizzle_byte_width=_swizzle(head_dim), element_bitwidth=8, rank=2),
             "V_SMEM": nvmma(swizzle_byte_width=_swizzle(block_n), element_bitwidth=8, rank=2),
             "Q_SMEM": nvmma(swizzle_byte_width=_swizzle(head_dim), element_bitwidth=8, rank=2),
-            "P_SMEM": nvmma(swizzle_byte_width=_swizzle(block_n), element_bitwidth=8, rank=2),
-            "S_SMEM": gl.SwizzledSharedLayout(1, 1, 1, [1, 0])}
+            "P_SMEM": nvmma(swizzle_byte_width=_swizzle(block_n), element_bitwidth=8, rank=2)}
 
 
-def scale_read_layout(block_n: int, num_warps: int):
-    """[block_n, 2] (each key's K and V scale) in registers as wgmma's accumulator rows (keys as M: warp w rows 16w
-    and on, lane l rows l // 4 and l // 4 + 8) hold the scores, the pair innermost: split, it is the scores' row
-    layout with no data movement (the kernel asserts the conversion trivial)."""
-    reps = block_n // (16 * num_warps)
-    reg = [[0, 1], [8, 0]] + [[16 * num_warps << i, 0] for i in range(reps.bit_length() - 1)]
-    lanes = [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]]
-    warps = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg, lanes, warps, [], [block_n, 2])
-
-
-def interleaved_scales(kv_scales):
-    """(K scales, V scales) [blocks, block_size, kv_heads] → [blocks, block_size, kv_heads, 2]: a key's two scales in
-    one 4-byte copy (the layout the kernel's scale ring reads)."""
-    return torch.stack(kv_scales, dim=-1).contiguous()
-
-
-def gluon_decode(q, k_cache, v_cache_t, tables, lens, scale, kv_scales, *, block_n=64, stages=2, k_tma=False,
-                 num_splits=None):
+def gluon_decode(q, k_cache, v_cache_t, tables, lens, scale, kv_scales, *, block_n=64, stages=2, num_splits=None):
     """q [b, heads, d] bf16 over an fp8 cache (k_cache [blocks, block, kv_heads, d], v_cache_t [blocks, kv_heads, d,
     block]) with per-token scales → [b, heads, d]."""
     b, heads, d = q.shape
@@ -354,11 +256,7 @@ def gluon_decode(q, k_cache, v_cache_t, tables, lens, scale, kv_scales, *, block
     group = heads // kv_heads
     if group > N_COLS or block_n % block_size or block_size % 16:
         raise ValueError(f"group {group}, block_n {block_n}, block_size {block_size} not supported")
-    ring = isinstance(kv_scales, torch.Tensor)  # interleaved_scales' layout: copied through the ring
-    if ring and k_tma:
-        raise ValueError("the scale ring copies with K's block ids by cp.async: not with k_tma")
-    ks, vs = (kv_scales, kv_scales) if ring else kv_scales
-    scale_strides = ks.stride()[:3] if ring else kv_quant.scale_strides(ks)
+    ks, vs = kv_scales
     max_keys = tables.shape[1] * block_size
     if num_splits is None:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -370,39 +268,30 @@ def gluon_decode(q, k_cache, v_cache_t, tables, lens, scale, kv_scales, *, block
                                 A.NO_WINDOW, b, heads, d, num_splits, block_n, q.dtype)
     vb, vh, vd, _ = v_cache_t.stride()
     layouts = smem_layouts(block_n, d)
-    k_rows = k_cache.view(-1, kv_heads * d)  # TMA boxes [block_size, head_dim] at (block · block_size, kv_head · d)
-    k_desc = TensorDescriptor(k_rows, list(k_rows.shape), list(k_rows.stride()), [block_size, d], layouts["K_SMEM"])
     _gluon_fp8_decode_kernel[(kv_heads, b, num_splits)](
-        q, k_cache, k_desc, v_cache_t, tables, lens, out, partials.acc, partials.ml, A._score_args(scale, None)[0],
+        q, k_cache, v_cache_t, tables, lens, out, partials.acc, partials.ml, A._score_args(scale, None)[0],
         A.NO_WINDOW, num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], vb,
-        vh, vd, tables.stride(0), ks, vs, *scale_strides, BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=d,
-        SPLIT=num_splits > 1, BLOCK_N=block_n, STAGES=stages, K_TMA=k_tma, **layouts, SCALE_RING=ring,
-        S_READ=scale_read_layout(block_n, 4), num_warps=4)
+        vh, vd, tables.stride(0), ks, vs, *kv_quant.scale_strides(ks), BLOCK_SIZE=block_size, GROUP=group,
+        HEAD_DIM=d, SPLIT=num_splits > 1, BLOCK_N=block_n, STAGES=stages, **layouts, num_warps=4)
     return out if num_splits == 1 else A.merge_partials(partials, out)
 
 
 def experiment_runs(args):
-    """fp8_dot_decode.measure_points' runs for this kernel: each (block_n, stages, k_tma, scale_ring, splits) of args
-    (the scale ring without k_tma), and with --bf16 the engine's kernel over a bf16 cache of the same shape and tables
-    (twice the bytes)."""
+    """fp8_dot_decode.measure_points' runs for this kernel: each (block_n, stages, splits) of args, and with --bf16
+    the engine's kernel over a bf16 cache of the same shape and tables (twice the bytes)."""
     def runs(case, scale):
         out = []
-        paired = interleaved_scales(case["scales"]) if 1 in args.scale_ring else None
         if args.bf16:
             k16, v16 = case["k8"].to(torch.bfloat16), case["v8"].to(torch.bfloat16)
             b, _, d = case["q"].shape
             moved = b * case["lens"][0].item() * k16.shape[2] * 4 * d
             out.append(("engine-bf16", {}, lambda t: A.decode_attention(case["q"], k16, v16, t, case["lens"], scale),
                         moved))
-        for bn, stages, k_tma, ring, splits in itertools.product(args.block_n, args.stages, args.k_tma,
-                                                                 args.scale_ring, args.splits or [None]):
-            if ring and k_tma:
-                continue
-            rule = {"block_n": bn, "stages": stages, "k_tma": bool(k_tma), "num_splits": splits}
-            scales = paired if ring else case["scales"]
-            out.append(("gluon", {**rule, "scale_ring": bool(ring)},
-                        lambda t, r=rule, s=scales: gluon_decode(case["q"], case["k8"], case["v8_t"], t, case["lens"],
-                                                                 scale, s, **r), None))
+        for bn, stages, splits in itertools.product(args.block_n, args.stages, args.splits or [None]):
+            rule = {"block_n": bn, "stages": stages, "num_splits": splits}
+            out.append(("gluon", rule, lambda t, r=rule: gluon_decode(case["q"], case["k8"], case["v8_t"], t,
+                                                                      case["lens"], scale, case["scales"], **r),
+                        None))
         return out
     return runs
 
@@ -411,16 +300,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--block-n", nargs="+", type=int, default=[64])
     p.add_argument("--stages", nargs="+", type=int, default=[2, 3])
-    p.add_argument("--k-tma", nargs="+", type=int, default=[0, 1], help="K by TMA (V^T by cp.async either way)")
-    p.add_argument("--scale-ring", nargs="+", type=int, default=[1], help="the scales copied through the ring")
     p.add_argument("--splits", nargs="*", type=int, default=[], help="splits a sequence (default: the engine's rule)")
     p.add_argument("--bf16", action="store_true", help="also time the engine's kernel over a bf16 cache")
     p.add_argument("--points", nargs="*", default=[], help="MODEL:B:CONTEXT (default: fp8_dot_decode.POINTS)")
+    p.add_argument("--head-major", action="store_true", help="K and V stored [blocks, kv_heads, block, d]")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     from fp8_dot_decode import measure_points
 
-    report = measure_points(args.points, experiment_runs(args))
+    report = measure_points(args.points, experiment_runs(args), head_major=args.head_major)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

@@ -253,7 +253,8 @@ def measure(args) -> dict:
                                                             for rule in variants(args)])
 
 
-def measure_points(points: list[str], experiment_runs, device: str = "cuda", head_major: bool = False) -> dict:
+def measure_points(points: list[str], experiment_runs, device: str = "cuda", head_major: bool = False,
+                   block_size: int = 16) -> dict:
     """µs a layer (every layer's call in one graph) and the fraction of the copy bandwidth of the engine's kernel
     (without and with its tail) and of experiment_runs(case, scale) → [(kernel, rule, fn(table), bytes a layer or
     None for the fp8 cache's)] at `points` ("MODEL:B:CONTEXT", a model of SHAPES; default POINTS), with each run's
@@ -263,12 +264,13 @@ def measure_points(points: list[str], experiment_runs, device: str = "cuda", hea
 
     bandwidth = measure_copy_bandwidth()
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-              "copy_bandwidth": bandwidth, "head_major": head_major, "points": []}
+              "copy_bandwidth": bandwidth, "head_major": head_major,
+              "block_size": block_size, "points": []}
     for name, b, context in [(m, int(b), int(c)) for m, b, c in (pt.split(":") for pt in points)] or POINTS:
         heads, kv_heads, d = SHAPES[name]
         bytes_layer = b * context * kv_heads * (2 * d + 2 * 2)
         layers = max(2, min(16, -(-(512 << 20) // bytes_layer)))
-        case = make_case(b, heads, kv_heads, d, context, layers, device, head_major=head_major)
+        case = make_case(b, heads, kv_heads, d, context, layers, device, block_size, head_major=head_major)
         scale = d ** -0.5
         ref = oracle(case) if b * context <= 64 * 512 else None
         runs = [("engine", {"tail": t}, engine_kernel(case, scale, bool(t)), None) for t in (0, 1)]

@@ -27,6 +27,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -57,12 +59,46 @@ def _warp_blocks(table, start, end, BLOCK_SIZE: gl.constexpr, W: gl.constexpr, K
 
 
 @gluon.jit
-def _issue(k_tile, v_tile, s_tile, k_ptr, v_ptr, s_ptr, k_blocks, v_blocks, s_blocks, start, end, kv_head, stride_kb, stride_kt,
-           stride_kh, stride_vb, stride_vh, stride_vd, stride_sb, stride_st, stride_sh, BLOCK_SIZE: gl.constexpr,
-           HEAD_DIM: gl.constexpr, W: gl.constexpr, KC: gl.constexpr, VC: gl.constexpr, SC: gl.constexpr):
+def _issue_tma(k_desc, v_desc, k_tile, v_tile, bar, table, start, end, kv_head, BLOCK_SIZE: gl.constexpr,
+               HEAD_DIM: gl.constexpr, W: gl.constexpr, IDS: gl.constexpr):
+    """K and V^T of keys [start, start + W · 32) by TMA, one [32, head_dim] and one [head_dim, 32] box a warp (32-token
+    blocks, each kv head's K rows and V^T rows of a block contiguous), completing `bar`; a warp's keys past `end` copy
+    block 0 (masked; a constant byte count), a tile past `end` nothing (never waited on)."""
+    if start < end:
+        j = gl.arange(0, W, IDS)
+        keys = start + j * 32
+        ids = gl.load(table + keys // BLOCK_SIZE, mask=keys < end, other=0)
+        mbarrier.expect(bar, 2 * W * 32 * HEAD_DIM)
+        for w in gl.static_range(W):
+            row = gl.sum(gl.where(j == w, ids, 0), 0) * gl.num_programs(0) + kv_head
+            tma.async_copy_global_to_shared(k_desc, [row * 32, 0], bar, k_tile.slice(w * 32, 32, 0))
+            tma.async_copy_global_to_shared(v_desc, [row * HEAD_DIM, 0], bar, v_tile.slice(w * HEAD_DIM, HEAD_DIM, 0))
+
+
+@gluon.jit
+def _issue(k_tile, v_tile, s_tile, k_ptr, v_ptr, s_ptr, k_blocks, v_blocks, s_blocks, start, end, kv_head,
+           stride_kb, stride_kt, stride_kh, stride_vb, stride_vh, stride_vd, stride_sb, stride_st, stride_sh,
+           BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, W: gl.constexpr, KC: gl.constexpr, VC: gl.constexpr,
+           SC: gl.constexpr, KV_CP: gl.constexpr):
     """cp.async of keys [start, start + W · 32) into one stage, each warp its own 32 keys: K [W, 32, head_dim] (16
-    bytes along head_dim), V^T [W, head_dim, 32] (a block's 16 keys of one dim, token-major V) and the (K, V) scale
-    pairs [W, 32, 2] (4 bytes a key); keys at or past `end` zero-filled."""
+    bytes along head_dim) and V^T [W, head_dim, 32] (a block's 16 keys of one dim, token-major V) unless they come
+    by TMA, and the (K, V) scale pairs [W, 32, 2] (4 bytes a key); keys at or past `end` zero-filled."""
+    if KV_CP:
+        _issue_kv(k_tile, v_tile, k_ptr, v_ptr, k_blocks, v_blocks, start, end, kv_head, stride_kb, stride_kt,
+                  stride_kh, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, HEAD_DIM, W, KC, VC)
+    SK: gl.constexpr = gl.SliceLayout(2, SC)
+    skeys = _warp_keys(start, W, SK)
+    s_at = (s_blocks.to(gl.int64) * stride_sb + (skeys % BLOCK_SIZE) * stride_st + kv_head * stride_sh)
+    s_at = s_at[:, :, None] + gl.arange(0, 2, gl.SliceLayout(0, gl.SliceLayout(1, SC)))[None, None, :]
+    s_at = gl.max_contiguous(gl.multiple_of(s_at, [1, 1, 2]), [1, 1, 2])
+    cp.async_copy_global_to_shared(s_tile, s_ptr + s_at, mask=(skeys < end)[:, :, None])
+
+
+@gluon.jit
+def _issue_kv(k_tile, v_tile, k_ptr, v_ptr, k_blocks, v_blocks, start, end, kv_head, stride_kb, stride_kt, stride_kh,
+              stride_vb, stride_vh, stride_vd, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, W: gl.constexpr,
+              KC: gl.constexpr, VC: gl.constexpr):
+    """_issue's K and V^T copies by cp.async."""
     keys = _warp_keys(start, W, gl.SliceLayout(2, KC))
     blocks = k_blocks.to(gl.int64)
     dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gl.SliceLayout(1, KC)))
@@ -77,12 +113,6 @@ def _issue(k_tile, v_tile, s_tile, k_ptr, v_ptr, s_ptr, k_blocks, v_blocks, s_bl
     v_at = gl.max_contiguous(gl.multiple_of(v_at, [1, 1, 16]), [1, 1, 16])
     v_ok = gl.max_constancy((vkeys // BLOCK_SIZE * BLOCK_SIZE < end)[:, None, :], [1, 1, 16])
     cp.async_copy_global_to_shared(v_tile, v_ptr + v_at, mask=v_ok)
-    SK: gl.constexpr = gl.SliceLayout(2, SC)
-    skeys = _warp_keys(start, W, SK)
-    s_at = (s_blocks.to(gl.int64) * stride_sb + (skeys % BLOCK_SIZE) * stride_st + kv_head * stride_sh)
-    s_at = s_at[:, :, None] + gl.arange(0, 2, gl.SliceLayout(0, gl.SliceLayout(1, SC)))[None, None, :]
-    s_at = gl.max_contiguous(gl.multiple_of(s_at, [1, 1, 2]), [1, 1, 2])
-    cp.async_copy_global_to_shared(s_tile, s_ptr + s_at, mask=(skeys < end)[:, :, None])
 
 
 @gluon.jit
@@ -120,12 +150,13 @@ def _load_q(q_ptr, seq, kv_head, stride_qb, stride_qh, GROUP: gl.constexpr, HEAD
 
 
 @gluon.jit
-def _warp_fp8_decode_kernel(q_ptr, k_ptr, v_ptr, s_ptr, tables_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+def _warp_fp8_decode_kernel(q_ptr, k_ptr, k_desc, v_ptr, v_desc, s_ptr, tables_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                             qk_scale, window, num_splits, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb,
                             stride_kt, stride_kh, stride_vb, stride_vh, stride_vd, stride_bt, stride_sb, stride_st,
                             stride_sh, BLOCK_SIZE: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                             SPLIT: gl.constexpr, STAGES: gl.constexpr, K_SMEM: gl.constexpr, V_SMEM: gl.constexpr,
-                            S_SMEM: gl.constexpr, S_READ: gl.constexpr, num_warps: gl.constexpr):
+                            S_SMEM: gl.constexpr, S_READ: gl.constexpr, TMA: gl.constexpr,
+                            num_warps: gl.constexpr):
     """Split-K decode over an fp8 cache with per-token scales (_decode_kernel's grid order (kv heads, sequences,
     splits) and partials): a tile is num_warps × 32 keys, warp w's 32 its own; per warp scores [16, 32] = q · K^T and
     output [16, head_dim] += p · V as mma.sync e4m3 × e4m3 → fp32 (rows 0-7 the hi parts, 8-15 the lo parts)."""
@@ -138,6 +169,7 @@ def _warp_fp8_decode_kernel(q_ptr, k_ptr, v_ptr, s_ptr, tables_ptr, lens_ptr, ou
     VC: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 16, 2], [W, 1, 1], [2, 1, 0])
     SC: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 32, 1], [W, 1, 1], [2, 1, 0])
     QL: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 4, 8], [W, 1, 1], [2, 1, 0])
+    IDS: gl.constexpr = gl.BlockedLayout([W], [32], [W], [0])  # every thread all the warps' block ids
     kv_head = gl.program_id(0)
     seq = gl.program_id(1)
     split = gl.program_id(2)
@@ -146,14 +178,26 @@ def _warp_fp8_decode_kernel(q_ptr, k_ptr, v_ptr, s_ptr, tables_ptr, lens_ptr, ou
     if part_start <= context_len:  # an empty partition writes an empty partial (the reduce ignores it)
         part_end = gl.minimum(part_start + partition, context_len)
         table = tables_ptr + seq.to(gl.int64) * stride_bt
-        k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, W, 32, HEAD_DIM], K_SMEM)
-        v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, W, HEAD_DIM, 32], V_SMEM)
+        if TMA:  # (rank-2 NVMMA layouts: a warp's TMA boxes are row slices)
+            k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, W * 32, HEAD_DIM], K_SMEM)
+            v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, W * HEAD_DIM, 32], V_SMEM)
+        else:
+            k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, W, 32, HEAD_DIM], K_SMEM)
+            v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, W, HEAD_DIM, 32], V_SMEM)
         s_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, W, 32, 2], S_SMEM)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        if TMA:
+            for s in gl.static_range(STAGES):
+                mbarrier.init(bars.index(s), count=1)
         for s in gl.static_range(STAGES - 1):
             first = part_start + s * BLOCK_N
-            _issue(k_smem.index(s), v_smem.index(s), s_smem.index(s), k_ptr, v_ptr, s_ptr,
-                   *_warp_blocks(table, first, part_end, BLOCK_SIZE, W, KC, VC, SC), first, part_end, kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vh,
-                   stride_vd, stride_sb, stride_st, stride_sh, BLOCK_SIZE, HEAD_DIM, W, KC, VC, SC)
+            if TMA:
+                _issue_tma(k_desc, v_desc, k_smem.index(s), v_smem.index(s), bars.index(s), table, first, part_end,
+                           kv_head, BLOCK_SIZE, HEAD_DIM, W, IDS)
+            k_ids, v_ids, s_ids = _warp_blocks(table, first, part_end, BLOCK_SIZE, W, KC, VC, SC)
+            _issue(k_smem.index(s), v_smem.index(s), s_smem.index(s), k_ptr, v_ptr, s_ptr, k_ids, v_ids, s_ids, first,
+                   part_end, kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vh, stride_vd, stride_sb,
+                   stride_st, stride_sh, BLOCK_SIZE, HEAD_DIM, W, KC, VC, SC, not TMA)
             cp.commit_group()
         k_blocks, v_blocks, s_blocks = _warp_blocks(table, part_start + (STAGES - 1) * BLOCK_N, part_end, BLOCK_SIZE,
                                                     W, KC, VC, SC)
@@ -173,15 +217,22 @@ def _warp_fp8_decode_kernel(q_ptr, k_ptr, v_ptr, s_ptr, tables_ptr, lens_ptr, ou
             start = part_start + t * BLOCK_N
             stage = t % STAGES
             cp.wait_group(STAGES - 2)  # tile t's copies (this thread's), then everyone's: the barrier also ends every
+            if TMA:
+                mbarrier.wait(bars.index(stage), (t // STAGES) & 1)
             gl.thread_barrier()  # warp's reads of the stage refilled next, tile t - 1's (so no second barrier)
             ahead = (t + STAGES - 1) % STAGES
             issue = start + (STAGES - 1) * BLOCK_N
+            if TMA:
+                fence_async_shared()
+                _issue_tma(k_desc, v_desc, k_smem.index(ahead), v_smem.index(ahead), bars.index(ahead), table, issue,
+                           part_end, kv_head, BLOCK_SIZE, HEAD_DIM, W, IDS)
             _issue(k_smem.index(ahead), v_smem.index(ahead), s_smem.index(ahead), k_ptr, v_ptr, s_ptr, k_blocks,
                    v_blocks, s_blocks, issue, part_end, kv_head, stride_kb, stride_kt, stride_kh, stride_vb,
-                   stride_vh, stride_vd, stride_sb, stride_st, stride_sh, BLOCK_SIZE, HEAD_DIM, W, KC, VC, SC)
+                   stride_vh, stride_vd, stride_sb, stride_st, stride_sh, BLOCK_SIZE, HEAD_DIM, W, KC, VC, SC, not TMA)
             cp.commit_group()
             k_blocks, v_blocks, s_blocks = _warp_blocks(table, issue + BLOCK_N, part_end, BLOCK_SIZE, W, KC, VC, SC)
-            s16 = mma_v2(q_a, k_smem.index(stage).permute((0, 2, 1)).load(OPB), s_zero)
+            k_tile = k_smem.index(stage).reshape([W, 32, HEAD_DIM]) if TMA else k_smem.index(stage)
+            s16 = mma_v2(q_a, k_tile.permute((0, 2, 1)).load(OPB), s_zero)
             k_scale, v_scale = gl.split(s_smem.index(stage).load(S_READ))
             k_scale = gl.convert_layout(k_scale, KEYS, assert_trivial=True).to(gl.float32)
             v_scale = gl.convert_layout(v_scale, KEYS, assert_trivial=True).to(gl.float32)
@@ -203,8 +254,8 @@ def _warp_fp8_decode_kernel(q_ptr, k_ptr, v_ptr, s_ptr, tables_ptr, lens_ptr, ou
             factor = gl.convert_layout(factor, gl.SliceLayout(2, acc_hi.type.layout), assert_trivial=True)
             acc = gl.convert_layout(_stack_rows(acc_hi * factor[:, :, None], acc_lo * factor[:, :, None]), MMA,
                                     assert_trivial=True)
-            acc = mma_v2(gl.convert_layout(_stack_rows(w_hi, w_lo), OPA),
-                         v_smem.index(stage).permute((0, 2, 1)).load(OPB), acc)
+            v_tile = v_smem.index(stage).reshape([W, HEAD_DIM, 32]) if TMA else v_smem.index(stage)
+            acc = mma_v2(gl.convert_layout(_stack_rows(w_hi, w_lo), OPA), v_tile.permute((0, 2, 1)).load(OPB), acc)
             m_i = m_new
         cp.wait_group(0)
         _finish(acc, m_i, l_i, unit, seq, kv_head, split, num_splits, out_ptr, part_acc_ptr, part_ml_ptr, stride_ob,
@@ -245,12 +296,18 @@ def interleaved_scales(kv_scales):
     return torch.stack(kv_scales, dim=-1).contiguous()
 
 
-def smem_layouts(head_dim: int) -> dict:
+def smem_layouts(head_dim: int, tma: bool) -> dict:
     """K stages [W, 32, head_dim] and V^T stages [W, head_dim, 32], read by ldmatrix (each 16-byte row chunk of a
-    thread's 8 × 8 b16 matrices swizzled across the banks), and the scale pairs [W, 32, 2]."""
-    return {"K_SMEM": gl.SwizzledSharedLayout(16, 1, min(8, head_dim // 16), [2, 1, 0]),
-            "V_SMEM": gl.SwizzledSharedLayout(16, 4, 2, [2, 1, 0]),
-            "S_SMEM": gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])}
+    thread's 8 × 8 b16 matrices swizzled across the banks; by TMA, its swizzles by row bytes), and the scale pairs
+    [W, 32, 2]."""
+    if tma:
+        nvmma = gl.NVMMASharedLayout
+        kv = {"K_SMEM": nvmma(swizzle_byte_width=min(128, head_dim), element_bitwidth=8, rank=2),
+              "V_SMEM": nvmma(swizzle_byte_width=32, element_bitwidth=8, rank=2)}
+    else:
+        kv = {"K_SMEM": gl.SwizzledSharedLayout(16, 1, min(8, head_dim // 16), [2, 1, 0]),
+              "V_SMEM": gl.SwizzledSharedLayout(16, 4, 2, [2, 1, 0])}
+    return {**kv, "S_SMEM": gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])}
 
 
 def scale_read_layout(num_warps: int):
@@ -263,14 +320,15 @@ def scale_read_layout(num_warps: int):
                                       [num_warps, 32, 2])
 
 
-def warp_decode(q, k_cache, v_cache_t, tables, lens, scale, paired_scales, *, num_warps=4, stages=2, num_splits=None):
+def warp_decode(q, k_cache, v_cache_t, tables, lens, scale, paired_scales, *, num_warps=2, stages=2, num_splits=None,
+                tma=False, maxnreg=None):
     """q [b, heads, d] bf16 over an fp8 cache (k_cache [blocks, block, kv_heads, d], v_cache_t [blocks, kv_heads, d,
     block], paired_scales [blocks, block, kv_heads, 2]) → [b, heads, d]."""
     b, heads, d = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
-    if group > 8 or WARP_KEYS % block_size or block_size % 16:
-        raise ValueError(f"group {group}, block_size {block_size} not supported")
+    if group > 8 or WARP_KEYS % block_size or block_size % 16 or (tma and block_size != WARP_KEYS):
+        raise ValueError(f"group {group}, block_size {block_size} not supported (TMA: 32-token blocks)")
     block_n = num_warps * WARP_KEYS
     max_keys = tables.shape[1] * block_size
     if num_splits is None:
@@ -282,12 +340,19 @@ def warp_decode(q, k_cache, v_cache_t, tables, lens, scale, paired_scales, *, nu
     partials = A.DecodePartials(parts[:b * heads * num_splits * d], parts[b * heads * num_splits * d:], lens,
                                 A.NO_WINDOW, b, heads, d, num_splits, block_n, q.dtype)
     vb, vh, vd, _ = v_cache_t.stride()
+    layouts = smem_layouts(d, tma)
+    k_desc = v_desc = None
+    if tma:  # K rows [blocks · kv_heads · 32, d] and V^T rows [blocks · kv_heads · d, 32] of head-major storage
+        k_rows = k_cache.transpose(1, 2).view(-1, d)
+        v_rows = v_cache_t.view(-1, block_size)
+        k_desc = TensorDescriptor(k_rows, list(k_rows.shape), list(k_rows.stride()), [32, d], layouts["K_SMEM"])
+        v_desc = TensorDescriptor(v_rows, list(v_rows.shape), list(v_rows.stride()), [d, 32], layouts["V_SMEM"])
     _warp_fp8_decode_kernel[(kv_heads, b, num_splits)](
-        q, k_cache, v_cache_t, paired_scales, tables, lens, out, partials.acc, partials.ml,
+        q, k_cache, k_desc, v_cache_t, v_desc, paired_scales, tables, lens, out, partials.acc, partials.ml,
         A._score_args(scale, None)[0], A.NO_WINDOW, num_splits, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), *k_cache.stride()[:3], vb, vh, vd, tables.stride(0), *paired_scales.stride()[:3],
-        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=d, SPLIT=num_splits > 1, STAGES=stages, **smem_layouts(d),
-        S_READ=scale_read_layout(num_warps), num_warps=num_warps)
+        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=d, SPLIT=num_splits > 1, STAGES=stages, **layouts,
+        S_READ=scale_read_layout(num_warps), TMA=tma, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))
     return out if num_splits == 1 else A.merge_partials(partials, out)
 
 
@@ -303,8 +368,9 @@ def experiment_runs(args):
             out.append(("engine-bf16", {}, lambda t: A.decode_attention(case["q"], k16, v16, t, case["lens"], scale),
                         moved))
         paired = interleaved_scales(case["scales"])
-        for warps, stages, splits in itertools.product(args.warps, args.stages, args.splits or [None]):
-            rule = {"num_warps": warps, "stages": stages, "num_splits": splits}
+        for warps, stages, splits, tma, regs in itertools.product(args.warps, args.stages, args.splits or [None],
+                                                                  args.tma, args.maxnreg):
+            rule = {"num_warps": warps, "stages": stages, "num_splits": splits, "tma": bool(tma), "maxnreg": regs}
             out.append(("gluon-warp", rule, lambda t, r=rule: warp_decode(case["q"], case["k8"], case["v8_t"], t,
                                                                           case["lens"], scale, paired, **r), None))
         return out
@@ -319,11 +385,15 @@ def main() -> int:
     p.add_argument("--bf16", action="store_true", help="also time the engine's kernel over a bf16 cache")
     p.add_argument("--points", nargs="*", default=[], help="MODEL:B:CONTEXT (default: fp8_dot_decode.POINTS)")
     p.add_argument("--head-major", action="store_true", help="K and V stored [blocks, kv_heads, block, d]")
+    p.add_argument("--block-size", type=int, default=16, help="tokens a cache block (TMA: 32, with --head-major)")
+    p.add_argument("--tma", nargs="+", type=int, default=[0], help="K and V^T by TMA (a box a warp)")
+    p.add_argument("--maxnreg", nargs="+", type=int, default=[0], help="a register cap (0: none)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     from fp8_dot_decode import measure_points
 
-    report = measure_points(args.points, experiment_runs(args), head_major=args.head_major)
+    report = measure_points(args.points, experiment_runs(args), head_major=args.head_major,
+                            block_size=args.block_size)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

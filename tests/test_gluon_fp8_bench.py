@@ -45,7 +45,7 @@ def test_gluon_fp8_decode_matches_its_oracle(heads):
 @pytest.mark.parametrize("heads", [16, 32])
 def test_gluon_warp_decode_matches_its_oracle(heads):
     """benchmarks/gluon_warp_decode.py's kernel (independent warps, fp8 mma.sync): the same check, its warps and
-    stages variants, 1 and 3 splits."""
+    stages variants, 1 and 3 splits, K and V^T by cp.async and (32-token head-major blocks) by TMA."""
     import torch
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -67,4 +67,12 @@ def test_gluon_warp_decode_matches_its_oracle(heads):
         out = warp_decode(case["q"], case["k8"], case["v8_t"], case["tables"][0], case["lens"], scale, paired,
                           num_warps=warps, stages=stages, num_splits=splits)
         errors[(warps, stages, splits)] = (out.float() - ref).abs().max().item()
+    case = make_case(4, heads, 8, 128, 224, 1, "cuda", block=32, seed=heads, head_major=True)
+    case["lens"] = torch.tensor([200, 37, 1, 130], dtype=torch.int32, device="cuda")
+    ref = oracle(case)
+    paired = interleaved_scales(case["scales"])
+    for warps, splits in [(2, 1), (4, 3)]:
+        out = warp_decode(case["q"], case["k8"], case["v8_t"], case["tables"][0], case["lens"], scale, paired,
+                          num_warps=warps, num_splits=splits, tma=True)
+        errors[("tma", warps, splits)] = (out.float() - ref).abs().max().item()
     assert max(errors.values()) <= 1.5 * engine, (engine, errors)

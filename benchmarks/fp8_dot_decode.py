@@ -153,6 +153,31 @@ def _dot8_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part
             tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
 
+def split_partials(q, tables, lens, block_size, kv_heads, block_n, num_splits=None):
+    """(num_splits, out, partials) of one experimental decode call: the engine's split rule (attention.
+    decode_num_splits, a CPU counting as 132 SMs) unless num_splits is given, at most one split a key tile, and the
+    output and DecodePartials it writes: the host prologue of this file's and the Gluon experiments' kernels."""
+    b, heads, d = q.shape
+    max_keys = tables.shape[1] * block_size
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count if q.is_cuda else 132
+        num_splits = A.decode_num_splits(b, kv_heads, max_keys, sms)
+    num_splits = max(1, min(num_splits, triton.cdiv(max_keys, block_n)))
+    parts = torch.empty(b * heads * num_splits * (d + 2), dtype=torch.float32, device=q.device)
+    partials = A.DecodePartials(parts[:b * heads * num_splits * d], parts[b * heads * num_splits * d:], lens,
+                                A.NO_WINDOW, b, heads, d, num_splits, block_n, q.dtype)
+    return num_splits, torch.empty_like(q), partials
+
+
+def bf16_run(case, scale):
+    """The engine's kernel over a bf16 cache of the case's shape, layout and tables (twice the fp8 bytes), as a
+    measure_points run: the Gluon experiments' --bf16 reference."""
+    k16, v16 = case["k8"].to(torch.bfloat16), case["v8"].to(torch.bfloat16)
+    b, _, d = case["q"].shape
+    moved = b * case["lens"][0].item() * k16.shape[2] * 4 * d
+    return "engine-bf16", {}, lambda t: A.decode_attention(case["q"], k16, v16, t, case["lens"], scale), moved
+
+
 def dot8_decode(q, k_cache, v_cache, tables, lens, scale, kv_scales, *, v_token_major: bool, q_lo=True, p_lo=True,
                 block_n=64, num_warps=4, num_stages=1, num_splits=None):
     """The experiment's decode: q [b, heads, d] bf16 over an fp8 cache (v_cache [blocks, block, kv_heads, d], or with
@@ -165,15 +190,7 @@ def dot8_decode(q, k_cache, v_cache, tables, lens, scale, kv_scales, *, v_token_
     else:
         vb, vt, vh, vd = v_cache.stride()
     ks, vs = kv_scales
-    max_keys = tables.shape[1] * block_size
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if q.is_cuda else 132
-    if num_splits is None:
-        num_splits = A.decode_num_splits(b, kv_heads, max_keys, sms)
-    num_splits = max(1, min(num_splits, triton.cdiv(max_keys, block_n)))
-    out = torch.empty_like(q)
-    parts = torch.empty(b * heads * num_splits * (d + 2), dtype=torch.float32, device=q.device)
-    partials = A.DecodePartials(parts[:b * heads * num_splits * d], parts[b * heads * num_splits * d:], lens,
-                                A.NO_WINDOW, b, heads, d, num_splits, block_n, q.dtype)
+    num_splits, out, partials = split_partials(q, tables, lens, block_size, kv_heads, block_n, num_splits)
     _dot8_decode_kernel[(b, kv_heads, num_splits)](
         q, k_cache, v_cache, tables, lens, out, partials.acc, partials.ml, A._score_args(scale, None)[0], A.NO_WINDOW,
         num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], vb, vt, vh, vd,

@@ -21,8 +21,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -30,6 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from fp8_dot_decode import bf16_run, measure_points, split_partials  # noqa: E402
 from nanoserve.kernels import attention as A  # noqa: E402
 from nanoserve.kernels import kv_quant  # noqa: E402
 
@@ -257,15 +256,7 @@ def gluon_decode(q, k_cache, v_cache_t, tables, lens, scale, kv_scales, *, block
     if group > N_COLS or block_n % block_size or block_size % 16:
         raise ValueError(f"group {group}, block_n {block_n}, block_size {block_size} not supported")
     ks, vs = kv_scales
-    max_keys = tables.shape[1] * block_size
-    if num_splits is None:
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        num_splits = A.decode_num_splits(b, kv_heads, max_keys, sms)
-    num_splits = max(1, min(num_splits, triton.cdiv(max_keys, block_n)))
-    out = torch.empty_like(q)
-    parts = torch.empty(b * heads * num_splits * (d + 2), dtype=torch.float32, device=q.device)
-    partials = A.DecodePartials(parts[:b * heads * num_splits * d], parts[b * heads * num_splits * d:], lens,
-                                A.NO_WINDOW, b, heads, d, num_splits, block_n, q.dtype)
+    num_splits, out, partials = split_partials(q, tables, lens, block_size, kv_heads, block_n, num_splits)
     vb, vh, vd, _ = v_cache_t.stride()
     layouts = smem_layouts(block_n, d)
     _gluon_fp8_decode_kernel[(kv_heads, b, num_splits)](
@@ -282,11 +273,7 @@ def experiment_runs(args):
     def runs(case, scale):
         out = []
         if args.bf16:
-            k16, v16 = case["k8"].to(torch.bfloat16), case["v8"].to(torch.bfloat16)
-            b, _, d = case["q"].shape
-            moved = b * case["lens"][0].item() * k16.shape[2] * 4 * d
-            out.append(("engine-bf16", {}, lambda t: A.decode_attention(case["q"], k16, v16, t, case["lens"], scale),
-                        moved))
+            out.append(bf16_run(case, scale))
         for bn, stages, splits in itertools.product(args.block_n, args.stages, args.splits or [None]):
             rule = {"block_n": bn, "stages": stages, "num_splits": splits}
             out.append(("gluon", rule, lambda t, r=rule: gluon_decode(case["q"], case["k8"], case["v8_t"], t,
@@ -306,8 +293,6 @@ def main() -> int:
     p.add_argument("--head-major", action="store_true", help="K and V stored [blocks, kv_heads, block, d]")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    from fp8_dot_decode import measure_points
-
     report = measure_points(args.points, experiment_runs(args), head_major=args.head_major)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -30,6 +29,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from fp8_dot_decode import bf16_run, measure_points, split_partials  # noqa: E402
 from gluon_fp8_decode import _split8  # noqa: E402
 from nanoserve.kernels import attention as A  # noqa: E402
 
@@ -328,16 +328,8 @@ def warp_decode(q, k_cache, v_cache_t, tables, lens, scale, paired_scales, *, nu
     group = heads // kv_heads
     if group > 8 or WARP_KEYS % block_size or block_size % 16 or (tma and block_size != WARP_KEYS):
         raise ValueError(f"group {group}, block_size {block_size} not supported (TMA: 32-token blocks)")
-    block_n = num_warps * WARP_KEYS
-    max_keys = tables.shape[1] * block_size
-    if num_splits is None:
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        num_splits = A.decode_num_splits(b, kv_heads, max_keys, sms)
-    num_splits = max(1, min(num_splits, triton.cdiv(max_keys, block_n)))
-    out = torch.empty_like(q)
-    parts = torch.empty(b * heads * num_splits * (d + 2), dtype=torch.float32, device=q.device)
-    partials = A.DecodePartials(parts[:b * heads * num_splits * d], parts[b * heads * num_splits * d:], lens,
-                                A.NO_WINDOW, b, heads, d, num_splits, block_n, q.dtype)
+    num_splits, out, partials = split_partials(q, tables, lens, block_size, kv_heads, num_warps * WARP_KEYS,
+                                               num_splits)
     vb, vh, vd, _ = v_cache_t.stride()
     layouts = smem_layouts(d, tma)
     k_desc = v_desc = None
@@ -361,11 +353,7 @@ def experiment_runs(args):
     def runs(case, scale):
         out = []
         if args.bf16:
-            k16, v16 = case["k8"].to(torch.bfloat16), case["v8"].to(torch.bfloat16)
-            b, _, d = case["q"].shape
-            moved = b * case["lens"][0].item() * k16.shape[2] * 4 * d
-            out.append(("engine-bf16", {}, lambda t: A.decode_attention(case["q"], k16, v16, t, case["lens"], scale),
-                        moved))
+            out.append(bf16_run(case, scale))
         paired = interleaved_scales(case["scales"])
         for warps, stages, splits, tma, regs in itertools.product(args.warps, args.stages, args.splits or [None],
                                                                   args.tma, args.maxnreg):
@@ -389,8 +377,6 @@ def main() -> int:
     p.add_argument("--maxnreg", nargs="+", type=int, default=[0], help="a register cap (0: none)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    from fp8_dot_decode import measure_points
-
     report = measure_points(args.points, experiment_runs(args), head_major=args.head_major,
                             block_size=args.block_size)
     if args.json:

@@ -116,6 +116,19 @@ def _twice(f, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
+def _program_keys(lens_ptr, window, num_splits, BLOCK_N: gl.constexpr):
+    """(kv head, sequence, split, first key, end key) of this program of a (kv heads, sequences, splits) grid: the
+    split's keys by attention._decode_partition (an empty split has first key > end key, or = for a split starting
+    at the context's end, which writes an empty partial). Shared by both Gluon experiments."""
+    kv_head = gl.program_id(0)
+    seq = gl.program_id(1)
+    split = gl.program_id(2)
+    _, first_tile, partition, context_len = A._decode_partition(gl.load(lens_ptr + seq), window, num_splits, BLOCK_N)
+    part_start = first_tile + split * partition
+    return kv_head, seq, split, part_start, gl.minimum(part_start + partition, context_len)
+
+
+@gluon.jit
 def _gluon_fp8_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
                              window, num_splits, stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_kt,
                              stride_kh, stride_vb, stride_vh, stride_vd, stride_bt, ks_ptr, vs_ptr, stride_sb,
@@ -139,13 +152,8 @@ def _gluon_fp8_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
     KB: gl.constexpr = gl.SliceLayout(1, K2)
     VB: gl.constexpr = gl.SliceLayout(0, V2)
     Q_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])
-    kv_head = gl.program_id(0)
-    seq = gl.program_id(1)
-    split = gl.program_id(2)
-    _, first_tile, partition, context_len = A._decode_partition(gl.load(lens_ptr + seq), window, num_splits, BLOCK_N)
-    part_start = first_tile + split * partition
-    if part_start <= context_len:  # an empty partition writes an empty partial (the reduce ignores it)
-        part_end = gl.minimum(part_start + partition, context_len)
+    kv_head, seq, split, part_start, part_end = _program_keys(lens_ptr, window, num_splits, BLOCK_N)
+    if part_start <= part_end:  # an empty partition writes an empty partial (the reduce ignores it)
         table = tables_ptr + seq.to(gl.int64) * stride_bt
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
         v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], V_SMEM)

@@ -30,7 +30,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fp8_dot_decode import bf16_run, measure_points, split_partials  # noqa: E402
-from gluon_fp8_decode import _split8  # noqa: E402
+from gluon_fp8_decode import _program_keys, _split8  # noqa: E402
 from nanoserve.kernels import attention as A  # noqa: E402
 
 WARP_KEYS = 32  # keys a warp multiplies per tile: mma.sync m16n8k32's K for the second product
@@ -168,13 +168,8 @@ def _warp_fp8_decode_kernel(q_ptr, k_ptr, k_desc, v_ptr, v_desc, s_ptr, tables_p
     SC: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 32, 1], [W, 1, 1], [2, 1, 0])
     QL: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 4, 8], [W, 1, 1], [2, 1, 0])
     IDS: gl.constexpr = gl.BlockedLayout([W], [32], [W], [0])  # every thread all the warps' block ids
-    kv_head = gl.program_id(0)
-    seq = gl.program_id(1)
-    split = gl.program_id(2)
-    _, first_tile, partition, context_len = A._decode_partition(gl.load(lens_ptr + seq), window, num_splits, BLOCK_N)
-    part_start = first_tile + split * partition
-    if part_start <= context_len:  # an empty partition writes an empty partial (the reduce ignores it)
-        part_end = gl.minimum(part_start + partition, context_len)
+    kv_head, seq, split, part_start, part_end = _program_keys(lens_ptr, window, num_splits, BLOCK_N)
+    if part_start <= part_end:  # an empty partition writes an empty partial (the reduce ignores it)
         table = tables_ptr + seq.to(gl.int64) * stride_bt
         if TMA:  # (rank-2 NVMMA layouts: a warp's TMA boxes are row slices)
             k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, W * 32, HEAD_DIM], K_SMEM)

@@ -189,7 +189,9 @@ def start_engine(model_dir: str, max_num_seqs: int, max_model_len: int = 4096, *
     capture = {kind.name.lower(): {"capture_s": gr.capture_seconds, "wall_s": gr.wall_seconds,
                                    "sizes": list(gr.capture_sizes)} for kind, gr in runner.graphs.runners.items()}
     return llm, {"engine_start_s": wall, "capture_s": runner.graphs.capture_seconds, "graphs": capture,
-                 "kv_blocks": runner.info.num_kv_blocks, "kv_bytes_per_token": runner.kv.bytes_per_token}
+                 "kv_blocks": runner.info.num_kv_blocks, "kv_block_size": runner.kv.block_size,
+                 "kv_tokens": runner.info.num_kv_blocks * runner.kv.block_size,
+                 "kv_bytes_per_token": runner.kv.bytes_per_token}
 
 
 def decode_steps(llm, counts: ParamCounts, cfg: dict, rows_list: list[int], bandwidth: float,

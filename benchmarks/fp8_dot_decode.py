@@ -31,7 +31,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from nanoserve.kernels import attention as A  # noqa: E402
-from nanoserve.kernels import kv_quant  # noqa: E402
+from nanoserve.kernels import decode_split, kv_quant  # noqa: E402
 from nanoserve.kernels import reference as torch_ref  # noqa: E402
 from nanoserve.kernels.kv_quant import fp8_codes  # noqa: E402
 
@@ -90,7 +90,8 @@ def _dot8_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    _, first_tile, partition, context_len = A._decode_partition(tl.load(lens_ptr + seq), window, num_splits, BLOCK_N)
+    _, first_tile, partition, context_len = decode_split.decode_partition(tl.load(lens_ptr + seq), window, num_splits,
+                                                                          BLOCK_N)
     part_start = first_tile + split * partition
     if part_start <= context_len:
         part_end = tl.minimum(part_start + partition, context_len)

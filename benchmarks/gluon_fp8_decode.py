@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fp8_dot_decode import bf16_run, measure_points, split_partials  # noqa: E402
 from nanoserve.kernels import attention as A  # noqa: E402
-from nanoserve.kernels import kv_quant  # noqa: E402
+from nanoserve.kernels import decode_split, kv_quant  # noqa: E402
 
 N_COLS = 8  # the products' N: a GQA group's query heads, padded to wgmma's smallest N
 
@@ -118,12 +118,13 @@ def _twice(f, LAYOUT: gl.constexpr):
 @gluon.jit
 def _program_keys(lens_ptr, window, num_splits, BLOCK_N: gl.constexpr):
     """(kv head, sequence, split, first key, end key) of this program of a (kv heads, sequences, splits) grid: the
-    split's keys by attention._decode_partition (an empty split has first key > end key, or = for a split starting
+    split's keys by decode_split.decode_partition (an empty split has first key > end key, or = for a split starting
     at the context's end, which writes an empty partial). Shared by both Gluon experiments."""
     kv_head = gl.program_id(0)
     seq = gl.program_id(1)
     split = gl.program_id(2)
-    _, first_tile, partition, context_len = A._decode_partition(gl.load(lens_ptr + seq), window, num_splits, BLOCK_N)
+    _, first_tile, partition, context_len = decode_split.decode_partition(gl.load(lens_ptr + seq), window, num_splits,
+                                                                          BLOCK_N)
     part_start = first_tile + split * partition
     return kv_head, seq, split, part_start, gl.minimum(part_start + partition, context_len)
 

@@ -6,7 +6,8 @@
 One engine per (model, KV setting of common.KV_SETTINGS: bf16 "auto", fp8 with per-token scales, fp8 with per-layer
 scales), all at the default gpu_memory_utilization and the same max_model_len per model, capturing only the decode
 graphs it times (no token-count graphs); each engine measures:
-  * the KV blocks its memory plan gave (capacity: fp8 blocks / bf16 blocks) and the cache's bytes per token (the
+  * the KV tokens its memory plan gave (capacity: fp8 tokens / bf16 tokens: an fp8 cache's blocks hold 32 tokens, a
+    bf16 cache's 16) and the cache's bytes per token (the
     engine's KVCacheSpec: fp8 codes + per-token scale bytes);
   * decode `engine.step()`-equivalent (common.decode_steps: the graph replay the engine runs) at 512-token contexts,
     b = 1 / 64 / 256: median and min ms, floor (weights + the K/V in the engine's own format at the copy bandwidth
@@ -92,15 +93,15 @@ def measure_model(name: str, kvs: list[str], bandwidth: float, batch_sizes: list
 
 
 def capacity(runs: dict) -> dict:
-    """Per fp8 KV setting: its KV blocks over the bf16 run's (the same memory budget), and its bytes-per-token ratio
-    (what the block ratio would be if the cache had the whole budget to itself). The fp8-weights run has more memory
+    """Per fp8 KV setting: its KV tokens over the bf16 run's (the same memory budget), and its bytes-per-token ratio
+    (what the token ratio would be if the cache had the whole budget to itself). The fp8-weights run has more memory
     left for its cache: not a KV capacity."""
     base = runs.get("auto", {}).get("startup")
     out = {}
     for kv, rec in runs.items():
         if kv in ("auto", FP8_WEIGHTS) or base is None or "startup" not in rec:
             continue
-        out[kv] = {"blocks_ratio": rec["startup"]["kv_blocks"] / base["kv_blocks"],
+        out[kv] = {"tokens_ratio": rec["startup"]["kv_tokens"] / base["kv_tokens"],
                    "bytes_ratio": base["kv_bytes_per_token"] / rec["startup"]["kv_bytes_per_token"]}
     return out
 
@@ -128,7 +129,7 @@ def targets(report: dict) -> dict:
             if _step(rec, 1) is not None and _step(auto, 1):
                 out[key + "b=1 vs auto"] = check(_step(rec, 1) / _step(auto, 1), B1_RATIO_MAX)
             if kv in model["capacity"]:
-                out[key + "capacity vs auto"] = check(model["capacity"][kv]["blocks_ratio"], CAPACITY_MIN, True)
+                out[key + "capacity vs auto"] = check(model["capacity"][kv]["tokens_ratio"], CAPACITY_MIN, True)
         token, layer = (runs.get(kv, {}).get("startup", {}).get("kv_bytes_per_token") for kv in ("fp8", "fp8-layer"))
         if token and layer:
             out[f"{name} / fp8 / scale bytes share"] = check(token / layer - 1, SCALE_BYTES_MAX)
@@ -148,7 +149,7 @@ def summary_lines(report: dict) -> list[str]:
     for name, model in report["models"].items():
         for kv, rec in model["runs"].items():
             blocks = rec.get("startup", {}).get("kv_blocks")
-            cap = model["capacity"].get(kv, {}).get("blocks_ratio")
+            cap = model["capacity"].get(kv, {}).get("tokens_ratio")
             lines.append(f"{name:14s} {kv:12s} {blocks if blocks is not None else '-':>8} "
                          f"{'-' if cap is None else f'{cap:.3f}':>6s} "
                          + " ".join(f"{_ms(_step(rec, b)):>8s}" for b in sizes)

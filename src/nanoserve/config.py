@@ -50,6 +50,11 @@ QUANTIZATIONS = ("fp8",)  # weight formats model/quantization.py can make at loa
 KV_CACHE_DTYPES = ("auto", "fp8")
 KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
 KV_CACHE_SCALES = ("auto", "token", "layer")
+DEFAULT_BLOCK_SIZE = 16
+# An fp8 cache's blocks hold 32 tokens: a kv head's run of a 16-token block is 2 KB of codes, which held both fp8
+# decode kernels to 0.74-0.80 of the copy bandwidth; 32 lets the warp kernel reach 0.86-0.97 (H100; notes/PERF.md,
+# round 8, ninth session).
+FP8_BLOCK_SIZE = 32
 # The side of the square weight tiles a block-scaled FP8 weight carries one scale for: what block-quantized
 # checkpoints use (weight_block_size [128, 128]) and the only one the kernels take
 FP8_BLOCK = 128
@@ -143,7 +148,9 @@ class EngineConfig:
         unset=str(DEFAULT_MAX_NUM_BATCHED_TOKENS))
     max_model_len: int | None = _field(None, help="longest prompt + output, in tokens",
                                        unset=f"the model's max_position_embeddings, capped at {MAX_DEFAULT_MODEL_LEN}")
-    block_size: int = _field(16, help="tokens per KV-cache block (the page size of the paged cache)")
+    block_size: int | None = _field(
+        None, help=f"tokens per KV-cache block (the page size of the paged cache; {FP8_BLOCK_SIZE} with "
+                   "--kv-cache-dtype fp8 unless given)", unset=str(DEFAULT_BLOCK_SIZE))
     num_kv_blocks: int | None = _field(None, help="KV-cache blocks to allocate",
                                        unset="sized from free GPU memory (--gpu-memory-utilization) or from "
                                              "--cpu-kv-cache-gb on CPU")
@@ -231,6 +238,7 @@ class EngineConfig:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
+        self._check_kv_cache()
         for name in ("max_num_seqs", "block_size", "max_waiting_requests", "tensor_parallel_size"):
             _positive(name, getattr(self, name))
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
@@ -248,7 +256,6 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs quantization='fp8'")
-        self._check_kv_cache()
         spec = SpeculativeConfig.parse(self.speculative_config)
         self.speculative_config = spec.as_dict() if spec is not None else None
         if spec is not None and self.kv_cache_dtype == "fp8" and spec.num_speculative_tokens > self.block_size:
@@ -270,6 +277,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_scales must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scales!r}")
         if self.kv_cache_scales != "auto" and self.kv_cache_dtype != "fp8":
             raise ValueError(f"kv_cache_scales={self.kv_cache_scales!r} needs kv_cache_dtype='fp8'")
+        if self.block_size is None:
+            self.block_size = FP8_BLOCK_SIZE if self.kv_cache_dtype == "fp8" else DEFAULT_BLOCK_SIZE
 
     def resolve(self, model_max_len: int, model_dtype: torch.dtype | None) -> "EngineConfig":
         """The concrete config the engine runs on: device indexed, dtype chosen, token limits filled in, both graph

@@ -18,6 +18,7 @@ from nanoserve.kernels import attention as tk  # noqa: E402
 from nanoserve.kernels import kv_quant  # noqa: E402
 from nanoserve.kernels import reference as torch_ref  # noqa: E402
 from nanoserve.model.attention_metadata import AttentionMetadata  # noqa: E402
+from nanoserve.runner.kv_cache import fp8_layout  # noqa: E402
 from test_attention import DEVICE, assert_close  # noqa: E402
 
 if not torch.cuda.is_available() and type(tk._decode_kernel).__name__ != "InterpretedFunction":
@@ -49,6 +50,8 @@ class TailState:
             self.scales = tuple(torch.full(shape[:3], torch.nan, dtype=kv_quant.TOKEN_SCALE_DTYPE) for _ in range(2))
         else:
             self.scales = (torch.tensor([0.03]), torch.tensor([0.025]))
+        v_cache, self.scales = fp8_layout(self.caches[1], self.scales)  # the engine's layout
+        self.caches = [self.caches[0], v_cache]
         rows = num_slots * kv_quant.TAIL_BANKS * block_size
         self.tail = tuple(torch.full((rows, num_kv_heads, head_dim), torch.nan, dtype=dtype) for _ in range(2))
         self.k, self.v, cache_slots, tail_rows = [], [], [], []
@@ -77,10 +80,11 @@ class TailState:
     def poison_cache(self, slot: int, positions: torch.Tensor) -> None:
         """The fp8 copies (codes and per-token scales) of these positions become NaN."""
         at = self.slot_of(slot, positions.cpu()).to(DEVICE)
+        blocks, offsets = at // self.block_size, at % self.block_size
         for cache, scale in zip(self.caches, self.scales):
-            cache.view(torch.uint8).view(-1, *cache.shape[2:])[at] = NAN_CODE
+            cache.view(torch.uint8)[blocks, offsets] = NAN_CODE
             if kv_quant.per_token(scale):
-                scale.view(-1, scale.shape[2])[at] = torch.nan
+                scale[blocks, offsets] = torch.nan
 
 
 # --------------------------------------------------------------------------------------------- store

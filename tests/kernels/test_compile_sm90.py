@@ -28,6 +28,7 @@ from nanoserve.kernels import attention, fp8, fused, gemv, moe, moe_gemm, ngram,
 from nanoserve.kernels.gemv import GemvConfig
 from nanoserve.kernels.switches import SWITCHES
 from nanoserve.model.attention_metadata import AttentionMetadata
+from nanoserve.runner.kv_cache import fp8_layout
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
           torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
@@ -121,6 +122,7 @@ attention.paged_prefill_attention(torch.randn(3, 16, 128, dtype=bf), kc, vc, met
 # an fp8 KV cache: per-token scales and a per-layer scale, through every store and read
 kc8, vc8 = torch.zeros(10, 16, 8, 128, dtype=torch.float8_e4m3fn), torch.zeros(10, 16, 8, 128, dtype=torch.float8_e4m3fn)
 for scales in ((torch.ones(10, 16, 8, dtype=bf), torch.ones(10, 16, 8, dtype=bf)), (torch.ones(1), torch.ones(1))):
+    vc8, scales = fp8_layout(vc8, scales)  # the engine's: V transposed within its blocks, scales in (K, V) pairs
     rotary_kv.qk_norm_rope(q, k, cos_sin, slots, kv_store=(v, kc8, vc8, slots, scales))
     attention.store_kv(k, v, kc8, vc8, slots, scales)
     attention.decode_attention(torch.randn(3, 16, 128, dtype=bf), kc8, vc8, tables, lens, 0.1, kv_scales=scales)

@@ -16,6 +16,7 @@ triton = pytest.importorskip("triton")
 from nanoserve.kernels import attention as tk  # noqa: E402
 from nanoserve.kernels import kv_quant, rotary_kv  # noqa: E402
 from nanoserve.kernels import reference as torch_ref  # noqa: E402
+from nanoserve.runner.kv_cache import fp8_layout  # noqa: E402
 from test_attention import DEVICE, PagedBatch, assert_close, prefill_case  # noqa: E402
 
 if not torch.cuda.is_available() and type(tk._decode_kernel).__name__ != "InterpretedFunction":
@@ -26,13 +27,15 @@ DESIGNS = ["token", "layer"]
 
 
 def fp8_cache(shape, design, device=DEVICE):
-    """An empty fp8 cache [num_blocks, block_size, heads, dim] and its (k, v) scales of the given design."""
+    """An empty fp8 cache [num_blocks, block_size, heads, dim] and its (k, v) scales of the given design, laid out as
+    the engine's (V transposed within its blocks, per-token scales in (K, V) pairs: kv_cache.fp8_layout)."""
     caches = [torch.zeros(shape, dtype=FP8, device=device) for _ in range(2)]
     if design == "token":
         scales = tuple(torch.zeros(shape[:3], dtype=kv_quant.TOKEN_SCALE_DTYPE, device=device) for _ in range(2))
     else:
         scales = (torch.tensor([0.75], device=device), torch.tensor([1.5], device=device))
-    return caches, scales
+    v, scales = fp8_layout(caches[1], scales)
+    return (caches[0], v), scales
 
 
 def wide_values(shape, gen):
@@ -55,7 +58,8 @@ def quantized_batch(batch: PagedBatch, design: str):
             codes, _ = kv_quant.quantize_ref(cache, scale)
         out.append((codes, scale))
     (kc, ks), (vc, vs) = out
-    return kc, vc, (ks, vs)
+    vc, scales = fp8_layout(vc, (ks, vs))
+    return kc, vc, scales
 
 
 @pytest.mark.parametrize("design", DESIGNS)

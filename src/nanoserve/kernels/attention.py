@@ -26,11 +26,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanoserve.kernels import kv_quant, reference
+from nanoserve.kernels import attention_sm90, kv_quant, reference
 from nanoserve.kernels._triton import (cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_start, pdl_wait, tl,
                                        use_triton)
+from nanoserve.kernels.decode_split import decode_partition, tail_split
 from nanoserve.kernels.kv_quant import quantize_rows, tail_row_tl
 from nanoserve.kernels.metadata import AttentionInputs
+from nanoserve.kernels.paging import require_cache_layout
+from nanoserve.kernels.switches import SWITCHES
 
 
 def select_backend(device: torch.device) -> str:
@@ -143,9 +146,10 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks_ptr, vs_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h, stride_s_slot, stride_s_h,
+                     stride_kc_b, stride_kc_t, stride_kc_h, stride_kc_d, stride_vc_b, stride_vc_t, stride_vc_h,
+                     stride_vc_d, stride_s_slot, stride_s_h,
                      k_tail_ptr, v_tail_ptr, tail_rows_ptr, stride_tail_row, stride_tail_h,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
                      USE_PDL: tl.constexpr, TAIL: tl.constexpr = False):
     pdl_start(USE_PDL)
@@ -170,10 +174,11 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks_ptr, v
         head_ok = heads[:, None] < NUM_KV_HEADS
         k = quantize_rows(k, ks_ptr + scale_at, head_ok, TOKEN_SCALES)
         v = quantize_rows(v, vs_ptr + scale_at, head_ok, TOKEN_SCALES)
-    tl.store(k_cache_ptr + slot * stride_kc_slot + heads[:, None] * stride_kc_h + dims[None, :],
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + slot * stride_vc_slot + heads[:, None] * stride_vc_h + dims[None, :],
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE  # (a cache's V may be stored transposed in its blocks)
+    tl.store(k_cache_ptr + block * stride_kc_b + offset * stride_kc_t + heads[:, None] * stride_kc_h
+             + dims[None, :] * stride_kc_d, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + block * stride_vc_b + offset * stride_vc_t + heads[:, None] * stride_vc_h
+             + dims[None, :] * stride_vc_d, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -195,8 +200,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
     if num_tokens == 0:
         return
-    _require_unit_last_stride(store_kv=(k, v, k_cache, v_cache))
-    _require_slot_layout(k_cache, v_cache, *(kv_scales if fmt["TOKEN_SCALES"] else ()))
+    _require_unit_last_stride(store_kv=(k, v))
+    require_cache_layout("store_kv", k_cache, v_cache, kv_scales if fmt["TOKEN_SCALES"] else None)
     if kv_tail is not None and (tail_rows is None or tail_rows.shape != (num_tokens,)):
         raise ValueError(f"store_kv: a tail needs tail_rows [{num_tokens}]")
     tail = _tail_args(kv_tail, k_cache, fmt, tail_rows, "store_kv")
@@ -205,8 +210,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     grid = (num_tokens, cdiv(num_kv_heads, block_h))
     _store_kv_kernel[grid](k, v, k_cache, v_cache, slot_mapping, scales[0], scales[1],
                            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
-                           scales[3], scales[4], *tail, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                           *k_cache.stride(), *v_cache.stride(), scales[3], scales[4], *tail,
+                           NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                            BLOCK_H=block_h, BLOCK_D=block_d, **fmt, num_warps=4, **pdl_args(k.device),
                            TAIL=kv_tail is not None)
 
@@ -217,7 +222,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 @jit
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin, end, first_key, last_key, kv_head,
                  dims, dim_ok, qk_scale, cap_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                 ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
+                 stride_vd, ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr = True):
     """Fold keys [start, start + BLOCK_N) ∩ [begin, end) of one paged context into the running (max, sum, acc) of
@@ -262,16 +267,17 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin
         p = p * v_scale[None, :]
     if FP8 and (BLOCK_N % BLOCK_SIZE == 0) and ((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0):
         v = _block_tile(v_cache_ptr, table, start, begin, end, kv_head, dims, dim_ok, stride_vb, stride_vt,
-                        stride_vh, BLOCK_SIZE, BLOCK_N, MASKED)
+                        stride_vh, stride_vd, BLOCK_SIZE, BLOCK_N, MASKED)
     else:  # bf16, or an fp8 tile that does not hold whole blocks
         v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + offsets[:, None] * stride_vt
-                    + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+                    + kv_head * stride_vh + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), DOT_PRECISION, DOT_UPCAST)
     return m_new, l_i, acc
 
 
 @jit
 def _block_tile(v_cache_ptr, table, start, begin, end, kv_head, dims, dim_ok, stride_vb, stride_vt, stride_vh,
+                stride_vd,
                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """An fp8 cache's V tile [BLOCK_N, dims] of keys [start, start + BLOCK_N), loaded as [blocks, block_size, dims]
     with one mask per block (whole blocks; keys outside [begin, end) zeroed after the load), so the loads stay
@@ -281,7 +287,7 @@ def _block_tile(v_cache_ptr, table, start, begin, end, kv_head, dims, dim_ok, st
     first = start // BLOCK_SIZE + tl.arange(0, NB)
     offsets = tl.arange(0, BLOCK_SIZE)
     keys = first[:, None] * BLOCK_SIZE + offsets[None, :]
-    ptrs_at = offsets[None, :, None] * stride_vt + kv_head * stride_vh + dims[None, None, :]
+    ptrs_at = offsets[None, :, None] * stride_vt + kv_head * stride_vh + dims[None, None, :] * stride_vd
     if MASKED:  # keys outside [begin, end) are zeroed after the load: their slots may hold anything, NaN included
         key_ok = (keys >= begin) & (keys < end)
         block_ok = (first * BLOCK_SIZE < end) & (first * BLOCK_SIZE + BLOCK_SIZE > begin)
@@ -316,37 +322,6 @@ def _scores(dots, qk_scale, cap_scale, SOFTCAP: tl.constexpr):
     if SOFTCAP:
         return cap_scale * (1.0 - 2.0 / (tl.exp2(dots * qk_scale) + 1.0))
     return dots * qk_scale
-
-
-@jit
-def _decode_partition(context_len, window, num_splits, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr = 1,
-                      TAIL: tl.constexpr = False):
-    """(first key, first tile, tokens per split, end of the split keys) of this sequence's decode: the keys
-    [max(0, context_len - window), end) spread over all splits in whole tiles, from the tile that holds the window's
-    first key (tile-aligned partitions keep the key-tile loads vectorised; the keys before the window in that tile
-    are masked, not loaded), so blocks that slid out of the window are never read. Sized on the device from
-    context_len, so a short context in an engine built for long ones still uses every split. end: context_len; with
-    TAIL the start of the query's own block, whose keys one split reads exact from the tail (_tail_split) — possibly
-    before the first tile, when no fp8 key is left to split."""
-    window_start = tl.maximum(context_len - window, 0)
-    first_tile = window_start // BLOCK_N * BLOCK_N
-    if TAIL:
-        end = tl.maximum(context_len - 1, 0) // BLOCK_SIZE * BLOCK_SIZE
-        span = tl.maximum(end - first_tile, 0)
-    else:
-        end = context_len
-        span = context_len - first_tile
-    return window_start, first_tile, tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N), 1) * BLOCK_N, end
-
-
-@jit
-def _tail_split(first_tile, partition_size, split_end, num_splits):
-    """(the split that reads the own block's exact keys, how many splits hold partials) of a decode with a tail: the
-    first split left without fp8 keys, so the tail's loads run beside the fp8 tiles instead of after them (b = 1 reads
-    512 tokens in a few of its splits); split 0 when every split has fp8 keys."""
-    used = tl.cdiv(tl.maximum(split_end - first_tile, 0), partition_size)
-    tail_split = tl.where(used < num_splits, used, 0)
-    return tail_split, tl.minimum(used + 1, num_splits)
 
 
 @jit
@@ -389,7 +364,7 @@ def _row_group(group_back_ptr, row, num_rows, SEQ_ROWS: tl.constexpr, BLOCK_R: t
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                    part_acc_ptr, part_ml_ptr, qk_scale, cap_scale, window, num_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh,
-                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_bt,
                    ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                    k_tail_ptr, v_tail_ptr, slots_ptr, stride_tail_row, stride_tail_h, group_back_ptr,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -408,12 +383,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     first, last = _row_group(group_back_ptr, seq, tl.num_programs(0), SEQ_ROWS, BLOCK_R)
     own_len = tl.load(context_lens_ptr + seq)
     context_len = own_len + (last - seq)  # the group's last row's (a group's context lengths rise by one)
-    window_start, first_tile, partition_size, split_end = _decode_partition(context_len, window + (last - first),
-                                                                            num_splits, BLOCK_N, BLOCK_SIZE, TAIL)
+    window_start, first_tile, partition_size, split_end = decode_partition(context_len, window + (last - first),
+                                                                           num_splits, BLOCK_N, BLOCK_SIZE, TAIL)
     part_start = first_tile + split * partition_size
     if TAIL:  # the tail's split always runs: it reads the own block's exact keys, even when no fp8 key is left
-        tail_split, _ = _tail_split(first_tile, partition_size, split_end, num_splits)
-        runs = (split == tail_split) | (part_start < split_end)
+        own_split, _ = tail_split(first_tile, partition_size, split_end, num_splits)
+        runs = (split == own_split) | (part_start < split_end)
     else:
         # Partitions past the context exit at once. "<=" lets an empty context (padding rows) write
         # zeros from split 0; the reduce ignores the empty partial that this also writes for split > 0.
@@ -445,11 +420,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         for start in range(part_start, part_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, window_start,
                                          part_end, first_key, last_key, kv_head, dims, dim_ok, qk_scale, cap_scale,
-                                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
                                          ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                                          BLOCK_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
         if TAIL:  # (one row per group)
-            if split == tail_split:
+            if split == own_split:
                 # The own block's keys [split_end, context_len) (those in the window), from the tail rows.
                 keys = split_end + tl.arange(0, BLOCK_T)
                 key_ok = (keys >= window_start) & (keys < context_len)
@@ -501,13 +476,13 @@ def _lanes_merge(m_i, l_i, acc):
 
 
 @jit
-def _lanes_raw(k_ptr, v_ptr, at, dims, ok, dim_ok):
-    """The K and V rows at offsets `at` [ROWS * LANES] as stored (zero where not ok), [ROWS * LANES, D]: 2-d tiles,
-    which every Triton version lays out alike (threads along head_dim, then along keys; a thread's rows LANES keys
-    apart)."""
-    ptrs = at[:, None] + dims[None, :]
+def _lanes_raw(k_ptr, v_ptr, k_at, v_at, dims, stride_vd, ok, dim_ok):
+    """The K and V rows at offsets k_at / v_at [ROWS * LANES] as stored (zero where not ok), [ROWS * LANES, D]: 2-d
+    tiles, which every Triton version lays out alike (threads along head_dim, then along keys; a thread's rows LANES
+    keys apart)."""
     mask = ok[:, None] & dim_ok[None, :]
-    return tl.load(k_ptr + ptrs, mask=mask, other=0.0), tl.load(v_ptr + ptrs, mask=mask, other=0.0)
+    return (tl.load(k_ptr + k_at[:, None] + dims[None, :], mask=mask, other=0.0),
+            tl.load(v_ptr + v_at[:, None] + dims[None, :] * stride_vd, mask=mask, other=0.0))
 
 
 @jit
@@ -519,19 +494,18 @@ def _lanes_widen(k, v, ROWS: tl.constexpr, LANES: tl.constexpr):
 
 
 @jit
-def _lanes_at(table, start, flat_tile, window_start, part_end, stride_b, stride_t, BLOCK_SIZE: tl.constexpr):
-    """(offsets of keys start + flat_tile in the cache without the head's, which of them to load)."""
+def _lanes_at(table, start, flat_tile, window_start, part_end, BLOCK_SIZE: tl.constexpr):
+    """(block ids and in-block offsets of keys start + flat_tile, which of them to load)."""
     keys = start + flat_tile
     ok = (keys >= window_start) & (keys < part_end)
-    ids = tl.load(table + keys // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-    return ids * stride_b + (keys % BLOCK_SIZE) * stride_t, ok
+    return tl.load(table + keys // BLOCK_SIZE, mask=ok, other=0).to(tl.int64), keys % BLOCK_SIZE, ok
 
 
 @jit
 def _decode_lanes_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                          part_acc_ptr, part_ml_ptr, qk_scale, cap_scale, window, num_splits,
                          stride_qb, stride_qh, stride_ob, stride_oh,
-                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_bt,
                          ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                          k_tail_ptr, v_tail_ptr, slots_ptr, stride_tail_row, stride_tail_h,
                          BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -548,12 +522,12 @@ def _decode_lanes_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    window_start, first_tile, partition_size, split_end = _decode_partition(context_len, window, num_splits,
-                                                                            ROWS * LANES, BLOCK_SIZE, TAIL)
+    window_start, first_tile, partition_size, split_end = decode_partition(context_len, window, num_splits,
+                                                                           ROWS * LANES, BLOCK_SIZE, TAIL)
     part_start = first_tile + split * partition_size
     if TAIL:
-        tail_split, _ = _tail_split(first_tile, partition_size, split_end, num_splits)
-        runs = (split == tail_split) | (part_start < split_end)
+        own_split, _ = tail_split(first_tile, partition_size, split_end, num_splits)
+        runs = (split == own_split) | (part_start < split_end)
     else:
         runs = part_start <= context_len
     if runs:
@@ -576,8 +550,10 @@ def _decode_lanes_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         v_base = v_cache_ptr + kv_head * stride_vh
         for start in range(part_start, part_end, ROWS * LANES):
             start = tl.multiple_of(start, ROWS * LANES)
-            at, ok = _lanes_at(table, start, flat_tile, window_start, part_end, stride_kb, stride_kt, BLOCK_SIZE)
-            k, v = _lanes_widen(*_lanes_raw(k_base, v_base, at, flat_dims, ok, flat_dim_ok), ROWS, LANES)
+            ids, offsets, ok = _lanes_at(table, start, flat_tile, window_start, part_end, BLOCK_SIZE)
+            k, v = _lanes_widen(*_lanes_raw(k_base, v_base, ids * stride_kb + offsets * stride_kt,
+                                            ids * stride_vb + offsets * stride_vt, flat_dims, stride_vd, ok,
+                                            flat_dim_ok), ROWS, LANES)
             keys = start + tile
             key_ok = (keys >= window_start) & (keys < part_end)
             block_ids = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
@@ -588,12 +564,13 @@ def _decode_lanes_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
             m_i, l_i, acc = _lanes_fold(q, m_i, l_i, acc, k, v, key_ok[:, :, :, None], k_scale, v_scale, qk_scale,
                                         cap_scale, SOFTCAP)
         if TAIL:
-            if split == tail_split:  # the own block's keys [split_end, context_len) in the window, exact (tail rows)
+            if split == own_split:  # the own block's keys [split_end, context_len) in the window, exact (tail rows)
                 flat_keys = split_end + tl.arange(0, TAIL_ROWS * LANES)
                 flat_ok = (flat_keys >= window_start) & (flat_keys < context_len)
                 at = tail_row_tl(tl.load(slots_ptr + seq).to(tl.int64), flat_keys, BLOCK_SIZE) * stride_tail_row
                 k, v = _lanes_widen(*_lanes_raw(k_tail_ptr + kv_head * stride_tail_h, v_tail_ptr + kv_head
-                                                * stride_tail_h, at, flat_dims, flat_ok, flat_dim_ok), TAIL_ROWS, LANES)
+                                                * stride_tail_h, at, at, flat_dims, 1, flat_ok, flat_dim_ok),
+                                    TAIL_ROWS, LANES)
                 keys = split_end + (tl.arange(0, TAIL_ROWS)[:, None] * LANES + tl.arange(0, LANES)[None, :])[None]
                 key_ok = (keys >= window_start) & (keys < context_len)
                 ones = tl.full([1, TAIL_ROWS, LANES, 1], 1.0, tl.float32)
@@ -624,10 +601,10 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, context_lens_ptr, group_bac
     head = tl.program_id(1)
     first, last = _row_group(group_back_ptr, seq, tl.num_programs(0), SEQ_ROWS, BLOCK_R)
     context_len = tl.load(context_lens_ptr + seq) + (last - seq)  # the splits are the group's (_decode_kernel)
-    _window_start, first_tile, partition_size, split_end = _decode_partition(context_len, window + (last - first),
-                                                                             num_splits, BLOCK_N, BLOCK_SIZE, TAIL)
+    _window_start, first_tile, partition_size, split_end = decode_partition(context_len, window + (last - first),
+                                                                            num_splits, BLOCK_N, BLOCK_SIZE, TAIL)
     if TAIL:  # those that saw fp8 keys and the tail's
-        _tail, num_valid = _tail_split(first_tile, partition_size, split_end, num_splits)
+        _tail, num_valid = tail_split(first_tile, partition_size, split_end, num_splits)
     else:
         num_valid = tl.cdiv(context_len - first_tile, partition_size)  # splits that saw tokens; later ones ignored
     splits = tl.arange(0, BLOCK_S)
@@ -665,7 +642,7 @@ class DecodePartials:
 
     acc: torch.Tensor  # [num_seqs * num_heads * num_splits * head_dim] fp32
     ml: torch.Tensor  # [num_seqs * num_heads * num_splits * 2] fp32
-    context_lens: torch.Tensor  # [num_seqs]: with window, which splits saw tokens (_decode_partition)
+    context_lens: torch.Tensor  # [num_seqs]: with window, which splits saw tokens (decode_partition)
     window: int  # the decode kernel's window argument (NO_WINDOW: none)
     num_seqs: int
     num_heads: int
@@ -674,7 +651,7 @@ class DecodePartials:
     block_n: int  # the decode kernel's key tile, which sizes the partitions
     dtype: torch.dtype  # of the attention output
     block_size: int = 1  # of the cache: with a tail, the splits cover the keys before the query's own block
-    tail: bool = False  # read with a tail (one split also holds the own block's exact keys: _tail_split)
+    tail: bool = False  # read with a tail (one split also holds the own block's exact keys: tail_split)
     group_back: torch.Tensor | None = None  # [num_seqs] with seq_rows > 1: the rows' groups (decode_attention)
     seq_rows: int = 1
 
@@ -721,7 +698,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     chunk = seq_rows if group * seq_rows <= DECODE_GROUP_TILE else max(1, DECODE_GROUP_TILE // group)
     if num_seqs == 0:
         return out
-    _require_unit_last_stride(decode_attention=(q, k_cache, v_cache, block_tables))
+    _require_unit_last_stride(decode_attention=(q, block_tables))
+    require_cache_layout("decode_attention", k_cache, v_cache)
+    if SWITCHES.gluon_decode and attention_sm90.supports(q, k_cache, v_cache, kv_scales, window, softcap, seq_rows,
+                                                         kv_tail):
+        return _decode_sm90(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, kv_scales, kv_tail,
+                            slots, out)
     window = NO_WINDOW if window is None else window
     max_keys = min(block_tables.shape[1] * block_size, window)  # static: the window is the layer's
     block_d = max(16, next_power_of_2(head_dim))
@@ -731,21 +713,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_keys, sms)
     num_splits = max(1, min(num_splits, cdiv(max_keys, block_n)))  # a split is at least one tile
-    if num_splits > 1:
-        parts = torch.empty(num_seqs * num_heads * num_splits * (head_dim + 2), dtype=torch.float32, device=q.device)
-        partials = DecodePartials(parts[:num_seqs * num_heads * num_splits * head_dim],
-                                  parts[num_seqs * num_heads * num_splits * head_dim:], context_lens,
-                                  window, num_seqs, num_heads, head_dim, num_splits, block_n, q.dtype,
-                                  block_size, kv_tail is not None, group_back, seq_rows)
-        part_acc, part_ml = partials.acc, partials.ml
-    else:
-        part_acc = part_ml = out  # unused by the single-split kernel
+    partials = _partials(q, context_lens, window, num_splits, block_n, block_size, kv_tail is not None, group_back,
+                         seq_rows)
+    part_acc, part_ml = (partials.acc, partials.ml) if partials else (out, out)  # (unused by one split)
     if lane_rows:
         _decode_lanes_kernel[(num_seqs, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, *_score_args(scale, softcap),
             window, num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *scales, *tail,
+            *v_cache.stride(), block_tables.stride(0), *scales, *tail,
             BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
             BLOCK_G=next_power_of_2(group), BLOCK_D=block_d, ROWS=lane_rows, LANES=DECODE_LANES,
             SOFTCAP=softcap is not None, TAIL=kv_tail is not None,
@@ -757,7 +733,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         window, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *scales, *tail,
+        *v_cache.stride(), block_tables.stride(0), *scales, *tail,
         group_back if seq_rows > 1 else context_lens,
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
         BLOCK_G=max(16, next_power_of_2(group * chunk)), BLOCK_D=block_d, BLOCK_N=block_n,
@@ -770,6 +746,36 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits == 1:
         return out
     return merge_partials(partials, out)
+
+
+def _partials(q: torch.Tensor, context_lens: torch.Tensor, window: int, num_splits: int, block_n: int,
+              block_size: int, tail: bool, group_back: torch.Tensor | None = None,
+              seq_rows: int = 1) -> DecodePartials | None:
+    """The split-K partials a decode with num_splits > 1 writes (None for one split: it writes the output)."""
+    if num_splits == 1:
+        return None
+    num_seqs, num_heads, head_dim = q.shape
+    size = num_seqs * num_heads * num_splits
+    parts = torch.empty(size * (head_dim + 2), dtype=torch.float32, device=q.device)
+    return DecodePartials(parts[:size * head_dim], parts[size * head_dim:], context_lens, window, num_seqs, num_heads,
+                          head_dim, num_splits, block_n, q.dtype, block_size, tail, group_back, seq_rows)
+
+
+def _decode_sm90(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, kv_scales, kv_tail, slots,
+                 out) -> torch.Tensor:
+    """decode_attention by attention_sm90's Gluon kernel (an fp8 cache on Hopper), with the same split rule,
+    partials and reduce as the Triton kernels."""
+    num_seqs, num_heads, _ = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    max_keys = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_keys, num_sms(q.device))
+    num_splits = max(1, min(num_splits, cdiv(max_keys, attention_sm90.BLOCK_N)))
+    partials = _partials(q, context_lens, NO_WINDOW, num_splits, attention_sm90.BLOCK_N, block_size,
+                         kv_tail is not None)
+    attention_sm90.decode(q, k_cache, v_cache, block_tables, context_lens, _score_args(scale, None)[0], kv_scales,
+                          num_splits, out, *((partials.acc, partials.ml) if partials else (out, out)), kv_tail, slots)
+    return out if partials is None else merge_partials(partials, out)
 
 
 def _decode_tile(fp8: bool, seq_rows: int, group: int, programs: int, sms: int, block_d: int, element_size: int
@@ -808,7 +814,7 @@ def merge_partials(p: DecodePartials, out: torch.Tensor | None = None) -> torch.
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_rows_ptr, context_lens_ptr,
                     cu_seqlens_q_ptr, work_seq_ptr, work_start_ptr, out_ptr, qk_scale, cap_scale, window,
                     stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_bt,
                     ks_ptr, vs_ptr, stride_sb, stride_st, stride_sh,
                     k_tail_ptr, v_tail_ptr, stride_tail_row, stride_tail_h,
                     k_ptr, v_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
@@ -868,20 +874,20 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, table_row
         for start in range(kv_start, full_start, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, far_end,
                                          first_key, last_far, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr, vs_ptr,
-                                         stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, ks_ptr,
+                                         vs_ptr, stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
                                          DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
         for start in range(full_start, full_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, far_end,
                                          first_key, last_far, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr, vs_ptr,
-                                         stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, ks_ptr,
+                                         vs_ptr, stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
                                          DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8, MASKED=False)
         for start in range(full_end, far_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_begin, far_end,
                                          first_key, last_far, kv_head, dims, dim_ok, qk_scale, cap_scale, stride_kb,
-                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, ks_ptr, vs_ptr,
-                                         stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
+                                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, ks_ptr,
+                                         vs_ptr, stride_sb, stride_st, stride_sh, BLOCK_SIZE, BLOCK_N,
                                          DOT_PRECISION, DOT_UPCAST, SOFTCAP, FP8)
         if TAIL:
             # Keys [own_first, kv_end), exact: the step's own k/v from its first position (context_len - q_len) on,
@@ -982,7 +988,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         fresh = (k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1))
     if num_tokens == 0:
         return out
-    _require_unit_last_stride(prefill_attention=(q, k_cache, v_cache, meta.block_tables))
+    _require_unit_last_stride(prefill_attention=(q, meta.block_tables))
+    require_cache_layout("prefill_attention", k_cache, v_cache)
     tiles = tiles or prefill_tiles(num_heads // num_kv_heads, head_dim, _compute_dtype(q, k_cache).itemsize,
                                    fmt["FP8"])
     work_seq, work_start = meta.work_seq, meta.work_start
@@ -995,7 +1002,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out, *_score_args(scale, softcap), NO_WINDOW if window is None else window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0), *scales, k_tail, v_tail,
+        *v_cache.stride(), meta.block_tables.stride(0), *scales, k_tail, v_tail,
         *tail_strides, *fresh,
         BLOCK_SIZE=block_size, GROUP=tiles.group, HEAD_DIM=head_dim, Q_PER_TILE=tiles.q_per_tile,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, SOFTCAP=softcap is not None,
@@ -1141,11 +1148,3 @@ def _tail_args(kv_tail: tuple[torch.Tensor, torch.Tensor] | None, cache: torch.T
                          f"{cache.shape[2]}, {cache.shape[3]}], with the same strides and dtype")
     _require_unit_last_stride(**{name: (k_tail, v_tail)})
     return k_tail, v_tail, index, k_tail.stride(0), k_tail.stride(1)
-
-
-def _require_slot_layout(*caches: torch.Tensor) -> None:
-    """Slots index block * block_size + offset, so a block's stride must be block_size slots."""
-    for cache in caches:
-        if cache.stride(0) != cache.shape[1] * cache.stride(1):
-            raise ValueError(f"store_kv: cache strides {cache.stride()} do not allow flat slot indexing "
-                             f"(shape {tuple(cache.shape)})")

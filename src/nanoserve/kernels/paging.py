@@ -1,7 +1,9 @@
 """The paged KV cache's addressing, the one definition the engine, the runner and the kernels' references share:
 a sequence's tokens live in fixed-size blocks listed by its block table; token position p is in block
 table[p // block_size], at offset p % block_size; its slot in a cache [num_blocks, block_size, ...] is
-block_id * block_size + offset (what slot_mapping holds and the attention kernels read).
+block_id * block_size + offset (what slot_mapping holds and the attention kernels read). The kernels address a
+block's token by (block, offset) through the cache's strides, so an fp8 cache may store V transposed within each
+block (runner/kv_cache.py).
 """
 from __future__ import annotations
 
@@ -30,4 +32,17 @@ def kv_slots(tables, positions, block_size: int) -> np.ndarray:
     return (blocks * block_size + positions % block_size).astype(np.int32)
 
 
-__all__ = ["blocks_for", "kv_slots"]
+def require_cache_layout(name: str, k_cache, v_cache, token_scales=None) -> None:
+    """The layouts the kernels address: K [blocks, block_size, kv_heads, head_dim] with a contiguous head_dim; V the
+    same, or transposed within its blocks (the keys of a head dimension contiguous: an fp8 cache's, KVCacheSpec);
+    per-token scales indexed by slot = block * block_size + offset (a block's stride block_size slots)."""
+    if k_cache.stride(-1) != 1 or 1 not in (v_cache.stride(-1), v_cache.stride(1)):
+        raise ValueError(f"{name}: cache strides {k_cache.stride()} / {v_cache.stride()} (shape "
+                         f"{tuple(k_cache.shape)}): K needs a contiguous head_dim, V a contiguous head_dim or block")
+    for scale in token_scales or ():
+        if scale.stride(0) != scale.shape[1] * scale.stride(1):
+            raise ValueError(f"{name}: KV scale strides {scale.stride()} do not allow slot indexing "
+                             f"(shape {tuple(scale.shape)})")
+
+
+__all__ = ["blocks_for", "kv_slots", "require_cache_layout"]

@@ -1,7 +1,7 @@
 """Plain-PyTorch paged attention: the CPU path and the oracle the Triton kernels (attention.py) are tested against.
 
-Caches are laid out [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
-block_id * block_size + offset.
+Caches are [num_blocks, block_size, num_kv_heads, head_dim] (views: an fp8 cache's V is stored transposed within
+its blocks); a token's slot is block_id * block_size + offset.
 
 Two per-layer options, with transformers' semantics (masking_utils.sliding_window_overlay, Gemma 2's
 attn_logit_softcapping): window W lets the query at position p see keys k with p - W < k <= p (at most W keys,
@@ -29,8 +29,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Write k/v [num_tokens, num_kv_heads, head_dim] into their cache slots (and, with a tail, into their tail rows)."""
     if kv_tail is not None:
         store_tail(k, v, kv_tail, tail_rows)
-    num_kv_heads, head_dim = k_cache.shape[-2:]
     slots = slot_mapping.long()
+    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]  # (by index: V may be stored transposed)
     for x, cache, scale in zip((k, v), (k_cache, v_cache), kv_scales or (None, None)):
         if scale is None:
             kv_quant.kernel_args(cache, None)  # a model-dtype cache
@@ -38,10 +38,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         else:
             value, row_scale = kv_quant.quantize_ref(x, None if kv_quant.per_token(scale) else scale)
             if kv_quant.per_token(scale):
-                scale.view(-1, num_kv_heads).index_copy_(0, slots, row_scale.to(scale.dtype))
-        if scale is not None:  # index_copy_ has no fp8 kernel on CPU: copy the codes' bytes
+                scale[blocks, offsets] = row_scale.to(scale.dtype)
+        if scale is not None:  # index_put_ has no fp8 kernel on CPU: copy the codes' bytes
             cache, value = cache.view(torch.uint8), value.view(torch.uint8)
-        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+        cache[blocks, offsets] = value
 
 
 def store_tail(k: torch.Tensor, v: torch.Tensor, kv_tail: tuple[torch.Tensor, torch.Tensor],

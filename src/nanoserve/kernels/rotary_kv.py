@@ -14,6 +14,7 @@ from nanoserve.kernels import kv_quant, reference
 from nanoserve.kernels._triton import cdiv, jit, pdl_args, pdl_start, pdl_wait, tl, use_triton
 from nanoserve.kernels.fused import rms_norm_ref
 from nanoserve.kernels.kv_quant import quantize_rows
+from nanoserve.kernels.paging import require_cache_layout
 
 
 @dataclass
@@ -55,6 +56,11 @@ class QKVRope:
     def kv_store(self, v: torch.Tensor) -> tuple:
         """qk_norm_rope's kv_store for these v."""
         return v, self.k_cache, self.v_cache, self.slot_mapping, self.kv_scales, self.kv_tail, self.tail_rows
+
+
+def _cache_strides(cache: torch.Tensor) -> tuple[int, ...]:
+    """A cache's (block, offset, kv head, dim) strides; without a KV store (k_out stands in), unused zeros."""
+    return cache.stride() if cache.dim() == 4 else (0, 0, 0, 0)
 
 
 def rotary_dim(cos_sin_cache: torch.Tensor, head_dim: int) -> int:
@@ -112,11 +118,9 @@ def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, e
     v, k_cache, v_cache, slots, kv_scales, kv_tail, tail_rows = (*kv_store, None, None)[:7] \
         if kv_store is not None else (k, k_out, k_out, positions, None, None, None)
     k_tail, v_tail = kv_tail if kv_tail is not None else (k_out, k_out)
-    if kv_store is not None and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
     scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
-    if fmt["TOKEN_SCALES"] and not (kv_scales[0].is_contiguous() and kv_scales[1].is_contiguous()):
-        raise ValueError("per-token KV scales must be contiguous [num_blocks, block_size, num_kv_heads]")
+    if kv_store is not None:
+        require_cache_layout("qk_norm_rope", k_cache, v_cache, kv_scales if fmt["TOKEN_SCALES"] else None)
     if not cos_sin_cache.is_contiguous():
         raise ValueError("the cos/sin table must be contiguous [max_position, 2 * rotary_dim]")
     block_t = ROPE_BLOCK_T if tokens >= ROPE_MIN_TOKENS_PER_BLOCK else 1
@@ -125,7 +129,9 @@ def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, e
         cos_sin_cache, positions,
         q_norm_w if has_norm else cos_sin_cache, k_norm_w if has_norm else cos_sin_cache, scales[0], scales[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), tokens, num_heads,
-        num_kv_heads, eps, scales[3], scales[4], HEAD_DIM=d, ROTARY_DIM=rd, BLOCK_T=block_t, HAS_NORM=has_norm,
+        num_kv_heads, eps, scales[3], scales[4], *_cache_strides(k_cache), *_cache_strides(v_cache),
+        BLOCK_SIZE=k_cache.shape[1] if kv_store is not None else 1, HEAD_DIM=d, ROTARY_DIM=rd, BLOCK_T=block_t,
+        HAS_NORM=has_norm,
         STORE_KV=kv_store is not None, TAIL=kv_tail is not None, **fmt, num_warps=4, **pdl_args(q.device))
     return q_out, k_out
 
@@ -134,7 +140,9 @@ def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, e
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                          k_tail_ptr, v_tail_ptr, tail_row_ptr, cos_sin_ptr, pos_ptr, qw_ptr, kw_ptr, ks_ptr, vs_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_tokens, num_heads,
-                         num_kv_heads, eps, stride_s_slot, stride_s_h, HEAD_DIM: tl.constexpr,
+                         num_kv_heads, eps, stride_s_slot, stride_s_h, stride_kc_b, stride_kc_t, stride_kc_h,
+                         stride_kc_d, stride_vc_b, stride_vc_t, stride_vc_h, stride_vc_d, BLOCK_SIZE: tl.constexpr,
+                         HEAD_DIM: tl.constexpr,
                          ROTARY_DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_NORM: tl.constexpr,
                          STORE_KV: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
                          USE_PDL: tl.constexpr):
@@ -180,7 +188,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr,
     if STORE_KV:
         if kv_head >= 0:  # write these tokens' rotated k and their v into the paged cache
             slot = tl.load(slot_ptr + tokens, mask=token_ok, other=0).to(tl.int64)
-            cache_at = (slot * num_kv_heads + kv_head) * HEAD_DIM + dims
+            block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE  # (an fp8 cache's V is transposed in its blocks)
             v = tl.load(v_ptr + tokens * stride_vt + kv_head * stride_vh + dims, mask=token_ok)
             k = out
             if TAIL:  # the token's K/V in the model's dtype too, where its tail row says (kernels/kv_quant.py)
@@ -192,5 +200,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr,
                 scale_at = slot * stride_s_slot + kv_head * stride_s_h
                 k = quantize_rows(k, ks_ptr + scale_at, token_ok, TOKEN_SCALES)
                 v = quantize_rows(v, vs_ptr + scale_at, token_ok, TOKEN_SCALES)
-            tl.store(k_cache_ptr + cache_at, k.to(k_cache_ptr.dtype.element_ty), mask=token_ok)
-            tl.store(v_cache_ptr + cache_at, v.to(v_cache_ptr.dtype.element_ty), mask=token_ok)
+            tl.store(k_cache_ptr + block * stride_kc_b + offset * stride_kc_t + kv_head * stride_kc_h
+                     + dims * stride_kc_d, k.to(k_cache_ptr.dtype.element_ty), mask=token_ok)
+            tl.store(v_cache_ptr + block * stride_vc_b + offset * stride_vc_t + kv_head * stride_vc_h
+                     + dims * stride_vc_d, v.to(v_cache_ptr.dtype.element_ty), mask=token_ok)

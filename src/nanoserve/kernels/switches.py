@@ -1,8 +1,8 @@
 """On/off switches of the decode kernels: programmatic dependent launch, each fusion, and the tests' Triton path.
 
 Read once from the environment at import (NANOSERVE_PDL=0 turns PDL off, NANOSERVE_GEMV_PREFETCH=0 the GEMV's L2
-prefetch; NANOSERVE_FUSE_NORM=0 the RMSNorm prologue), so a benchmark can measure each
-one's worth: kernels read SWITCHES when they launch, so `switched(pdl=False)` followed by a fresh
+prefetch; NANOSERVE_FUSE_NORM=0 the RMSNorm prologue; NANOSERVE_GLUON_DECODE=0 the Gluon fp8 decode), so a benchmark
+can measure each one's worth: kernels read SWITCHES when they launch, so `switched(pdl=False)` followed by a fresh
 capture gives graphs without it, in the same process. Every switch only chooses between two paths
 that compute the same result (the tests check each fused path against the unfused one).
 
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 _ENV = {"pdl": "NANOSERVE_PDL", "gemv_prefetch": "NANOSERVE_GEMV_PREFETCH",
-        "fuse_norm": "NANOSERVE_FUSE_NORM",
+        "fuse_norm": "NANOSERVE_FUSE_NORM", "gluon_decode": "NANOSERVE_GLUON_DECODE",
         "fuse_max_m": "NANOSERVE_FUSE_MAX_M", "fuse_norm_min_k": "NANOSERVE_FUSE_NORM_MIN_K",
         "fuse_norm_max_k": "NANOSERVE_FUSE_NORM_MAX_K", "force_triton": "NANOSERVE_FORCE_TRITON"}
 _COUNTS = ("fuse_max_m", "fuse_norm_min_k", "fuse_norm_max_k")
@@ -32,6 +32,7 @@ class Switches:
     # (measured: notes/PERF.md, issue 34 figures, switches.gemv_prefetch).
     gemv_prefetch: bool = True
     fuse_norm: bool = True  # residual add + RMSNorm in the prologue of the GEMV that follows
+    gluon_decode: bool = True  # an fp8 cache's decode on Hopper by attention_sm90's Gluon kernel (else Triton's)
     # Rows up to which the fused prologues run. Each program of a prologue-fused GEMV re-reads (and re-normalises)
     # all its rows' activations, which is free for one row and costs as much as the weights by tens of rows
     # (measured: notes/PERF.md, issue 34 figures, switches.fuse_max_m).

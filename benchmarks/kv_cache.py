@@ -64,7 +64,7 @@ def run_engine(name: str, options: dict, bandwidth: float, batch_sizes: list[int
         try:
             runner = llm.engine.core.runner
             weights = weight_bytes_read_per_step(runner.model) if options.get("quantization") else None
-            print(f"  {name} {options}: {rec['startup']['kv_blocks']} KV blocks, "
+            print(f"  {name} {options}: {rec['startup']['kv_blocks']} KV blocks of {rec['startup']['kv_block_size']}, "
                   f"{rec['startup']['kv_bytes_per_token']} B/token, start-up {rec['startup']['engine_start_s']:.1f} s",
                   flush=True)
             rec["decode"] = decode_steps(llm, counts, cfg, batch_sizes, bandwidth, weight_bytes=weights)
@@ -141,16 +141,16 @@ def _ms(value: float | None) -> str:
 
 
 def summary_lines(report: dict) -> list[str]:
-    """The run as a table (per model and KV setting: blocks, capacity, decode ms per b, the long step) and each
+    """The run as a table (per model and KV setting: KV tokens, capacity, decode ms per b, the long step) and each
     target with its limit and verdict."""
     sizes = report["settings"]["batch_sizes"]
-    head = f"{'model':14s} {'kv':12s} {'blocks':>8s} {'cap x':>6s} " + " ".join(f"{f'b={b}':>8s}" for b in sizes)
+    head = f"{'model':14s} {'kv':12s} {'tokens':>8s} {'cap x':>6s} " + " ".join(f"{f'b={b}':>8s}" for b in sizes)
     lines = [head + f" {f'b={LONG_ROWS}@{LONG_CONTEXT // 1024}k':>10s}"]
     for name, model in report["models"].items():
         for kv, rec in model["runs"].items():
-            blocks = rec.get("startup", {}).get("kv_blocks")
+            tokens = rec.get("startup", {}).get("kv_tokens")
             cap = model["capacity"].get(kv, {}).get("tokens_ratio")
-            lines.append(f"{name:14s} {kv:12s} {blocks if blocks is not None else '-':>8} "
+            lines.append(f"{name:14s} {kv:12s} {tokens if tokens is not None else '-':>8} "
                          f"{'-' if cap is None else f'{cap:.3f}':>6s} "
                          + " ".join(f"{_ms(_step(rec, b)):>8s}" for b in sizes)
                          + f" {_ms(rec.get('long_context', {}).get('step_ms')):>10s}"

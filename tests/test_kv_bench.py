@@ -33,8 +33,9 @@ def test_check_reads_both_directions():
     assert common.check(None, 1.0)["met"] is None
 
 
-def _run(blocks: int, bytes_per_token: int, steps: dict, long_ms: float | None = None) -> dict:
-    rec = {"startup": {"kv_blocks": blocks, "kv_bytes_per_token": bytes_per_token},
+def _run(blocks: int, bytes_per_token: int, steps: dict, long_ms: float | None = None, block_size: int = 16) -> dict:
+    rec = {"startup": {"kv_blocks": blocks, "kv_block_size": block_size, "kv_tokens": blocks * block_size,
+                       "kv_bytes_per_token": bytes_per_token},
            "decode": {str(b): {"step_ms": ms} for b, ms in steps.items()}}
     if long_ms is not None:
         rec["long_context"] = {"step_ms": long_ms}
@@ -43,7 +44,7 @@ def _run(blocks: int, bytes_per_token: int, steps: dict, long_ms: float | None =
 
 def _report() -> dict:
     llama = {"auto": _run(1000, 131072, {1: 4.0, 64: 6.0, 256: 12.0}, 20.0),
-             "fp8": _run(1960, 66560, {1: 3.9, 64: 5.5, 256: 9.5}, 12.0),
+             "fp8": _run(980, 66560, {1: 3.9, 64: 5.5, 256: 9.5}, 12.0, block_size=32),  # (fp8's default blocks)
              "fp8-layer": _run(2000, 65536, {1: 4.1, 64: 5.6, 256: 9.4}, 11.9),
              kv_cache.FP8_WEIGHTS: _run(2500, 66560, {}, 10.0)}
     qwen = {"auto": _run(100, 114688, {1: 1.0, 256: 4.0}), "fp8": {"options": {}, "error": "RuntimeError: boom"}}
@@ -56,7 +57,7 @@ def test_capacity_and_targets_read_off_a_report():
     report = _report()
     cap = report["models"]["llama-3.1-8b"]["capacity"]
     assert set(cap) == {"fp8", "fp8-layer"}  # the fp8-weights run has more memory: not a KV capacity
-    assert cap["fp8"] == {"blocks_ratio": pytest.approx(1.96), "bytes_ratio": pytest.approx(131072 / 66560)}
+    assert cap["fp8"] == {"tokens_ratio": pytest.approx(1.96), "bytes_ratio": pytest.approx(131072 / 66560)}
     assert report["models"]["qwen3-0.6b"]["capacity"] == {}  # its fp8 engine failed to start
     t = kv_cache.targets(report)
     assert t["llama-3.1-8b / fp8 / decode b=256 ms"] == {"value": 9.5, "limit": 10.0, "met": True}
@@ -75,10 +76,10 @@ def test_summary_table_has_a_row_per_run_and_a_line_per_target():
     report = _report()
     report["targets"] = kv_cache.targets(report)
     lines = kv_cache.summary_lines(report)
-    assert lines[0].split()[:4] == ["model", "kv", "blocks", "cap"] and lines[0].split()[-1] == "b=16@32k"
+    assert lines[0].split()[:4] == ["model", "kv", "tokens", "cap"] and lines[0].split()[-1] == "b=16@32k"
     rows = [line for line in lines[1:] if not line.startswith("  ")]
     assert len(rows) == 6 and "ERROR RuntimeError: boom" in rows[1]
-    assert rows[3].split()[:7] == ["llama-3.1-8b", "fp8", "1960", "1.960", "3.900", "5.500", "9.500"]
+    assert rows[3].split()[:7] == ["llama-3.1-8b", "fp8", "31360", "1.960", "3.900", "5.500", "9.500"]
     assert len(lines) == 1 + 6 + len(report["targets"]) and "NOT met" in "\n".join(lines)
 
 

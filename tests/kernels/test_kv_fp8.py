@@ -138,15 +138,15 @@ def test_fused_rotary_store_writes_the_tail_rows():
 
 
 @pytest.mark.parametrize("design", DESIGNS)
-@pytest.mark.parametrize("lens", [[100], [3], [64, 1]])
+@pytest.mark.parametrize("lens", [[100], [3], [64, 1], [100, 3, 64, 1, 17, 9, 33, 2, 50]])
 def test_decode_reads_fp8_few_programs(design, lens):
-    """Fewer (sequence, kv head) programs than SMs: the CUDA-core kernel's sparse tiles (DECODE_LANES_ROWS_SPARSE
-    rows), split over the context."""
+    """Few (sequence, kv head) programs: at most DECODE_FP8_FEW_PROGRAMS the tensor-core kernel's few-programs tiles;
+    more but fewer than a GPU's SMs the CUDA-core kernel's sparse tiles (DECODE_LANES_ROWS_SPARSE rows; the
+    interpreter's 4 "SMs" take its dense ones); both split over the context."""
     batch = PagedBatch(lens, 16, 1, 64, torch.bfloat16, seed=5)
     kc, vc, scales = quantized_batch(batch, design)
     q = torch.randn(len(lens), 2, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(DEVICE)
     args = (q, kc, vc, batch.block_tables, batch.context_lens, 0.125)
-    assert len(lens) < tk.num_sms(q.device)
     assert_close(tk.decode_attention(*args, kv_scales=scales), torch_ref.decode_attention(*args, kv_scales=scales),
                  torch.bfloat16)
 
@@ -157,10 +157,11 @@ def test_decode_reads_fp8_few_programs(design, lens):
                                                                   (2, 24, 30.0, 16), (None, None, None, 12)])
 def test_decode_reads_fp8(design, num_heads, num_splits, window, softcap, block_size):
     """block_size 12: the key tile does not hold whole blocks, so V is loaded key by key. 8 heads over 2 kv heads:
-    the tensor-core kernel; 4 and 2: the CUDA-core one (attention.DECODE_LANES_MAX_GROUP)."""
-    batch = PagedBatch([1, 17, 70, 33], block_size, 2, 64, torch.bfloat16, seed=3)
+    the tensor-core kernel; 4 and 2: the CUDA-core one (attention.DECODE_LANES_MAX_GROUP; 10 programs, more than
+    DECODE_FP8_FEW_PROGRAMS)."""
+    batch = PagedBatch([1, 17, 70, 33, 5], block_size, 2, 64, torch.bfloat16, seed=3)
     kc, vc, scales = quantized_batch(batch, design)
-    q = torch.randn(4, num_heads, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(DEVICE)
+    q = torch.randn(5, num_heads, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(DEVICE)
     args = (q, kc, vc, batch.block_tables, batch.context_lens, 0.125)
     opts = dict(window=window, softcap=softcap, kv_scales=scales)
     out = tk.decode_attention(*args, num_splits=num_splits, **opts)

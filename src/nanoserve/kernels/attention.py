@@ -122,7 +122,10 @@ DECODE_LANES_MAX_WAVES = 8
 # A tensor-core fp8 decode of at most DECODE_FP8_FEW_PROGRAMS (sequence, kv head) programs (b = 1 at 8 kv heads) reads
 # 64-key tiles with 8 warps: Llama-3.1-8B's heads, 512 / 2048-token contexts, µs a layer with the tail (H100): 7.2 / 8.1
 # against 8.9 / 11.5 at 128 keys and 4 warps; at b = 8 (64 programs) 8 warps lose (15.2 vs 12.9;
-# benchmarks/results/experiments/fp8_decode_few_programs_234a762_h100.json).
+# benchmarks/results/experiments/fp8_decode_few_programs_234a762_h100.json). It takes them before the Gluon kernel and
+# the CUDA-core one: b = 1 steps over 32-token blocks with V transposed (H100, ms): Qwen3-0.6B 0.919 against 0.984
+# (Gluon) and 1.533 (CUDA cores; bf16 KV 0.877-0.887), Llama-3.1-8B 5.218 against 5.419 (Gluon; bf16 KV 5.201-5.321)
+# (benchmarks/results/experiments/kv_cache_b1_few_programs_ahead_a23032f_h100.json, kv_cache_gluon_a23032f_h100.json).
 DECODE_FP8_FEW_PROGRAMS = 8
 DECODE_FP8_FEW_BLOCK_N = 64
 DECODE_FP8_FEW_WARPS = 8
@@ -700,8 +703,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     _require_unit_last_stride(decode_attention=(q, block_tables))
     require_cache_layout("decode_attention", k_cache, v_cache)
-    if SWITCHES.gluon_decode and attention_sm90.supports(q, k_cache, v_cache, kv_scales, window, softcap, seq_rows,
-                                                         kv_tail):
+    if SWITCHES.gluon_decode and num_seqs * num_kv_heads > DECODE_FP8_FEW_PROGRAMS and \
+            attention_sm90.supports(q, k_cache, v_cache, kv_scales, window, softcap, seq_rows, kv_tail):
         return _decode_sm90(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, kv_scales, kv_tail,
                             slots, out)
     window = NO_WINDOW if window is None else window
@@ -783,11 +786,11 @@ def _decode_tile(fp8: bool, seq_rows: int, group: int, programs: int, sms: int, 
     """(rows of the CUDA-core kernel's tile, 0: the tensor-core kernel; the key tile, which sizes the partitions; the
     tensor-core kernel's warps) of a decode over `programs` (sequence, kv head) pairs; element_size: of the
     tensor-core products' operands."""
+    if fp8 and programs <= DECODE_FP8_FEW_PROGRAMS:
+        return 0, DECODE_FP8_FEW_BLOCK_N, DECODE_FP8_FEW_WARPS
     if fp8 and seq_rows == 1 and group <= DECODE_LANES_MAX_GROUP and programs <= DECODE_LANES_MAX_WAVES * sms:
         rows = DECODE_LANES_ROWS if programs >= sms else DECODE_LANES_ROWS_SPARSE
         return rows, rows * DECODE_LANES, DECODE_LANES_WARPS
-    if fp8 and programs <= DECODE_FP8_FEW_PROGRAMS:
-        return 0, DECODE_FP8_FEW_BLOCK_N, DECODE_FP8_FEW_WARPS
     if fp8:
         return 0, _kv_tile_tokens(block_d, 1, MAX_BLOCK_N_FP8), DECODE_NUM_WARPS
     return 0, _kv_tile_tokens(block_d, element_size), DECODE_NUM_WARPS

@@ -155,15 +155,13 @@ def _dot8_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part
 
 
 def split_partials(q, tables, lens, block_size, kv_heads, block_n, num_splits=None):
-    """(num_splits, out, partials) of one experimental decode call: the engine's split rule (attention.
-    decode_num_splits, a CPU counting as 132 SMs) unless num_splits is given, at most one split a key tile, and the
-    output and DecodePartials it writes: the host prologue of this file's and the Gluon experiments' kernels."""
+    """(num_splits, out, partials) of one experimental decode call: the engine's split rule (attention.decode_splits,
+    a CPU counting as 132 SMs), and the output and DecodePartials it writes: the host prologue of this file's and the
+    Gluon experiment's kernels."""
     b, heads, d = q.shape
     max_keys = tables.shape[1] * block_size
-    if num_splits is None:
-        sms = torch.cuda.get_device_properties(0).multi_processor_count if q.is_cuda else 132
-        num_splits = A.decode_num_splits(b, kv_heads, max_keys, sms)
-    num_splits = max(1, min(num_splits, triton.cdiv(max_keys, block_n)))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if q.is_cuda else 132
+    num_splits = A.decode_splits(num_splits, b, kv_heads, max_keys, block_n, sms)
     parts = torch.empty(b * heads * num_splits * (d + 2), dtype=torch.float32, device=q.device)
     partials = A.DecodePartials(parts[:b * heads * num_splits * d], parts[b * heads * num_splits * d:], lens,
                                 A.NO_WINDOW, b, heads, d, num_splits, block_n, q.dtype)

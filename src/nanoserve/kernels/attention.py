@@ -280,8 +280,7 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, begin
 
 @jit
 def _block_tile(v_cache_ptr, table, start, begin, end, kv_head, dims, dim_ok, stride_vb, stride_vt, stride_vh,
-                stride_vd,
-                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+                stride_vd, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """An fp8 cache's V tile [BLOCK_N, dims] of keys [start, start + BLOCK_N), loaded as [blocks, block_size, dims]
     with one mask per block (whole blocks; keys outside [begin, end) zeroed after the load), so the loads stay
     vectorized along each block's run of keys. (Loading it, or K too, with K before the scores was slower:
@@ -635,6 +634,15 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
     return max(1, min(wanted, cdiv(max_context, DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
 
 
+def decode_splits(num_splits: int | None, num_seqs: int, num_kv_heads: int, max_keys: int, block_n: int,
+                  num_sms: int) -> int:
+    """The splits a decode launches: the given count (tests, benchmarks) or decode_num_splits', at most one a key tile
+    of block_n keys."""
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_keys, num_sms)
+    return max(1, min(num_splits, cdiv(max_keys, block_n)))
+
+
 @dataclass
 class DecodePartials:
     """The split-K decode attention before its merge: per (sequence, head, split) the fp32 partial output and its
@@ -713,11 +721,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     sms = num_sms(q.device)
     lane_rows, block_n, warps = _decode_tile(fmt["FP8"], seq_rows, group, num_seqs * num_kv_heads, sms, block_d,
                                              _compute_dtype(q, k_cache).itemsize)
-    if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_keys, sms)
-    num_splits = max(1, min(num_splits, cdiv(max_keys, block_n)))  # a split is at least one tile
-    partials = _partials(q, context_lens, window, num_splits, block_n, block_size, kv_tail is not None, group_back,
-                         seq_rows)
+    num_splits = decode_splits(num_splits, num_seqs, num_kv_heads, max_keys, block_n, sms)
+    partials = decode_partials(q, context_lens, window, num_splits, block_n, block_size, kv_tail is not None,
+                               group_back, seq_rows)
     part_acc, part_ml = (partials.acc, partials.ml) if partials else (out, out)  # (unused by one split)
     if lane_rows:
         _decode_lanes_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -751,7 +757,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return merge_partials(partials, out)
 
 
-def _partials(q: torch.Tensor, context_lens: torch.Tensor, window: int, num_splits: int, block_n: int,
+def decode_partials(q: torch.Tensor, context_lens: torch.Tensor, window: int, num_splits: int, block_n: int,
               block_size: int, tail: bool, group_back: torch.Tensor | None = None,
               seq_rows: int = 1) -> DecodePartials | None:
     """The split-K partials a decode with num_splits > 1 writes (None for one split: it writes the output)."""
@@ -771,11 +777,10 @@ def _decode_sm90(q, k_cache, v_cache, block_tables, context_lens, scale, num_spl
     num_seqs, num_heads, _ = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     max_keys = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_keys, num_sms(q.device))
-    num_splits = max(1, min(num_splits, cdiv(max_keys, attention_sm90.BLOCK_N)))
-    partials = _partials(q, context_lens, NO_WINDOW, num_splits, attention_sm90.BLOCK_N, block_size,
-                         kv_tail is not None)
+    num_splits = decode_splits(num_splits, num_seqs, num_kv_heads, max_keys, attention_sm90.BLOCK_N,
+                               num_sms(q.device))
+    partials = decode_partials(q, context_lens, NO_WINDOW, num_splits, attention_sm90.BLOCK_N, block_size,
+                               kv_tail is not None)
     attention_sm90.decode(q, k_cache, v_cache, block_tables, context_lens, _score_args(scale, None)[0], kv_scales,
                           num_splits, out, *((partials.acc, partials.ml) if partials else (out, out)), kv_tail, slots)
     return out if partials is None else merge_partials(partials, out)

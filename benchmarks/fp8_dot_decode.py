@@ -156,8 +156,7 @@ def _dot8_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part
 
 def split_partials(q, tables, lens, block_size, kv_heads, block_n, num_splits=None):
     """(num_splits, out, partials) of one experimental decode call: the engine's split rule (attention.decode_splits,
-    a CPU counting as 132 SMs), and the output and DecodePartials it writes: the host prologue of this file's and the
-    Gluon experiment's kernels."""
+    a CPU counting as 132 SMs), and the output and DecodePartials it writes: dot8_decode's host prologue."""
     b, heads, d = q.shape
     max_keys = tables.shape[1] * block_size
     sms = torch.cuda.get_device_properties(0).multi_processor_count if q.is_cuda else 132
@@ -166,15 +165,6 @@ def split_partials(q, tables, lens, block_size, kv_heads, block_n, num_splits=No
     partials = A.DecodePartials(parts[:b * heads * num_splits * d], parts[b * heads * num_splits * d:], lens,
                                 A.NO_WINDOW, b, heads, d, num_splits, block_n, q.dtype)
     return num_splits, torch.empty_like(q), partials
-
-
-def bf16_run(case, scale):
-    """The engine's kernel over a bf16 cache of the case's shape, layout and tables (twice the fp8 bytes), as a
-    measure_points run: the Gluon experiments' --bf16 reference."""
-    k16, v16 = case["k8"].to(torch.bfloat16), case["v8"].to(torch.bfloat16)
-    b, _, d = case["q"].shape
-    moved = b * case["lens"][0].item() * k16.shape[2] * 4 * d
-    return "engine-bf16", {}, lambda t: A.decode_attention(case["q"], k16, v16, t, case["lens"], scale), moved
 
 
 def dot8_decode(q, k_cache, v_cache, tables, lens, scale, kv_scales, *, v_token_major: bool, q_lo=True, p_lo=True,
@@ -201,17 +191,14 @@ def dot8_decode(q, k_cache, v_cache, tables, lens, scale, kv_scales, *, v_token_
     return out if num_splits == 1 else A.merge_partials(partials, out)
 
 
-def make_case(b, heads, kv_heads, d, context, layers, device, block=16, seed=0, head_major=False):
+def make_case(b, heads, kv_heads, d, context, layers, device, block=16, seed=0):
     """`layers` fp8 caches (codes + per-token scales, each layer its own blocks) and their tables, q, and the
-    token-major copy of V. head_major: K and V [blocks, block, kv_heads, d] views of [blocks, kv_heads, block, d]
-    storage (each kv head's rows of a block contiguous: the kernels read them through their strides)."""
+    token-major copy of V."""
     g = torch.Generator(device=device).manual_seed(seed)
     blocks = b * (context // block)
     k = torch.randn(layers * blocks, block, kv_heads, d, generator=g, device=device).to(torch.bfloat16)
     v = torch.randn(layers * blocks, block, kv_heads, d, generator=g, device=device).to(torch.bfloat16)
     (k8, ks), (v8, vs) = (kv_quant.quantize_ref(x) for x in (k, v))
-    if head_major:
-        k8, v8 = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k8, v8))
     v8_t = v8.permute(0, 2, 3, 1).contiguous()  # [blocks, kv_heads, d, block]
     perm = torch.randperm(blocks, generator=g, device=device).to(torch.int32)
     tables = [(layer * blocks + perm).view(b, -1).contiguous() for layer in range(layers)]
@@ -269,24 +256,21 @@ def measure(args) -> dict:
                                                             for rule in variants(args)])
 
 
-def measure_points(points: list[str], experiment_runs, device: str = "cuda", head_major: bool = False,
-                   block_size: int = 16) -> dict:
+def measure_points(points: list[str], experiment_runs, device: str = "cuda") -> dict:
     """µs a layer (every layer's call in one graph) and the fraction of the copy bandwidth of the engine's kernel
     (without and with its tail) and of experiment_runs(case, scale) → [(kernel, rule, fn(table), bytes a layer or
     None for the fp8 cache's)] at `points` ("MODEL:B:CONTEXT", a model of SHAPES; default POINTS), with each run's
-    largest error against the fp32 oracle where the oracle fits: the one measuring loop of this file and
-    gluon_fp8_decode.py."""
+    largest error against the fp32 oracle where the oracle fits."""
     from common import measure_copy_bandwidth
 
     bandwidth = measure_copy_bandwidth()
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-              "copy_bandwidth": bandwidth, "head_major": head_major,
-              "block_size": block_size, "points": []}
+              "copy_bandwidth": bandwidth, "points": []}
     for name, b, context in [(m, int(b), int(c)) for m, b, c in (pt.split(":") for pt in points)] or POINTS:
         heads, kv_heads, d = SHAPES[name]
         bytes_layer = b * context * kv_heads * (2 * d + 2 * 2)
         layers = max(2, min(16, -(-(512 << 20) // bytes_layer)))
-        case = make_case(b, heads, kv_heads, d, context, layers, device, block_size, head_major=head_major)
+        case = make_case(b, heads, kv_heads, d, context, layers, device)
         scale = d ** -0.5
         ref = oracle(case) if b * context <= 64 * 512 else None
         runs = [("engine", {"tail": t}, engine_kernel(case, scale, bool(t)), None) for t in (0, 1)]

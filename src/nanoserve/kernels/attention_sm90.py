@@ -1,14 +1,17 @@
 """The fp8 decode attention on Hopper, in Gluon: warps that work independently, FlashDecoding-style.
 
-Each warp multiplies its own 32 keys of every tile with fp8 `mma.sync m16n8k32` (e4m3 × e4m3 → fp32; the GQA group's
-heads as M = 16 rows: q as two e4m3 parts, hi in rows 0-7 and lo = (x - hi) · 16 in rows 8-15), keeps its own running
-max, sum and output, and the warps merge once, at the end of the partition: a tile costs two CTA barriers, where
-reductions across warps (the Triton kernels' tensor-core path, a wgmma over keys) cost ten. The probabilities, times
-each value's scale, reach the second product as two e4m3 parts too, by in-warp shuffles. K [block, kv_heads, d] and V
-transposed within its block ([kv_heads, d, block]: 8-bit mma operands must be K-major) stream through a ring of
-shared-memory stages by cp.async, with the (K, V) scale pairs (runner/kv_cache.py lays the cache out so). The query's
-own block is read exact from the cache's bf16 tail (kernels/kv_quant.py) by one split, as in attention.py's kernels,
-with bf16 `mma.sync`. The partitions and partials are attention.py's (kernels/decode_split.py), merged by its reduce.
+Each warp multiplies its own 32 keys of every tile with fp16 `mma.sync m16n8k16`, the e4m3 codes widened to fp16 in
+registers (exact) as ldmatrix delivers them (fp8 `mma.sync` has no Hopper instruction: ptxas emulates it with the
+same fp16 products plus conversions of both operands every time, q's included, ~19% more instructions a tile); the
+GQA group's heads are M's rows 0-7 (q divided by a power of 2 into fp16's range: exact), 8-15 padding. Each warp
+keeps its own running max, sum and output, and the warps merge once, at the end of the partition: a tile costs two
+CTA barriers, where reductions across warps (the Triton kernels' tensor-core path, a wgmma over keys) cost ten. The
+probabilities, times each value's scale over the warp's largest, reach the second product in fp16 by in-warp
+shuffles. K [block, kv_heads, d] and V transposed within its block ([kv_heads, d, block]: the 8-bit loads' K-major
+order) stream through a ring of shared-memory stages by cp.async, with the (K, V) scale pairs (runner/kv_cache.py
+lays the cache out so). The query's own block is read exact from the cache's bf16 tail (kernels/kv_quant.py) by one
+split, as in attention.py's kernels, with bf16 `mma.sync`. The partitions and partials are attention.py's
+(kernels/decode_split.py), merged by its reduce.
 
 Measured on an H100 against the Triton fp8 kernel (notes/PERF.md round 8, ninth and tenth sessions): over 32-token
 blocks 0.86-0.91 of the copy bandwidth at Qwen3-0.6B b = 256 and 0.97 at Llama-3.1-8B b = 16 over 32k tokens.
@@ -44,7 +47,7 @@ WARP_KEYS = 32  # keys a warp multiplies per tile: mma.sync m16n8k32's K for the
 BLOCK_N = WARPS * WARP_KEYS  # keys a tile: the partitions' unit
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (16, 32)
-MAX_GROUP = 8  # query heads a kv head: the mma's hi rows
+MAX_GROUP = 8  # query heads a kv head: rows 0-7 of the mma's M
 
 
 @functools.cache
@@ -129,14 +132,6 @@ def _program_keys(lens_ptr, window, num_splits, BLOCK_N: gl.constexpr, BLOCK_SIZ
 
 
 @_jit
-def _split8(x):
-    """fp32 x within ±448 → (hi, lo) e4m3 with x ≈ hi + lo / 16; hi rounded in fp32 (kv_quant.e4m3_nearest), not
-    read back from its codes (Triton 3.6's e4m3 → fp32 conversion swapped elements pairwise on the H100)."""
-    hi = kv_quant.e4m3_nearest(x)
-    return hi.to(gl.float8e4nv), ((x - hi) * 16.0).to(gl.float8e4nv)
-
-
-@_jit
 def _warp_keys(start, W: gl.constexpr, LAYOUT: gl.constexpr):
     """[W, 32]: warp w's keys of the tile at `start` (start + 32 w + j) in LAYOUT."""
     return start + gl.arange(0, W, gl.SliceLayout(1, LAYOUT))[:, None] * 32 + \
@@ -201,8 +196,9 @@ def _stack_rows(a, b):
 @_jit
 def _load_q(q_ptr, seq, kv_head, stride_qb, stride_qh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, W: gl.constexpr,
             QL: gl.constexpr, QA: gl.constexpr):
-    """The group's query rows as mma.sync's A operand [W, 16, head_dim] (every warp the same: hi parts in rows 0-7, lo
-    parts in rows 8-15, rows past the group zero), and each row's scale [W, 8]."""
+    """The group's query rows in fp16 as mma.sync's A operand [W, 16, head_dim] (every warp the same, rows past the
+    group zero), divided by a power of 2 that keeps them within fp16's range (exact: bf16's mantissa fits), and that
+    divisor [W, 8]."""
     rows = gl.arange(0, 8, gl.SliceLayout(0, gl.SliceLayout(2, QL)))
     dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gl.SliceLayout(1, QL)))
     warps = gl.arange(0, W, gl.SliceLayout(1, gl.SliceLayout(2, QL)))
@@ -211,9 +207,9 @@ def _load_q(q_ptr, seq, kv_head, stride_qb, stride_qh, GROUP: gl.constexpr, HEAD
     q = gl.load(q_ptr + at, mask=(rows < GROUP)[None, :, None] & (warps >= 0)[:, None, None], other=0.0)
     q = q.to(gl.float32)
     amax = gl.max(gl.abs(q), 2)
-    scale = gl.where(amax > 0, amax / 448.0, 1.0)
-    hi, lo = _split8(q / scale[:, :, None])
-    return gl.convert_layout(_stack_rows(hi, lo), QA), scale
+    scale = gl.exp2(gl.maximum(gl.ceil(gl.log2(gl.maximum(amax, 1.0) * (1.0 / 16384.0))), 0.0))
+    q16 = (q / scale[:, :, None]).to(gl.float16)
+    return gl.convert_layout(_stack_rows(q16, gl.zeros_like(q16)), QA), scale
 
 
 @_jit
@@ -225,7 +221,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, s_ptr, tables_ptr, lens_ptr, out_ptr, pa
                    K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, S_SMEM: gl.constexpr, S_READ: gl.constexpr,
                    num_warps: gl.constexpr):
     """A tile is num_warps × 32 keys, warp w's 32 its own; per warp scores [16, 32] = q · K^T and output
-    [16, head_dim] += p · V as mma.sync e4m3 × e4m3 → fp32 (rows 0-7 the hi parts, 8-15 the lo parts)."""
+    [16, head_dim] += p · V as mma.sync fp16 × fp16 → fp32 (rows 0-7 the group's heads, 8-15 padding)."""
     W: gl.constexpr = num_warps
     BLOCK_N: gl.constexpr = W * 32
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
@@ -275,12 +271,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, s_ptr, tables_ptr, lens_ptr, out_ptr, pa
                    stride_vh, stride_vd, stride_sb, stride_st, stride_sh, BLOCK_SIZE, HEAD_DIM, W, KC, VC, SC)
             cp.commit_group()
             k_blocks, v_blocks, s_blocks = _warp_blocks(table, issue + BLOCK_N, part_end, BLOCK_SIZE, W, KC, VC, SC)
-            s16 = mma_v2(q_a, k_smem.index(stage).permute((0, 2, 1)).load(OPB), s_zero)
+            s16 = mma_v2(q_a, k_smem.index(stage).permute((0, 2, 1)).load(OPB).to(gl.float16), s_zero)
             k_scale, v_scale = gl.split(s_smem.index(stage).load(S_READ))
             k_scale = gl.convert_layout(k_scale, KEYS, assert_trivial=True).to(gl.float32)
             v_scale = gl.convert_layout(v_scale, KEYS, assert_trivial=True).to(gl.float32)
-            s_hi, s_lo = _row_halves(s16)
-            scores = (s_hi + s_lo * 0.0625) * col_scale[:, :, None] * k_scale[:, None, :]
+            scores = _row_halves(s16)[0] * col_scale[:, :, None] * k_scale[:, None, :]
             scores = gl.where(((start + key_ids) < part_end)[:, None, :], scores, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(scores, 2))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp with no key yet: p = 0, alpha = 0
@@ -289,16 +284,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, s_ptr, tables_ptr, lens_ptr, out_ptr, pa
             l_i = l_i * alpha + gl.sum(p, 2)
             v_wide = halves + v_scale[:, None, :]
             v_max = gl.max(v_wide, 2)  # [W, 8]: the warp's, on every row (no layout conversion)
-            w_mul = gl.where(v_max > 0, 448.0 / v_max, 1.0)  # p ≤ 1: p · v_scale · w_mul within e4m3's range
-            w_hi, w_lo = _split8(p * v_wide * w_mul[:, :, None])
+            w_mul = gl.where(v_max > 0, 1.0 / v_max, 1.0)  # p ≤ 1: p · v_scale · w_mul ≤ 1, fp16's best range
+            w = (p * v_wide * w_mul[:, :, None]).to(gl.float16)
             factor = alpha * (w_mul / unit)
             unit = w_mul
-            acc_hi, acc_lo = _row_halves(acc)
-            factor = gl.convert_layout(factor, gl.SliceLayout(2, acc_hi.type.layout), assert_trivial=True)
-            acc = gl.convert_layout(_stack_rows(acc_hi * factor[:, :, None], acc_lo * factor[:, :, None]), MMA,
-                                    assert_trivial=True)
-            acc = mma_v2(gl.convert_layout(_stack_rows(w_hi, w_lo), OPA),
-                         v_smem.index(stage).permute((0, 2, 1)).load(OPB), acc)
+            acc_top, acc_pad = _row_halves(acc)
+            factor = gl.convert_layout(factor, gl.SliceLayout(2, acc_top.type.layout), assert_trivial=True)
+            acc = gl.convert_layout(_stack_rows(acc_top * factor[:, :, None], acc_pad), MMA, assert_trivial=True)
+            acc = mma_v2(gl.convert_layout(_stack_rows(w, gl.zeros_like(w)), OPA),
+                         v_smem.index(stage).permute((0, 2, 1)).load(OPB).to(gl.float16), acc)
             m_i = m_new
         cp.wait_group(0)
         m, l_sum, out = _merge_warps(acc, m_i, l_i, unit)
@@ -313,11 +307,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, s_ptr, tables_ptr, lens_ptr, out_ptr, pa
 @_jit
 def _merge_warps(acc, m_i, l_i, unit):
     """The warps' (max, sum, output) merged: [8], [8], [8, head_dim] (rows past the group are padding)."""
-    acc_hi, acc_lo = _row_halves(acc)
+    acc_top = _row_halves(acc)[0]
     m = gl.max(m_i, 0)  # [8]
     f = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - gl.where(m == float("-inf"), 0.0, m)[None, :]))
-    f_out = gl.convert_layout(f / unit, gl.SliceLayout(2, acc_hi.type.layout))
-    out = gl.sum((acc_hi + acc_lo * 0.0625) * f_out[:, :, None], 0)
+    f_out = gl.convert_layout(f / unit, gl.SliceLayout(2, acc_top.type.layout))
+    out = gl.sum(acc_top * f_out[:, :, None], 0)
     return m, gl.convert_layout(gl.sum(l_i * f, 0), m.type.layout), out
 
 

@@ -141,14 +141,25 @@ def _warp_keys(start, W: gl.constexpr, LAYOUT: gl.constexpr):
 @_jit
 def _warp_blocks(table, start, end, BLOCK_SIZE: gl.constexpr, W: gl.constexpr, KC: gl.constexpr, VC: gl.constexpr,
                  SC: gl.constexpr):
-    """The block ids of the tile at `start` ([W, 32], 0 past `end`) as the K, V and scale copies each hold them: three
-    loads (L1 hits) a tile ahead instead of two layout conversions through shared memory on the way."""
-    k_keys = _warp_keys(start, W, gl.SliceLayout(2, KC))
-    v_keys = _warp_keys(start, W, gl.SliceLayout(1, VC))
-    s_keys = _warp_keys(start, W, gl.SliceLayout(2, SC))
-    return (gl.load(table + k_keys // BLOCK_SIZE, mask=k_keys < end, other=0),
-            gl.load(table + v_keys // BLOCK_SIZE, mask=v_keys < end, other=0),
-            gl.load(table + s_keys // BLOCK_SIZE, mask=s_keys < end, other=0))
+    """The block ids of the tile at `start` ([W, 32], 0 past `end`) as the K, V and scale copies each hold them: loads
+    (L1 hits) a tile ahead instead of two layout conversions through shared memory on the way."""
+    return (_block_ids(table, start, end, BLOCK_SIZE, W, gl.SliceLayout(2, KC)),
+            _block_ids(table, start, end, BLOCK_SIZE, W, gl.SliceLayout(1, VC)),
+            _block_ids(table, start, end, BLOCK_SIZE, W, gl.SliceLayout(2, SC)))
+
+
+@_jit
+def _block_ids(table, start, end, BLOCK_SIZE: gl.constexpr, W: gl.constexpr, LAYOUT: gl.constexpr):
+    """[W, 32] in LAYOUT: each key's block id, loaded once a warp and block (a warp's 32 keys are one 32-token block or
+    two 16-token ones: tiles start on block boundaries), so every address of a block shares one product."""
+    w = gl.arange(0, W, gl.SliceLayout(1, LAYOUT))
+    j = gl.arange(0, 32, gl.SliceLayout(0, LAYOUT))
+    first = start // BLOCK_SIZE + w * (32 // BLOCK_SIZE)
+    ids = gl.load(table + first, mask=first * BLOCK_SIZE < end, other=0)[:, None] + j[None, :] * 0
+    if BLOCK_SIZE < 32:
+        second = gl.load(table + first + 1, mask=(first + 1) * BLOCK_SIZE < end, other=0)
+        ids = gl.where(j[None, :] < BLOCK_SIZE, ids, second[:, None])
+    return ids
 
 
 @_jit
@@ -160,18 +171,20 @@ def _issue(k_tile, v_tile, s_tile, k_ptr, v_ptr, s_ptr, k_blocks, v_blocks, s_bl
     bytes along head_dim), V^T [W, head_dim, 32] (a block's 16 keys of one dim) and the (K, V) scale pairs [W, 32, 2]
     (4 bytes a key); keys at or past `end` zero-filled (their probabilities are 0, and 0 · NaN would not be)."""
     keys = _warp_keys(start, W, gl.SliceLayout(2, KC))
+    offsets = _warp_keys(0, W, gl.SliceLayout(2, KC)) % BLOCK_SIZE  # (start is a block boundary)
     dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gl.SliceLayout(1, KC)))
-    k_at = (k_blocks.to(gl.int64) * stride_kb + (keys % BLOCK_SIZE) * stride_kt + kv_head * stride_kh)[:, :, None]
+    k_at = (k_blocks.to(gl.int64) * stride_kb + offsets * stride_kt + kv_head * stride_kh)[:, :, None]
     cp.async_copy_global_to_shared(k_tile, k_ptr + k_at + dims[None, None, :], mask=(keys < end)[:, :, None])
     vkeys = _warp_keys(start, W, gl.SliceLayout(1, VC))
     v_dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gl.SliceLayout(2, VC)))
-    v_at = (v_blocks.to(gl.int64) * stride_vb + kv_head * stride_vh + vkeys % BLOCK_SIZE)[:, None, :] + \
-        (v_dims * stride_vd)[None, :, None]
+    v_at = (v_blocks.to(gl.int64) * stride_vb + kv_head * stride_vh
+            + _warp_keys(0, W, gl.SliceLayout(1, VC)) % BLOCK_SIZE)[:, None, :] + (v_dims * stride_vd)[None, :, None]
     v_at = gl.max_contiguous(gl.multiple_of(v_at, [1, 1, 16]), [1, 1, 16])
     v_ok = gl.max_constancy((vkeys // BLOCK_SIZE * BLOCK_SIZE < end)[:, None, :], [1, 1, 16])
     cp.async_copy_global_to_shared(v_tile, v_ptr + v_at, mask=v_ok)
     skeys = _warp_keys(start, W, gl.SliceLayout(2, SC))
-    s_at = (s_blocks.to(gl.int64) * stride_sb + (skeys % BLOCK_SIZE) * stride_st + kv_head * stride_sh)
+    s_at = (s_blocks.to(gl.int64) * stride_sb + (_warp_keys(0, W, gl.SliceLayout(2, SC)) % BLOCK_SIZE) * stride_st
+            + kv_head * stride_sh)
     s_at = s_at[:, :, None] + gl.arange(0, 2, gl.SliceLayout(0, gl.SliceLayout(1, SC)))[None, None, :]
     s_at = gl.max_contiguous(gl.multiple_of(s_at, [1, 1, 2]), [1, 1, 2])
     cp.async_copy_global_to_shared(s_tile, s_ptr + s_at, mask=(skeys < end)[:, :, None])

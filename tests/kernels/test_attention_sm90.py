@@ -67,6 +67,18 @@ def test_gluon_decode_matches_the_oracle_and_triton(num_heads, num_kv_heads, hea
         assert_close(out, tk.decode_attention(*args, num_splits=num_splits, **extra), torch.bfloat16)
 
 
+@pytest.mark.parametrize("q_size", [3e-4, 40.0, 2e5])
+def test_gluon_decode_queries_of_any_size(q_size):
+    """q reaches the fp16 product divided by a power of 2 that keeps it in fp16's range (2e5 would overflow it)."""
+    k_cache, v_cache, scales, tables, lens, kv_tail = engine_case(LENS, 32, 8, 128, True, seed=4)
+    q = (torch.randn(len(LENS), 32, 128, device="cuda") * q_size).bfloat16()
+    args = (q, k_cache, v_cache, tables, lens, 128 ** -0.5 / max(q_size, 1.0))
+    extra = {"kv_scales": scales, "kv_tail": kv_tail, "slots": torch.arange(len(LENS), dtype=torch.int32,
+                                                                             device="cuda")}
+    out = tk.decode_attention(*args, **extra)
+    assert_close(out, torch_ref.decode_attention(*args, **extra), torch.bfloat16)
+
+
 def test_gluon_decode_declines_what_it_does_not_read():
     k_cache, v_cache, scales, _tables, _lens, tail = engine_case([40], 32, 2, 128, True)
     q = torch.randn(1, 4, 128, device="cuda").bfloat16()

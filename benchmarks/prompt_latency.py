@@ -1,7 +1,8 @@
 """One prompt's time to first token through the public API, with and without the token-count graphs.
 
 `nanoserve bench latency`'s run (LLM.generate([prompt], max_tokens=1) wall time), median of 5 fresh random-id
-prompts per length (no prefix-cache hit) after one warm-up each; random bf16 weights, real shapes. Also records
+prompts per length (no prefix-cache hit) after one warm-up each; random bf16 weights, real shapes. Variants: token-count
+graphs (the default engine), without them, and with an fp8 KV cache (its stores and the paged prefill over it). Also records
 the start-up plan: token counts captured, capture seconds and the graph pool (decode + token-count graphs).
 Each (model, variant) runs in a process of its own: an engine built after another in one process measured its
 eager prompts 2x slower than a fresh one (round 4's first run).
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR, env_info, write_json, write_model_dir  # noqa: E402
 
-VARIANTS = {"graphs": {}, "no-prefill-graphs": {"prefill_graph_sizes": "off"}}
+VARIANTS = {"graphs": {}, "no-prefill-graphs": {"prefill_graph_sizes": "off"}, "fp8-kv": {"kv_cache_dtype": "fp8"}}
 REPEATS = 5
 
 

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from nanoserve.kernels import attention as tk  # noqa: E402
-from nanoserve.kernels import kv_quant, rotary_kv  # noqa: E402
+from nanoserve.kernels import kv_quant  # noqa: E402
 from nanoserve.kernels import reference as torch_ref  # noqa: E402
 from nanoserve.model.attention_metadata import AttentionMetadata  # noqa: E402
 from nanoserve.runner.kv_cache import fp8_layout  # noqa: E402
@@ -33,8 +33,7 @@ class TailState:
     tail_ends[i], those of the last two blocks (as the tail is when a step starts: decode's step token included)."""
 
     def __init__(self, context_lens, slots, block_size, num_kv_heads, head_dim, dtype, design, tail_ends=None,
-                 spare_blocks=1, seed=0, tail=True):
-        """tail False: the cache is stored without one (V codes token by token), for reads without a tail."""
+                 spare_blocks=1, seed=0):
         gen = torch.Generator().manual_seed(seed)
         self.block_size, self.slots = block_size, list(slots)
         blocks = [triton.cdiv(max(c, 1), block_size) for c in context_lens]
@@ -67,7 +66,7 @@ class TailState:
             tail_rows.append(torch.where(recent, kv_quant.tail_row(s, pos, block_size), -1))
         self.cache_slots = torch.cat(cache_slots)
         torch_ref.store_kv(torch.cat(self.k), torch.cat(self.v), *self.caches, self.cache_slots, self.scales,
-                           **({"kv_tail": self.tail, "tail_rows": torch.cat(tail_rows)} if tail else {}))
+                           kv_tail=self.tail, tail_rows=torch.cat(tail_rows))
         self.caches = [c.to(DEVICE) for c in self.caches]
         self.scales = tuple(s.to(DEVICE) for s in self.scales)
         self.tail = tuple(t.to(DEVICE) for t in self.tail)
@@ -99,8 +98,7 @@ def test_store_writes_the_oracles_tail(design, dtype):
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype).to(DEVICE)
     k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)  # strided views, as the model's
     v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
-    open_slots = torch.arange(blocks * block_size).view(blocks, block_size)[:, :-1].flatten()  # none completes a block
-    slots = open_slots[torch.randperm(len(open_slots), generator=gen)[:tokens]].to(DEVICE)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens].to(DEVICE)
     tail_rows = torch.randperm(3 * kv_quant.TAIL_BANKS * block_size, generator=gen)[:tokens].to(torch.int32)
     tail_rows[::3] = -1
     tail_rows = tail_rows.to(DEVICE)
@@ -119,77 +117,6 @@ def test_store_writes_the_oracles_tail(design, dtype):
     for a, b in zip(out, ref):
         assert torch.equal(a, b)
     assert not torch.equal(out[-2], garbage)  # the tail was written
-
-
-# Steps of two sequences as the scheduler makes them over an fp8 cache (kv_quant.store_completed_v): (sequence, first
-# position, tokens) each; a chunk from a block boundary, one inside a block up to its end, single tokens, and a
-# verification's rows across a boundary, so blocks complete with their earlier tokens in the tail and in the step.
-COMPLETION_STEPS = [[(0, 0, 6), (1, 0, 3)], [(0, 6, 1), (1, 3, 1)], [(0, 7, 3), (1, 4, 1)],
-                    [(1, 5, 3), (0, 10, 2)], [(0, 12, 1), (1, 8, 9)], [(1, 17, 1), (0, 13, 3)]]
-
-
-def _completion_store(store, block_size, design, dtype):
-    """The caches (K codes, V codes, K scales, V scales, K tail, V tail) after COMPLETION_STEPS through `store`
-    (tk.store_kv, torch_ref.store_kv or the rotary kernel's), and every token's (cache slot, v)."""
-    from nanoserve.runner.inputs import tail_rows as step_tail_rows
-    gen = torch.Generator().manual_seed(3)
-    kv_heads, dim, tables = 2, 32, torch.tensor([[5, 0, 3, 6, 1, 9], [2, 7, 4, 8, 10, 11]])
-    (kc, vc), scales = fp8_cache_like(12, block_size, kv_heads, dim, design)
-    tail = tuple(torch.zeros(2 * kv_quant.TAIL_BANKS * block_size, kv_heads, dim, dtype=dtype, device=DEVICE)
-                 for _ in range(2))
-    stored = []
-    for step in COMPLETION_STEPS:
-        seqs, pos = zip(*[(torch.full((n,), s), torch.arange(p, p + n)) for s, p, n in step])
-        seqs, pos = torch.cat(seqs), torch.cat(pos)
-        ends = torch.tensor([p + n for _, p, n in step]).repeat_interleave(torch.tensor([n for *_, n in step]))
-        slots = (tables[seqs, pos // block_size] * block_size + pos % block_size).to(DEVICE)
-        rows = torch.from_numpy(step_tail_rows(seqs.numpy(), pos.numpy(), ends.numpy(), block_size)).to(DEVICE)
-        k, v = (torch.randn(len(pos), kv_heads, dim, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
-        store(k, v, kc, vc, slots, scales, kv_tail=tail, tail_rows=rows)
-        stored.append((slots, v))
-    return (kc.view(torch.uint8), vc.view(torch.uint8), *scales, *tail), stored
-
-
-def fp8_cache_like(num_blocks, block_size, kv_heads, dim, design):
-    """An fp8 cache of NaN codes (and NaN per-token scales) in the engine's layout, and its scales."""
-    shape = (num_blocks, block_size, kv_heads, dim)
-    caches = [torch.full(shape, NAN_CODE, dtype=torch.uint8).view(FP8) for _ in range(2)]
-    scales = tuple(torch.full(shape[:3], torch.nan, dtype=kv_quant.TOKEN_SCALE_DTYPE) for _ in range(2)) \
-        if design == "token" else (torch.tensor([0.03]), torch.tensor([0.025]))
-    v, scales = fp8_layout(caches[1], scales)
-    return (caches[0].to(DEVICE), v.to(DEVICE)), tuple(s.to(DEVICE) for s in scales)
-
-
-def _rotary_store(k, v, kc, vc, slots, scales, kv_tail, tail_rows):
-    """The fused rotary kernel's store (q and the rotation are beside the point: V is stored as given)."""
-    cos_sin = torch.zeros(64, 2 * k.shape[-1], dtype=k.dtype, device=DEVICE)
-    cos_sin[:, :k.shape[-1]] = 1.0  # the identity rotation
-    rotary_kv.qk_norm_rope(k, k, cos_sin, torch.zeros(len(k), dtype=torch.long, device=DEVICE),
-                           kv_store=(v, kc, vc, slots, scales, kv_tail, tail_rows))
-
-
-@pytest.mark.parametrize("design", ["token", "layer"])
-@pytest.mark.parametrize("block_size", [4, 12])
-@pytest.mark.parametrize("kernel", ["store_kv", "rotary"])
-def test_store_writes_v_codes_when_a_block_completes(kernel, block_size, design):
-    """Through steps as the engine makes them, the kernel's cache, scales and tail equal the oracle's bit for bit;
-    every complete block's V codes are those a token-by-token store gives, and the V codes of the blocks still
-    open were never written."""
-    store = tk.store_kv if kernel == "store_kv" else _rotary_store
-    dtype = torch.bfloat16
-    out, stored = _completion_store(store, block_size, design, dtype)
-    ref, _ = _completion_store(torch_ref.store_kv, block_size, design, dtype)
-    for a, b in zip(out, ref):
-        assert torch.equal(a, b) if a.dtype == torch.uint8 else torch.equal(a.nan_to_num(-1), b.nan_to_num(-1))
-    (_, v_codes), scales = fp8_cache_like(12, block_size, 2, 32, design)
-    slots, v = (torch.cat(x) for x in zip(*stored))
-    torch_ref.store_kv(v, v, v_codes.clone(), v_codes, slots, scales)  # token by token (K: a throwaway copy)
-    written = torch.zeros(12 * block_size, dtype=torch.bool, device=DEVICE)
-    written[slots] = True
-    complete = written.view(12, block_size).all(1)
-    assert complete.sum() >= 2 and (~complete & written.view(12, block_size).any(1)).any()
-    assert torch.equal(out[1][complete], v_codes.view(torch.uint8)[complete])
-    assert (out[1][~complete] == NAN_CODE).all()
 
 
 # --------------------------------------------------------------------------------------------- decode
@@ -271,7 +198,7 @@ def test_decode_reads_the_tail():
     assert_close(changed, changed_ref, torch.float32)
     assert (changed - out).abs().amax() > 1e-2
     slots = [3 * i + 2 for i in range(len(lens))][::-1]
-    st = TailState(lens, slots, 16, 2, 16, torch.float32, "token", tail=False)
+    st = TailState(lens, slots, 16, 2, 16, torch.float32, "token")
     q = torch.randn(len(lens), 4, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     args = (q, *st.caches, st.tables[slots], st.context_lens, 0.25)
     plain = tk.decode_attention(*args, kv_scales=st.scales, num_splits=2)
@@ -294,7 +221,7 @@ def prefill_with_tail(cached, new, slots, block_size, design, dtype, window=None
     """(kernel, oracle) for one prompt step: sequence i's new tokens follow cached[i] cached ones; the tail holds the
     last two blocks before the step; the step's k/v are strided views of a packed qkv, equal to what was stored."""
     lens = [c + n for c, n in zip(cached, new)]
-    st = TailState(lens, slots, block_size, heads[1], dim, dtype, design, tail_ends=cached, seed=seed, tail=tail)
+    st = TailState(lens, slots, block_size, heads[1], dim, dtype, design, tail_ends=cached, seed=seed)
     if change_tail:
         for t in st.tail:
             t.add_(1.0)

@@ -30,7 +30,7 @@ from nanoserve.kernels import attention_sm90, kv_quant, reference
 from nanoserve.kernels._triton import (cdiv, jit, next_power_of_2, num_sms, pdl_args, pdl_start, pdl_wait, tl,
                                        use_triton)
 from nanoserve.kernels.decode_split import decode_partition, tail_split
-from nanoserve.kernels.kv_quant import quantize_rows, store_completed_v, tail_row_tl
+from nanoserve.kernels.kv_quant import quantize_rows, tail_row_tl
 from nanoserve.kernels.metadata import AttentionInputs
 from nanoserve.kernels.paging import require_cache_layout
 from nanoserve.kernels.switches import SWITCHES
@@ -153,8 +153,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks_ptr, v
                      stride_vc_d, stride_s_slot, stride_s_h,
                      k_tail_ptr, v_tail_ptr, tail_rows_ptr, stride_tail_row, stride_tail_h,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
-                     TOKEN_SCALES: tl.constexpr, USE_PDL: tl.constexpr, TAIL: tl.constexpr = False):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
+                     USE_PDL: tl.constexpr, TAIL: tl.constexpr = False):
     pdl_start(USE_PDL)
     pdl_wait(USE_PDL)
     token = tl.program_id(0)
@@ -180,17 +180,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks_ptr, v
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE  # (a cache's V may be stored transposed in its blocks)
     tl.store(k_cache_ptr + block * stride_kc_b + offset * stride_kc_t + heads[:, None] * stride_kc_h
              + dims[None, :] * stride_kc_d, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    if TAIL:  # V codes a block at a time, by the token that completes it (kv_quant.store_completed_v)
-        for h in range(BLOCK_H):
-            head = tl.program_id(1) * BLOCK_H + h
-            if head < NUM_KV_HEADS:
-                store_completed_v(src, head, v_ptr, stride_vt, stride_vh, slot_ptr, tail_rows_ptr, v_tail_ptr,
-                                  stride_tail_row, stride_tail_h, vs_ptr, stride_s_slot, stride_s_h, v_cache_ptr,
-                                  stride_vc_b, stride_vc_t, stride_vc_h, stride_vc_d, BLOCK_SIZE, BLOCK_J, HEAD_DIM,
-                                  BLOCK_D, TOKEN_SCALES)
-    else:
-        tl.store(v_cache_ptr + block * stride_vc_b + offset * stride_vc_t + heads[:, None] * stride_vc_h
-                 + dims[None, :] * stride_vc_d, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + block * stride_vc_b + offset * stride_vc_t + heads[:, None] * stride_vc_h
+             + dims[None, :] * stride_vc_d, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -224,8 +215,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            *k_cache.stride(), *v_cache.stride(), scales[3], scales[4], *tail,
                            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-                           BLOCK_J=next_power_of_2(k_cache.shape[1]), BLOCK_H=block_h, BLOCK_D=block_d, **fmt,
-                           num_warps=4, **pdl_args(k.device), TAIL=kv_tail is not None)
+                           BLOCK_H=block_h, BLOCK_D=block_d, **fmt, num_warps=4, **pdl_args(k.device),
+                           TAIL=kv_tail is not None)
 
 
 # --------------------------------------------------------------------------------------------- decode

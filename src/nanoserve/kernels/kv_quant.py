@@ -114,7 +114,8 @@ def fp8_codes(x, scale):
 
 @jit
 def e4m3_nearest(y):
-    """fp32 y within ±448 → the nearest e4m3 value (ties to even), still fp32: fp8_codes' rounding."""
+    """fp32 y within ±448 → the nearest e4m3 value (ties to even), still fp32: fp8_codes' rounding, also called by
+    kernels/attention_sm90.py's Gluon kernel."""
     bits = y.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
     tiny = ((tl.abs(y) + 16384.0) - 16384.0).to(tl.int32, bitcast=True) | (bits & -2147483648)  # y's sign, even on 0
@@ -130,53 +131,15 @@ def _round_to_bf16(x):
 
 
 @jit
-def quantize_rows(x, scale_ptrs, row_ok, TOKEN_SCALES: tl.constexpr, STORE_SCALES: tl.constexpr = True):
+def quantize_rows(x, scale_ptrs, row_ok, TOKEN_SCALES: tl.constexpr):
     """Rows x [R, D] → their e4m3 values (fp32, fp8_codes). scale_ptrs [R, 1]: with TOKEN_SCALES each row's scale
-    (token_scales_ref's, rounded to the scale tensor's bf16) is computed and (STORE_SCALES) stored there, else the
-    layer's one scale is read from there (zero strides)."""
+    (token_scales_ref's, rounded to the scale tensor's bf16) is computed and stored there, else the layer's one scale
+    is read from there (zero strides)."""
     x = x.to(tl.float32)
     if TOKEN_SCALES:
         scale = _round_to_bf16(tl.max(tl.abs(x), axis=1, keep_dims=True) * (1.0 / 448.0))
         scale = tl.where(scale > 0, scale, 1.0)
-        if STORE_SCALES:
-            tl.store(scale_ptrs, scale.to(scale_ptrs.dtype.element_ty), mask=row_ok)
+        tl.store(scale_ptrs, scale.to(scale_ptrs.dtype.element_ty), mask=row_ok)
     else:
         scale = tl.load(scale_ptrs, mask=row_ok, other=1.0).to(tl.float32)
     return fp8_codes(x, scale)
-
-
-# V at completion: over a cache with a tail, a stored token's V codes are not written one by one (in the transposed
-# block each of a token's head_dim codes is one byte in its own 32-byte sector: a decode step's store cost 2.8× bf16's,
-# notes/PERF.md round 8, tenth session); the token that completes a block (offset block_size - 1) writes the whole
-# block's V codes, from the step's own v for the block's tokens in the step (a sequence's tokens are consecutive rows)
-# and from the tail for the earlier ones, which no store of the same step overwrites (the scheduler's chunks keep a
-# step inside the two banks). Codes and scales are what the token-by-token store gives. Nothing reads the V codes of
-# a block before it is complete: every read takes the query's own block from the tail. reference.store_kv is the oracle.
-@jit
-def store_completed_v(token, kv_head, v_ptr, stride_vt, stride_vh, slot_ptr, tail_row_ptr, v_tail_ptr,
-                      stride_tail_row, stride_tail_h, vs_ptr, stride_s_slot, stride_s_h, v_cache_ptr, stride_vc_b,
-                      stride_vc_t, stride_vc_h, stride_vc_d, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TOKEN_SCALES: tl.constexpr):
-    """If the token at row `token` completes its block: that block's V codes of kv_head (BLOCK_J: BLOCK_SIZE's power
-    of 2, BLOCK_D: HEAD_DIM's)."""
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot % BLOCK_SIZE == BLOCK_SIZE - 1:
-        j = tl.arange(0, BLOCK_J)
-        j_ok = j < BLOCK_SIZE
-        back = BLOCK_SIZE - 1 - j  # the block's j-th token is `back` positions before this one
-        rows = token - back
-        in_step = j_ok & (rows >= 0)
-        in_step &= tl.load(slot_ptr + rows, mask=in_step, other=-1).to(tl.int64) == slot - back
-        tail_row = tl.load(tail_row_ptr + token).to(tl.int64)
-        from_tail = j_ok & ~in_step & (tail_row - back >= 0)
-        dims = tl.arange(0, BLOCK_D)
-        dim_ok = (dims < HEAD_DIM)[None, :]
-        fresh = tl.load(v_ptr + rows[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
-                        mask=in_step[:, None] & dim_ok, other=0.0)
-        earlier = tl.load(v_tail_ptr + (tail_row - back)[:, None] * stride_tail_row + kv_head * stride_tail_h
-                          + dims[None, :], mask=from_tail[:, None] & dim_ok, other=0.0)
-        x = tl.where(in_step[:, None], fresh.to(tl.float32), earlier.to(tl.float32))
-        codes = quantize_rows(x, vs_ptr + (slot - back)[:, None] * stride_s_slot + kv_head * stride_s_h,
-                              j_ok[:, None], TOKEN_SCALES, STORE_SCALES=False)
-        tl.store(v_cache_ptr + (slot // BLOCK_SIZE) * stride_vc_b + j[:, None] * stride_vc_t + kv_head * stride_vc_h
-                 + dims[None, :] * stride_vc_d, codes.to(v_cache_ptr.dtype.element_ty), mask=j_ok[:, None] & dim_ok)

@@ -26,16 +26,12 @@ from nanoserve.kernels.paging import blocks_for
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
              kv_tail: tuple[torch.Tensor, torch.Tensor] | None = None, tail_rows: torch.Tensor | None = None) -> None:
-    """Write k/v [num_tokens, num_kv_heads, head_dim] into their cache slots (and, with a tail, into their tail rows;
-    then V's codes go in a block at a time, when a token completes it: kv_quant.store_completed_v)."""
-    slots = slot_mapping.long()
+    """Write k/v [num_tokens, num_kv_heads, head_dim] into their cache slots (and, with a tail, into their tail rows)."""
     if kv_tail is not None:
-        if kv_scales is None:
-            raise ValueError("store_kv: a KV tail belongs to an fp8 cache (kv_scales)")
-        _store_completed_v(v, v_cache, slots, kv_tail[1], tail_rows.long(), kv_scales[1])
         store_tail(k, v, kv_tail, tail_rows)
+    slots = slot_mapping.long()
     blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]  # (by index: V may be stored transposed)
-    for x, cache, scale in zip((k, v) if kv_tail is None else (k,), (k_cache, v_cache), kv_scales or (None, None)):
+    for x, cache, scale in zip((k, v), (k_cache, v_cache), kv_scales or (None, None)):
         if scale is None:
             kv_quant.kernel_args(cache, None)  # a model-dtype cache
             value = x.to(cache.dtype)
@@ -46,27 +42,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         if scale is not None:  # index_put_ has no fp8 kernel on CPU: copy the codes' bytes
             cache, value = cache.view(torch.uint8), value.view(torch.uint8)
         cache[blocks, offsets] = value
-    if kv_tail is not None and kv_quant.per_token(kv_scales[1]):  # V's scales stay token by token
-        kv_scales[1][blocks, offsets] = kv_quant.token_scales_ref(v).to(kv_scales[1].dtype)
-
-
-def _store_completed_v(v: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, v_tail: torch.Tensor,
-                       tail_rows: torch.Tensor, scale: torch.Tensor) -> None:
-    """The V codes of each block a token completes (offset block_size - 1): its tokens in the step from v (a
-    sequence's tokens are consecutive rows: row token - b holds the slot b before, if any row does), the earlier
-    ones from the tail as it was before this step's writes (zeros where that row would be negative)."""
-    bs = v_cache.shape[1]
-    done = torch.nonzero(slots % bs == bs - 1).flatten()
-    if len(done) == 0:
-        return
-    back = torch.arange(bs - 1, -1, -1, device=v.device)
-    rows, want = done[:, None] - back, slots[done][:, None] - back  # [n, bs]: block offset j at column j
-    in_step = (rows >= 0) & (slots[rows.clamp(min=0)] == want)
-    tail_at = tail_rows[done][:, None] - back
-    earlier = torch.where((tail_at >= 0)[..., None, None], v_tail[tail_at.clamp(min=0)].float(), 0.0)
-    x = torch.where(in_step[..., None, None], v[rows.clamp(min=0)].float(), earlier)  # [n, bs, kv_heads, head_dim]
-    codes, _ = kv_quant.quantize_ref(x, None if kv_quant.per_token(scale) else scale)
-    v_cache.view(torch.uint8)[(slots[done] // bs)[:, None], torch.arange(bs, device=v.device)] = codes.view(torch.uint8)
 
 
 def store_tail(k: torch.Tensor, v: torch.Tensor, kv_tail: tuple[torch.Tensor, torch.Tensor],
@@ -149,7 +124,6 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         else:
             exact = _exact_context(kv, (k[start:start + q_len], v[start:start + q_len]), kv_tail, row, ctx_len,
                                    k_cache.shape[1])
-            kv = [_without_last_block(x, ctx_len, k_cache.shape[1]) for x in kv]
             near = exact_keys(q_pos, k_pos, k_cache.shape[1])
             out[start:start + q_len] = _attend_split(qi, kv, exact, near, mask, scale, softcap).transpose(0, 1)
         start += q_len
@@ -173,14 +147,6 @@ def _exact_context(far: list[torch.Tensor], fresh: tuple[torch.Tensor, torch.Ten
         x[ctx_len - q_len:] = new.float()
         out.append(x)
     return out
-
-
-def _without_last_block(far: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
-    """far with its last block's keys zero: no query reads their fp8 copy (an incomplete block's V codes are not
-    written yet: kv_quant.store_completed_v), and a probability of 0 times what is there may be NaN."""
-    far = far.clone()
-    far[(ctx_len - 1) // block_size * block_size:] = 0.0
-    return far
 
 
 def _attend_split(q: torch.Tensor, far: list[torch.Tensor], exact: list[torch.Tensor], near: torch.Tensor,

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels import kv_quant, reference
-from nanoserve.kernels._triton import cdiv, jit, next_power_of_2, pdl_args, pdl_start, pdl_wait, tl, use_triton
+from nanoserve.kernels._triton import cdiv, jit, pdl_args, pdl_start, pdl_wait, tl, use_triton
 from nanoserve.kernels.fused import rms_norm_ref
-from nanoserve.kernels.kv_quant import quantize_rows, store_completed_v
+from nanoserve.kernels.kv_quant import quantize_rows
 from nanoserve.kernels.paging import require_cache_layout
 
 
@@ -121,21 +121,18 @@ def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, e
     scales, fmt = kv_quant.kernel_args(k_cache, kv_scales)
     if kv_store is not None:
         require_cache_layout("qk_norm_rope", k_cache, v_cache, kv_scales if fmt["TOKEN_SCALES"] else None)
-    if kv_tail is not None and not fmt["FP8"]:
-        raise ValueError("qk_norm_rope: a KV tail belongs to an fp8 cache (kv_scales)")
     if not cos_sin_cache.is_contiguous():
         raise ValueError("the cos/sin table must be contiguous [max_position, 2 * rotary_dim]")
     block_t = ROPE_BLOCK_T if tokens >= ROPE_MIN_TOKENS_PER_BLOCK else 1
-    block_size = k_cache.shape[1] if kv_store is not None else 1
     _qk_norm_rope_kernel[(cdiv(tokens, block_t), num_heads + num_kv_heads)](
         q, k, v, q_out, k_out, k_cache, v_cache, slots, k_tail, v_tail, tail_rows if kv_tail is not None else slots,
         cos_sin_cache, positions,
         q_norm_w if has_norm else cos_sin_cache, k_norm_w if has_norm else cos_sin_cache, scales[0], scales[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), tokens, num_heads,
         num_kv_heads, eps, scales[3], scales[4], *_cache_strides(k_cache), *_cache_strides(v_cache),
-        BLOCK_SIZE=block_size, BLOCK_J=next_power_of_2(block_size), HEAD_DIM=d, ROTARY_DIM=rd, BLOCK_T=block_t,
-        HAS_NORM=has_norm, STORE_KV=kv_store is not None, TAIL=kv_tail is not None, **fmt, num_warps=4,
-        **pdl_args(q.device))
+        BLOCK_SIZE=k_cache.shape[1] if kv_store is not None else 1, HEAD_DIM=d, ROTARY_DIM=rd, BLOCK_T=block_t,
+        HAS_NORM=has_norm,
+        STORE_KV=kv_store is not None, TAIL=kv_tail is not None, **fmt, num_warps=4, **pdl_args(q.device))
     return q_out, k_out
 
 
@@ -145,7 +142,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_tokens, num_heads,
                          num_kv_heads, eps, stride_s_slot, stride_s_h, stride_kc_b, stride_kc_t, stride_kc_h,
                          stride_kc_d, stride_vc_b, stride_vc_t, stride_vc_h, stride_vc_d, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_J: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         HEAD_DIM: tl.constexpr,
                          ROTARY_DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_NORM: tl.constexpr,
                          STORE_KV: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
                          USE_PDL: tl.constexpr):
@@ -205,14 +202,5 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr,
                 v = quantize_rows(v, vs_ptr + scale_at, token_ok, TOKEN_SCALES)
             tl.store(k_cache_ptr + block * stride_kc_b + offset * stride_kc_t + kv_head * stride_kc_h
                      + dims * stride_kc_d, k.to(k_cache_ptr.dtype.element_ty), mask=token_ok)
-            if TAIL:  # V codes a block at a time, by the token that completes it (kv_quant.store_completed_v)
-                for i in range(BLOCK_T):
-                    token = tl.program_id(0).to(tl.int64) * BLOCK_T + i
-                    if token < num_tokens:
-                        store_completed_v(token, kv_head, v_ptr, stride_vt, stride_vh, slot_ptr, tail_row_ptr,
-                                          v_tail_ptr, num_kv_heads * HEAD_DIM, HEAD_DIM, vs_ptr, stride_s_slot,
-                                          stride_s_h, v_cache_ptr, stride_vc_b, stride_vc_t, stride_vc_h, stride_vc_d,
-                                          BLOCK_SIZE, BLOCK_J, HEAD_DIM, HEAD_DIM, TOKEN_SCALES)
-            else:
-                tl.store(v_cache_ptr + block * stride_vc_b + offset * stride_vc_t + kv_head * stride_vc_h
-                         + dims * stride_vc_d, v.to(v_cache_ptr.dtype.element_ty), mask=token_ok)
+            tl.store(v_cache_ptr + block * stride_vc_b + offset * stride_vc_t + kv_head * stride_vc_h
+                     + dims * stride_vc_d, v.to(v_cache_ptr.dtype.element_ty), mask=token_ok)

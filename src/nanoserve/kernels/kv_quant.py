@@ -114,8 +114,7 @@ def fp8_codes(x, scale):
 
 @jit
 def e4m3_nearest(y):
-    """fp32 y within ±448 → the nearest e4m3 value (ties to even), still fp32: fp8_codes' rounding, also called by
-    kernels/attention_sm90.py's Gluon kernel."""
+    """fp32 y within ±448 → the nearest e4m3 value (ties to even), still fp32: fp8_codes' rounding."""
     bits = y.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
     tiny = ((tl.abs(y) + 16384.0) - 16384.0).to(tl.int32, bitcast=True) | (bits & -2147483648)  # y's sign, even on 0

@@ -43,7 +43,7 @@ except ImportError:  # no Triton, or one without this Gluon: the Triton kernels 
 
 WARPS = 2  # a program's warps (1 was as fast at Qwen3 b = 256 on one card, slower elsewhere)
 STAGES = 2  # the ring's depth
-WARP_KEYS = 32  # keys a warp multiplies per tile: mma.sync m16n8k32's K for the second product
+WARP_KEYS = 32  # keys a warp multiplies per tile (the second product: two k16 steps of mma.sync m16n8k16)
 BLOCK_N = WARPS * WARP_KEYS  # keys a tile: the partitions' unit
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (16, 32)

@@ -13,8 +13,9 @@ lays the cache out so). The query's own block is read exact from the cache's bf1
 split, as in attention.py's kernels, with bf16 `mma.sync`. The partitions and partials are attention.py's
 (kernels/decode_split.py), merged by its reduce.
 
-Measured on an H100 against the Triton fp8 kernel (notes/PERF.md round 8, ninth and tenth sessions): over 32-token
-blocks 0.86-0.91 of the copy bandwidth at Qwen3-0.6B b = 256 and 0.97 at Llama-3.1-8B b = 16 over 32k tokens.
+Measured on an H100 (notes/PERF.md round 8, ninth to eleventh sessions): in the engine's step, with the tail, ~0.79 of
+the copy bandwidth at Qwen3-0.6B b = 256 (114 µs a layer; the Triton fp8 kernel 156) and 0.97 at Llama-3.1-8B b = 16
+over 32k tokens.
 """
 from __future__ import annotations
 
@@ -163,6 +164,12 @@ def _block_ids(table, start, end, BLOCK_SIZE: gl.constexpr, W: gl.constexpr, LAY
 
 
 @_jit
+def _in_block(BLOCK_SIZE: gl.constexpr, W: gl.constexpr, LAYOUT: gl.constexpr):
+    """[W, 32] in LAYOUT: each key's offset in its block, constants (a tile starts on a block boundary)."""
+    return _warp_keys(0, W, LAYOUT) % BLOCK_SIZE
+
+
+@_jit
 def _issue(k_tile, v_tile, s_tile, k_ptr, v_ptr, s_ptr, k_blocks, v_blocks, s_blocks, start, end, kv_head,
            stride_kb, stride_kt, stride_kh, stride_vb, stride_vh, stride_vd, stride_sb, stride_st, stride_sh,
            BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, W: gl.constexpr, KC: gl.constexpr, VC: gl.constexpr,
@@ -171,19 +178,19 @@ def _issue(k_tile, v_tile, s_tile, k_ptr, v_ptr, s_ptr, k_blocks, v_blocks, s_bl
     bytes along head_dim), V^T [W, head_dim, 32] (a block's 16 keys of one dim) and the (K, V) scale pairs [W, 32, 2]
     (4 bytes a key); keys at or past `end` zero-filled (their probabilities are 0, and 0 · NaN would not be)."""
     keys = _warp_keys(start, W, gl.SliceLayout(2, KC))
-    offsets = _warp_keys(0, W, gl.SliceLayout(2, KC)) % BLOCK_SIZE  # (start is a block boundary)
     dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gl.SliceLayout(1, KC)))
-    k_at = (k_blocks.to(gl.int64) * stride_kb + offsets * stride_kt + kv_head * stride_kh)[:, :, None]
+    k_at = (k_blocks.to(gl.int64) * stride_kb + _in_block(BLOCK_SIZE, W, gl.SliceLayout(2, KC)) * stride_kt
+            + kv_head * stride_kh)[:, :, None]
     cp.async_copy_global_to_shared(k_tile, k_ptr + k_at + dims[None, None, :], mask=(keys < end)[:, :, None])
     vkeys = _warp_keys(start, W, gl.SliceLayout(1, VC))
     v_dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gl.SliceLayout(2, VC)))
     v_at = (v_blocks.to(gl.int64) * stride_vb + kv_head * stride_vh
-            + _warp_keys(0, W, gl.SliceLayout(1, VC)) % BLOCK_SIZE)[:, None, :] + (v_dims * stride_vd)[None, :, None]
+            + _in_block(BLOCK_SIZE, W, gl.SliceLayout(1, VC)))[:, None, :] + (v_dims * stride_vd)[None, :, None]
     v_at = gl.max_contiguous(gl.multiple_of(v_at, [1, 1, 16]), [1, 1, 16])
     v_ok = gl.max_constancy((vkeys // BLOCK_SIZE * BLOCK_SIZE < end)[:, None, :], [1, 1, 16])
     cp.async_copy_global_to_shared(v_tile, v_ptr + v_at, mask=v_ok)
     skeys = _warp_keys(start, W, gl.SliceLayout(2, SC))
-    s_at = (s_blocks.to(gl.int64) * stride_sb + (_warp_keys(0, W, gl.SliceLayout(2, SC)) % BLOCK_SIZE) * stride_st
+    s_at = (s_blocks.to(gl.int64) * stride_sb + _in_block(BLOCK_SIZE, W, gl.SliceLayout(2, SC)) * stride_st
             + kv_head * stride_sh)
     s_at = s_at[:, :, None] + gl.arange(0, 2, gl.SliceLayout(0, gl.SliceLayout(1, SC)))[None, None, :]
     s_at = gl.max_contiguous(gl.multiple_of(s_at, [1, 1, 2]), [1, 1, 2])

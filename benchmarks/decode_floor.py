@@ -646,15 +646,17 @@ def attention_point(shape, b: int, context: int, rule: dict, bandwidth: float, t
     """Per-layer µs and bandwidth of decode attention (+ merge) for b rows of `context` tokens under one rule:
     {"waves": w} (the split rule with DECODE_WAVES = w), {"stages": s} (the format's pipeline depth), {"warps": n},
     {"block_n": n} (the key tile; 0: the kernel's rule), {"products": "fp16" | "bf16"} (an fp8 cache's product
-    dtype), {"lanes": "off" | "RxLxW"} (an fp8 cache's CUDA-core kernel) and {"tail": 0 | 1} (an fp8 cache read with
-    the engine's exact tail), over a cache of kv_format (KV_FORMATS); bytes per token from the engine's KVCacheSpec."""
+    dtype), {"lanes": "off" | "RxLxW"} (an fp8 cache's CUDA-core kernel), {"tail": 0 | 1} (an fp8 cache read with
+    the engine's exact tail) and {"gluon": "WxSxR"} (attention_sm90's warps, stages and register cap, 0: none), over a
+    cache of kv_format (KV_FORMATS) in the engine's layout and block size; bytes per token from its KVCacheSpec."""
+    from nanoserve.config import DEFAULT_BLOCK_SIZE, FP8_BLOCK_SIZE
     from nanoserve.kernels import attention as A
-    from nanoserve.kernels import kv_quant
-    from nanoserve.runner.kv_cache import KVCacheSpec
+    from nanoserve.kernels import attention_sm90, kv_quant
+    from nanoserve.runner.kv_cache import KVCacheSpec, fp8_layout
 
     heads, kv_heads, d = shape
-    block = 16
     fp8 = kv_format != "bf16"
+    block = FP8_BLOCK_SIZE if fp8 else DEFAULT_BLOCK_SIZE
     spec = KVCacheSpec(1, kv_heads, d, block, kv_quant.FP8_DTYPE if fp8 else torch.bfloat16,
                        kv_format.removeprefix("fp8-") if fp8 else None)
     per_layer = b * context * spec.bytes_per_token
@@ -666,7 +668,7 @@ def attention_point(shape, b: int, context: int, rule: dict, bandwidth: float, t
     if fp8:
         layer_scale = None if spec.scales == "token" else torch.ones(1, device="cuda")
         (k, ks), (v, vs) = (kv_quant.quantize_ref(x, layer_scale) for x in (k, v))
-        scales = (ks, vs)
+        v, scales = fp8_layout(v, (ks, vs))
     width = table_tokens // block
     tables = [torch.full((b, width), layers * blocks, dtype=torch.int32, device="cuda") for _ in range(layers)]
     for layer, t in enumerate(tables):
@@ -678,12 +680,15 @@ def attention_point(shape, b: int, context: int, rule: dict, bandwidth: float, t
         from nanoserve.kernels.kv_quant import TAIL_BANKS
         tail = {"kv_tail": tuple(torch.randn(b * TAIL_BANKS * block, kv_heads, d, device="cuda", dtype=torch.bfloat16)
                                  for _ in range(2)), "slots": torch.arange(b, device="cuda", dtype=torch.int32)}
+    call = lambda t: A.decode_attention(q, k, v, t, lens, d ** -0.5, kv_scales=scales, **tail)  # noqa: E731
+    default_out = call(tables[0])
+    compiled = {}
     with contextlib.ExitStack() as patches:
-        for name, value in _attention_patches(A, rule).items():
-            patches.enter_context(mock.patch.object(A, name, value))
-        run = lambda: [A.decode_attention(q, k, v, t, lens, d ** -0.5, kv_scales=scales, **tail)  # noqa: E731
-                       for t in tables]
-        run()
+        for module, names in ((A, _attention_patches(A, rule)), (attention_sm90, _gluon_patches(rule, compiled))):
+            for name, value in names.items():
+                patches.enter_context(mock.patch.object(module, name, value))
+        run = lambda: [call(t) for t in tables]  # noqa: E731
+        max_diff = (run()[0].float() - default_out.float()).abs().max().item()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -692,7 +697,29 @@ def attention_point(shape, b: int, context: int, rule: dict, bandwidth: float, t
     us = b2b_ms(graph.replay, iters=20) * 1e3 / layers
     del graph, k, v
     return {"b": b, "context": context, "kv": kv_format, **rule, "splits": splits, "layers": layers, "us_per_layer": us,
-            "bandwidth_fraction": per_layer / (us * 1e-6) / bandwidth}
+            "bandwidth_fraction": per_layer / (us * 1e-6) / bandwidth, "max_diff_vs_default": max_diff, **compiled}
+
+
+def _gluon_patches(rule: dict, compiled: dict) -> dict:
+    """attention_sm90's names that {"gluon": "WxSxR"} replaces; `compiled` gets the kernel's registers, spills and
+    shared memory as launched."""
+    from nanoserve.kernels import attention_sm90 as G
+
+    if not rule.get("gluon"):
+        return {}
+    warps, stages, regs = (int(x) for x in rule["gluon"].split("x"))
+    kernel = G._decode_kernel
+
+    class Launch:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                done = kernel[grid](*args, **kwargs, **({"maxnreg": regs} if regs else {}))
+                compiled.update(registers=getattr(done, "n_regs", None), spills=getattr(done, "n_spills", None),
+                                shared_bytes=getattr(getattr(done, "metadata", None), "shared", None))
+                return done
+            return launch
+
+    return {"WARPS": warps, "STAGES": stages, "BLOCK_N": warps * G.WARP_KEYS, "_decode_kernel": Launch()}
 
 
 def _attention_patches(A, rule: dict) -> dict:
@@ -718,9 +745,9 @@ def _attention_patches(A, rule: dict) -> dict:
 
 
 def attention_sweep(args, bandwidth: float) -> dict:
-    rules = [{"waves": w, "stages": s, "warps": n, "block_n": bn, "products": pr, "lanes": la, "tail": t}
-             for w, s, n, bn, pr, la, t in itertools.product(args.waves, args.stages, args.warps, args.block_n,
-                                                             args.products, args.lanes, args.tail)]
+    rules = [{"waves": w, "stages": s, "warps": n, "block_n": bn, "products": pr, "lanes": la, "tail": t, "gluon": g}
+             for w, s, n, bn, pr, la, t, g in itertools.product(args.waves, args.stages, args.warps, args.block_n,
+                                                                args.products, args.lanes, args.tail, args.gluon)]
     out = {}
     for name in args.attention_shapes:
         shape, points = ATTENTION_SHAPES[name], out.setdefault(name, [])
@@ -773,6 +800,8 @@ def main() -> int:
     p.add_argument("--tail", nargs="+", type=int, default=[1], choices=[0, 1],
                    help="attention: an fp8 cache read with (1, as the engine always does: its kernels then compile "
                         "to fewer registers) or without (0) the exact tail")
+    p.add_argument("--gluon", nargs="+", default=[""],
+                   help="attention: the Gluon fp8 decode's WARPSxSTAGESxREGISTERS (0 registers: no cap; '': as built)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.mode == "model" and args.switch_sets and max(args.switch_sizes) > max(args.batch_sizes):

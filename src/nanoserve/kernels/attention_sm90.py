@@ -42,7 +42,8 @@ except ImportError:  # no Triton, or one without this Gluon: the Triton kernels 
     gluon = gl = cp = mma_v2 = None
     _jit = _MissingKernel
 
-WARPS = 2  # a program's warps (1 was as fast at Qwen3 b = 256 on one card, slower elsewhere)
+WARPS = 1  # a program's warps: 8 one-warp programs an SM by registers, against 4 of 2 warps (−9% at Qwen3 b = 256,
+# −7% at b = 64, +3% at 32k on an H100: notes/PERF.md, round 8, twelfth session)
 STAGES = 2  # the ring's depth
 WARP_KEYS = 32  # keys a warp multiplies per tile (the second product: two k16 steps of mma.sync m16n8k16)
 BLOCK_N = WARPS * WARP_KEYS  # keys a tile: the partitions' unit

@@ -13,9 +13,9 @@ lays the cache out so). The query's own block is read exact from the cache's bf1
 split, as in attention.py's kernels, with bf16 `mma.sync`. The partitions and partials are attention.py's
 (kernels/decode_split.py), merged by its reduce.
 
-Measured on an H100 (notes/PERF.md round 8, ninth to eleventh sessions): in the engine's step, with the tail, ~0.79 of
-the copy bandwidth at Qwen3-0.6B b = 256 (114 µs a layer; the Triton fp8 kernel 156) and 0.97 at Llama-3.1-8B b = 16
-over 32k tokens.
+Measured on an H100 (notes/PERF.md round 8, ninth to twelfth sessions): in the engine's step, with the tail and
+one-warp programs, ~0.87 of the copy bandwidth at Qwen3-0.6B b = 256 (103 µs a layer; two-warp programs 112, the
+Triton fp8 kernel 156) and ~0.95 at Llama-3.1-8B b = 16 over 32k tokens.
 """
 from __future__ import annotations
 

@@ -269,3 +269,21 @@ def measure_copy_bandwidth(device: str = "cuda", nbytes: int = 1 << 30, iters: i
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes * iters / back_to_back_seconds(lambda: dst.copy_(src), iters)
+
+
+class Relaunched:
+    """A Triton or Gluon kernel launched with extra compile options (num_warps, maxnreg, ...): put in place of the
+    module's name, it lets a sweep try launch parameters the module fixes. `compiled` (a dict) gets the launched
+    kernel's registers, spills and shared memory."""
+
+    def __init__(self, kernel, compiled: dict | None = None, **options):
+        self.kernel, self.compiled, self.options = kernel, compiled, options
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            done = self.kernel[grid](*args, **{**kwargs, **self.options})
+            if self.compiled is not None:
+                self.compiled.update(registers=getattr(done, "n_regs", None), spills=getattr(done, "n_spills", None),
+                                     shared_bytes=getattr(getattr(done, "metadata", None), "shared", None))
+            return done
+        return launch

@@ -51,9 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import (back_to_back_seconds, env_info, kv_bytes_per_token, measure_copy_bandwidth,  # noqa
-                               model_config, param_counts, release_cuda_memory, text_part, write_json,
-                               write_model_dir)
+from benchmarks.common import (Relaunched, back_to_back_seconds, env_info, kv_bytes_per_token,  # noqa
+                               measure_copy_bandwidth, model_config, param_counts, release_cuda_memory, text_part,
+                               write_json, write_model_dir)
 from nanoserve.bench.profile import kernel_kind, kind_table, profile_step  # noqa: E402,F401 (tests read them here)
 
 B2B_ITERS = 50
@@ -708,18 +708,8 @@ def _gluon_patches(rule: dict, compiled: dict) -> dict:
     if not rule.get("gluon"):
         return {}
     warps, stages, regs = (int(x) for x in rule["gluon"].split("x"))
-    kernel = G._decode_kernel
-
-    class Launch:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                done = kernel[grid](*args, **kwargs, **({"maxnreg": regs} if regs else {}))
-                compiled.update(registers=getattr(done, "n_regs", None), spills=getattr(done, "n_spills", None),
-                                shared_bytes=getattr(getattr(done, "metadata", None), "shared", None))
-                return done
-            return launch
-
-    return {"WARPS": warps, "STAGES": stages, "BLOCK_N": warps * G.WARP_KEYS, "_decode_kernel": Launch()}
+    launch = Relaunched(G._decode_kernel, compiled, **({"maxnreg": regs} if regs else {}))
+    return {"WARPS": warps, "STAGES": stages, "BLOCK_N": warps * G.WARP_KEYS, "_decode_kernel": launch}
 
 
 def _attention_patches(A, rule: dict) -> dict:

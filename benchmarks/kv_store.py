@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import env_info, write_json  # noqa: E402
+from benchmarks.common import Relaunched, env_info, write_json  # noqa: E402
 from nanoserve.bench.profile import profile_step  # noqa: E402
 from nanoserve.kernels import kv_quant, rotary_kv  # noqa: E402
 from nanoserve.runner.kv_cache import fp8_layout  # noqa: E402
@@ -64,19 +64,15 @@ def store_us(b: int, fmt: str, tail: bool, warps: int, offset: int) -> float:
     cos_sin = torch.randn(4096, 2 * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     norms = [torch.rand(HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     evict = [torch.empty(256 << 20, dtype=torch.uint8, device="cuda") for _ in range(2)]
-    kernel = rotary_kv._qk_norm_rope_kernel
-
-    class Launch:  # the kernel with `warps` warps
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: kernel[grid](*args, **{**kwargs, "num_warps": warps})
+    kernel, positions = rotary_kv._qk_norm_rope_kernel, pos.int()
 
     def run():
         for k_cache, v_cache, scales in layers:
-            rotary_kv.qk_norm_rope(q, k, cos_sin, pos.int(), *norms, 1e-6,
+            rotary_kv.qk_norm_rope(q, k, cos_sin, positions, *norms, 1e-6,
                                    kv_store=(v, k_cache, v_cache, slots, scales, kv_tail, tail_rows))
             evict[1].copy_(evict[0])
 
-    rotary_kv._qk_norm_rope_kernel = Launch()
+    rotary_kv._qk_norm_rope_kernel = Relaunched(kernel, num_warps=warps)
     try:
         run()
         torch.cuda.synchronize()

@@ -59,6 +59,8 @@ def test_draft_model_in_decode_graphs(drafts, draft):
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == base
     stats = llm.engine.stats
     assert stats.decode_steps_graph > 0 and stats.decode_steps_eager == 0 and stats.prefill_steps_graph > 0
+    graphs = llm.engine.core.runner.graphs  # every verification proposes: no plain verification graphs
+    assert Kind.VERIFY not in graphs.runners and graphs.sizes(Kind.DRAFT) == graphs.sizes(Kind.DECODE)
     assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens, (stats.spec_num_drafts, stats.spec_draft_tokens)
     if draft == "self":  # (the draft's steps and the verification run different kernels: a near-tie may differ)
         assert stats.spec_accepted_tokens >= 0.95 * stats.spec_draft_tokens

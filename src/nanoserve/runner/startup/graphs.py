@@ -88,8 +88,9 @@ def plan(curve: StepCurve, max_num_seqs: int, histogram: str | None, capture_bud
 def capture_decode(table: GraphTable, buffers: StepBuffers, probes: Probes, config: EngineConfig,
                    tp) -> StepCurve | None:
     """The decode graphs (planned for "auto" from measured probes, rank 0's plan on every rank); speculating, the
-    verification's at the same sizes (Kind.VERIFY: a sequence's rows read as one attention group); then their
-    sampler's. The measured step curve ("auto") or None."""
+    verification's at the same sizes (Kind.VERIFY: a sequence's rows read as one attention group; not with a draft
+    model, whose every verification also proposes: Kind.DRAFT, capture_draft); then their sampler's. The measured
+    step curve ("auto") or None."""
     fwd = buffers.decode_forward
     gr = GraphRunner(fwd.captured, fwd.prepare_padding)
     sizes, curve = list(config.cudagraph_capture_sizes.sizes), None
@@ -103,7 +104,7 @@ def capture_decode(table: GraphTable, buffers: StepBuffers, probes: Probes, conf
         gr.drop(set(probed) - set(sizes))
     gr.capture(sizes, config.show_progress)
     table.add(Kind.DECODE, gr)
-    if fwd.seq_rows > 1:
+    if fwd.seq_rows > 1 and buffers.state.draft_model is None:
         verify = GraphRunner(functools.partial(fwd.captured, verify=True), fwd.prepare_padding, pool=gr.pool)
         verify.capture(gr.capture_sizes)
         table.add(Kind.VERIFY, verify)
@@ -163,7 +164,7 @@ def capture_tokens(table: GraphTable, buffers: StepBuffers, probes: Probes, conf
     if config.prefill_graph_sizes.planned:
         probed = token_probe_sizes(largest)
         curve = measure_curve(gr, probes.load_mixed, probed)
-        decode = [table.runners[k] for k in (Kind.DECODE, Kind.VERIFY) if k in table.runners]
+        decode = [table.runners[k] for k in (Kind.DECODE, Kind.VERIFY, Kind.DRAFT) if k in table.runners]
         spent = sum(r.capture_seconds for r in decode)  # the budgets' share the decode graphs took
         used = sum(r.pool_bytes for r in decode)
         planned = plan_tokens(curve, largest, config.cudagraph_capture_budget_s - spent,

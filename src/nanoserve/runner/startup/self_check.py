@@ -70,12 +70,15 @@ def _token_pair(table: GraphTable, buffers: StepBuffers, probes: Probes, kind: K
 
 def _sample_pair(table: GraphTable, buffers: StepBuffers, probes: Probes, kind: Kind, rows: int):
     """(the logit at each row's sampled token, each row's largest logit); a verification's over a verification probe
-    (its packed words start with the samples)."""
+    (its packed words start with the samples), its logits from the verification graph (a draft model's engine: the
+    graph that proposes and verifies, Kind.DRAFT)."""
+    forward = Kind.DECODE
     if kind is Kind.SAMPLE_VERIFY:
         probes.load_verify(rows)
+        forward = Kind.VERIFY if Kind.VERIFY in table.runners else Kind.DRAFT
     else:
         probes.load_decode_check(rows)
-    logits = table.replay(Kind.VERIFY if kind is Kind.SAMPLE_VERIFY else Kind.DECODE, rows).float()
+    logits = table.replay(forward, rows).float()
     tokens = table.replay(kind, rows)[:rows].long()
     return logits.gather(1, tokens[:, None])[:, 0], logits.max(dim=1).values
 

@@ -7,7 +7,8 @@ Each case: a graph of 8 layers, each layer's store followed by a 256 MB copy tha
 does in the engine (a store's partly written 32-byte sectors are written back there); the store kernel's time from
 the profiler (the best of 5 replays). Formats: bf16 (16-token blocks), fp8 as the engine lays it out (32-token blocks,
 V transposed within each block, the scale pairs, the bf16 tail), fp8 with V token-major (what the transposition
-costs), fp8 without the tail; the kernel's warps (the engine launches 4) and the token's offset in its block.
+costs), fp8 without the tail; the kernel's warps (the engine launches 1 up to rotary_kv.ROPE_ONE_WARP_TOKENS tokens,
+else 4) and the token's offset in its block.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from nanoserve.runner.kv_cache import fp8_layout  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, TOKENS_PER_SEQ = 16, 8, 128, 8, 1024
 # (cache format, tail, warps, the token's offset: 511 is a block's last token, 500 not)
 CASES = [("bf16", False, 4, 511), ("fp8", True, 4, 511), ("fp8", True, 4, 500), ("fp8-token-major-v", True, 4, 511),
-         ("fp8", False, 4, 511), ("fp8", True, 2, 511), ("fp8", True, 1, 511), ("bf16", False, 1, 511)]
+         ("fp8", False, 4, 511), ("fp8", True, 2, 511), ("fp8", True, 1, 511), ("bf16", False, 2, 511),
+         ("bf16", False, 1, 511)]
 
 
 def caches(b: int, fmt: str) -> list[tuple]:

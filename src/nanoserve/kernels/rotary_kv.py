@@ -103,6 +103,11 @@ def qk_norm_rope_ref(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=Non
 # rotary_kv.ROPE_BLOCK_T).
 ROPE_BLOCK_T = 16
 ROPE_MIN_TOKENS_PER_BLOCK = 256  # below this many tokens, one token per program keeps the grid wide (decode)
+# Up to this many tokens each (token, head) program is one warp: its head_dim values are 4 a lane, and the launch is
+# latency, not bandwidth. H100, µs a layer of Qwen3-0.6B's heads (benchmarks/kv_store.py; 4 warps → 1): fp8 cache
+# b = 1 3.13 → 2.87, b = 64 4.28 → 3.82; bf16 2.73 → 2.22, 3.44 → 2.96; at b = 256 one warp loses (12.8 → 19.2, bf16
+# 5.04 → 5.81: 32 programs a SM then hold only 32 warps).
+ROPE_ONE_WARP_TOKENS = 64
 
 
 def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, eps=1e-6, kv_store=None):
@@ -132,7 +137,8 @@ def qk_norm_rope(q, k, cos_sin_cache, positions, q_norm_w=None, k_norm_w=None, e
         num_kv_heads, eps, scales[3], scales[4], *_cache_strides(k_cache), *_cache_strides(v_cache),
         BLOCK_SIZE=k_cache.shape[1] if kv_store is not None else 1, HEAD_DIM=d, ROTARY_DIM=rd, BLOCK_T=block_t,
         HAS_NORM=has_norm,
-        STORE_KV=kv_store is not None, TAIL=kv_tail is not None, **fmt, num_warps=4, **pdl_args(q.device))
+        STORE_KV=kv_store is not None, TAIL=kv_tail is not None, **fmt,
+        num_warps=1 if tokens <= ROPE_ONE_WARP_TOKENS else 4, **pdl_args(q.device))
     return q_out, k_out
 
 

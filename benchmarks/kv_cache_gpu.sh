@@ -19,9 +19,10 @@ case ${1:-kernels} in
             2>&1 | quiet | tail -20
         ;;
     tests)
-        python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests \
-            --deselect tests/kernels/test_attention_window.py::test_gpu_prefill_window_real_shapes 2>&1 | tail -15 \
-            | tee "$OUT/gpu_tests.log"
+        python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests --tb=short \
+            --deselect tests/kernels/test_attention_window.py::test_gpu_prefill_window_real_shapes \
+            > "$OUT/gpu_tests_full.log" 2>&1  # the whole output: failures' tracebacks
+        tail -15 "$OUT/gpu_tests_full.log" | tee "$OUT/gpu_tests.log"
         python3 -m pytest -q -p no:cacheprovider -m gpu \
             tests/kernels/test_attention_window.py::test_gpu_prefill_window_real_shapes 2>&1 | tail -3 \
             | tee -a "$OUT/gpu_tests.log"

@@ -8,6 +8,8 @@
 #   bash benchmarks/speculative_gpu.sh tests      # pytest -m gpu, the whole suite (4 workers: 6 ran out of memory on an H100)
 #   bash benchmarks/speculative_gpu.sh runner     # the graph, speculation and GEMV GPU tests alone
 #   bash benchmarks/speculative_gpu.sh attention  # grouped vs row-by-row decode attention, warps (attention_groups.py)
+#   bash benchmarks/speculative_gpu.sh drift      # Llama-3.1-8B's plain b = 1 step in engines with and without
+#                                                 # speculation, short and long windows, clocks beside (speculative_drift.py)
 #   bash benchmarks/speculative_gpu.sh rows5      # SmolLM2's 5-row products (a b = 1 verification of 4 drafts) in its
 #                                                 # decode graph: each candidate against the table
 #   bash benchmarks/speculative_gpu.sh rows5llama # Llama-3.1-8B's 5-row products (its b = 1 verification of 4 drafts)
@@ -62,4 +64,8 @@ case ${1:-verify} in
             --json "$OUT/gemv_rows5_llama.json" 2>&1 | quiet | grep -e "==" | tail -20 ;;
     attention)
         python3 benchmarks/attention_groups.py --json "$OUT/attention_groups.json" 2>&1 | quiet ;;
+    drift)
+        nvidia-smi dmon -s pc -d 1 > "$OUT/dmon.txt" 2>&1 &
+        python3 benchmarks/speculative_drift.py --out "$OUT" 2>&1 | quiet
+        kill %1 ;;
 esac

@@ -42,8 +42,8 @@ def one_engine(model: str, kind: str, steps: int) -> dict:
     rec["short_first_b1"] = windows(runner, batch, 4)
     time.sleep(2)
     rec["short_after_2s_b1"] = windows(runner, batch, 4)
+    long = {"warmup": 20, "iters": steps}
     for b in (1, 32):
-        long = {"warmup": 20, "iters": steps}
         rec[f"decode_b{b}"] = windows(runner, sampled_decode_batch(runner, b, CONTEXT), 3, **long)
         if kind == "spec":
             rec[f"verify_b{b}"] = windows(runner, verify_batch(runner, b, CONTEXT, K), 3, **long)
